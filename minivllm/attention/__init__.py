@@ -1,0 +1,108 @@
+"""The attention swap point: the per-step metadata and the backend protocol.
+
+PagedAttention (Kwon et al., SOSP 2023, §4.1) stores each request's keys and values in fixed-size
+blocks that need not be contiguous; a block table maps a request's logical blocks to physical ones.
+Everything the attention layer needs to find a request's context in that paged cache travels in
+one `AttentionMetadata`, built once per engine step by the model runner and passed explicitly to
+every layer (nano-vllm keeps it in a global; we do not).
+
+A backend does two things per layer: `write_kv` scatters the new tokens' K/V into their cache
+slots, then `attend` computes causal attention of the new tokens over everything in the cache for
+their request. One interface serves prefill, chunked prefill, prefix-cache hits and decode, because
+a step is just a set of (request, new tokens) pairs.
+
+Backends: "reference" (gather + scaled-dot-product attention, the specification, the CPU default)
+and "triton" (fused kernels, the CUDA default). `get_attention_backend` picks one by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each request's new tokens are and where its context lives in the paged cache.
+
+    B requests are scheduled in the step and T new tokens in all. Request i owns the new tokens
+    ``query_start_loc[i]:query_start_loc[i+1]``; after this step's write its cache holds
+    ``seq_lens[i]`` tokens, the last of which are its new tokens (bottom-right causal alignment).
+    """
+
+    query_start_loc: torch.Tensor  # int32 [B + 1]  prefix sums of new-token counts
+    seq_lens: torch.Tensor  # int32 [B]  tokens in cache after this step's write
+    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq]  logical -> physical block (padded with 0)
+    slot_mapping: torch.Tensor  # int64 [T]  flat slot (block * block_size + offset) per new token; -1 skips
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every request adds exactly one token: the decode kernels apply."""
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    """What the model needs from an attention implementation."""
+
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # int64 [T]
+    ) -> None: ...
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...
+
+
+BACKEND_NAMES = ("reference", "triton", "auto")
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """`"auto"` is Triton on CUDA (where it is fast) and the reference elsewhere."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    return name
+
+
+def get_attention_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
+    """Return the backend called `name` ("reference", "triton" or "auto" for the device)."""
+    resolved = resolve_backend_name(name, device or torch.device("cpu"))
+    if resolved == "triton":
+        # Imported lazily: Triton is an optional extra and the default CPU path never needs it.
+        from minivllm.attention.triton import TritonBackend
+
+        return TritonBackend()
+    from minivllm.attention.reference import ReferenceBackend
+
+    return ReferenceBackend()
+
+
+__all__ = [
+    "BACKEND_NAMES",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "get_attention_backend",
+    "resolve_backend_name",
+]
