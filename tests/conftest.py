@@ -36,3 +36,13 @@ def smollm2_hf_tokenizer(smollm2_gguf: Path):
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Triton kernels run on CPU tensors through Triton's interpreter when no GPU is present. The
+# variable must be set before Triton is first imported, which is why it is set here, at collection.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover - torch is a hard dependency
+    pass
