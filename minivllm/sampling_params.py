@@ -1,0 +1,183 @@
+"""SamplingParams: how one request is sampled and when it stops.
+
+The field names, defaults and error messages follow vLLM's `vllm/sampling_params.py`, so that code
+written for vLLM runs unchanged and the server's 400 errors read the same. Every check lives in
+`__post_init__`: a `SamplingParams` that exists is valid, and the sampler, the detokenizer and the
+stop checker never re-validate.
+
+Deviations from vLLM, on purpose: no `best_of`, `logit_bias`, `bad_words`, `prompt_logprobs`,
+`allowed_token_ids`, guided decoding or `output_kind` (out of scope); non-finite floats are
+rejected; `logprobs=-1` (the full vocabulary) is not supported.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Temperatures below this are greedy; vLLM's `_SAMPLING_EPS`.
+SAMPLING_EPS = 1e-5
+# The most top logprobs one request may ask for per token (vLLM's default `max_logprobs`).
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: Any) -> bool:
+    # bool is a subclass of int, but `n=True` is a bug, not a request for one sample.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}.")
+    return int(value)
+
+
+def _check_float(name: str, value: Any) -> float:
+    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    return float(value)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}.")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters of one request (vLLM's names and defaults)."""
+
+    n: int = 1  # completions returned for the prompt
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a token in the output
+    repetition_penalty: float = 1.0  # >1 discourages tokens of prompt+output (CTRL's formula)
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus: smallest set of tokens with this much probability mass
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = all
+    min_p: float = 0.0  # drop tokens with probability < min_p * max probability
+    seed: int | None = None  # per-request RNG seed: reproducible whatever the batch
+    stop: str | list[str] | None = None  # stop strings (normalized to a list)
+    stop_token_ids: list[int] | None = None  # token ids that end the sequence (kept in token_ids)
+    ignore_eos: bool = False  # keep generating after EOS
+    max_tokens: int | None = 16  # None = until the model's context is full
+    min_tokens: int = 0  # output tokens before EOS / stop_token_ids / stop strings may end it
+    logprobs: int | None = None  # top logprobs per output token (the sampled one is always given)
+    skip_special_tokens: bool = True  # drop special tokens from the text
+    spaces_between_special_tokens: bool = True  # slow tokenizers only, as in transformers
+    include_stop_str_in_output: bool = (
+        False  # keep the matched stop string (and stop token) in text
+    )
+
+    def __post_init__(self) -> None:
+        self.n = _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+            setattr(self, name, value)
+
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
+            )
+
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+
+        self.top_k = _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed)
+
+        self.stop = self._normalize_stop(self.stop)
+        self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
+
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+        ):
+            _check_bool(name, getattr(self, name))
+
+        if self.max_tokens is not None:
+            self.max_tokens = _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+
+        self.min_tokens = _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
+            )
+
+        if self.logprobs is not None:
+            self.logprobs = _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+
+        if self.is_greedy:
+            # As vLLM does: greedy ignores truncation, so reset it rather than carry dead values
+            # into the sampler (which could then take a slower path for nothing).
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @staticmethod
+    def _normalize_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a str or a list of str, got {stop!r}.")
+        if "" in stop:
+            raise ValueError("stop cannot contain an empty string.")
+        return list(stop)
+
+    @staticmethod
+    def _normalize_stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}.")
+        return list(ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    def all_stop_token_ids(self, eos_token_id: int | None) -> set[int]:
+        """Token ids that end the sequence: `stop_token_ids`, plus EOS unless `ignore_eos`.
+
+        These are what `min_tokens` masks in the sampler and what the stop checker tests.
+        """
+        ids = set(self.stop_token_ids or ())
+        if eos_token_id is not None and not self.ignore_eos:
+            ids.add(eos_token_id)
+        return ids
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (the stop lists are not shared), as vLLM's `SamplingParams.clone`."""
+        return copy.deepcopy(self)
