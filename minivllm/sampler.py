@@ -1,0 +1,297 @@
+"""The sampler: one batched call turns the step's logits into next tokens (and logprobs).
+
+The order of the phases is vLLM v1's (`vllm/v1/sample/sampler.py`):
+
+    raw logits --log_softmax--> logprobs (what the model thinks, before any processing)
+      -> min_tokens masking     (EOS and stop_token_ids to -inf while the output is too short)
+      -> penalties              (repetition over prompt+output; frequency, presence over output)
+      -> greedy rows: argmax    (of the penalized logits)
+      -> temperature -> min_p -> top_k -> top_p
+      -> random rows: exponential race, argmax(probs / q) with q ~ Exp(1)
+
+Everything is a tensor operation over the whole batch [B, V]; the only Python loop is over the
+rows that carry their own `torch.Generator`, because a generator draws for one row at a time.
+That loop is what makes a seeded request reproducible whatever else shares its batch: its noise
+comes from its own generator alone, one Exp(1) vector of size V per random step.
+
+Why the exponential race: if q_i ~ Exp(1) independently, argmax_i p_i / q_i is distributed as
+Categorical(p) (the "Gumbel-max trick" in another guise). It needs no cumulative sum and no
+`torch.multinomial`, which synchronizes with the host on CUDA; vLLM uses it for the same reasons.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from minivllm.sampling_params import SAMPLING_EPS, SamplingParams
+from minivllm.stop_checker import stops_allowed
+
+# ----------------------------------------------------------------------------------------------
+# Inputs and outputs
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingRow:
+    """One sequence to sample the next token for."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None = None  # on the logits' device; None: the global RNG
+    eos_token_id: int | None = None
+
+
+class LogprobsTensors(NamedTuple):
+    logprob_token_ids: Tensor  # int64 [B, k]   the k most likely token ids, most likely first
+    logprobs: Tensor  # float32 [B, k]            their logprobs
+    sampled_logprobs: Tensor  # float32 [B]       logprob of the sampled token
+    sampled_token_ranks: Tensor  # int64 [B]      1-based: tokens with logprob >= the sampled one's
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: Tensor  # int64 [B]
+    logprobs: LogprobsTensors | None  # None when no row asked for logprobs (k = max_num_logprobs)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A per-sequence generator for a seeded request (None: draw from the global RNG)."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs as tensors, built once per step by `from_rows`."""
+
+    temperature: Tensor  # float32 [B]  0.0 on greedy rows
+    top_k: Tensor  # int64 [B]          vocab size where disabled
+    top_p: Tensor  # float32 [B]
+    min_p: Tensor  # float32 [B]
+    presence_penalty: Tensor  # float32 [B]
+    frequency_penalty: Tensor  # float32 [B]
+    repetition_penalty: Tensor  # float32 [B]
+    output_token_counts: Tensor | None  # float32 [B, V]  None when no row has a penalty
+    prompt_token_mask: Tensor | None  # bool [B, V]  None when no row has a repetition penalty
+    # (row, token id) pairs set to -inf: the stop tokens of rows still short of min_tokens.
+    min_tokens_rows: Tensor  # int64 [M]
+    min_tokens_token_ids: Tensor  # int64 [M]
+    generators: list[torch.Generator | None]  # [B]  None for greedy rows: they draw nothing
+    max_num_logprobs: int | None  # largest `logprobs` in the batch; None when nobody asked
+    all_greedy: bool
+    all_random: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+    no_penalties: bool
+
+    @classmethod
+    def from_rows(
+        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+    ) -> SamplingMetadata:
+        params = [row.params for row in rows]
+
+        def floats(values: list[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        greedy = [p.is_greedy for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        presence = [p.presence_penalty for p in params]
+        frequency = [p.frequency_penalty for p in params]
+        repetition = [p.repetition_penalty for p in params]
+        has_repetition = any(r != 1.0 for r in repetition)
+        no_penalties = not has_repetition and not any(presence) and not any(frequency)
+
+        counts = prompt_mask = None
+        if not no_penalties:
+            counts = _token_counts([r.output_token_ids for r in rows], vocab_size, device)
+        if has_repetition:
+            prompt_counts = _token_counts([r.prompt_token_ids for r in rows], vocab_size, device)
+            prompt_mask = prompt_counts > 0
+
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
+        for i, row in enumerate(rows):
+            # The next token is output token number len(output) + 1.
+            if not stops_allowed(len(row.output_token_ids) + 1, row.params):
+                ids = sorted(row.params.all_stop_token_ids(row.eos_token_id))
+                ids = [t for t in ids if t < vocab_size]
+                mask_rows += [i] * len(ids)
+                mask_ids += ids
+
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=floats([0.0 if g else p.temperature for g, p in zip(greedy, params)]),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=floats([p.top_p for p in params]),
+            min_p=floats([p.min_p for p in params]),
+            presence_penalty=floats(presence),
+            frequency_penalty=floats(frequency),
+            repetition_penalty=floats(repetition),
+            output_token_counts=counts,
+            prompt_token_mask=prompt_mask,
+            min_tokens_rows=torch.tensor(mask_rows, dtype=torch.int64, device=device),
+            min_tokens_token_ids=torch.tensor(mask_ids, dtype=torch.int64, device=device),
+            # Greedy rows draw no noise, so a seeded row's stream depends on its own steps only.
+            generators=[None if g else row.generator for g, row in zip(greedy, rows)],
+            max_num_logprobs=max(requested) if requested else None,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            no_top_k=all(k == vocab_size for k in top_k),
+            no_top_p=all(p.top_p == 1.0 for p in params),
+            no_min_p=all(p.min_p == 0.0 for p in params),
+            no_penalties=no_penalties,
+        )
+
+
+def _token_counts(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
+) -> Tensor:
+    """How often each token id occurs in each row: float32 [B, V], by one scatter_add.
+
+    Rows are padded with the id `vocab_size`, which lands in an extra column that is dropped.
+    """
+    width = max((len(ids) for ids in token_ids), default=0)
+    padded = [list(ids) + [vocab_size] * (width - len(ids)) for ids in token_ids]
+    index = torch.tensor(padded, dtype=torch.int64, device=device).view(len(token_ids), width)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+# ----------------------------------------------------------------------------------------------
+# The phases, each a pure function of [B, V] logits (none modifies its input)
+# ----------------------------------------------------------------------------------------------
+
+
+def apply_min_tokens(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    if meta.min_tokens_rows.numel() == 0:
+        return logits
+    index = (meta.min_tokens_rows, meta.min_tokens_token_ids)
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """vLLM's penalties. Repetition (Keskar et al., CTRL) divides a positive logit by the penalty
+    and multiplies a negative one, for tokens seen in prompt or output; frequency and presence
+    (OpenAI's definition) subtract per occurrence / once, for tokens seen in the output only."""
+    if meta.no_penalties or meta.output_token_counts is None:
+        return logits
+    counts = meta.output_token_counts  # [B, V]
+    in_output = counts > 0
+    if meta.prompt_token_mask is not None:
+        penalty = meta.repetition_penalty[:, None]
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(meta.prompt_token_mask | in_output, penalized, logits)
+    logits = logits - meta.frequency_penalty[:, None] * counts
+    return logits - meta.presence_penalty[:, None] * in_output
+
+
+def apply_temperature(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    # Greedy rows (temperature 0) are divided by 1: they are not sampled from anyway.
+    temperature = torch.where(meta.temperature < SAMPLING_EPS, 1.0, meta.temperature)
+    return logits / temperature[:, None]
+
+
+def apply_min_p(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    if meta.no_min_p:
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Top-k, then top-p over what top-k kept, with a single sort of the whole batch.
+
+    Top-k keeps every token tied with the k-th (as vLLM). Top-p keeps the smallest set of most
+    likely tokens with mass >= p: it drops a token when the mass of it and all less likely tokens
+    is <= 1 - p. Summing from the least likely end (vLLM's way) keeps the tail exact in float32: a
+    cumulative sum from the top reaches 1.0 early and would cut tokens even at top_p = 1.
+    """
+    if meta.no_top_k and meta.no_top_p:
+        return logits
+    sorted_logits, sorted_ids = logits.sort(dim=-1)  # [B, V] each, ascending
+    vocab_size = logits.shape[-1]
+    if not meta.no_top_k:
+        kth = sorted_logits.gather(1, (vocab_size - meta.top_k)[:, None])  # [B, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if not meta.no_top_p:
+        mass_up_to = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = mass_up_to <= 1.0 - meta.top_p[:, None]
+        drop[:, -1] = False  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def apply_truncation(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Temperature, min_p, top_k, top_p: the logits random rows are sampled from."""
+    logits = apply_temperature(logits, meta)
+    logits = apply_min_p(logits, meta)
+    return apply_top_k_top_p(logits, meta)
+
+
+def random_sample(probs: Tensor, meta: SamplingMetadata) -> Tensor:
+    """argmax(probs / q), q ~ Exp(1): a draw from each row's categorical distribution."""
+    q = torch.empty_like(probs)  # [B, V]
+    if not all(meta.generators):
+        q.exponential_()
+    for i, generator in enumerate(meta.generators):
+        if generator is not None:
+            q[i].exponential_(generator=generator)
+    # q == 0 has probability ~0 but would make 0/0 = NaN, which argmax prefers.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div(q).argmax(dim=-1)
+
+
+def gather_logprobs(logprobs: Tensor, sampled: Tensor, k: int) -> LogprobsTensors:
+    sampled_logprobs = logprobs.gather(1, sampled[:, None])  # [B, 1]
+    # vLLM's rank: how many tokens are at least as likely as the sampled one.
+    ranks = (logprobs >= sampled_logprobs).sum(dim=-1)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # [B, k]; k = 0 gives empty tensors
+    return LogprobsTensors(top_ids, top_logprobs, sampled_logprobs.squeeze(1), ranks)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sampler
+# ----------------------------------------------------------------------------------------------
+
+
+class Sampler:
+    """logits float32 [B, V] + SamplingMetadata -> SamplerOutput."""
+
+    def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        # Logprobs describe the model, not the sampler: taken before any processing (vLLM's
+        # default `logprobs_mode="raw_logprobs"`). Skipped entirely when nobody asked.
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)
+
+        logits = apply_min_tokens(logits, meta)
+        logits = apply_penalties(logits, meta)
+
+        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        if meta.all_greedy:
+            assert greedy is not None
+            sampled = greedy
+        else:
+            probs = apply_truncation(logits, meta).softmax(dim=-1)
+            sampled = random_sample(probs, meta)
+            if greedy is not None:
+                sampled = torch.where(meta.temperature < SAMPLING_EPS, greedy, sampled)
+
+        logprobs = None
+        if raw_logprobs is not None and meta.max_num_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
