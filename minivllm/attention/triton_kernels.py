@@ -1,0 +1,347 @@
+"""The Triton kernels of PagedAttention: cache write, paged prefill/extend, split-KV paged decode.
+
+Every kernel reads or writes the paged KV cache `[num_blocks, block_size, num_kv_heads, head_dim]`
+of the paper's §4.1: a request's logical token n lives in physical block
+`block_table[n // block_size]` at offset `n % block_size`. The kernels resolve that address per
+key *inside* the tile loop, so the cache is never gathered into a contiguous copy (which is what
+the reference backend does, and what costs it a full extra read and write of the context).
+
+Three ideas, each where it earns its place:
+
+- **Online softmax** (Milakov & Gimelshein 2018; FlashAttention): keys are visited one tile at a
+  time while a running max `m`, running denominator `l` and an unnormalised accumulator are kept
+  per query row, so attention over any context length needs one pass and O(tile) memory. The
+  exponentials are base 2 (`exp2`, with `log2(e)` folded into the scale): one instruction on a GPU.
+- **GQA packing**: the query heads that share one KV head are rows of the same tile, so each K/V
+  tile is loaded once per group rather than once per query head (vLLM's unified attention does the
+  same). It also gives decode a matrix-shaped tile for `tl.dot` with a single query token.
+- **Flash-decoding (split-KV)** for decode: one new token per request leaves the prefill grid with
+  only `requests × kv_heads` programs, too few to keep an H200's 132 SMs streaming the cache.
+  Stage 1 splits each context into `num_splits` ranges and attends each range separately,
+  writing a partial output and its log-sum-exp; stage 2 merges the splits exactly,
+  `out = Σ_s exp(lse_s - lse) · out_s`, because softmax over a union is a weighted mix of softmaxes.
+
+Precision: dots accumulate in float32 with `input_precision="ieee"` (no TF32), so float32 matches
+the reference to ~1e-6. Under Triton's CPU interpreter the kernels upcast K/V/Q to float32 after
+loading (`UPCAST`): the interpreter keeps bfloat16 as raw uint16 bits and would do arithmetic on
+them. On a GPU the operands stay in 16 bits for the tensor cores and only `p` is rounded, as in
+FlashAttention.
+
+This module only defines the kernels; their tile sizes and launches are in
+`minivllm.attention.triton`. Import it through that module, which switches the interpreter on
+when there is no GPU *before* the `@triton.jit` decorators below run: Triton decides there,
+per kernel, whether it is interpreted or compiled.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# ================================================================================== cache write
+
+
+@triton.jit
+def write_kv_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
+    key_ptr,  # [T, num_kv_heads, head_dim], same dtype as the cache
+    value_ptr,  # [T, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # same shape and strides as k_cache
+    slot_mapping_ptr,  # int64 [T], block * block_size + offset; -1 = do not write
+    num_tokens,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,  # next power of two >= HEAD_DIM; the extra lanes are masked
+    BLOCK_T: tl.constexpr,
+):
+    """vLLM's `reshape_and_cache`: BLOCK_T new tokens of one KV head per program."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D_PAD)
+    slot = tl.load(slot_mapping_ptr + offs_t, mask=offs_t < num_tokens, other=-1).to(tl.int64)
+    # -1 marks a token whose K/V must not be written (already cached, or padding): masked out,
+    # so its slot keeps whatever it held.
+    mask = (slot >= 0)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    src_t = offs_t.to(tl.int64)
+    k = tl.load(
+        key_ptr + (src_t * stride_kt + kv_head * stride_kh)[:, None] + offs_d[None, :], mask=mask
+    )
+    v = tl.load(
+        value_ptr + (src_t * stride_vt + kv_head * stride_vh)[:, None] + offs_d[None, :], mask=mask
+    )
+    tl.store(k_cache_ptr + dst[:, None] + offs_d[None, :], k, mask=mask)
+    tl.store(v_cache_ptr + dst[:, None] + offs_d[None, :], v, mask=mask)
+
+
+# ======================================================================= shared inner loop
+
+
+@triton.jit
+def _attend_key_range(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
+    q,  # [BLOCK_M, D_PAD] query rows of one GQA group (float32 if UPCAST)
+    acc,  # [BLOCK_M, D_PAD] float32 unnormalised output so far
+    m_i,  # [BLOCK_M] float32 running max of the scores (log2 domain)
+    l_i,  # [BLOCK_M] float32 running softmax denominator
+    q_pos,  # [BLOCK_M] int32 position of each query row in its sequence (used if CAUSAL)
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,  # int32 [max_blocks_per_seq], this request's row of the block tables
+    kv_head,
+    lo,  # first key position to visit
+    hi,  # one past the last key position to visit
+    qk_scale,  # softmax scale × log2(e)
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Online softmax over keys [lo, hi) of one request, read through its block table."""
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        # The PagedAttention step: logical key n -> (physical block, offset). Block ids are widened
+        # to int64 before multiplying by the block stride: a large cache passes 2**31 elements.
+        block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = n_mask[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        # No row is ever all -inf on its first tile (key lo is visible to every row: the callers
+        # make sure), so m_new is finite from the first tile on and exp2(-inf - m_new) = 0.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# ============================================================================ prefill / extend
+
+
+@triton.jit
+def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
+    query_ptr,  # [T, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    out_ptr,  # [T, num_heads, head_dim], the query's dtype
+    block_tables_ptr,  # int32 [B, max_blocks_per_seq]
+    seq_lens_ptr,  # int32 [B]
+    query_start_loc_ptr,  # int32 [B + 1]
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
+    BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_M = BLOCK_Q * GROUP_PAD rows
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Causal attention of BLOCK_Q new tokens × one GQA group over the request's whole cache.
+
+    Grid: (request, query-token block, KV head). The new tokens are the last `query_len` of the
+    `seq_len` in cache (bottom-right alignment), so new token j sits at position
+    `seq_len - query_len + j` and sees keys 0..that position: cached prefix, earlier chunks and the
+    new tokens before it. That one rule covers prefill, chunked prefill and prefix-cache hits.
+    """
+    req = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    # The grid is sized for the longest query; blocks past this request's query have no work.
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len  # tokens in cache before the new ones
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    tok = q_block * BLOCK_Q + offs_m // GROUP_PAD  # [BLOCK_M] new-token index within the request
+    head = kv_head * GROUP + offs_m % GROUP_PAD  # [BLOCK_M] query head of each row
+    row_mask = (tok < q_len) & (offs_m % GROUP_PAD < GROUP)
+    io_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_row = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh  # [BLOCK_M]
+    q = tl.load(query_ptr + q_row[:, None] + offs_d[None, :], mask=io_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    q_pos = ctx_len + tok
+    # Keys beyond the last row's position are invisible to the whole block: stop there.
+    hi = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # Key 0 is visible to every row (padding rows included), so no row divides by zero.
+    acc, m_i, l_i = _attend_key_range(
+        q, acc, m_i, l_i, q_pos, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr + req.to(tl.int64) * stride_bt, kv_head, 0, hi, qk_scale,
+        stride_cb, stride_cs, stride_ch,
+        BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, True, UPCAST,
+    )  # fmt: skip
+    out = acc / l_i[:, None]
+    o_row = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(
+        out_ptr + o_row[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask
+    )
+
+
+# ============================================================================== decode (2 stages)
+
+
+@triton.jit
+def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
+    query_ptr,  # [T, num_heads, head_dim], one new token per request
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    part_out_ptr,  # float32 [B, num_heads, NUM_SPLITS, head_dim]  normalised output of each split
+    part_lse_ptr,  # float32 [B, num_heads, NUM_SPLITS], contiguous splits; log2-sum-exp2 of each split's scores
+    block_tables_ptr,  # int32 [B, max_blocks_per_seq]
+    seq_lens_ptr,  # int32 [B]
+    query_start_loc_ptr,  # int32 [B + 1]
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # >= 16: the smallest M that tl.dot accepts
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Stage 1 of flash-decoding. Grid: (request, KV head, split).
+
+    The newest token sees every key, so no causal mask: only the split's range [lo, hi). Splits
+    are whole numbers of key tiles, sized per request (`ceil(seq_len / NUM_SPLITS)`), so a short
+    request leaves its last splits empty; those write lse = -inf and weigh nothing in stage 2.
+    """
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    head = kv_head * GROUP + offs_g  # [GROUP_PAD] query heads of this KV head
+    g_mask = offs_g < GROUP
+    io_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    q_row = token * stride_qt + head * stride_qh
+    q = tl.load(query_ptr + q_row[:, None] + offs_d[None, :], mask=io_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc, m_i, l_i = _attend_key_range(
+        q, acc, m_i, l_i, offs_g, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr + req.to(tl.int64) * stride_bt, kv_head, lo, hi, qk_scale,
+        stride_cb, stride_cs, stride_ch,
+        BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, False, UPCAST,
+    )  # fmt: skip
+    # An empty split has l = 0 and m = -inf: store out = 0 and lse = -inf instead of 0/0.
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    lse = m_i + tl.log2(l_safe)  # [GROUP_PAD]
+    p_row = req.to(tl.int64) * stride_pb + head * stride_ph + split * stride_ps
+    tl.store(part_out_ptr + p_row[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=io_mask)
+    lse_row = req.to(tl.int64) * stride_lb + head * stride_lh + split
+    tl.store(part_lse_ptr + lse_row, lse, mask=g_mask)
+
+
+@triton.jit
+def paged_decode_merge_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
+    part_out_ptr,  # float32 [B, num_heads, NUM_SPLITS, head_dim]
+    part_lse_ptr,  # float32 [B, num_heads, NUM_SPLITS]
+    out_ptr,  # [T, num_heads, head_dim], the query's dtype
+    query_start_loc_ptr,  # int32 [B + 1]
+    stride_ot,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """Stage 2 of flash-decoding: out = Σ_s 2^(lse_s - max lse) · out_s / Σ_s 2^(lse_s - max lse).
+
+    Grid: (request, query head). Split 0 always holds key 0, so the max is finite.
+    """
+    req = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    lse_row = req * stride_lb + head * stride_lh
+    lse = tl.load(part_lse_ptr + lse_row + offs_s, mask=s_mask, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]; 0 for empty and padding splits
+    io_mask = s_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    part = tl.load(
+        part_out_ptr
+        + req * stride_pb
+        + head * stride_ph
+        + offs_s[:, None] * stride_ps
+        + offs_d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )  # [SPLITS_PAD, D_PAD]
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
