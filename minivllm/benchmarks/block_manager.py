@@ -1,0 +1,96 @@
+"""Micro-benchmark of the block manager's bookkeeping: microseconds per operation.
+
+    python -m minivllm.benchmarks.block_manager [--num-blocks 100000] [--block-size 16]
+
+Every operation should cost O(blocks it touches), not O(pool): the numbers below are taken on a
+large pool that is already full of evictable prefix-cache blocks, the steady state of a busy server,
+so allocation also evicts. Run with prefix caching on (hashing included) and off. Not a test: timing
+on shared CPUs is noisy; read the numbers, don't assert them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+from minivllm.block_manager import BlockManager
+
+
+def _per_call_us(calls: list[Callable[[], object]]) -> float:
+    start = time.perf_counter()
+    for call in calls:
+        call()
+    return (time.perf_counter() - start) / len(calls) * 1e6
+
+
+def bench(num_blocks: int, block_size: int, prompt_len: int, caching: bool) -> dict[str, float]:
+    bm = BlockManager(num_blocks, block_size=block_size, enable_prefix_caching=caching)
+    blocks_per_seq = -(-prompt_len // block_size) + 1
+    num_seqs = max(1, num_blocks // (4 * blocks_per_seq))  # leave room for forks and decodes
+    prompts = [list(range(i * prompt_len, (i + 1) * prompt_len)) for i in range(2 * num_seqs)]
+
+    # Warm up: fill the whole pool with cached blocks, then free them all (evictable, LRU order).
+    warm = [[-1 - i] * block_size * 8 for i in range(num_blocks // 8)]
+    for i, warm_tokens in enumerate(warm):
+        bm.allocate(("warm", i), warm_tokens, len(warm_tokens))
+    for i in range(len(warm)):
+        bm.free(("warm", i))
+
+    ids = list(range(num_seqs))
+    results = {
+        "allocate": _per_call_us(
+            [lambda i=i: bm.allocate(i, prompts[i], prompt_len) for i in ids]  # type: ignore[misc]
+        )
+    }
+    tokens = {i: list(prompts[i]) for i in ids}
+    decode: list[Callable[[], object]] = []
+    for _ in range(block_size):  # one block's worth of decode steps: crosses one boundary each
+        for i in ids:
+
+            def step(i: int = i) -> None:
+                tokens[i].append(7)
+                bm.append_slots(i, tokens[i], 1)
+
+            decode.append(step)
+    results["append (decode)"] = _per_call_us(decode)
+    results["fork"] = _per_call_us([lambda i=i: bm.fork(i, ("child", i)) for i in ids])  # type: ignore[misc]
+    results["free"] = _per_call_us(
+        [lambda s=s: bm.free(s) for i in ids for s in (("child", i), i)]  # type: ignore[misc]
+    )
+    if (
+        caching
+    ):  # every prompt now fully cached: admission is all hits (+ the recomputed last block)
+        results["allocate (prefix hit)"] = _per_call_us(
+            [lambda i=i: bm.allocate(i, prompts[i], block_size) for i in ids]  # type: ignore[misc]
+        )
+    results["blocks touched per allocate"] = blocks_per_seq - 1
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--num-blocks", type=int, default=100_000)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    args = parser.parse_args()
+    print(
+        f"block manager, {args.num_blocks:,} blocks of {args.block_size}, "
+        f"{args.prompt_len}-token prompts (µs per call)"
+    )
+    rows = {
+        caching: bench(args.num_blocks, args.block_size, args.prompt_len, caching)
+        for caching in (True, False)
+    }
+    names = list(rows[True])
+    print(f"{'operation':<28}{'caching on':>12}{'caching off':>13}")
+    for name in names:
+        on, off = rows[True].get(name), rows[False].get(name)
+        fmt = (lambda v: f"{v:>12.0f}") if name.startswith("blocks") else (lambda v: f"{v:>12.2f}")
+        print(
+            f"{name:<28}{fmt(on) if on is not None else '':>12} {fmt(off) if off is not None else '-':>12}"
+        )
+
+
+if __name__ == "__main__":
+    main()
