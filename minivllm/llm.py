@@ -1,0 +1,173 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, as in vLLM.
+
+`LLM` owns an `LLMEngine`, feeds it every prompt at once, and steps it until all are done. That
+is the whole trick of continuous batching from the user's side: hand over all the work and let
+the scheduler keep the batch full (paper §4.5). Outputs come back in input order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from minivllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from minivllm.engine import LLMEngine, PromptTooLongError, PromptType
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.stats import EngineStats
+
+logger = logging.getLogger("minivllm")
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Load a model and generate from it offline.
+
+    `model=None` is the bundled SmolLM2-135M-Instruct. Keyword arguments are vLLM's engine
+    arguments (see `minivllm.config` for what each does and its default).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        num_gpu_blocks_override: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        cpu_kv_cache_space: float = 4.0,
+        attention_backend: str = "auto",
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(
+                model, tokenizer, dtype, device, seed, max_model_len, attention_backend
+            ),
+            cache=CacheConfig(
+                block_size,
+                enable_prefix_caching,
+                num_gpu_blocks_override,
+                gpu_memory_utilization,
+                cpu_kv_cache_space,
+            ),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+        )
+        self.llm_engine = LLMEngine(config)
+        self._counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or many: strings, or {"prompt_token_ids": [...]} dicts."""
+        prompt_list: list[PromptType]
+        if isinstance(prompts, str | dict):
+            prompt_list = [prompts]
+        elif prompts and all(isinstance(p, int) for p in prompts):
+            prompt_list = [list(prompts)]  # type: ignore[arg-type]  # one tokenized prompt
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params must be one SamplingParams or one per prompt "
+                    f"({len(prompt_list)}), got {len(params_list)}"
+                )
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or many, through the model's chat template."""
+        convs: list[ChatMessages]
+        if messages and isinstance(messages[0], dict):
+            convs = [messages]  # type: ignore[list-item]
+        else:
+            convs = list(messages)  # type: ignore[arg-type]
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)} for c in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(
+        self, conversation: ChatMessages, add_generation_prompt: bool = True
+    ) -> list[int]:
+        tok = self.llm_engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        ids = tok.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def get_stats(self) -> EngineStats:
+        return self.llm_engine.get_stats()
+
+    # ------------------------------------------------------------------
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, p in zip(prompts, params):
+            rid = str(self._counter)
+            self._counter += 1
+            order.append(rid)
+            try:
+                engine.add_request(rid, prompt, p)
+            except PromptTooLongError as exc:
+                # One bad prompt fails alone; the others still run (the reason is in the output).
+                logger.warning("request %s failed: %s", rid, exc)
+                text, ids = engine.tokenize_prompt(prompt)
+                from minivllm.sequence import Request
+
+                results[rid] = engine.fail_request(Request(rid, text, ids, p), str(exc))
+            except Exception:
+                engine.abort_request(order)  # nothing half-added stays behind
+                engine.step()
+                raise
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, unit="req")
+        generated = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+                        generated += sum(len(o.token_ids) for o in out.outputs)
+                        rate = generated / max(bar.format_dict["elapsed"], 1e-9)
+                        bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+        except BaseException:
+            engine.abort_request(order)  # e.g. Ctrl-C: free every block before leaving
+            engine.step()
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in order]

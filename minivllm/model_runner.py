@@ -1,0 +1,145 @@
+"""From a schedule to logits: flatten the step into one batch, run the model, keep what is sampled.
+
+vLLM's GPU model runner in miniature (vllm/v1/worker/gpu_model_runner.py). It owns the KV cache
+tensor, the one big allocation of the engine, and turns the scheduler's (sequence, new tokens)
+pairs into the flat tensors of DESIGN.md:
+
+    input_ids[T], positions[T]            every new token of every scheduled sequence, end to end
+    AttentionMetadata                     where each sequence's tokens are and where its K/V lives
+
+Logits are computed only at the last new token of sequences that will sample this step (those
+whose new tokens reach the end of what they know); a prompt chunk that is not the last needs none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.attention import AttentionMetadata
+from minivllm.config import CacheConfig
+from minivllm.model.llama import LlamaForCausalLM
+from minivllm.scheduler import SchedulerOutput
+from minivllm.sequence import Sequence
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+def determine_num_blocks(
+    model: LlamaForCausalLM, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+) -> int:
+    """`num_gpu_blocks_override` wins; else CUDA's free memory share, or the CPU's GiB budget."""
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    per_block = kv_bytes_per_block(model, cache.block_size, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = cache.gpu_memory_utilization * total - used - 256 * 2**20  # activations headroom
+    else:
+        budget = cache.cpu_kv_cache_space * 2**30
+    num_blocks = int(budget // per_block)
+    if num_blocks < 1:
+        raise ValueError(
+            f"no memory is left for the KV cache (a block needs {per_block} bytes); raise "
+            "gpu_memory_utilization / cpu_kv_cache_space or set num_gpu_blocks_override"
+        )
+    return num_blocks
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [S]  rows of the flat batch whose logits are sampled
+    sampled_seqs: list[Sequence]  # [S]  the sequence each of those rows samples for
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        cfg = model.config
+        # Zero-filled so that padding positions read by a batched gather are finite numbers.
+        self.kv_cache = torch.zeros(
+            (
+                cfg.num_hidden_layers,
+                2,
+                num_blocks,
+                block_size,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+            ),
+            dtype=dtype,
+            device=device,
+        )  # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: give the writer its own copy of a shared block, in every layer."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def prepare_inputs(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelInput:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[Sequence] = []
+        for item, table in zip(sched.scheduled, block_tables):
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids += seq.token_ids[start:end]
+            pos = range(start, end)
+            positions += pos
+            slots += [table[p // bs] * bs + p % bs for p in pos]
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:  # reaches the newest token: a new one is sampled
+                logits_indices.append(query_start_loc[-1] - 1)
+                sampled.append(seq)
+        max_blocks = max(len(t) for t in block_tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(item.num_new_tokens for item in sched.scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            sampled_seqs=sampled,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, inp: ModelInput) -> torch.Tensor | None:  # float32 [S, vocab] or None
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)  # [T, hidden]
+        if not inp.sampled_seqs:
+            return None
+        return self.model.compute_logits(hidden[inp.logits_indices])

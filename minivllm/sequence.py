@@ -1,0 +1,111 @@
+"""A request's state as the scheduler sees it: token ids, progress, status, and what it produced.
+
+vLLM v1 folds all of this into one `Request`; we keep vLLM v0's split because parallel sampling
+(`n > 1`) is clearest that way: a `Request` owns `n` `Sequence`s that share the prompt's KV blocks
+by copy-on-write after the prompt is computed once (paper §4.4). Each `Sequence` is scheduled,
+preempted and finished on its own; the request is done when all of its sequences are.
+
+The one number that drives scheduling is `num_computed_tokens`: how many of the sequence's tokens
+have their K/V in the cache. A step computes `num_tokens - num_computed_tokens` or fewer of them
+(a prompt chunk, or the one newest token of a decode); preemption by recompute resets it to 0.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not holding KV blocks: new, or preempted
+    RUNNING = "running"  # holding KV blocks, scheduled every step
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"  # the caller gave up (abort_request, a client disconnect)
+    FINISHED_ERROR = "error"  # the request could not be served (e.g. prompt too long)
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+
+
+@dataclass
+class Logprob:
+    """One candidate token's log-probability, as vLLM reports it."""
+
+    logprob: float
+    rank: int  # 1 = most likely
+    decoded_token: str | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int  # unique in the engine; the block manager's key
+    request: Request
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # prompt + output, grows by one per decode step
+    num_prompt_tokens: int
+    detokenizer: IncrementalDetokenizer | None
+    generator: torch.Generator | None  # this sequence's own RNG (None for greedy)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    num_cached_tokens: int = 0  # of the prompt, served by the prefix cache at admission
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still computing tokens it already knows (a prompt, or a recompute after preemption)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+
+@dataclass(eq=False)
+class Request:
+    """One call of `add_request`: a prompt, its parameters and its `n` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    error: str | None = None  # why the request failed, when it did
+    # Timestamps for latency metrics (time to first token, inter-token latency, end to end).
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    user_data: dict[str, Any] = field(default_factory=dict)
+
+    # n > 1: the first sequence computes the prompt; at its first sample it is forked into n.
+    forked: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        # Forking happens before the first token is sampled, so before it only an abort or an
+        # error can finish the first sequence, and then the request is over too.
+        return all(s.status.is_finished for s in self.seqs)

@@ -1,0 +1,28 @@
+"""Engine counters: what `LLM.get_stats()` returns and what the server's /metrics exposes.
+
+The names are a public interface (tests, benchmarks and docs read them). Memory numbers follow the
+paper's Fig. 2 framing: of the KV slots allocated to requests, how many hold real token states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_kv_blocks: int  # blocks in the KV cache
+    num_free_kv_blocks: int  # held by no request (evictable prefix-cache blocks count as free)
+    num_cached_kv_blocks: int  # blocks that carry a prefix-cache hash
+    kv_cache_usage: float  # fraction of blocks held by requests
+    num_running: int  # sequences holding blocks
+    num_waiting: int  # sequences queued (new or preempted)
+    num_preemptions: int
+    num_prompt_tokens_computed: int  # prompt tokens whose K/V was computed (not cache hits)
+    num_prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    num_prefix_cache_hit_tokens: int  # of those, served from the cache
+    num_generated_tokens: int
+    num_steps: int
+    peak_kv_blocks_used: int  # the most blocks ever held at once
+    kv_slot_utilization: float  # filled slots / allocated slots, now
+    peak_kv_slot_utilization: float  # the same, at the step with the most blocks in use
