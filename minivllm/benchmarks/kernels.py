@@ -1,0 +1,229 @@
+"""Triton decode kernel vs the GPU's memory bandwidth: `python -m minivllm.benchmarks.kernels`.
+
+Decode attention reads every cached K and V of every request to produce one token per request,
+and does ~2 FLOPs per byte read: it is bound by memory bandwidth, so its figure of merit is
+bytes of K/V read per call ÷ time. This script reports that bandwidth
+- in GB/s,
+- as a share of the device's peak (a table of datasheet values; omitted for unknown devices),
+- as a share of a device-to-device copy of 1 GiB measured in the same run (`Tensor.copy_`, which
+  reads and writes: the bandwidth a well-written streaming kernel can actually reach).
+The target is >= 85% of the measured copy bandwidth once the KV read is >= 1 GB.
+
+Peers, timed on the same inputs: the reference backend (gathers each context through the block
+table, then SDPA), and `scaled_dot_product_attention` on an unpaged, contiguous copy of the cache.
+Paged Triton vs contiguous SDPA is the price (or not) of paging.
+
+The default shape is a Llama-3-8B-like layer: 32 query heads, 8:1 GQA (4 KV heads), head_dim 128,
+bfloat16, 16-token blocks, with shuffled block tables. A parity check against the reference runs
+before any timing. Needs a CUDA GPU (prepared for an H200; ~1 minute there); `--quick` runs
+fewer shapes. Without CUDA it says so and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.attention import AttentionMetadata
+
+# Datasheet HBM bandwidth in TB/s, matched against torch.cuda.get_device_name() in this order.
+PEAK_TBS = [
+    ("H200", 4.8),
+    ("H100 NVL", 3.9),
+    ("H100 PCIe", 2.0),
+    ("H100", 3.35),  # SXM5, named "NVIDIA H100 80GB HBM3"
+    ("A100-SXM4-80GB", 2.039),
+    ("A100-SXM4-40GB", 1.555),
+    ("A100 80GB PCIe", 1.935),
+]
+
+COPY_BYTES = 1 << 30  # >= 1 GB, far past the L2 cache (50 MB on H100/H200)
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    batch: int  # requests, one new token each
+    context: int  # tokens in cache per request
+    num_heads: int = 32
+    num_kv_heads: int = 4
+    head_dim: int = 128
+    block_size: int = 16
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V one decode call must read."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.batch * self.context * self.num_kv_heads * self.head_dim * elem
+
+
+FULL = [
+    DecodeShape(1, 4096),
+    DecodeShape(8, 4096),
+    DecodeShape(32, 2048),
+    DecodeShape(64, 4096),  # 0.5 GiB
+    DecodeShape(128, 4096),  # 1 GiB
+    DecodeShape(32, 16384),  # 1 GiB, few long contexts: split-KV matters most here
+    DecodeShape(256, 2048),  # 1 GiB, many short contexts
+    DecodeShape(64, 4096, num_heads=32, num_kv_heads=8),  # 4:1 GQA, 1 GiB
+]
+QUICK = [DecodeShape(8, 2048), DecodeShape(64, 4096), DecodeShape(128, 4096)]
+
+
+def device_peak_tbs(name: str) -> float | None:
+    return next((tbs for key, tbs in PEAK_TBS if key in name), None)
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    """Median time of `fn` on the GPU; Triton's do_bench flushes the L2 cache between calls."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def copy_bandwidth_gbs(device: torch.device) -> float:
+    """Device-to-device copy of 1 GiB: bytes read + bytes written per second."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
+
+
+def build_decode_batch(
+    shape: DecodeShape, device: torch.device, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor]:
+    """A decode step over a paged cache with shuffled block tables, and its unpaged twin."""
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b, ctx, bs = shape.batch, shape.context, shape.block_size
+    blocks_per_seq = -(-ctx // bs)
+    num_blocks = b * blocks_per_seq
+    cache_shape = (num_blocks, bs, shape.num_kv_heads, shape.head_dim)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(size, dtype=shape.dtype, device=device, generator=gen)
+
+    k_cache = randn(*cache_shape)  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache = randn(*cache_shape)
+    query = randn(b, shape.num_heads, shape.head_dim)
+    # Fragmented like a long-running server's cache: blocks handed out in random order.
+    order = torch.randperm(num_blocks, device=device, generator=gen)
+    block_tables = order.view(b, blocks_per_seq).int()  # [B, blocks_per_seq]
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.full((b,), ctx, dtype=torch.int32, device=device),
+        block_tables=block_tables,
+        slot_mapping=torch.full((b,), -1, dtype=torch.int64, device=device),
+        max_query_len=1,
+        max_seq_len=ctx,
+    )
+
+    def unpaged(cache: torch.Tensor) -> torch.Tensor:  # [B, num_kv_heads, ctx, head_dim]
+        dense = cache[block_tables.long()].flatten(1, 2)[:, :ctx]  # [B, ctx, num_kv_heads, D]
+        return dense.transpose(1, 2).contiguous()
+
+    return query, k_cache, v_cache, meta, unpaged(k_cache), unpaged(v_cache)
+
+
+def bench_shape(
+    shape: DecodeShape, device: torch.device, num_sms: int, copy_gbs: float, peak_tbs: float | None
+) -> dict:
+    """Parity, then the time of the Triton decode, the reference and dense SDPA on one shape."""
+    from minivllm.attention.reference import ReferenceBackend
+    from minivllm.attention.triton import TritonBackend, decode_num_splits, kernel_tiles
+
+    query, k_cache, v_cache, meta, k_dense, v_dense = build_decode_batch(shape, device)
+    scale = shape.head_dim**-0.5
+    triton_be, ref_be = TritonBackend(), ReferenceBackend()
+    q4 = query.unsqueeze(2)  # [B, num_heads, 1, head_dim]
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q4, k_dense, v_dense, scale=scale, enable_gqa=True)
+
+    # Parity before timing: a fast wrong kernel is not a result.
+    out = triton_be.attend(query, k_cache, v_cache, meta, scale)
+    ref = ref_be.attend(query, k_cache, v_cache, meta, scale)
+    dense = sdpa()[:, :, 0]
+    err = max(
+        (out.float() - ref.float()).abs().max().item(),
+        (out.float() - dense.float()).abs().max().item(),
+    )
+    if err > 2e-2:
+        raise SystemExit(f"parity check failed for {shape}: max abs error {err:.3g} > 2e-2")
+
+    t_triton = time_ms(lambda: triton_be.attend(query, k_cache, v_cache, meta, scale))
+    t_ref = time_ms(lambda: ref_be.attend(query, k_cache, v_cache, meta, scale))
+    t_sdpa = time_ms(sdpa)
+    gbs = shape.kv_bytes / (t_triton * 1e-3) / 1e9
+    block_n = kernel_tiles(True, shape.head_dim, shape.dtype).decode_block_n
+    return dict(
+        shape=f"{shape.batch}x{shape.context} {shape.num_heads}q/{shape.num_kv_heads}kv",
+        kv_gb=shape.kv_bytes / 1e9,
+        splits=decode_num_splits(shape.batch, shape.num_kv_heads, shape.context, num_sms, block_n),
+        err=err,
+        triton_us=t_triton * 1e3,
+        gbs=gbs,
+        pct_peak=None if peak_tbs is None else 100 * gbs / (peak_tbs * 1e3),
+        pct_copy=100 * gbs / copy_gbs,
+        ref_us=t_ref * 1e3,
+        sdpa_us=t_sdpa * 1e3,
+    )
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'shape':>22} {'KV GB':>6} {'splits':>6} {'err':>8} {'triton us':>10} {'GB/s':>7} {'%peak':>6} {'%copy':>6} {'ref us':>9} {'sdpa us':>9} {'paged/dense':>11}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        peak = "-" if r["pct_peak"] is None else f"{r['pct_peak']:.0f}"
+        print(
+            f"{r['shape']:>22} {r['kv_gb']:>6.2f} {r['splits']:>6} {r['err']:>8.1e} "
+            f"{r['triton_us']:>10.1f} {r['gbs']:>7.0f} {peak:>6} {r['pct_copy']:>6.0f} "
+            f"{r['ref_us']:>9.1f} {r['sdpa_us']:>9.1f} {r['triton_us'] / r['sdpa_us']:>11.2f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="three shapes instead of eight")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "minivllm.benchmarks.kernels needs a CUDA GPU; torch sees none. Nothing was measured."
+        )
+        return 1
+    from minivllm.attention import triton as triton_backend
+
+    if triton_backend.INTERPRETED:
+        print(
+            "TRITON_INTERPRET=1 is set: the kernels would run in Triton's CPU interpreter. Unset it."
+        )
+        return 1
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    peak = device_peak_tbs(name)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    copy_gbs = copy_bandwidth_gbs(device)
+    print(f"device: {name}; peak {'unknown' if peak is None else f'{peak} TB/s'}; "
+          f"measured copy (1 GiB, read + write): {copy_gbs:.0f} GB/s")  # fmt: skip
+    print("decode attention, one token per request, bfloat16, head_dim 128, 16-token blocks")
+    rows = []
+    for shape in QUICK if args.quick else FULL:
+        rows.append(bench_shape(shape, device, num_sms, copy_gbs, peak))
+        torch.cuda.empty_cache()
+    print_table(rows)
+    big = [r for r in rows if r["kv_gb"] >= 1.0]
+    if big:
+        worst = min(r["pct_copy"] for r in big)
+        verdict = "met" if worst >= 85 else "NOT met"
+        print(f"target >= 85% of copy bandwidth at >= 1 GB of KV: {verdict} (worst {worst:.0f}%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
