@@ -232,14 +232,18 @@ class TritonBackend:
     ) -> torch.Tensor:  # [T, num_heads, head_dim], query.dtype
         _check_inputs(k_cache, v_cache, query)
         query = _last_dim_contiguous(query)
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        # The interpreter's float32 -> bfloat16 cast truncates (a GPU rounds to nearest), which
+        # doubles the error; there the kernels write float32 and torch rounds.
+        interp_bf16 = INTERPRETED and query.dtype == torch.bfloat16
+        out_dtype = torch.float32 if interp_bf16 else query.dtype
+        out = torch.empty(query.shape, dtype=out_dtype, device=query.device)
         if query.shape[0] == 0 or meta.num_seqs == 0:
-            return out
+            return out.to(query.dtype)
         if meta.is_decode_only:
             self._decode(query, k_cache, v_cache, meta, scale, out)
         else:
             self._prefill(query, k_cache, v_cache, meta, scale, out)
-        return out
+        return out.to(query.dtype)
 
     def _prefill(
         self,
@@ -248,7 +252,7 @@ class TritonBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        out: torch.Tensor,  # [T, num_heads, head_dim], written
+        out: torch.Tensor,  # [T, num_heads, head_dim], written (query's dtype or float32)
     ) -> None:
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -274,7 +278,7 @@ class TritonBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        out: torch.Tensor,  # [B, num_heads, head_dim], written
+        out: torch.Tensor,  # [B, num_heads, head_dim], written (query's dtype or float32)
     ) -> None:
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
