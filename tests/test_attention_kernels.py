@@ -212,6 +212,38 @@ def test_importing_the_backend_turns_on_the_interpreter_without_cuda() -> None:
     assert run.stdout.split() == ["1", "True"]
 
 
+ERRORS_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.modules["triton"] = None  # as if Triton were not installed
+    try:
+        import minivllm.attention.triton
+    except ImportError as e:
+        print("ImportError:", e)
+    del sys.modules["triton"]
+    import minivllm.attention.triton as t
+    try:
+        t.TritonBackend()
+    except RuntimeError as e:
+        print("RuntimeError:", e)
+    """
+)
+
+
+def test_backend_errors_say_what_to_do() -> None:
+    """No Triton: how to install it. Interpreter explicitly off without CUDA: how to turn it on."""
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA, compiled kernels are the normal case")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run(
+        [sys.executable, "-c", ERRORS_SCRIPT], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    import_error, runtime_error = run.stdout.strip().splitlines()
+    assert 'pip install "minivllm[triton]"' in import_error
+    assert "TRITON_INTERPRET=1" in runtime_error and "no CUDA" in runtime_error
+
+
 # ====================================================================== compile-only, sm_90
 
 # Runs in a fresh interpreter with TRITON_INTERPRET=0: under the interpreter `@triton.jit` returns
