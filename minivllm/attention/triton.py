@@ -39,7 +39,7 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 
 try:
     import triton
-except ImportError as e:  # pragma: no cover - depends on the installation
+except ImportError as e:
     raise ImportError(
         'the "triton" attention backend needs Triton: pip install "minivllm[triton]"'
     ) from e
@@ -85,12 +85,28 @@ def kernel_tiles(on_gpu: bool, head_dim: int, dtype: torch.dtype) -> KernelTiles
       float32 is for parity, not for speed.
     """
     if not on_gpu:
-        return KernelTiles(128, 128, 128, 4, 1, 256, 4, 1)
+        return KernelTiles(
+            write_block_t=128, prefill_block_m=128, prefill_block_n=128,
+            prefill_warps=4, prefill_stages=1, decode_block_n=256,
+            decode_warps=4, decode_stages=1,
+        )  # fmt: skip
     if dtype == torch.float32:
-        return KernelTiles(16, 32, 32, 4, 2, 32, 4, 2)
+        return KernelTiles(
+            write_block_t=16, prefill_block_m=32, prefill_block_n=32,
+            prefill_warps=4, prefill_stages=2, decode_block_n=32,
+            decode_warps=4, decode_stages=2,
+        )  # fmt: skip
     if head_dim <= 128:
-        return KernelTiles(16, 128, 64, 8, 3, 64, 4, 3)
-    return KernelTiles(16, 64, 32, 4, 2, 32, 4, 2)
+        return KernelTiles(
+            write_block_t=16, prefill_block_m=128, prefill_block_n=64,
+            prefill_warps=8, prefill_stages=3, decode_block_n=64,
+            decode_warps=4, decode_stages=3,
+        )  # fmt: skip
+    return KernelTiles(
+        write_block_t=16, prefill_block_m=64, prefill_block_n=32,
+        prefill_warps=4, prefill_stages=2, decode_block_n=32,
+        decode_warps=4, decode_stages=2,
+    )  # fmt: skip
 
 
 def decode_num_splits(
