@@ -1,0 +1,382 @@
+"""`minivllm bench throughput`: offline output tokens/s of minivllm against transformers, in one run.
+
+The paper's §6 comparison on one machine: the same random workload (vLLM's `random` dataset, every
+request run to its exact output length) through
+
+  minivllm    `LLM.generate`: continuous batching over a paged KV cache (paper §4.5)
+  hf-static   transformers `generate` on fixed batches with left padding: a batch decodes until its
+              longest request is done (the paper's HF baseline); only each request's own tokens count
+  hf-cb       transformers' own continuous batching with its paged cache (its manager API), each
+              request with its own `max_new_tokens`
+
+and, in the same run, the distance to the physical limit. On a few CPU cores the work is compute-
+bound, so minivllm's useful model FLOP/s (2 x parameters per computed token) is set against the
+best dense matmul FLOP/s the machine reaches in the model's dtype. On a GPU the decode phase is
+memory-bound, so decode steps are also timed one by one and their bytes (weights + the KV they
+read) per second are set against a measured device-to-device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from minivllm.benchmarks.common import (
+    GPU_EPILOG,
+    BenchRequest,
+    ModelCost,
+    add_engine_arguments,
+    add_workload_arguments,
+    build_llm,
+    drive_engine,
+    fixed_params,
+    load_hf_model,
+    machine_load,
+    measure_copy_bandwidth,
+    measure_matmul_flops,
+    print_table,
+    prompts_of,
+    run_main,
+    set_epilog,
+    synchronize,
+    timed,
+    warm_up,
+    workload_for,
+    write_json,
+)
+from minivllm.llm import LLM
+
+PEERS = ("hf-static", "hf-cb")
+
+EPILOG = (
+    "The full comparison of the issue (64 prompts, input and output 16-256, both peers, hf-static\n"
+    "at batch 16 and 64; ~10 minutes on 2 idle CPU cores, most of it in the peers):\n"
+    "  minivllm bench throughput --json throughput.json\n"
+    "A quick look (16 prompts, 16-128 tokens, hf-static at batch 16):\n"
+    "  minivllm bench throughput --quick\n"
+    "minivllm alone (and its FLOP/s fraction):\n"
+    "  minivllm bench throughput --peers none\n\n"
+    + GPU_EPILOG.format(
+        name="throughput", extra=" \\\n      --num-prompts 1000 --hf-batch-sizes 64,256"
+    )
+    + "  (on CUDA the decode phase is also reported against the measured copy bandwidth)\n"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser, num_prompts=64, input_len="16-256", output_len="16-256")
+    add_engine_arguments(parser)
+    g = parser.add_argument_group("peers and limits")
+    g.add_argument(
+        "--peers",
+        default="hf-static,hf-cb",
+        help="comma-separated, from hf-static, hf-cb; 'none' for minivllm alone",
+    )
+    g.add_argument(
+        "--hf-batch-sizes",
+        default="16,64",
+        help="hf-static batch sizes, comma-separated (each is one more run)",
+    )
+    g.add_argument(
+        "--quick",
+        action="store_true",
+        help="16 prompts, input and output 16-128, hf-static at batch 16 only",
+    )
+    g.add_argument(
+        "--decode-roofline",
+        action="store_true",
+        help="also time decode steps against copy bandwidth (always on for CUDA)",
+    )
+    set_epilog(parser, EPILOG)
+
+
+# ---------------------------------------------------------------------------------- minivllm
+def run_minivllm(llm: LLM, requests: Sequence[BenchRequest]) -> dict[str, Any]:
+    params = [fixed_params(r.output_len) for r in requests]
+    before = llm.get_stats()
+    t: dict[str, float] = {}
+    with timed(llm.llm_engine.device, t):
+        outputs = llm.generate(prompts_of(requests), params)
+    after = llm.get_stats()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    expected = sum(r.output_len for r in requests)
+    if tokens != expected:
+        raise RuntimeError(f"minivllm generated {tokens} tokens, the workload asks for {expected}")
+    return {
+        "system": "minivllm",
+        "seconds": t["seconds"],
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / t["seconds"],
+        "steps": after.num_steps - before.num_steps,
+        "preemptions": after.num_preemptions - before.num_preemptions,
+        "peak_kv_blocks_used": after.peak_kv_blocks_used,
+    }
+
+
+def run_decode_roofline(
+    llm: LLM, requests: Sequence[BenchRequest], cost: ModelCost
+) -> dict[str, float]:
+    """Decode-only steps, timed one by one: bytes they must read (every weight once, plus each
+    running sequence's K/V) per second, against the device's copy bandwidth."""
+    engine = llm.llm_engine
+    device = engine.device
+    state: dict[str, Any] = {"decode": False}
+    seconds: list[float] = []
+    nbytes: list[int] = []
+
+    def before() -> None:
+        sched = engine.scheduler
+        state["decode"] = (
+            bool(sched.running)
+            and not sched.waiting
+            and all(s.num_tokens - s.num_computed_tokens == 1 for s in sched.running)
+        )
+        if state["decode"]:
+            state["kv_tokens"] = sum(s.num_tokens for s in sched.running)
+            synchronize(device)
+            state["start"] = time.perf_counter()
+
+    def after() -> None:
+        if state["decode"]:
+            synchronize(device)
+            seconds.append(time.perf_counter() - state["start"])
+            nbytes.append(cost.weight_bytes + state["kv_tokens"] * cost.kv_bytes_per_token)
+
+    params = [fixed_params(r.output_len) for r in requests]
+    drive_engine(llm, requests, params, before, after, desc="decode roofline")
+    copy_bw = measure_copy_bandwidth(device, nbytes=2**30 if device.type == "cuda" else 2**28)
+    achieved = sum(nbytes) / max(sum(seconds), 1e-12)
+    return {
+        "decode_steps": len(seconds),
+        "decode_seconds": sum(seconds),
+        "mean_bytes_per_decode_step": sum(nbytes) / max(len(nbytes), 1),
+        "decode_bytes_per_s": achieved,
+        "copy_bytes_per_s": copy_bw,
+        "fraction_of_copy_bandwidth": achieved / copy_bw,
+    }
+
+
+# ---------------------------------------------------------------------------------- peers
+def run_hf_static(
+    model: Any, requests: Sequence[BenchRequest], batch_size: int, pad_id: int
+) -> dict[str, Any]:
+    """Fixed batches in arrival order, left-padded; each batch generates its longest output."""
+    device = model.device
+    useful = 0
+    generated = 0
+    t: dict[str, float] = {}
+    bar = tqdm(total=len(requests), desc=f"hf-static (batch {batch_size})", unit="req")
+    with timed(device, t), torch.no_grad():
+        for i in range(0, len(requests), batch_size):
+            batch = requests[i : i + batch_size]
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = [[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch]
+            mask = [
+                [0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
+                for r in batch
+            ]
+            longest = max(r.output_len for r in batch)
+            out = model.generate(
+                torch.tensor(ids, device=device),
+                attention_mask=torch.tensor(mask, device=device),
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+            generated += (out.shape[1] - width) * len(batch)
+            useful += sum(r.output_len for r in batch)
+            bar.update(len(batch))
+    bar.close()
+    return {
+        "system": f"hf-static (batch {batch_size})",
+        "seconds": t["seconds"],
+        "output_tokens": useful,
+        "output_tokens_per_s": useful / t["seconds"],
+        "generated_tokens_incl_padding": generated,
+    }
+
+
+def run_hf_cb(
+    model: Any, requests: Sequence[BenchRequest], max_batch_tokens: int, pad_id: int
+) -> dict[str, Any]:
+    """transformers' continuous batching manager, one `add_request` per request with its own
+    `max_new_tokens`; `eos_token_id=-1` turns EOS off (the peers' `ignore_eos`)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    page = 256  # transformers' default page size
+    longest = max(r.output_len for r in requests)
+    gen_config = GenerationConfig(
+        do_sample=False, max_new_tokens=longest, eos_token_id=-1, pad_token_id=pad_id
+    )
+    # Sized to hold the whole workload at once: on CPU the manager would otherwise size its cache
+    # from the machine's free RAM.
+    num_blocks = sum(-(-(len(r.prompt_token_ids) + r.output_len) // page) for r in requests)
+    cb_config = ContinuousBatchingConfig(
+        num_blocks=num_blocks + len(requests), max_batch_tokens=max_batch_tokens
+    )
+    results: dict[str, Any] = {}
+    t: dict[str, float] = {}
+    bar = tqdm(total=len(requests), desc="hf-cb", unit="req")
+    with (
+        model.continuous_batching_context_manager(
+            generation_config=gen_config, continuous_batching_config=cb_config, warmup=False
+        ) as manager,
+        timed(model.device, t),
+    ):
+        for i, r in enumerate(requests):
+            manager.add_request(
+                r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.output_len, eos_token_id=-1
+            )
+        while len(results) < len(requests):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching loop stopped early")
+                continue
+            if result.is_finished():
+                results[result.request_id] = result
+                bar.update(1)
+    bar.close()
+    tokens = sum(len(r.generated_tokens) for r in results.values())
+    return {
+        "system": "hf-cb",
+        "seconds": t["seconds"],
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / t["seconds"],
+    }
+
+
+def warm_up_hf(model: Any, pad_id: int) -> None:
+    with torch.no_grad():
+        model.generate(
+            torch.tensor([[1, 2, 3, 4]], device=model.device),
+            max_new_tokens=2,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+
+
+# ---------------------------------------------------------------------------------- main
+def main(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.num_prompts, args.input_len, args.output_len = 16, (16, 128), (16, 128)
+        args.hf_batch_sizes = "16"
+    peers = [p for p in args.peers.split(",") if p and p != "none"]
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        raise SystemExit(f"--peers must be from {PEERS} (or 'none'), got {sorted(unknown)}")
+    batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
+
+    llm = build_llm(args)
+    engine = llm.llm_engine
+    device, dtype = engine.device, engine.dtype
+    requests = workload_for(llm, args)
+    cost = ModelCost.of(llm)
+    num_in = sum(len(r.prompt_token_ids) for r in requests)
+    num_out = sum(r.output_len for r in requests)
+    print(
+        f"workload: {len(requests)} prompts, {num_in:,} prompt + {num_out:,} output tokens "
+        f"(input {args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-"
+        f"{args.output_len[1]}, seed {args.seed}); model {engine.source.name}, "
+        f"{str(dtype).removeprefix('torch.')}, {device}, {engine.attention_backend} attention; "
+        f"{machine_load()}"
+    )
+
+    peak_flops = measure_matmul_flops(dtype, device)
+    warm_up(llm)
+    rows = [run_minivllm(llm, requests)]
+    roofline = None
+    if device.type == "cuda" or args.decode_roofline:
+        roofline = run_decode_roofline(llm, requests, cost)
+    hf_dtype = dtype
+    del llm, engine
+    gc.collect()
+
+    if peers:
+        model = load_hf_model(args.model, hf_dtype, device)
+        pad_id = model.generation_config.pad_token_id
+        if pad_id is None:
+            pad_id = model.config.eos_token_id if model.config.eos_token_id is not None else 0
+        if isinstance(pad_id, list):
+            pad_id = pad_id[0]
+        warm_up_hf(model, pad_id)
+        if "hf-static" in peers:
+            rows += [run_hf_static(model, requests, b, pad_id) for b in batch_sizes]
+        if "hf-cb" in peers:
+            rows.append(run_hf_cb(model, requests, args.max_num_batched_tokens, pad_id))
+        del model
+        gc.collect()
+
+    mini = rows[0]["output_tokens_per_s"]
+    for row in rows:
+        row["minivllm_speedup"] = mini / row["output_tokens_per_s"]
+    print()
+    print_table(
+        ["system", "output tokens", "seconds", "output tok/s", "minivllm is x faster"],
+        [
+            [
+                r["system"],
+                r["output_tokens"],
+                r["seconds"],
+                r["output_tokens_per_s"],
+                r["minivllm_speedup"],
+            ]
+            for r in rows
+        ],
+    )
+
+    useful = cost.useful_flops(requests)
+    achieved = useful / rows[0]["seconds"]
+    roofline_tps = num_out / (useful / peak_flops)
+    flops = {
+        "useful_model_flops": useful,
+        "minivllm_flops_per_s": achieved,
+        "matmul_peak_flops_per_s": peak_flops,
+        "fraction_of_matmul_peak": achieved / peak_flops,
+        "roofline_output_tokens_per_s": roofline_tps,
+    }
+    print(
+        f"\nuseful work {useful / 1e12:.2f} TFLOP (2 x {cost.body_params / 1e6:.1f}M body params per "
+        f"computed token + 2 x {cost.lm_head_params / 1e6:.1f}M LM head per sampled token)\n"
+        f"minivllm {achieved / 1e9:.1f} GFLOP/s = {achieved / peak_flops:.1%} of the measured "
+        f"{str(dtype).removeprefix('torch.')} matmul peak {peak_flops / 1e9:.1f} GFLOP/s "
+        f"(roofline {roofline_tps:.0f} output tok/s)"
+    )
+    if roofline is not None:
+        print(
+            f"decode phase: {roofline['decode_steps']} steps, "
+            f"{roofline['mean_bytes_per_decode_step'] / 2**20:.1f} MiB read per step, "
+            f"{roofline['decode_bytes_per_s'] / 1e9:.1f} GB/s = "
+            f"{roofline['fraction_of_copy_bandwidth']:.1%} of the measured copy bandwidth "
+            f"{roofline['copy_bytes_per_s'] / 1e9:.1f} GB/s"
+        )
+    print(f"({machine_load()})")
+    write_json(
+        args.json,
+        {
+            "benchmark": "throughput",
+            "args": vars(args),
+            "machine": machine_load(),
+            "workload": {
+                "num_prompts": len(requests),
+                "prompt_tokens": num_in,
+                "output_tokens": num_out,
+            },
+            "systems": rows,
+            "flops": flops,
+            "decode_roofline": roofline,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_main(add_arguments, main, __doc__))
