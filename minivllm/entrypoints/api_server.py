@@ -1,0 +1,247 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine)` and its routes.
+
+Why FastAPI + uvicorn + pydantic: it is vLLM's own stack (vllm/entrypoints/openai/api_server.py),
+so its code maps onto ours line for line; pydantic models are the request schema *and* the
+validator (with the field name in every error); uvicorn is a production ASGI server with clean
+disconnect signalling, which the abort-on-disconnect path needs; and streaming is Starlette's
+`StreamingResponse` over an async generator — no SSE framework needed. The alternatives (aiohttp,
+a hand-written asyncio server) would mean writing validation, routing and error mapping ourselves.
+
+Request bodies are validated by hand (`Model.model_validate_json(body)`) instead of through
+FastAPI's parameter injection: it lets bad JSON, wrong types and unknown fields all become OpenAI's
+400 error object (FastAPI's default is a 422 in its own shape), and it lets the body-size limit
+apply before any parsing. Two pure-ASGI middlewares (not `BaseHTTPMiddleware`, which would hide
+client disconnects from streaming responses) check the API key and the body size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import minivllm
+from minivllm.engine import LLMEngine
+from minivllm.entrypoints.async_engine import AsyncLLMEngine
+from minivllm.entrypoints.metrics import ServerMetrics
+from minivllm.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeRequest,
+)
+from minivllm.entrypoints.serving import OpenAIServing, error_response
+
+logger = logging.getLogger("minivllm")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: ~1M tokens of text, far past any context
+DEFAULT_MAX_WAITING_REQUESTS = 1024  # beyond this, new requests get 503 + Retry-After
+
+
+# ---------------------------------------------------------------------- middleware
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _send_error(send: Send, exc: OpenAIError) -> None:
+    resp = error_response(exc)
+    await send(
+        {"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers}
+    )
+    await send({"type": "http.response.body", "body": resp.body})
+
+
+class GuardMiddleware:
+    """401 on /v1/* without the API key; 413 for a body over `max_body_bytes`, known from
+    Content-Length up front or found while reading a chunked body."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"].startswith("/v1"):
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):  # constant time: no timing oracle
+                await _send_error(send, OpenAIError("Unauthorized: missing or wrong API key", 401))
+                return
+        limit = self.max_body_bytes
+        too_large = OpenAIError(f"the request body is larger than {limit} bytes", 413)
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            await _send_error(send, too_large)
+            return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await _send_error(send, too_large)
+
+
+# ---------------------------------------------------------------------- the app
+def _validation_error(exc: ValidationError) -> OpenAIError:
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    if err["type"] == "json_invalid":
+        return OpenAIError(f"the body is not valid JSON: {err['msg']}", param=None)
+    if err["type"] == "extra_forbidden":
+        return OpenAIError(f"Unrecognized request argument supplied: {loc}", param=loc)
+    if err["type"] == "missing":
+        return OpenAIError(f"missing required field: {loc}", param=loc)
+    return OpenAIError(f"{loc}: {err['msg']}", param=loc or None)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    body = await request.body()
+    try:
+        return model.model_validate_json(body or b"{}")
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def build_app(
+    engine: LLMEngine,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+    log_stats_interval_s: float = 5.0,
+    on_ready: Callable[[], None] | None = None,
+) -> FastAPI:
+    """An app serving `engine`; its engine thread starts and stops with the app's lifespan."""
+    names = served_model_names or [engine.source.name]
+    metrics = ServerMetrics(names[0], log_stats_interval_s)
+    async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step)
+    serving = OpenAIServing(
+        async_engine, names, max_waiting_requests, engine.config.scheduler.max_num_seqs
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        if on_ready is not None:
+            on_ready()
+        yield
+        await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="minivllm", version=minivllm.__version__, lifespan=lifespan)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_req: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_req: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(OpenAIError(f"internal error: {type(exc).__name__}", 500))
+
+    def disconnect_watcher(request: Request) -> Any:
+        async def wait() -> None:  # returns when the client has gone away
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        return wait
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return error_response(OpenAIError("the engine is not running", 503))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": minivllm.__version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "minivllm",
+                "root": engine.source.name,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in names
+        ]
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        req = await _parse(request, CompletionRequest)
+        return await serving.create_completion(req, disconnect_watcher(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        req = await _parse(request, ChatCompletionRequest)
+        return await serving.create_chat_completion(req, disconnect_watcher(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = await _parse(request, TokenizeRequest)
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise OpenAIError("give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            ids = serving.apply_chat_template(req.messages, req.add_generation_prompt)
+        else:
+            assert req.prompt is not None
+            ids = list(
+                engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            )
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = await _parse(request, DetokenizeRequest)
+        serving.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise OpenAIError(
+                f"tokens must be in [0, {engine.vocab_size - 1}], got {bad[0]}", param="tokens"
+            )
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    return app

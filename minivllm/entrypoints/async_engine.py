@@ -1,0 +1,183 @@
+"""AsyncLLMEngine: the blocking `LLMEngine` driven by one thread, fed and read from asyncio.
+
+vLLM's `AsyncLLM` (vllm/v1/engine/async_llm.py) puts the engine core in another process and talks
+to it over ZeroMQ; here a thread is enough, because `LLMEngine.step()` spends its time in PyTorch
+ops, which release the GIL. The design keeps the engine single-threaded all the same:
+
+- Handlers never touch the engine. `add_request` / `abort` put a command on a thread-safe queue;
+  the engine thread applies the commands *between* steps, so no step ever sees a half-added request
+  or a block table freed under it.
+- The engine thread hands each `RequestOutput` to the request's `asyncio.Queue` with
+  `loop.call_soon_threadsafe` (an asyncio queue is not thread-safe; only the loop may touch it).
+- When nothing is pending the thread blocks on the command queue instead of spinning.
+- After each step it publishes an `EngineStats` snapshot, which handlers read (for the
+  waiting-queue bound) without reaching into the scheduler from another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from minivllm.engine import LLMEngine, PromptType
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.stats import EngineStats
+
+logger = logging.getLogger("minivllm")
+
+# What a request's queue receives: cumulative outputs, or the exception that ended it.
+StreamItem = RequestOutput | BaseException
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    sink: Callable[[StreamItem], None]
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+class AsyncLLMEngine:
+    """Runs `engine` in a daemon thread; `start()` it from the event loop that will read outputs."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None,
+        idle_wakeup_s: float = 1.0,
+    ) -> None:
+        self.engine = engine
+        self.on_step = on_step  # metrics and stats logging hook; runs in the engine thread
+        self.idle_wakeup_s = idle_wakeup_s  # how often an idle thread wakes to call on_step
+        self.stats: EngineStats = engine.get_stats()
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._sinks: dict[str, Callable[[StreamItem], None]] = {}
+        # Adds queued but not applied yet = queued - applied; each counter has one writer thread.
+        self._num_adds_queued = 0
+        self._num_adds_applied = 0
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead_error: BaseException | None = None
+
+    # ------------------------------------------------------------------ the event-loop side
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._commands.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting in the scheduler, plus requests not yet handed to it."""
+        return self.stats.num_waiting + self._num_adds_queued - self._num_adds_applied
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        out: asyncio.Queue[StreamItem],
+    ) -> None:
+        """Queue a request; its outputs (and a failure, as an exception) arrive on `out`.
+
+        Several requests may share one queue (a completion with several prompts); outputs carry
+        their `request_id`.
+        """
+        assert self._loop is not None, "start() the engine first"
+        loop = self._loop
+
+        def sink(item: StreamItem) -> None:
+            loop.call_soon_threadsafe(out.put_nowait, item)
+
+        self._num_adds_queued += 1
+        self._commands.put(_Add(request_id, prompt, params, sink))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests (e.g. the client went away); their KV blocks are freed at the next step."""
+        if request_ids:
+            self._commands.put(_Abort(list(request_ids)))
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                busy = engine.has_unfinished_requests()
+                # Idle: sleep until a command comes (waking now and then to log stats). Busy:
+                # take the commands that have arrived, without waiting, and step.
+                commands: list[_Add | _Abort | None] = []
+                try:
+                    commands.append(self._commands.get(block=not busy, timeout=self.idle_wakeup_s))
+                    while True:
+                        commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                for cmd in commands:
+                    if cmd is None:
+                        self._abort_all()
+                        return
+                    self._apply(cmd)
+                if not (commands or engine.has_unfinished_requests()):
+                    self._publish([])  # idle tick: stats logging stays on schedule
+                    continue
+                outputs = engine.step()  # also returns the outputs of requests aborted above
+                for out in outputs:
+                    sink = self._sinks.get(out.request_id)
+                    if sink is not None:
+                        sink(out)
+                    if out.finished:
+                        self._sinks.pop(out.request_id, None)
+                self._publish(outputs)
+        except BaseException as exc:  # the engine is broken: fail every open request loudly
+            logger.exception("the engine thread died")
+            self.dead_error = exc
+            for sink in self._sinks.values():
+                sink(RuntimeError(f"the engine failed: {exc}"))
+            self._sinks.clear()
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            self.engine.abort_request(cmd.request_ids)
+            return
+        self._num_adds_applied += 1
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+        except Exception as exc:  # validated by the handler already; report, don't die
+            cmd.sink(exc)
+            return
+        self._sinks[cmd.request_id] = cmd.sink
+
+    def _abort_all(self) -> None:
+        ids = list(self._sinks)
+        self.engine.abort_request(ids)
+        self.engine.step()
+        for sink in self._sinks.values():
+            sink(RuntimeError("the server is shutting down"))
+        self._sinks.clear()
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        self.stats = self.engine.get_stats()
+        if self.on_step is not None:
+            try:
+                self.on_step(self.stats, outputs)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("on_step hook failed")

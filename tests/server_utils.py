@@ -1,0 +1,95 @@
+"""Start `minivllm serve` as a subprocess on a free loopback port, for the server tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+
+STARTUP_TIMEOUT_S = 180.0  # model load on a contended 2-CPU machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RemoteServer:
+    url: str  # http://127.0.0.1:PORT
+    process: subprocess.Popen
+    log_path: str
+    api_key: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {sample name with labels: value}, e.g. 'minivllm:num_preemptions_total'."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples called `name` whose labels include `labels`."""
+        total = 0.0
+        for key, value in self.metrics().items():
+            base = key.split("{", 1)[0]
+            if base == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+                total += value
+        return total
+
+
+@contextmanager
+def run_server(args: Sequence[str] = (), api_key: str | None = None) -> Iterator[RemoteServer]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--port", str(port)]
+    cmd += ["--log-stats-interval", "2", "--uvicorn-log-level", "warning", *args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    # Closed in the finally below; kept after the test for reading failures.
+    log = tempfile.NamedTemporaryFile("w", prefix="minivllm-serve-", suffix=".log", delete=False)  # noqa: SIM115
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = RemoteServer(f"http://127.0.0.1:{port}", proc, log.name, api_key)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}):\n{server.log()}")
+            try:
+                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start in time:\n{server.log()}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
