@@ -1,0 +1,292 @@
+"""`minivllm bench memory`: where the KV memory goes, minivllm against a naive allocator (paper Fig. 2).
+
+The paper's Fig. 2 splits the KV memory of a serving system into
+
+  token states         slots holding the K/V of tokens computed so far
+  reserved             slots set aside for tokens the request will generate but has not yet
+  fragmented           slots that will never hold a token: for a system that reserves
+                       `max_model_len` per request, the over-reservation beyond the request's final
+                       length; for PagedAttention, the unfilled tail of each request's last block
+
+Both systems run the same workload under the same KV budget (`--num-kv-blocks` x `--block-size`
+slots). minivllm runs for real, driven one `step()` at a time so that the block manager can be
+read after every step. The naive allocator is simulated on the same requests with the same
+scheduling rules (FCFS admission, the same token budget and `max_num_seqs`, decodes first, chunked
+prompts), except that admitting a request reserves `max_model_len` contiguous slots up front, as
+the systems before vLLM did (Orca (Max) in the paper). A PNG shows both runs step by step.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from minivllm.benchmarks.common import (
+    GPU_EPILOG,
+    BenchRequest,
+    add_engine_arguments,
+    add_workload_arguments,
+    build_llm,
+    drive_engine,
+    fixed_params,
+    machine_load,
+    print_table,
+    run_main,
+    set_epilog,
+    workload_for,
+    write_json,
+)
+
+EPILOG = (
+    "Default: the throughput workload (64 prompts, 16-256 in/out) under 1024 blocks of 16 slots,\n"
+    "with the naive allocator reserving max_model_len=2048 slots per request; ~1-2 minutes on CPU.\n"
+    "  minivllm bench memory --plot kv_memory.png --json memory.json\n\n"
+    + GPU_EPILOG.format(name="memory", extra=" \\\n      --num-prompts 1000 --num-kv-blocks 4096")
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser, num_prompts=64, input_len="16-256", output_len="16-256")
+    add_engine_arguments(parser)
+    g = parser.add_argument_group("KV budget")
+    g.add_argument("--num-kv-blocks", type=int, default=1024, help="the fixed KV budget, in blocks")
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=2048,
+        help="context limit; what the naive allocator reserves per request",
+    )
+    g.add_argument("--plot", type=Path, default=Path("kv_memory.png"), help="'' for no plot")
+    set_epilog(parser, EPILOG)
+
+
+# ---------------------------------------------------------------------------------- accounting
+@dataclass
+class StepUsage:
+    """KV slots after one step; used = token_states + reserved + fragmented."""
+
+    used: int  # slots held by running requests
+    token_states: int  # slots holding computed K/V
+    reserved: int  # slots held for tokens not yet generated
+    fragmented: int  # slots that will never hold a token
+    running: int  # requests holding memory
+
+
+def shares(steps: Sequence[StepUsage]) -> dict[str, float]:
+    """Shares of used slots, summed over the given steps (one step: that moment)."""
+    used = sum(s.used for s in steps) or 1
+    return {
+        "token_states": sum(s.token_states for s in steps) / used,
+        "reserved": sum(s.reserved for s in steps) / used,
+        "fragmented": sum(s.fragmented for s in steps) / used,
+    }
+
+
+def peak_step(steps: Sequence[StepUsage]) -> StepUsage:
+    """The step with the most used slots (ties: the one with the most token states)."""
+    return max(steps, key=lambda s: (s.used, s.token_states))
+
+
+def summarize(steps: Sequence[StepUsage]) -> dict[str, Any]:
+    peak = peak_step(steps)
+    return {
+        "steps": len(steps),
+        "peak_concurrent_requests": max(s.running for s in steps),
+        "peak_used_slots": peak.used,
+        "at_peak": shares([peak]),
+        "over_run": shares(steps),
+    }
+
+
+# ---------------------------------------------------------------------------------- minivllm
+def trace_minivllm(args: argparse.Namespace) -> tuple[list[StepUsage], dict[str, Any]]:
+    llm = build_llm(
+        args,
+        num_gpu_blocks_override=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False,  # Fig. 2 is about one request's own memory, not sharing
+    )
+    requests = workload_for(llm, args)
+    engine = llm.llm_engine
+    bm = engine.block_manager
+    bs = bm.block_size
+    steps: list[StepUsage] = []
+
+    def after_step() -> None:
+        st = bm.get_stats()
+        used = st.num_used_blocks * bs
+        filled = round(st.kv_slot_utilization * used) if used else 0
+        # No slot is held ahead of need: a block is taken when its first token is scheduled, so
+        # the only slack is the unfilled end of each sequence's last block.
+        steps.append(StepUsage(used, filled, 0, used - filled, len(engine.scheduler.running)))
+
+    params = [fixed_params(r.output_len) for r in requests]
+    drive_engine(llm, requests, params, after_step=after_step, desc="minivllm")
+    stats = llm.get_stats()
+    extra = {
+        "preemptions": stats.num_preemptions,
+        "engine_peak_kv_blocks_used": stats.peak_kv_blocks_used,
+        "engine_peak_kv_slot_utilization": stats.peak_kv_slot_utilization,
+        "requests": [(len(r.prompt_token_ids), r.output_len) for r in requests],
+    }
+    return steps, extra
+
+
+# ---------------------------------------------------------------------------------- the naive twin
+@dataclass
+class _NaiveSeq:
+    prompt_len: int
+    final_len: int  # tokens whose K/V is ever computed: prompt + output - 1
+    computed: int = 0
+
+
+def simulate_naive(
+    requests: Sequence[BenchRequest],
+    num_slots: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> list[StepUsage]:
+    """The scheduler's rules with up-front reservation of `max_model_len` slots per request."""
+    if max_model_len > num_slots:
+        raise ValueError(
+            f"the KV budget ({num_slots} slots) cannot hold one max_model_len ({max_model_len}) reservation"
+        )
+    waiting = deque(
+        _NaiveSeq(len(r.prompt_token_ids), len(r.prompt_token_ids) + r.output_len - 1)
+        for r in requests
+    )
+    running: list[_NaiveSeq] = []
+    steps: list[StepUsage] = []
+    while waiting or running:
+        budget = max_num_batched_tokens
+        for seq in running:  # decodes and unfinished prompt chunks first, oldest first
+            n = min(1 if seq.computed >= seq.prompt_len else seq.prompt_len - seq.computed, budget)
+            seq.computed += n
+            budget -= n
+        while (
+            waiting
+            and budget > 0
+            and len(running) < max_num_seqs
+            and (len(running) + 1) * max_model_len <= num_slots
+        ):
+            seq = waiting.popleft()
+            n = min(seq.prompt_len, budget)
+            seq.computed += n
+            budget -= n
+            running.append(seq)
+        # A request whose K/V is complete samples its last token this step and leaves.
+        done = [s for s in running if s.computed >= s.final_len]
+        steps.append(
+            StepUsage(
+                used=len(running) * max_model_len,
+                token_states=sum(s.computed for s in running),
+                reserved=sum(s.final_len - s.computed for s in running),
+                fragmented=sum(max_model_len - s.final_len for s in running),
+                running=len(running),
+            )
+        )
+        running = [s for s in running if s not in done]
+    return steps
+
+
+# ---------------------------------------------------------------------------------- plot, main
+def plot(path: Path, traces: dict[str, list[StepUsage]], budget_slots: int, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(traces), 1, figsize=(9, 3.2 * len(traces)), sharey=True)
+    for ax, (name, steps) in zip(axes, traces.items()):
+        x = range(1, len(steps) + 1)
+        ax.fill_between(x, [s.used for s in steps], step="post", alpha=0.25, label="slots in use")
+        ax.plot(
+            x, [s.token_states for s in steps], drawstyle="steps-post", label="slots holding tokens"
+        )
+        ax.axhline(budget_slots, color="grey", linestyle="--", linewidth=1, label="KV budget")
+        ax.set_title(
+            f"{name}: {shares(steps)['token_states']:.1%} of used slots hold tokens (over the run)"
+        )
+        ax.set_xlabel("engine step")
+        ax.set_ylabel("KV slots")
+        ax.legend(loc="upper right", fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot written to {path}")
+
+
+def main(args: argparse.Namespace) -> int:
+    budget_slots = args.num_kv_blocks * args.block_size
+    if args.max_model_len > budget_slots:
+        raise SystemExit(
+            f"--max-model-len ({args.max_model_len}) must fit in the KV budget "
+            f"({args.num_kv_blocks} x {args.block_size} = {budget_slots} slots)"
+        )
+    mini_steps, extra = trace_minivllm(args)
+    requests = [BenchRequest([0] * p, o) for p, o in extra.pop("requests")]
+    naive_steps = simulate_naive(
+        requests, budget_slots, args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens
+    )
+    results = {"minivllm": summarize(mini_steps), "naive": summarize(naive_steps)}
+    results["minivllm"].update(extra)
+
+    print(
+        f"\nKV budget {args.num_kv_blocks} blocks x {args.block_size} = {budget_slots:,} slots; "
+        f"{len(requests)} requests; naive reserves {args.max_model_len} slots per request"
+    )
+    rows = []
+    for name, r in results.items():
+        for when in ("at_peak", "over_run"):
+            s = r[when]
+            rows.append(
+                [
+                    f"{name} ({when.replace('_', ' ')})",
+                    f"{s['token_states']:.1%}",
+                    f"{s['reserved']:.1%}",
+                    f"{s['fragmented']:.1%}",
+                    r["peak_concurrent_requests"],
+                    r["steps"],
+                ]
+            )
+    print_table(
+        ["allocator", "token states", "reserved", "fragmented", "peak concurrent", "steps"], rows
+    )
+    print(
+        f"minivllm engine stats: peak {results['minivllm']['engine_peak_kv_blocks_used']} blocks, "
+        f"slot utilization at peak {results['minivllm']['engine_peak_kv_slot_utilization']:.1%}, "
+        f"{results['minivllm']['preemptions']} preemptions ({machine_load()})"
+    )
+    if args.plot and str(args.plot):
+        plot(
+            args.plot,
+            {"minivllm (paged)": mini_steps, f"naive (reserve {args.max_model_len})": naive_steps},
+            budget_slots,
+            f"KV memory over the run, {len(requests)} requests, budget {budget_slots:,} slots",
+        )
+    write_json(
+        args.json,
+        {
+            "benchmark": "memory",
+            "args": vars(args),
+            "machine": machine_load(),
+            "budget_slots": budget_slots,
+            "results": results,
+            "per_step": {
+                "minivllm": [asdict(s) for s in mini_steps],
+                "naive": [asdict(s) for s in naive_steps],
+            },
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_main(add_arguments, main, __doc__))
