@@ -24,6 +24,7 @@ def _positive(name: str, value: object) -> None:
 class ModelConfig:
     model: str | None = None  # folder, .gguf file, hub id; None = the bundled SmolLM2-135M-Instruct
     tokenizer: str | None = None  # folder or hub id; None = the model's own
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have no text
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # "cuda" when available, else "cpu"
     seed: int = 0  # seeds the per-request generators of unseeded random sampling

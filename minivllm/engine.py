@@ -65,7 +65,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(mc.dtype, self.device)
         self.attention_backend = resolve_backend_name(mc.attention_backend, self.device)
         self.source = resolve_model(mc.model)
-        self.tokenizer = load_tokenizer(self.source, mc.tokenizer)
+        self.tokenizer: Any = (
+            None if mc.skip_tokenizer_init else load_tokenizer(self.source, mc.tokenizer)
+        )
         backend = get_attention_backend(self.attention_backend, self.device)
         model_config = load_config(self.source)
         model_max = model_config.max_position_embeddings
@@ -93,7 +95,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.dtype, self.device)
         self.sampler = Sampler()
-        self.eos_token_id: int | None = self.tokenizer.eos_token_id
+        self.eos_token_id: int | None = (
+            self.tokenizer.eos_token_id
+            if self.tokenizer is not None
+            else next(iter(model_config.eos_token_ids), None)
+        )
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(mc.seed)
@@ -123,6 +129,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -178,9 +186,11 @@ class LLMEngine:
             # draw a seed from the engine's RNG, so a whole run is reproducible from LLM(seed=...).
             seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        detok = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, params, self.eos_token_id
-        )
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params, self.eos_token_id
+            )
         self._next_seq_id += 1
         return Sequence(
             seq_id=self._next_seq_id,
@@ -320,17 +330,19 @@ class LLMEngine:
         seq.logprobs.append(entry)
         seq.cumulative_logprob += sampled_lp[j]
 
-    def _decode_one(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id]))
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else str(self.tokenizer.decode([token_id]))
 
     def _postprocess_token(self, seq: Sequence, token: int) -> None:
-        assert seq.detokenizer is not None
-        seq.detokenizer.append([token])
+        stop_str = None
+        if seq.detokenizer is not None:
+            seq.detokenizer.append([token])
+            stop_str = seq.detokenizer.stop_string_matched
         stop = check_stop(
             seq.output_token_ids,
             seq.request.params,
             self.eos_token_id,
-            seq.detokenizer.stop_string_matched,
+            stop_str,
             seq.num_tokens,
             self.max_model_len,
         )

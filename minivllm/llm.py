@@ -36,6 +36,7 @@ class LLM:
         model: str | None = None,
         *,
         tokenizer: str | None = None,
+        skip_tokenizer_init: bool = False,
         dtype: str = "auto",
         device: str = "auto",
         seed: int = 0,
@@ -51,7 +52,14 @@ class LLM:
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
-                model, tokenizer, dtype, device, seed, max_model_len, attention_backend
+                model=model,
+                tokenizer=tokenizer,
+                skip_tokenizer_init=skip_tokenizer_init,
+                dtype=dtype,
+                device=device,
+                seed=seed,
+                max_model_len=max_model_len,
+                attention_backend=attention_backend,
             ),
             cache=CacheConfig(
                 block_size,

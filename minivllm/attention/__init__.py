@@ -34,8 +34,12 @@ class AttentionMetadata:
 
     query_start_loc: torch.Tensor  # int32 [B + 1]  prefix sums of new-token counts
     seq_lens: torch.Tensor  # int32 [B]  tokens in cache after this step's write
-    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq]  logical -> physical block (padded with 0)
-    slot_mapping: torch.Tensor  # int64 [T]  flat slot (block * block_size + offset) per new token; -1 skips
+    block_tables: (
+        torch.Tensor
+    )  # int32 [B, max_blocks_per_seq]  logical -> physical block (padded with 0)
+    slot_mapping: (
+        torch.Tensor
+    )  # int64 [T]  flat slot (block * block_size + offset) per new token; -1 skips
     max_query_len: int
     max_seq_len: int
 
@@ -86,7 +90,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def get_attention_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
+def get_attention_backend(
+    name: str = "auto", device: torch.device | None = None
+) -> AttentionBackend:
     """Return the backend called `name` ("reference", "triton" or "auto" for the device)."""
     resolved = resolve_backend_name(name, device or torch.device("cpu"))
     if resolved == "triton":
