@@ -79,7 +79,7 @@ def fixed_params(output_len: int, **kwargs: Any) -> SamplingParams:
     return SamplingParams(max_tokens=output_len, ignore_eos=True, **kwargs)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser, num_kv_blocks: int | None = None) -> None:
     """The engine and the model under test (vLLM's engine argument names)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="folder, .gguf or hub id (default: SmolLM2-135M)")
@@ -89,6 +89,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=num_kv_blocks,
+        help="KV cache size in blocks (num_gpu_blocks_override); default: the engine's own sizing",
+    )
     g.add_argument("--json", type=Path, default=None, help="also write the results to this file")
 
 
@@ -111,6 +117,7 @@ def build_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "seed": args.seed,
+        "num_gpu_blocks_override": args.num_kv_blocks,
     }
     kwargs.update(overrides)
     return LLM(args.model, **kwargs)

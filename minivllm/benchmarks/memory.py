@@ -51,9 +51,8 @@ EPILOG = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser, num_prompts=64, input_len="16-256", output_len="16-256")
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, num_kv_blocks=1024)  # the fixed KV budget
     g = parser.add_argument_group("KV budget")
-    g.add_argument("--num-kv-blocks", type=int, default=1024, help="the fixed KV budget, in blocks")
     g.add_argument(
         "--max-model-len",
         type=int,
@@ -106,7 +105,6 @@ def summarize(steps: Sequence[StepUsage]) -> dict[str, Any]:
 def trace_minivllm(args: argparse.Namespace) -> tuple[list[StepUsage], dict[str, Any]]:
     llm = build_llm(
         args,
-        num_gpu_blocks_override=args.num_kv_blocks,
         max_model_len=args.max_model_len,
         enable_prefix_caching=False,  # Fig. 2 is about one request's own memory, not sharing
     )

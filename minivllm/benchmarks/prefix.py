@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--n-prompt-len", type=int, default=256)
     g.add_argument("--n-output-len", type=int, default=64)
     g.add_argument("--seed", type=int, default=0)
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, num_kv_blocks=2048)  # sized for the defaults; peaks are reported
     set_epilog(parser, EPILOG)
 
 

@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="16 prompts, input and output 16-128, hf-static at batch 16 only",
     )
     g.add_argument(
+        "--matmul-size", type=int, default=2048, help="square matmul size for the FLOP/s peak"
+    )
+    g.add_argument(
         "--decode-roofline",
         action="store_true",
         help="also time decode steps against copy bandwidth (always on for CUDA)",
@@ -290,7 +293,7 @@ def main(args: argparse.Namespace) -> int:
         f"{machine_load()}"
     )
 
-    peak_flops = measure_matmul_flops(dtype, device)
+    peak_flops = measure_matmul_flops(dtype, device, size=args.matmul_size)
     warm_up(llm)
     rows = [run_minivllm(llm, requests)]
     roofline = None

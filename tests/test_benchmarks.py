@@ -1,0 +1,142 @@
+"""Smoke tests of `minivllm bench throughput | memory | prefix`: each main() on a tiny workload and a
+tiny random Llama, checking what the reports must satisfy. Never timing: the CPUs are shared."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from minivllm.benchmarks import memory, prefix, throughput
+from minivllm.benchmarks.common import BenchRequest, length_range, random_requests
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama with SmolLM2's tokenizer: loads in well under a second."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from minivllm.model.loader import resolve_model
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    source = resolve_model(None).path
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, out)
+    return out
+
+
+def parse(module: object, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)  # type: ignore[attr-defined]
+    return parser.parse_args(argv)
+
+
+def test_length_range_accepts_fixed_and_ranges() -> None:
+    assert length_range("16-256") == (16, 256)
+    assert length_range("32") == (32, 32)
+    with pytest.raises(argparse.ArgumentTypeError):
+        length_range("256-16")
+
+
+def test_random_requests_are_reproducible_and_in_range() -> None:
+    a = random_requests(8, (4, 9), (2, 5), 100, seed=3, special_ids=[0, 1, 2])
+    assert a == random_requests(8, (4, 9), (2, 5), 100, seed=3, special_ids=[0, 1, 2])
+    assert all(4 <= len(r.prompt_token_ids) <= 9 and 2 <= r.output_len <= 5 for r in a)
+    assert not {t for r in a for t in r.prompt_token_ids} & {0, 1, 2}
+
+
+def test_throughput_reports_every_system_and_the_flops_fraction(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "throughput.json"
+    argv = ["--model", str(tiny_llama), "--num-prompts", "4", "--input-len", "8-24"]
+    argv += ["--output-len", "3-6", "--peers", "hf-static", "--hf-batch-sizes", "3"]
+    argv += ["--decode-roofline", "--matmul-size", "256", "--num-kv-blocks", "64"]
+    argv += ["--json", str(out)]
+    assert throughput.main(parse(throughput, argv)) == 0
+    report = json.loads(out.read_text())
+    systems = {s["system"]: s for s in report["systems"]}
+    assert set(systems) == {"minivllm", "hf-static (batch 3)"}
+    wanted = report["workload"]["output_tokens"]
+    assert all(s["output_tokens"] == wanted for s in systems.values())
+    # Static batching pads every batch to its longest output: it generates at least the useful tokens.
+    assert systems["hf-static (batch 3)"]["generated_tokens_incl_padding"] >= wanted
+    flops = report["flops"]
+    assert flops["useful_model_flops"] > 0 and flops["matmul_peak_flops_per_s"] > 0
+    assert flops["fraction_of_matmul_peak"] == pytest.approx(
+        flops["minivllm_flops_per_s"] / flops["matmul_peak_flops_per_s"]
+    )
+    assert report["decode_roofline"]["decode_steps"] > 0
+
+
+def test_naive_allocator_never_exceeds_its_budget_and_wastes_the_over_reservation() -> None:
+    requests = [BenchRequest([0] * 10, 5), BenchRequest([0] * 30, 3), BenchRequest([0] * 5, 1)]
+    steps = memory.simulate_naive(requests, 128, 64, 8, 32)
+    assert all(s.used <= 128 and s.running <= 2 for s in steps)
+    assert all(s.token_states + s.reserved + s.fragmented == s.used for s in steps)
+    # Every token computed is one step's token state: prompt + output - 1 per request, in total.
+    assert steps[0].fragmented == (64 - 14) + (64 - 32)
+
+
+def test_memory_shares_sum_to_one_and_paging_beats_reservation(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    out, png = tmp_path / "memory.json", tmp_path / "kv.png"
+    argv = ["--model", str(tiny_llama), "--num-prompts", "8", "--input-len", "8-40"]
+    argv += ["--output-len", "4-12", "--num-kv-blocks", "24", "--max-model-len", "96"]
+    argv += ["--plot", str(png), "--json", str(out)]
+    assert memory.main(parse(memory, argv)) == 0
+    report = json.loads(out.read_text())
+    results = report["results"]
+    for name in ("minivllm", "naive"):
+        for when in ("at_peak", "over_run"):
+            assert sum(results[name][when].values()) == pytest.approx(1.0)
+    assert results["minivllm"]["at_peak"]["reserved"] == 0.0
+    assert (
+        results["naive"]["over_run"]["token_states"]
+        < results["minivllm"]["over_run"]["token_states"]
+    )
+    assert results["naive"]["peak_concurrent_requests"] <= 24 * 16 // 96
+    assert (
+        results["minivllm"]["peak_concurrent_requests"]
+        > results["naive"]["peak_concurrent_requests"]
+    )
+    for step in report["per_step"]["minivllm"]:
+        assert step["used"] <= report["budget_slots"]
+    assert png.stat().st_size > 0
+
+
+def test_prefix_sharing_lowers_prompt_tokens_and_peak_blocks(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "prefix.json"
+    argv = ["--model", str(tiny_llama), "--num-prompts", "4", "--system-prompt-len", "128"]
+    argv += ["--suffix-len", "4-12", "--output-len", "3", "--n-prompts", "2"]
+    argv += ["--n-prompt-len", "64", "--n-output-len", "4", "--num-kv-blocks", "64"]
+    argv += ["--json", str(out)]
+    assert prefix.main(parse(prefix, argv)) == 0
+    no_cache, cache, independent, shared = json.loads(out.read_text())["runs"]
+    # The first request computes the 128 shared tokens; the other three hit all 8 of its blocks.
+    assert cache["prompt_tokens_computed"] == no_cache["prompt_tokens_computed"] - 3 * 128
+    assert cache["prefix_cache_hit_tokens"] == 3 * 128
+    assert cache["peak_kv_blocks_used"] < no_cache["peak_kv_blocks_used"]
+    # n=4: each prompt is computed once instead of four times.
+    assert shared["prompt_tokens_computed"] * 4 == independent["prompt_tokens_computed"]
+    assert shared["peak_kv_blocks_used"] < independent["peak_kv_blocks_used"]
+    assert shared["output_tokens"] == independent["output_tokens"]
