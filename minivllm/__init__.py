@@ -3,6 +3,24 @@
 PagedAttention (Kwon et al., SOSP 2023) and vLLM's engine in small, plain-PyTorch modules: a paged
 KV cache with block tables, copy-on-write and prefix caching, continuous batching with chunked
 prefill and preemption, a full sampler, a Llama model, and an OpenAI-compatible server.
+
+The public names are vLLM's: `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`.
 """
 
+from minivllm.engine import LLMEngine
+from minivllm.llm import LLM
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.stats import EngineStats
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineStats",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
