@@ -316,3 +316,20 @@ def test_metrics_match_what_was_sent(server: RemoteServer, client: openai.OpenAI
     )
     length = 'minivllm:request_success_total{finished_reason="length",model_name="' + MODEL + '"}'
     assert after[length] - before[length] == 3
+
+
+def test_bench_serve_reports_latencies_and_throughput(server: RemoteServer) -> None:
+    import argparse
+
+    from minivllm.benchmarks import serve as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    flags = "--num-prompts 4 --random-input-len 8 --random-output-len 4 --max-concurrency 2"
+    args = parser.parse_args(["--base-url", server.url, *flags.split(), "--request-rate", "50"])
+    summary = asyncio.run(bench.run(args))
+    assert summary["completed"] == 4 and summary["failed"] == 0, summary["errors"]
+    assert summary["total_output_tokens"] == 16 and summary["total_input_tokens"] == 32
+    assert 0 < summary["median_ttft_ms"] <= summary["median_e2el_ms"]
+    assert summary["p99_itl_ms"] > 0 and summary["mean_tpot_ms"] > 0
+    assert summary["output_throughput"] > 0

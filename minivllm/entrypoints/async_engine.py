@@ -63,8 +63,11 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[StreamItem], None]] = {}
         # Adds queued but not applied yet = queued - applied; each counter has one writer thread.
+        # Counted as applied only when the stats that include them are published, so that
+        # `num_waiting` never misses a request that is in neither.
         self._num_adds_queued = 0
         self._num_adds_applied = 0
+        self._num_adds_unpublished = 0  # engine thread only
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead_error: BaseException | None = None
@@ -158,7 +161,7 @@ class AsyncLLMEngine:
         if isinstance(cmd, _Abort):
             self.engine.abort_request(cmd.request_ids)
             return
-        self._num_adds_applied += 1
+        self._num_adds_unpublished += 1
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
         except Exception as exc:  # validated by the handler already; report, don't die
@@ -176,6 +179,8 @@ class AsyncLLMEngine:
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         self.stats = self.engine.get_stats()
+        self._num_adds_applied += self._num_adds_unpublished
+        self._num_adds_unpublished = 0
         if self.on_step is not None:
             try:
                 self.on_step(self.stats, outputs)

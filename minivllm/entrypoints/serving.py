@@ -266,11 +266,11 @@ class OpenAIServing:
         return out, rids
 
     async def _results(
-        self, rid: str, prompts: list[PromptType], params: list[SamplingParams]
+        self, submitted: tuple[asyncio.Queue[StreamItem], list[str]]
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, cumulative output) until every prompt's request finished; on any exit
         (a client disconnect cancels us), the requests still running are aborted."""
-        out, rids = self._submit(rid, prompts, params)
+        out, rids = submitted
         index = {r: i for i, r in enumerate(rids)}
         pending = set(rids)
         try:
@@ -295,7 +295,9 @@ class OpenAIServing:
         is_disconnected: Any,
     ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)
-        results = self._results(rid, prompts, params)
+        # Submitted now, not at the first iteration: the waiting bound must count this request
+        # before the next handler checks it.
+        results = self._results(self._submit(rid, prompts, params))
 
         async def consume() -> None:
             async for i, o in results:
@@ -326,13 +328,14 @@ class OpenAIServing:
         emit_first: bool = False,
     ) -> StreamingResponse:
         n = params[0].n
+        submitted = self._submit(rid, prompts, params)  # now, as in _collect
 
         async def events() -> AsyncIterator[str]:
             # (prompt, sample) -> (characters, tokens) sent so far
             prev: dict[tuple[int, int], tuple[int, int]] = {}
             done: set[tuple[int, int]] = set()
             finals: dict[int, RequestOutput] = {}
-            results = self._results(rid, prompts, params)
+            results = self._results(submitted)
             try:
                 if role_chunk is not None:
                     for i in range(n):

@@ -1,0 +1,196 @@
+"""`minivllm bench serve`: load-test a running OpenAI-compatible server, as vLLM's
+benchmarks/benchmark_serving.py does.
+
+Requests come from the random dataset (prompts of `--random-input-len` random token ids, asked for
+exactly `--random-output-len` tokens with `ignore_eos`), sent to /v1/completions as streams. They
+arrive as a Poisson process at `--request-rate` per second (exponential gaps; `inf` sends them all
+at once), optionally capped at `--max-concurrency` in flight. Per request we record:
+
+- TTFT: send -> first streamed token;  E2E: send -> last byte;
+- ITL: the gaps between streamed chunks;  TPOT: (E2E - TTFT) / (output tokens - 1).
+
+and report their mean, median and percentiles, with request and output-token throughput.
+Works against vLLM itself too (the same API), which is the point of using its names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="default: the server's first model")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--random-input-len", type=int, default=128)
+    parser.add_argument("--random-output-len", type=int, default=64)
+    parser.add_argument(
+        "--random-vocab-size",
+        type=int,
+        default=30000,
+        help="prompt token ids are drawn below this (30000 fits Llama's and SmolLM2's vocabularies)",
+    )
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--percentiles", default="50,90,99", help="comma-separated")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def random_prompts(n: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the lowest ids: special tokens live there in most vocabularies.
+    return [[rng.randrange(100, vocab_size) for _ in range(input_len)] for _ in range(n)]
+
+
+async def send_one(
+    client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int
+) -> RequestResult:
+    res = RequestResult(prompt_len=len(prompt))
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"]["message"]
+                    return res
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = time.perf_counter() - start
+        res.ok = True
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits
+    ) as client:
+        models = (await client.get("/v1/models")).raise_for_status().json()["data"]
+        model = args.model or models[0]["id"]
+        prompts = random_prompts(
+            args.num_prompts, args.random_input_len, args.random_vocab_size, args.seed
+        )
+        rng = random.Random(args.seed)
+        gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
+
+        async def limited(prompt: list[int]) -> RequestResult:
+            async with gate:
+                return await send_one(client, model, prompt, args.random_output_len)
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration, [float(p) for p in args.percentiles.split(",")], model)
+
+
+def _stats(values: list[float], percentiles: list[float], name: str) -> dict[str, float]:
+    ms = sorted(v * 1000 for v in values) or [0.0]
+    out = {f"mean_{name}_ms": statistics.fmean(ms), f"median_{name}_ms": statistics.median(ms)}
+    for p in percentiles:
+        k = min(len(ms) - 1, max(0, round(p / 100 * len(ms) + 0.5) - 1))  # nearest rank
+        out[f"p{p:g}_{name}_ms"] = ms[k]
+    return out
+
+
+def summarize(
+    results: list[RequestResult], duration: float, percentiles: list[float], model: str
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    summary: dict[str, Any] = {
+        "model": model,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "total_input_tokens": sum(r.prompt_len for r in ok),
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": output_tokens / duration if duration else 0.0,
+    }
+    summary |= _stats([r.ttft for r in ok], percentiles, "ttft")
+    summary |= _stats(tpot, percentiles, "tpot")
+    summary |= _stats([x for r in ok for x in r.itl], percentiles, "itl")
+    summary |= _stats([r.e2e for r in ok], percentiles, "e2el")
+    return summary
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    print(f"{' Serving Benchmark Result ':=^60}")
+    for key, value in s.items():
+        if key == "errors":
+            for e in value:
+                print(f"  error: {e}")
+            continue
+        text = f"{value:.2f}" if isinstance(value, float) else str(value)
+        print(f"{key:<40}{text:>20}")
+    print("=" * 60)
+
+
+def main(args: argparse.Namespace) -> int:
+    summary = asyncio.run(run(args))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print_summary(summary)
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="minivllm bench serve")
+    add_arguments(p)
+    raise SystemExit(main(p.parse_args()))
