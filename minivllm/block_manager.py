@@ -1,33 +1,51 @@
-"""The block manager: a pool of KV-cache blocks, block tables, copy-on-write and the prefix cache.
+"""The block manager: per-sequence block tables, copy-on-write and the prefix cache, over the pool.
 
 Pure bookkeeping, no tensors: it decides which physical block holds which token of which sequence;
-the model runner owns the cache tensors and turns block tables into slot mappings.
+the model runner owns the cache tensors and turns block tables into slot mappings. The blocks, their
+free queue and their hashes are `block_pool.py`'s, as vLLM v1 splits `kv_cache_manager.py`.
 
 - Paged memory (PagedAttention paper §4.2–4.3): a sequence of `t` tokens holds `ceil(t / block_size)`
   blocks, allocated on demand, listed in logical order in its *block table*.
 - Sharing and copy-on-write (§4.4, parallel sampling): `fork` makes a child share every block of its
   parent (reference counts go up); the first write into a shared, partly filled block moves the
   writer to a fresh block and records a (src, dst) copy for the model runner.
-- Automatic prefix caching, as vLLM v1 does it (`vllm/v1/core/kv_cache_manager.py`, `block_pool.py`,
-  `kv_cache_utils.py`): every FULL block is named by a hash of (its parent's hash, its token ids,
-  extra keys). A new prompt reuses the longest run of cached blocks from its start. Freed blocks keep
-  their hash and stay reusable until the allocator needs them, least recently freed first.
-- Everything is O(blocks touched): free blocks live in a doubly-linked queue (vLLM v1's
-  `FreeKVCacheBlockQueue`), so a cache hit on a free block unlinks it in O(1), allocation pops the
-  front, freeing appends to the back; the filled-slot count is kept incrementally.
+- Automatic prefix caching, as vLLM v1 does it (`vllm/v1/core/kv_cache_manager.py`): every FULL
+  block is registered under its `BlockHash`; a new prompt reuses the longest run of cached blocks
+  from its start. Freed blocks keep their hash and stay reusable until the allocator needs them.
+- Everything is O(blocks touched): a cache hit on a free block leaves the free queue in O(1),
+  allocation pops its front, freeing appends to its back; the filled-slot count is incremental.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+# The pool's names are re-exported: the scheduler, the engine and the tests import them from here.
+from minivllm.block_pool import (
+    BlockHash,
+    ExtraKeys,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    NoFreeBlocksError,
+    hash_block_tokens,
+)
+
+__all__ = [
+    "BlockHash",
+    "BlockManager",
+    "BlockManagerStats",
+    "ExtraKeys",
+    "FreeKVCacheBlockQueue",
+    "KVCacheBlock",
+    "NoFreeBlocksError",
+    "SeqBlocks",
+    "SeqId",
+    "UnknownSequenceError",
+    "hash_block_tokens",
+]
 
 SeqId = Hashable  # request / sequence ids (str or int)
-ExtraKeys = tuple[Hashable, ...] | None  # what else shapes a block's KV (LoRA id, cache salt)
-
-
-class NoFreeBlocksError(RuntimeError):
-    """An allocation could not be satisfied. The manager's state is left exactly as it was."""
 
 
 class UnknownSequenceError(KeyError):
@@ -35,136 +53,6 @@ class UnknownSequenceError(KeyError):
 
     def __str__(self) -> str:  # KeyError's str() would quote the message
         return str(self.args[0])
-
-
-# ---------------------------------------------------------------------------------------- hashing
-
-
-def hash_block_tokens(
-    parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: ExtraKeys
-) -> int:
-    """Python's `hash` of a tuple: fast, and stable within a process, which is all a cache that
-    lives in one process needs (vLLM offers sha256 for caches shared across processes). It is only
-    the dict's bucket: `BlockHash.__eq__` compares the tokens, so a collision can never serve
-    another prefix's KV."""
-    return hash((parent_hash, token_ids, extra_keys))
-
-
-@dataclass(slots=True, eq=False)
-class BlockHash:
-    """The name of a full block's content: its token ids, after exactly the prefix named by `parent`.
-
-    Equality is exact, not hash-based: two names are equal only if the whole chains of token ids
-    (and extra keys) are equal. The walk stops at the first shared object, which for lookups that
-    follow the cache's own chain is the parent itself, so comparing is O(1) in practice.
-    """
-
-    hash_value: int  # hash_block_tokens(parent.hash_value, token_ids, extra_keys)
-    token_ids: tuple[int, ...]  # (block_size,) the block's tokens
-    extra_keys: ExtraKeys  # None today; reserved for what else shapes KV
-    parent: BlockHash | None  # the previous block's name; None for a sequence's first block
-
-    @staticmethod
-    def of(
-        parent: BlockHash | None, token_ids: tuple[int, ...], extra: ExtraKeys = None
-    ) -> BlockHash:
-        value = hash_block_tokens(None if parent is None else parent.hash_value, token_ids, extra)
-        return BlockHash(value, token_ids, extra, parent)
-
-    def __hash__(self) -> int:
-        return self.hash_value
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, BlockHash):
-            return NotImplemented
-        a: BlockHash | None = self
-        b: BlockHash | None = other
-        while a is not b:  # iterative: chains can be thousands of blocks deep
-            if a is None or b is None:
-                return False
-            if (a.hash_value, a.token_ids, a.extra_keys) != (
-                b.hash_value,
-                b.token_ids,
-                b.extra_keys,
-            ):
-                return False
-            a, b = a.parent, b.parent
-        return True
-
-    def all_token_ids(self) -> tuple[int, ...]:
-        """The whole prefix this name stands for (tests and debugging; O(depth))."""
-        chunks: list[tuple[int, ...]] = []
-        node: BlockHash | None = self
-        while node is not None:
-            chunks.append(node.token_ids)
-            node = node.parent
-        return tuple(t for chunk in reversed(chunks) for t in chunk)
-
-
-# ------------------------------------------------------------------------------ blocks and queue
-
-
-@dataclass(slots=True, eq=False)
-class KVCacheBlock:
-    """One physical block: `block_size` KV slots in every layer's cache tensors."""
-
-    block_id: int  # index into the cache tensors' first dimension
-    ref_cnt: int = 0  # how many block tables hold this block
-    num_filled: int = 0  # how many of its slots hold tokens (utilization statistics)
-    block_hash: BlockHash | None = None  # set while the block is registered in the prefix cache
-    # Links of the free queue; None while the block is held. repr=False: a repr would walk the list.
-    prev_free: KVCacheBlock | None = field(default=None, repr=False)
-    next_free: KVCacheBlock | None = field(default=None, repr=False)
-
-
-class FreeKVCacheBlockQueue:
-    """Doubly-linked queue of blocks with ref count 0, front = evicted first (vLLM v1's idea).
-
-    A `collections.deque` cannot remove from its middle in O(1), and a cache hit on a free block
-    must take that block out of the queue wherever it is. Sentinel nodes at both ends keep the
-    link updates free of special cases.
-    """
-
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
-        self.num_free_blocks = len(blocks)
-        self._head = KVCacheBlock(-1)
-        self._tail = KVCacheBlock(-1)
-        prev = self._head
-        for block in blocks:
-            prev.next_free, block.prev_free = block, prev
-            prev = block
-        prev.next_free, self._tail.prev_free = self._tail, prev
-
-    def __len__(self) -> int:
-        return self.num_free_blocks
-
-    def popleft(self) -> KVCacheBlock:
-        block = self._head.next_free
-        if block is None or block is self._tail:
-            raise NoFreeBlocksError("no free blocks left")
-        self.remove(block)
-        return block
-
-    def remove(self, block: KVCacheBlock) -> None:
-        prev, nxt = block.prev_free, block.next_free
-        assert prev is not None and nxt is not None, f"block {block.block_id} is not free"
-        prev.next_free, nxt.prev_free = nxt, prev
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
-
-    def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free
-        assert last is not None and block.prev_free is None, f"block {block.block_id} is free"
-        last.next_free, block.prev_free = block, last
-        block.next_free, self._tail.prev_free = self._tail, block
-        self.num_free_blocks += 1
-
-    def __iter__(self) -> Iterator[KVCacheBlock]:
-        """Front to back, O(free blocks): for tests and debugging, never the hot path."""
-        node = self._head.next_free
-        while node is not None and node is not self._tail:
-            yield node
-            node = node.next_free
 
 
 # ----------------------------------------------------------------------------------- statistics
@@ -417,7 +305,9 @@ class BlockManager:
         hits: list[KVCacheBlock] = []
         parent: BlockHash | None = None
         for i in range((len(token_ids) - 1) // bs):
-            key = BlockHash.of(parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra_keys)
+            # hash_fn is looked up here at call time: tests patch this module's hash to collide.
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            key = BlockHash.of(parent, tokens, extra_keys, hash_fn=hash_block_tokens)
             block = self.cached_block_hash_to_block.get(key)
             if block is None:
                 break
@@ -486,7 +376,7 @@ class BlockManager:
         layer writes all new K/V before any attention of that layer reads: a second request that
         hits this block in the same step reads KV written before its attention runs."""
         parent = seq.block_hashes[index - 1] if index else None
-        key = BlockHash.of(parent, block_token_ids, seq.extra_keys)
+        key = BlockHash.of(parent, block_token_ids, seq.extra_keys, hash_fn=hash_block_tokens)
         cached = self.cached_block_hash_to_block.get(key)
         if cached is not None:  # same content already cached in another block: keep that one
             seq.block_hashes.append(cached.block_hash or key)
@@ -506,7 +396,6 @@ class BlockManager:
             return
         util = self._utilization()
         self._min_util = min(self._min_util, util)
-        if (
-            used >= self._peak_used
-        ):  # the latest moment at the peak: its blocks as filled as they got
+        # `>=`: keep the latest moment at the peak, when its blocks are as filled as they got.
+        if used >= self._peak_used:
             self._peak_used, self._peak_util = used, util

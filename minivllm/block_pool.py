@@ -1,0 +1,162 @@
+"""The physical block pool: KV-cache blocks, the free queue that orders their eviction, and the
+content hashes that name full blocks for prefix caching.
+
+Pure bookkeeping, no tensors; `block_manager.py` builds per-sequence block tables on top of it.
+
+- Physical blocks (PagedAttention paper §4.1): the KV cache is cut into fixed-size blocks of
+  `block_size` token slots; `KVCacheBlock` is one of them, with the reference count that lets
+  several block tables share it (§4.4) and the hash it carries while it is in the prefix cache.
+- The free queue, as vLLM v1 does it (`vllm/v1/core/block_pool.py`, `kv_cache_utils.py`'s
+  `FreeKVCacheBlockQueue`): a doubly-linked list of blocks no sequence holds, front = least recently
+  freed = evicted first. A `collections.deque` could not take a block out of its middle, which a
+  prefix-cache hit on a free block needs; the links make that removal O(1).
+- Block hashing for automatic prefix caching (vLLM v1's `hash_block_tokens` / `BlockHash`): a FULL
+  block is named by a hash of (its parent's hash, its token ids, extra keys), so a name stands for
+  the whole prefix up to and including the block, and equal prefixes get equal names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+
+ExtraKeys = tuple[Hashable, ...] | None  # what else shapes a block's KV (LoRA id, cache salt)
+HashFn = Callable[[int | None, tuple[int, ...], ExtraKeys], int]  # (parent hash, tokens, extra)
+
+
+class NoFreeBlocksError(RuntimeError):
+    """An allocation could not be satisfied. The manager's state is left exactly as it was."""
+
+
+# ---------------------------------------------------------------------------------------- hashing
+
+
+def hash_block_tokens(
+    parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: ExtraKeys
+) -> int:
+    """Python's `hash` of a tuple: fast, and stable within a process, which is all a cache that
+    lives in one process needs (vLLM offers sha256 for caches shared across processes). It is only
+    the dict's bucket: `BlockHash.__eq__` compares the tokens, so a collision can never serve
+    another prefix's KV."""
+    return hash((parent_hash, token_ids, extra_keys))
+
+
+@dataclass(slots=True, eq=False)
+class BlockHash:
+    """The name of a full block's content: its token ids, after exactly the prefix named by `parent`.
+
+    Equality is exact, not hash-based: two names are equal only if the whole chains of token ids
+    (and extra keys) are equal. The walk stops at the first shared object, which for lookups that
+    follow the cache's own chain is the parent itself, so comparing is O(1) in practice.
+    """
+
+    hash_value: int  # hash_block_tokens(parent.hash_value, token_ids, extra_keys)
+    token_ids: tuple[int, ...]  # (block_size,) the block's tokens
+    extra_keys: ExtraKeys  # None today; reserved for what else shapes KV
+    parent: BlockHash | None  # the previous block's name; None for a sequence's first block
+
+    @staticmethod
+    def of(
+        parent: BlockHash | None,
+        token_ids: tuple[int, ...],
+        extra: ExtraKeys = None,
+        hash_fn: HashFn = hash_block_tokens,
+    ) -> BlockHash:
+        """`hash_fn` is a parameter, as vLLM's hash function is (builtin `hash` or sha256)."""
+        value = hash_fn(None if parent is None else parent.hash_value, token_ids, extra)
+        return BlockHash(value, token_ids, extra, parent)
+
+    def __hash__(self) -> int:
+        return self.hash_value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BlockHash):
+            return NotImplemented
+        a: BlockHash | None = self
+        b: BlockHash | None = other
+        while a is not b:  # iterative: chains can be thousands of blocks deep
+            if a is None or b is None:
+                return False
+            if (a.hash_value, a.token_ids, a.extra_keys) != (
+                b.hash_value,
+                b.token_ids,
+                b.extra_keys,
+            ):
+                return False
+            a, b = a.parent, b.parent
+        return True
+
+    def all_token_ids(self) -> tuple[int, ...]:
+        """The whole prefix this name stands for (tests and debugging; O(depth))."""
+        chunks: list[tuple[int, ...]] = []
+        node: BlockHash | None = self
+        while node is not None:
+            chunks.append(node.token_ids)
+            node = node.parent
+        return tuple(t for chunk in reversed(chunks) for t in chunk)
+
+
+# ------------------------------------------------------------------------------ blocks and queue
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """One physical block: `block_size` KV slots in every layer's cache tensors."""
+
+    block_id: int  # index into the cache tensors' first dimension
+    ref_cnt: int = 0  # how many block tables hold this block
+    num_filled: int = 0  # how many of its slots hold tokens (utilization statistics)
+    block_hash: BlockHash | None = None  # set while the block is registered in the prefix cache
+    # Links of the free queue; None while the block is held. repr=False: a repr would walk the list.
+    prev_free: KVCacheBlock | None = field(default=None, repr=False)
+    next_free: KVCacheBlock | None = field(default=None, repr=False)
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly-linked queue of blocks with ref count 0, front = evicted first (vLLM v1's idea).
+
+    A `collections.deque` cannot remove from its middle in O(1), and a cache hit on a free block
+    must take that block out of the queue wherever it is. Sentinel nodes at both ends keep the
+    link updates free of special cases.
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        prev = self._head
+        for block in blocks:
+            prev.next_free, block.prev_free = block, prev
+            prev = block
+        prev.next_free, self._tail.prev_free = self._tail, prev
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise NoFreeBlocksError("no free blocks left")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"block {block.block_id} is not free"
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None and block.prev_free is None, f"block {block.block_id} is free"
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free_blocks += 1
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        """Front to back, O(free blocks): for tests and debugging, never the hot path."""
+        node = self._head.next_free
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next_free
