@@ -12,7 +12,6 @@ block, and the block manager copies a shared block only when one of them writes 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -102,7 +101,9 @@ class LLMEngine:
         )
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}
-        self._rng = random.Random(mc.seed)
+        # Unseeded random sampling draws from torch's global generator, in one batched call per
+        # step; seeding it here makes a whole offline run reproducible (vLLM does the same).
+        torch.manual_seed(mc.seed)
         self._next_seq_id = 0
         self._aborted_outputs: list[RequestOutput] = []
         # Counters behind get_stats().
@@ -181,11 +182,10 @@ class LLMEngine:
     def _new_seq(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         params = request.params
         generator = None
-        if not params.is_greedy:
-            # vLLM's rule for n > 1: sample i of a seeded request uses seed + i. Unseeded requests
-            # draw a seed from the engine's RNG, so a whole run is reproducible from LLM(seed=...).
-            seed = params.seed + index if params.seed is not None else self._rng.getrandbits(63)
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+        if params.seed is not None and not params.is_greedy:
+            # A seeded request owns its generator, so its samples do not depend on the batch.
+            # vLLM's rule for n > 1: sample i uses seed + i.
+            generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
