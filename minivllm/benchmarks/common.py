@@ -95,6 +95,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_kv_blocks: int | N
         default=num_kv_blocks,
         help="KV cache size in blocks (num_gpu_blocks_override); default: the engine's own sizing",
     )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for every system (default: torch's); 1 is far faster on a "
+        "CPU that other jobs share, where threads wait on each other at every op",
+    )
     g.add_argument("--json", type=Path, default=None, help="also write the results to this file")
 
 
@@ -109,6 +116,8 @@ def add_workload_arguments(
 
 
 def build_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
     kwargs: dict[str, Any] = {
         "dtype": args.dtype,
         "device": args.device,
