@@ -18,7 +18,7 @@ MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-test-0123456789"
 NUM_CLIENTS = 64
 NUM_PROMPTS = 8  # each prompt is sent by NUM_CLIENTS // NUM_PROMPTS clients at once
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 IGNORE_EOS = {
     "extra_body": {"ignore_eos": True}
 }  # every sequence grows by MAX_TOKENS blocks' worth
@@ -26,9 +26,9 @@ IGNORE_EOS = {
 
 @pytest.fixture(scope="module")
 def server():
-    # 60 blocks x 4 tokens: a sequence (~18 prompt + 8 output tokens) grows from 5 to 7 blocks,
-    # so ~12 of the 64 are admitted and their decodes must preempt one another.
-    args = ["--num-gpu-blocks-override", "60", "--block-size", "4", "--max-model-len", "128"]
+    # 150 blocks x 4 tokens: a sequence (~22 prompt + 6 output tokens) grows from 6 to 7 blocks,
+    # so ~25 of the 64 are admitted, fill the cache, and their decodes must preempt one another.
+    args = ["--num-gpu-blocks-override", "150", "--block-size", "4", "--max-model-len", "128"]
     args += ["--max-num-seqs", "64"]
     args += ["--no-enable-prefix-caching", "--max-waiting-requests", "200"]
     with run_server(args, api_key=KEY) as s:
@@ -36,7 +36,9 @@ def server():
 
 
 def prompt(i: int) -> str:
-    return f"Question {i}: write one short sentence about the number {i * 7 + 3} and a colour."
+    return (
+        f"Here is a short story about a dog and the number {i * 7 + 3}. Once upon a time, the dog"
+    )
 
 
 async def stream_one(client: openai.AsyncOpenAI, text: str) -> str:
@@ -92,7 +94,7 @@ def test_api_key_guards_v1_but_not_health(server: RemoteServer) -> None:
 def test_waiting_bound_answers_503_with_retry_after() -> None:
     args = ["--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-model-len", "256"]
     with run_server(args) as s:
-        body = {"prompt": "Count to ten:", "max_tokens": 3, "ignore_eos": True}
+        body = {"prompt": "Count to ten:", "max_tokens": 2, "ignore_eos": True}
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:

@@ -255,6 +255,17 @@ def test_bad_request_gets_an_openai_error(
     assert word in f"{err['message']} {err['param']}", err
 
 
+def test_chunked_body_over_the_limit_is_refused_while_reading(server: RemoteServer) -> None:
+    def body():  # no Content-Length: the limit must be enforced as the bytes arrive
+        yield b'{"prompt": "'
+        for _ in range(80):
+            yield b"a" * 65536
+        yield b'"}'
+
+    r = httpx.post(server.url + "/v1/completions", content=body(), timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
 def test_server_answers_correctly_after_hostile_requests(
     server: RemoteServer, client: openai.OpenAI
 ) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -32,6 +33,8 @@ from minivllm.entrypoints.protocol import (
 )
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("minivllm")
 
 # Fields of SamplingParams whose ValueError messages name them (and so the 400's `param`).
 _PARAM_NAMES = {f for f in SamplingParams.__dataclass_fields__} | {"top_logprobs"}
@@ -360,6 +363,9 @@ class OpenAIServing:
                     yield _sse({**header, "choices": [], "usage": usage})
             except OpenAIError as exc:
                 yield _sse(exc.to_dict())
+            except Exception as exc:  # the stream has begun: report in-band, never a broken stream
+                logger.exception("stream failed")
+                yield _sse(OpenAIError(f"internal error: {type(exc).__name__}", 500).to_dict())
             finally:
                 await results.aclose()  # aborts what still runs (a disconnect lands here)
             yield "data: [DONE]\n\n"
