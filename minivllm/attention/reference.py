@@ -38,6 +38,25 @@ def bottom_right_causal_mask(query_len: int, seq_len: int, device: torch.device)
     return k_pos <= q_pos
 
 
+def group_by_length(
+    rows: list[int], seq_lens: list[int], max_waste: float = 0.25
+) -> list[list[int]]:
+    """Split rows, shortest first, into groups padded to their longest with at most `max_waste`
+    of the group's slots being padding. One padded call per group keeps the number of calls small
+    while a batch of very different lengths does not pay for its longest sequence everywhere."""
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(rows, key=lambda r: seq_lens[r]):
+        padded = seq_lens[i] * (len(groups[-1]) + 1) if groups else 0
+        if groups and padded - (total + seq_lens[i]) <= max_waste * padded:
+            groups[-1].append(i)
+            total += seq_lens[i]
+        else:
+            groups.append([i])
+            total = seq_lens[i]
+    return groups
+
+
 class ReferenceBackend:
     """Readable PagedAttention: scatter K/V into slots, gather through block tables, SDPA."""
 
@@ -71,8 +90,8 @@ class ReferenceBackend:
         seq_lens = meta.seq_lens.tolist()
         query_lens = [starts[i + 1] - starts[i] for i in range(len(seq_lens))]
         decode_rows = [i for i, q in enumerate(query_lens) if q == 1]
-        if decode_rows:
-            self._attend_decodes(query, k_cache, v_cache, meta, scale, decode_rows, starts, out)
+        for group in group_by_length(decode_rows, seq_lens):
+            self._attend_decodes(query, k_cache, v_cache, meta, scale, group, starts, out)
         for i, q_len in enumerate(query_lens):
             if q_len > 1:
                 self._attend_one(query, k_cache, v_cache, meta, scale, i, starts[i], q_len, out)
@@ -120,7 +139,7 @@ class ReferenceBackend:
         starts: list[int],
         out: torch.Tensor,  # [T, num_heads, head_dim], written in place
     ) -> None:
-        """Requests with one new token each, padded to the longest and attended in one call."""
+        """Requests with one new token each, padded to the group's longest, attended in one call."""
         idx = torch.tensor(rows, device=query.device)
         seq_lens = meta.seq_lens[idx].long()  # [Bd]
         block_size = k_cache.shape[1]
