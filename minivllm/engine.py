@@ -22,6 +22,7 @@ from minivllm.attention import get_attention_backend, resolve_backend_name
 from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
 from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.inputs import PromptType, process_prompt
 from minivllm.model.loader import (
     build_model,
     load_config,
@@ -31,7 +32,7 @@ from minivllm.model.loader import (
     resolve_model,
 )
 from minivllm.model_runner import ModelRunner, determine_num_blocks
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import RequestOutput, make_request_output
 from minivllm.sampler import Sampler, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import Scheduler, SchedulerOutput
@@ -40,8 +41,6 @@ from minivllm.stats import EngineStats
 from minivllm.stop_checker import check_stop
 
 logger = logging.getLogger("minivllm")
-
-PromptType = str | list[int] | dict[str, Any]
 
 
 class PromptTooLongError(ValueError):
@@ -126,34 +125,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests in
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """A string is tokenized; {"prompt_token_ids": [...]} and token lists are taken as is."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                return self.tokenize_prompt(prompt["prompt"])
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        else:
-            ids = prompt
-        if not isinstance(ids, list | tuple) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in ids
-        ):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids must be in [0, {self.vocab_size - 1}], got {bad[0]}"
-            )
-        return None, list(ids)
+        """(text, token ids) of a prompt; see `minivllm.inputs.process_prompt`."""
+        return process_prompt(prompt, self.tokenizer, self.vocab_size)
 
     def add_request(
         self,
@@ -213,7 +186,7 @@ class LLMEngine:
             for seq in request.seqs:
                 if not seq.status.is_finished:
                     self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-            self._aborted_outputs.append(self._make_output(request))
+            self._aborted_outputs.append(make_request_output(request))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -236,7 +209,7 @@ class LLMEngine:
         except Exception as exc:  # a failed step fails its requests; the engine keeps serving
             logger.exception("engine step failed")
             return outputs + self._fail_step(sched, exc)
-        outputs += [self._make_output(r) for r in touched]
+        outputs += [make_request_output(r) for r in touched]
         for r in touched:
             if r.is_finished:
                 self.requests.pop(r.request_id, None)
@@ -373,7 +346,7 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
         # Blocks hashed this step may hold K/V that was never written: forget the cached prefixes.
         self.block_manager.reset_prefix_cache()
-        return [self._make_output(r) for r in failed.values()]
+        return [make_request_output(r) for r in failed.values()]
 
     def fail_request(self, request: Request, message: str) -> RequestOutput:
         """Record a request that could not be admitted as failed (the offline API's too-long prompt)."""
@@ -387,40 +360,9 @@ class LLMEngine:
             request.seqs.append(seq)
         seq.status = SequenceStatus.FINISHED_ERROR
         seq.finish_reason = "error"
-        return self._make_output(request)
+        return make_request_output(request)
 
     # ------------------------------------------------------------------ outputs and stats
-    def _make_output(self, req: Request) -> RequestOutput:
-        outs = []
-        for seq in req.seqs:
-            detok = seq.detokenizer
-            outs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=detok.output_text if detok is not None else "",
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        metrics = {"arrival_time": req.arrival_time}
-        for name in ("first_token_time", "last_token_time", "finished_time"):
-            value = getattr(req, name)
-            if value is not None:
-                metrics[name] = value
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=list(req.prompt_token_ids),
-            outputs=outs,
-            finished=req.is_finished,
-            num_cached_tokens=req.seqs[0].num_cached_tokens if req.seqs else 0,
-            error=req.error,
-            metrics=metrics,
-        )
-
     def _track_memory(self) -> None:
         bm = self.block_manager
         used = bm.num_blocks - bm.num_free_blocks

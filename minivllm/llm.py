@@ -14,7 +14,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from minivllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from minivllm.engine import LLMEngine, PromptTooLongError, PromptType
+from minivllm.engine import LLMEngine, PromptTooLongError
+from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.stats import EngineStats

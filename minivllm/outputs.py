@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minivllm.sequence import Logprob
+from minivllm.sequence import Logprob, Request
 
 
 @dataclass
@@ -35,3 +35,37 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     error: str | None = None  # why the request failed (finish_reason "error")
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token, finish times
+
+
+def make_request_output(req: Request) -> RequestOutput:
+    """A snapshot of a request's progress: released text, tokens, logprobs and finish reasons."""
+    outs = []
+    for seq in req.seqs:
+        detok = seq.detokenizer
+        with_logprobs = seq.logprobs is not None
+        outs.append(
+            CompletionOutput(
+                index=seq.index,
+                text=detok.output_text if detok is not None else "",
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+        )
+    metrics = {"arrival_time": req.arrival_time}
+    for name in ("first_token_time", "last_token_time", "finished_time"):
+        value = getattr(req, name)
+        if value is not None:
+            metrics[name] = value
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt=req.prompt,
+        prompt_token_ids=list(req.prompt_token_ids),
+        outputs=outs,
+        finished=req.is_finished,
+        num_cached_tokens=req.seqs[0].num_cached_tokens if req.seqs else 0,
+        error=req.error,
+        metrics=metrics,
+    )

@@ -23,7 +23,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from minivllm.engine import LLMEngine, PromptType
+from minivllm.engine import LLMEngine
+from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.stats import EngineStats

@@ -22,7 +22,6 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from minivllm.engine import PromptType
 from minivllm.entrypoints.async_engine import AsyncLLMEngine, StreamItem
 from minivllm.entrypoints.logprobs import chat_logprobs, completion_logprobs
 from minivllm.entrypoints.protocol import (
@@ -31,6 +30,7 @@ from minivllm.entrypoints.protocol import (
     OpenAIError,
     unsupported_fields,
 )
+from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 

@@ -1,0 +1,43 @@
+"""What a prompt may be, and how it becomes token ids (vLLM's `inputs` / input processor).
+
+A prompt is a string (tokenized here), a list of token ids, or a dict `{"prompt": ...}` or
+`{"prompt_token_ids": [...]}` (vLLM's TextPrompt / TokensPrompt). Every check that can be made
+before a request reaches the scheduler is made here, with a message that names what is wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def process_prompt(
+    prompt: PromptType, tokenizer: Any, vocab_size: int
+) -> tuple[str | None, list[int]]:
+    """(prompt text or None, token ids) for any accepted prompt form; ValueError otherwise."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
+        return prompt, list(tokenizer.encode(prompt))
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+        elif "prompt" in prompt:
+            return process_prompt(prompt["prompt"], tokenizer, vocab_size)
+        else:
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    else:
+        ids = prompt
+    if not isinstance(ids, list | tuple) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
+        raise ValueError("prompt_token_ids must be a list of integers")
+    if not ids:
+        raise ValueError("prompt must not be empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_token_ids must be in [0, {vocab_size - 1}], got {bad[0]}")
+    return None, list(ids)
