@@ -1,0 +1,125 @@
+"""MkDocs hook: replace `<!-- perf-tables -->` with tables built from docs/perf/*.json.
+
+The JSON files are what `minivllm bench {throughput,memory,prefix} --json FILE` and
+`minivllm bench serve --json > FILE` write. No file, no table: the page then says that no
+measurements are published, and shows only the commands. Numbers are never typed into the page.
+This is the one piece of the site that is specific to MkDocs; everything else is plain Markdown.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+MARKER = "<!-- perf-tables -->"
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    if MARKER not in markdown:
+        return markdown
+    paths = sorted((Path(config["docs_dir"]) / "perf").glob("*.json"))
+    if not paths:
+        note = (
+            '!!! note "No measurements published yet"\n'
+            "    There is no `docs/perf/*.json` in this build, so this page shows the commands "
+            "only. Run a benchmark with `--json docs/perf/NAME.json` and rebuild to get its table "
+            "here.\n"
+        )
+        return markdown.replace(MARKER, note)
+    sections = [render(path) for path in paths]
+    return markdown.replace(MARKER, "\n\n".join(sections))
+
+
+def render(path: Path) -> str:
+    data = json.loads(path.read_text())
+    kind = data.get("benchmark", "")
+    head = [f"### `{path.name}`", ""]
+    note = (
+        f'!!! info "Generated from `docs/perf/{path.name}` at build time"\n'
+        f"    Machine: {data.get('machine', 'not recorded')}."
+        + (f" Arguments: `{_args(data['args'])}`." if "args" in data else "")
+        + "\n"
+    )
+    if kind == "throughput":
+        body = _table(
+            ["system", "output tokens", "seconds", "output tok/s", "minivllm is x faster"],
+            [
+                [
+                    r["system"],
+                    r["output_tokens"],
+                    r["seconds"],
+                    r["output_tokens_per_s"],
+                    r.get("minivllm_speedup"),
+                ]
+                for r in data["systems"]
+            ],
+        )
+        flops = data.get("flops") or {}
+        if flops:
+            body += (
+                f"\n\nminivllm reached {_fmt(flops['fraction_of_matmul_peak'] * 100)} % of the "
+                f"measured matmul peak ({_fmt(flops['matmul_peak_flops_per_s'] / 1e9)} GFLOP/s)."
+            )
+    elif kind == "memory":
+        rows = []
+        for name, r in data["results"].items():
+            for when in ("at_peak", "over_run"):
+                s = r[when]
+                rows.append(
+                    [
+                        f"{name} ({when.replace('_', ' ')})",
+                        _pct(s["token_states"]),
+                        _pct(s["reserved"]),
+                        _pct(s["fragmented"]),
+                        r["peak_concurrent_requests"],
+                        r["steps"],
+                    ]
+                )
+        body = _table(
+            ["allocator", "token states", "reserved", "fragmented", "peak concurrent", "steps"],
+            rows,
+        )
+    elif kind == "prefix":
+        body = _table(
+            ["run", "prompt tokens", "computed", "peak KV blocks", "output tok/s", "speedup"],
+            [
+                [
+                    r["run"],
+                    r["prompt_tokens"],
+                    r["prompt_tokens_computed"],
+                    r["peak_kv_blocks_used"],
+                    r["output_tokens_per_s"],
+                    r.get("speedup"),
+                ]
+                for r in data["runs"]
+            ],
+        )
+    else:  # e.g. bench serve's flat summary: one row per scalar
+        rows = [[k, v] for k, v in data.items() if isinstance(v, int | float | str)]
+        body = _table(["metric", "value"], rows)
+    return "\n".join(head) + "\n" + note + "\n" + body
+
+
+def _args(args: dict[str, Any]) -> str:
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in args.items() if v not in (None, ""))
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
+
+
+def _pct(v: float) -> str:
+    return f"{v:.1%}"
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,224 @@
+"""The tutorials run, and teach what they say: each `tutorials/0N_*.py` runs as a subprocess
+(`python tutorials/0N_*.py OUT_DIR`, as a reader would run it) and its printed numbers are held
+to the lesson it states. Figures are written into a temporary folder and checked to be PNGs; the
+copies the docs show are committed under docs/tutorials/img/ (regenerate them with
+`python tutorials/0N_*.py docs/tutorials/img`), so the docs build never depends on this run.
+
+Also here: the docs include the tutorials and their figures, and every line-range snippet of
+library code in the docs still starts and ends on a whole definition, so a page cannot drift
+silently from the code it quotes.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TUTORIALS = ROOT / "tutorials"
+DOCS = ROOT / "docs"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_tutorial(name: str, out_dir: Path, timeout: int = 300) -> str:
+    """Run one tutorial as a reader would; return its stdout (stderr is shown on failure)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("TRITON_INTERPRET", None)  # the Triton backend decides for itself, as for a reader
+    proc = subprocess.run(
+        [sys.executable, str(TUTORIALS / name), str(out_dir)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert "LESSON:" in proc.stdout, proc.stdout
+    return proc.stdout
+
+
+def number(pattern: str, text: str) -> float:
+    """The first number captured by `pattern` in `text` (percentages as fractions)."""
+    match = re.search(pattern, text)
+    assert match, f"{pattern!r} not found in:\n{text}"
+    value = match.group(1).replace(",", "")
+    return float(value.rstrip("%")) / 100 if value.endswith("%") else float(value)
+
+
+def assert_png(path: Path) -> None:
+    assert path.is_file(), f"{path} was not written"
+    assert path.read_bytes()[:8] == PNG_MAGIC, f"{path} is not a PNG"
+
+
+# --------------------------------------------------------------------------------- the tutorials
+
+
+@pytest.mark.slow
+def test_01_naive_reservation_holds_fewer_token_states_than_paging(tmp_path: Path) -> None:
+    out = run_tutorial("01_kv_cache_waste.py", tmp_path)
+    naive = number(r"naive reservation:\s+([\d.]+%)", out)
+    paged = number(r"paging \(minivllm\):\s+([\d.]+%)", out)
+    assert naive < paged
+    assert naive < 0.4  # the paper's Fig. 2: 20-40% for systems that reserve up front
+    assert paged > 0.8  # only the tail of each request's last block is empty
+    fit_naive = number(r"requests at once in this cache: naive (\d+)", out)
+    fit_paged = number(r"requests at once in this cache: naive \d+, paging (\d+)", out)
+    assert fit_paged > fit_naive
+    assert_png(tmp_path / "01_kv_memory.png")
+
+
+def test_02_block_tables_interleave_and_attention_is_unchanged(tmp_path: Path) -> None:
+    out = run_tutorial("02_block_table.py", tmp_path)
+    tables = {
+        m.group(1): ast.literal_eval(m.group(2))
+        for m in re.finditer(r"request (\w): +\d+ tokens -> block table (\[[\d, ]*\])", out)
+    }
+    assert set(tables) == {"a", "b"}
+    assert not set(tables["a"]) & set(tables["b"])  # no block is held twice
+    assert tables["a"] != list(range(tables["a"][0], tables["a"][0] + len(tables["a"])))
+    for empty in re.findall(r"slots for \d+ tokens, (\d+) empty", out):
+        assert int(empty) < 4  # at most block_size - 1
+    assert number(r"max \|difference\| = ([\d.e+-]+)", out) < 1e-5
+    assert "6 of 8 blocks free again" in out
+
+
+@pytest.mark.slow
+def test_03_forks_share_blocks_until_a_write_and_prefixes_are_reused(tmp_path: Path) -> None:
+    out = run_tutorial("03_copy_on_write.py", tmp_path)
+    assert "reference counts [2, 2]" in out  # fork shares every block
+    copies = ast.literal_eval(re.search(r"copies \(src, dst\) (\[.*?\])", out).group(1))
+    assert len(copies) == 1  # copy-on-write copied only the block being written
+    assert "y hit 8 of its 10" in out
+    queried = number(r"(\d+) prompt tokens, \d+ served", out)
+    hits = number(r"(\d+) served by the prefix cache", out)
+    computed = number(r"prefix cache, (\d+) computed", out)
+    assert hits > 0 and hits + computed == queried
+    peak = number(r"peak (\d+) KV blocks", out)
+    copies_4 = number(r"4 copies would hold (\d+)", out)
+    assert peak < copies_4
+    assert len(re.findall(r"sample \d: ", out)) == 4
+
+
+@pytest.mark.slow
+def test_04_continuous_batching_keeps_the_batch_fuller_and_chunks_long_prompts(
+    tmp_path: Path,
+) -> None:
+    out = run_tutorial("04_continuous_batching.py", tmp_path)
+    static_steps = number(r"static batching:\s+(\d+) steps", out)
+    cont_steps = number(r"continuous batching:\s+(\d+) steps", out)
+    static_busy = number(r"static batching:.*?(\d+%) of the rows", out)
+    cont_busy = number(r"continuous batching:.*?(\d+%) of the rows", out)
+    assert cont_steps < static_steps and cont_busy > static_busy
+    chunks = [
+        (int(p), int(d)) for p, d in re.findall(r"step \d: +(\d+) prompt tokens \+ (\d+) new", out)
+    ]
+    assert sum(p for p, _ in chunks) == 200  # the whole long prompt, in pieces
+    assert all(p + d <= 64 for p, d in chunks)  # never past the token budget
+    assert all(d >= 3 for p, d in chunks)  # the decodes kept going meanwhile
+    assert_png(tmp_path / "04_batch_occupancy.png")
+
+
+@pytest.mark.slow
+def test_05_sampler_truncates_matches_softmax_and_seeds_ignore_the_batch(tmp_path: Path) -> None:
+    out = run_tutorial("05_sampler.py", tmp_path)
+    temps = [
+        number(rf"temperature {t}: P\(most likely token\) = ([\d.]+)", out)
+        for t in ["0.5", "1.0", "2.0"]
+    ]
+    assert temps[0] > temps[1] > temps[2]  # a lower temperature sharpens
+    assert "top_k=2: 2 of 6 tokens" in out
+    assert number(r"max gap ([\d.]+)", out) < 0.02
+    assert re.search(r"1\. ' Paris'", out), out  # greedy knowledge of the real model
+    alone = re.search(r"seed 1234 alone: +(.*)", out).group(1)
+    in_batch = re.search(r"seed 1234 in a batch: +(.*)", out).group(1)
+    assert alone == in_batch
+
+
+def test_06_triton_kernels_match_the_reference(tmp_path: Path) -> None:
+    out = run_tutorial("06_paged_attention.py", tmp_path)
+    errors = [float(e) for e in re.findall(r"max \|reference - triton\| = ([\d.e+-]+)", out)]
+    assert len(errors) == 2 and max(errors) < 1e-4
+
+
+@pytest.mark.slow
+def test_07_openai_client_talks_to_minivllm_serve(tmp_path: Path) -> None:
+    out = run_tutorial("07_serving.py", tmp_path)
+    assert "GET /v1/models -> SmolLM2-135M-Instruct" in out
+    assert re.search(r"POST /v1/completions -> '.+' \(finish_reason 'length'\)", out)
+    assert number(r"stream=True -> (\d+) chunks", out) > 1
+    assert "top_p=1.5 -> HTTP 400: 'top_p must be in (0, 1]" in out
+    assert number(r"generation_tokens_total\{[^}]*\} ([\d.]+)", out) > 0
+    assert "server stopped" in out
+
+
+# ------------------------------------------------------------------------- the docs quote them
+
+
+def test_every_tutorial_is_run_here_and_shown_in_the_docs() -> None:
+    tutorials = sorted(p.name for p in TUTORIALS.glob("[0-9][0-9]_*.py"))
+    assert len(tutorials) == 7
+    tested = Path(__file__).read_text()
+    docs = "\n".join(p.read_text() for p in DOCS.rglob("*.md"))
+    for name in tutorials:
+        assert f'"{name}"' in tested, f"{name} is not run by this file"
+        assert f'--8<-- "tutorials/{name}"' in docs, f"{name} is not included in the docs"
+
+
+def test_docs_figures_are_committed_and_are_the_tutorials_figures() -> None:
+    shown = set(
+        re.findall(r"img/([\w.-]+\.png)", "\n".join(p.read_text() for p in DOCS.rglob("*.md")))
+    )
+    written = set(
+        re.findall(
+            r'OUT / "([\w.-]+\.png)"', "\n".join(p.read_text() for p in TUTORIALS.glob("*.py"))
+        )
+    )
+    assert shown and shown <= written, f"docs show figures no tutorial writes: {shown - written}"
+    for name in shown:
+        assert_png(DOCS / "tutorials" / "img" / name)
+
+
+def definition_lines(path: Path, qualname: str) -> tuple[int, int]:
+    """First line (decorators included) and last line of `qualname` ("Class.method") in `path`."""
+    body: list[ast.stmt] = ast.parse(path.read_text()).body
+    node: ast.stmt | None = None
+    for name in qualname.split("."):
+        node = next(
+            (n for n in body if isinstance(n, DEFINITIONS) and n.name == name),
+            None,
+        )
+        assert node is not None, f"{qualname} is not defined in {path}"
+        body = node.body  # type: ignore[attr-defined]
+    assert isinstance(node, DEFINITIONS) and node.end_lineno is not None
+    return min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno
+
+
+DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+QUOTE = re.compile(r'<!-- def: ([\w.]+) -->\n```python\n--8<-- "(minivllm/[\w/]+\.py):(\d+):(\d+)"')
+
+
+def test_line_range_snippets_quote_exactly_the_definition_they_name() -> None:
+    """The docs quote library code by line range (`--8<-- "minivllm/x.py:A:B"`), each under a
+    `<!-- def: Name -->` comment that says which definition it means. The range must be exactly
+    that definition, so an edit that shifts the file fails here, with the range to write,
+    instead of silently showing other code."""
+    stale = []
+    quoted = 0
+    for page in sorted(DOCS.rglob("*.md")):
+        text = page.read_text()
+        ranges = re.findall(r'--8<-- "minivllm/[^"]*:\d+:\d+"', text)
+        named = QUOTE.findall(text)
+        assert len(named) == len(ranges), f"{page.name}: a line-range snippet has no def comment"
+        for qualname, path, start, end in named:
+            quoted += 1
+            want = definition_lines(ROOT / path, qualname)
+            if want != (int(start), int(end)):
+                stale.append(f"{page.name}: {qualname} is now {path}:{want[0]}:{want[1]}")
+    assert quoted, "no line-range snippet found: did the docs stop quoting the code?"
+    assert not stale, "update these snippet ranges:\n" + "\n".join(stale)
