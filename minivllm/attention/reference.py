@@ -7,11 +7,15 @@ last `query_len` of the `seq_len` tokens in cache, so query row i may see keys 0
 (`is_causal=True` aligns the triangle top-left, which is wrong as soon as a cached prefix or an
 earlier prefill chunk precedes the new tokens.)
 
-Decode-only requests (one new token each) are batched into one padded call, which is what makes this
-backend fast enough to be the CPU default; prompt chunks are attended one request at a time.
+Decode requests (one new token each) are batched into a few padded calls, grouped by length, which
+is what makes this backend fast enough to be the CPU default; prompt chunks are attended one
+request at a time. Which rows go where depends only on the step's metadata, so that "plan" is
+built in the first layer and reused by every other layer of the step.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,10 +61,75 @@ def group_by_length(
     return groups
 
 
+@dataclass
+class DecodeGroup:
+    """Decode rows attended together, padded to the group's longest sequence."""
+
+    token_idx: torch.Tensor  # int64 [G]  their rows in the flat batch
+    block_tables: torch.Tensor  # int32 [G, n_blocks]
+    valid: torch.Tensor  # bool [G, 1, 1, n_blocks * block_size]  real keys (not padding)
+
+
+@dataclass
+class PromptChunk:
+    """One request's several new tokens, attended causally over its whole context."""
+
+    start: int  # first row in the flat batch
+    query_len: int
+    block_table: torch.Tensor  # int32 [1, n_blocks]
+    seq_len: int
+    mask: torch.Tensor  # bool [query_len, seq_len]  bottom-right causal
+
+
+@dataclass
+class AttentionPlan:
+    decode_groups: list[DecodeGroup]
+    prompt_chunks: list[PromptChunk]
+
+
+def make_plan(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
+    device = meta.seq_lens.device
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    query_lens = [starts[i + 1] - starts[i] for i in range(len(seq_lens))]
+    groups = []
+    for rows in group_by_length([i for i, q in enumerate(query_lens) if q == 1], seq_lens):
+        n_blocks = -(-max(seq_lens[i] for i in rows) // block_size)
+        idx = torch.tensor(rows, device=device)
+        lens = meta.seq_lens[idx].long()  # [G]
+        # A decode token is the newest token, so it sees every real key: the mask is padding only.
+        valid = torch.arange(n_blocks * block_size, device=device)[None, :] < lens[:, None]
+        groups.append(
+            DecodeGroup(
+                token_idx=torch.tensor([starts[i] for i in rows], device=device),
+                block_tables=meta.block_tables[idx, :n_blocks],
+                valid=valid[:, None, None, :],
+            )
+        )
+    chunks = []
+    for i, q_len in enumerate(query_lens):
+        if q_len > 1:
+            n_blocks = -(-seq_lens[i] // block_size)
+            chunks.append(
+                PromptChunk(
+                    start=starts[i],
+                    query_len=q_len,
+                    block_table=meta.block_tables[i : i + 1, :n_blocks],
+                    seq_len=seq_lens[i],
+                    mask=bottom_right_causal_mask(q_len, seq_lens[i], device),
+                )
+            )
+    return AttentionPlan(groups, chunks)
+
+
 class ReferenceBackend:
     """Readable PagedAttention: scatter K/V into slots, gather through block tables, SDPA."""
 
     name = "reference"
+
+    def __init__(self) -> None:
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: AttentionPlan | None = None
 
     def write_kv(
         self,
@@ -70,12 +139,15 @@ class ReferenceBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # int64 [T]
     ) -> None:
-        keep = slot_mapping >= 0  # -1 marks tokens whose K/V is already in cache (or padding)
-        slots = slot_mapping[keep]
+        if bool((slot_mapping < 0).any()):  # -1: K/V already in cache (or padding), skip it
+            keep = slot_mapping >= 0
+            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         # A slot is block * block_size + offset, so the cache viewed as [slots, H, D] is indexed directly.
-        k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slot_mapping, value.to(v_cache.dtype)
+        )
 
     def attend(
         self,
@@ -85,78 +157,34 @@ class ReferenceBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        if meta is not self._plan_meta or self._plan is None:
+            self._plan_meta, self._plan = meta, make_plan(meta, k_cache.shape[1])
         out = torch.empty_like(query)
-        starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
-        query_lens = [starts[i + 1] - starts[i] for i in range(len(seq_lens))]
-        decode_rows = [i for i, q in enumerate(query_lens) if q == 1]
-        for group in group_by_length(decode_rows, seq_lens):
-            self._attend_decodes(query, k_cache, v_cache, meta, scale, group, starts, out)
-        for i, q_len in enumerate(query_lens):
-            if q_len > 1:
-                self._attend_one(query, k_cache, v_cache, meta, scale, i, starts[i], q_len, out)
+        for group in self._plan.decode_groups:
+            k = gather_kv(k_cache, group.block_tables)  # [G, L, num_kv_heads, head_dim]
+            v = gather_kv(v_cache, group.block_tables)
+            q = query[group.token_idx].unsqueeze(2)  # [G, num_heads, 1, head_dim]
+            o = F.scaled_dot_product_attention(
+                q,
+                k.transpose(1, 2).to(q.dtype),  # [G, num_kv_heads, L, head_dim]
+                v.transpose(1, 2).to(q.dtype),
+                attn_mask=group.valid,
+                scale=scale,
+                enable_gqa=True,
+            )  # [G, num_heads, 1, head_dim]
+            out[group.token_idx] = o[:, :, 0]
+        for chunk in self._plan.prompt_chunks:
+            k = gather_kv(k_cache, chunk.block_table)[:, : chunk.seq_len]  # [1, S, Hkv, D]
+            v = gather_kv(v_cache, chunk.block_table)[:, : chunk.seq_len]
+            rows = slice(chunk.start, chunk.start + chunk.query_len)
+            q = query[rows].unsqueeze(0).transpose(1, 2)  # [1, num_heads, query_len, head_dim]
+            o = F.scaled_dot_product_attention(
+                q,
+                k.transpose(1, 2).to(q.dtype),  # [1, num_kv_heads, S, head_dim]
+                v.transpose(1, 2).to(q.dtype),
+                attn_mask=chunk.mask,
+                scale=scale,
+                enable_gqa=True,
+            )  # [1, num_heads, query_len, head_dim]
+            out[rows] = o[0].transpose(0, 1)
         return out
-
-    def _attend_one(
-        self,
-        query: torch.Tensor,  # [T, num_heads, head_dim]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        i: int,
-        start: int,
-        q_len: int,
-        out: torch.Tensor,  # [T, num_heads, head_dim], written in place
-    ) -> None:
-        """One request with several new tokens (a prompt or a prompt chunk)."""
-        seq_len = int(meta.seq_lens[i])
-        block_size = k_cache.shape[1]
-        n_blocks = -(-seq_len // block_size)
-        table = meta.block_tables[i : i + 1, :n_blocks]  # [1, n_blocks]
-        k = gather_kv(k_cache, table)[:, :seq_len]  # [1, seq_len, num_kv_heads, head_dim]
-        v = gather_kv(v_cache, table)[:, :seq_len]
-        q = query[start : start + q_len].unsqueeze(0)  # [1, q_len, num_heads, head_dim]
-        mask = bottom_right_causal_mask(q_len, seq_len, query.device)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2),  # [1, num_heads, q_len, head_dim]
-            k.transpose(1, 2).to(q.dtype),  # [1, num_kv_heads, seq_len, head_dim]
-            v.transpose(1, 2).to(q.dtype),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )  # [1, num_heads, q_len, head_dim]
-        out[start : start + q_len] = o[0].transpose(0, 1)
-
-    def _attend_decodes(
-        self,
-        query: torch.Tensor,  # [T, num_heads, head_dim]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        rows: list[int],
-        starts: list[int],
-        out: torch.Tensor,  # [T, num_heads, head_dim], written in place
-    ) -> None:
-        """Requests with one new token each, padded to the group's longest, attended in one call."""
-        idx = torch.tensor(rows, device=query.device)
-        seq_lens = meta.seq_lens[idx].long()  # [Bd]
-        block_size = k_cache.shape[1]
-        n_blocks = -(-int(seq_lens.max()) // block_size)
-        tables = meta.block_tables[idx, :n_blocks]  # [Bd, n_blocks]
-        k = gather_kv(k_cache, tables)  # [Bd, n_blocks * block_size, num_kv_heads, head_dim]
-        v = gather_kv(v_cache, tables)
-        # A decode token is the newest token, so it sees every valid key: the mask is only padding.
-        valid = torch.arange(k.shape[1], device=query.device)[None, :] < seq_lens[:, None]
-        token_idx = torch.tensor([starts[i] for i in rows], device=query.device)
-        q = query[token_idx].unsqueeze(2)  # [Bd, num_heads, 1, head_dim]
-        o = F.scaled_dot_product_attention(
-            q,
-            k.transpose(1, 2).to(q.dtype),  # [Bd, num_kv_heads, L, head_dim]
-            v.transpose(1, 2).to(q.dtype),
-            attn_mask=valid[:, None, None, :],  # [Bd, 1, 1, L]
-            scale=scale,
-            enable_gqa=True,
-        )  # [Bd, num_heads, 1, head_dim]
-        out[token_idx] = o[:, :, 0]
