@@ -14,9 +14,11 @@ rows that carry their own `torch.Generator`, because a generator draws for one r
 That loop is what makes a seeded request reproducible whatever else shares its batch: its noise
 comes from its own generator alone, one Exp(1) vector of size V per random step.
 
-Why the exponential race: if q_i ~ Exp(1) independently, argmax_i p_i / q_i is distributed as
-Categorical(p) (the "Gumbel-max trick" in another guise). It needs no cumulative sum and no
-`torch.multinomial`, which synchronizes with the host on CUDA; vLLM uses it for the same reasons.
+Why the exponential race on a GPU: if q_i ~ Exp(1) independently, argmax_i p_i / q_i is
+distributed as Categorical(p) (the "Gumbel-max trick" in another guise). It needs no cumulative
+sum and no `torch.multinomial`, which synchronizes with the host on CUDA; vLLM uses it for the same
+reasons. On a CPU the B x V exponential draws are the expensive part (~50 ms for 64 x 49152), so
+there `torch.multinomial` (one uniform per row) is used instead; both are exact samplers.
 """
 
 from __future__ import annotations
@@ -241,11 +243,29 @@ def apply_truncation(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     return apply_top_k_top_p(logits, meta)
 
 
-def random_sample(probs: Tensor, meta: SamplingMetadata) -> Tensor:
-    """argmax(probs / q), q ~ Exp(1): a draw from each row's categorical distribution."""
+def random_sample(probs: Tensor, meta: SamplingMetadata, method: str = "auto") -> Tensor:
+    """One draw from each row's categorical distribution `probs` [B, V] -> int64 [B].
+
+    "exponential": argmax(probs / q), q ~ Exp(1) — no host sync on CUDA, the GPU default.
+    "multinomial": inverse-CDF sampling with one uniform per row — on a CPU, drawing B x V
+    exponentials costs more than the model's LM head, so this is the CPU default.
+    Either way a row with its own generator draws only from it.
+    """
+    if method == "auto":
+        method = "exponential" if probs.is_cuda else "multinomial"
+    rows_global = [i for i, g in enumerate(meta.generators) if g is None]
+    if method == "multinomial":
+        out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+        if rows_global:
+            idx = torch.tensor(rows_global, device=probs.device)
+            out[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
+        for i, generator in enumerate(meta.generators):
+            if generator is not None:
+                out[i] = torch.multinomial(probs[i], 1, generator=generator)[0]
+        return out
     q = torch.empty_like(probs)  # [B, V]
-    if not all(meta.generators):
-        q.exponential_()
+    if rows_global:
+        q[rows_global] = torch.empty_like(probs[rows_global]).exponential_()
     for i, generator in enumerate(meta.generators):
         if generator is not None:
             q[i].exponential_(generator=generator)

@@ -285,6 +285,26 @@ def test_empirical_frequencies_match_tempered_softmax(seeded):
     assert torch.all((freq - expected).abs() <= 5 * sigma + 1e-9), (freq, expected)
 
 
+@pytest.mark.parametrize("method", ["exponential", "multinomial"])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_both_sampling_methods_draw_from_the_distribution(method, seeded):
+    """The GPU's exponential race and the CPU's multinomial are both exact samplers."""
+    from minivllm.sampler import random_sample
+
+    n, vocab = 20000, 6
+    probs = torch.tensor([0.1, 0.3, 0.05, 0.25, 0.2, 0.1])
+    params = SamplingParams(temperature=1.0)
+    if seeded:
+        rows = [row(params, generator=make_generator(i)) for i in range(n)]
+    else:
+        torch.manual_seed(0)
+        rows = [row(params)] * n
+    sampled = random_sample(probs.expand(n, vocab).clone(), meta_for(rows, vocab), method)
+    freq = torch.bincount(sampled, minlength=vocab).double() / n
+    sigma = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert torch.all((freq - probs.double()).abs() <= 5 * sigma), (freq, probs)
+
+
 def test_truncated_tokens_are_never_sampled():
     n, vocab = 4000, 6
     base = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
