@@ -69,6 +69,9 @@ class RotaryEmbedding(nn.Module):
         # Kept in float32 whatever the model dtype: angles for large positions need the precision.
         self.register_buffer("cos_sin", torch.stack((emb.cos(), emb.sin())), persistent=False)
         # [2, max_positions, head_dim]
+        # Every layer of a step rotates at the same positions: look them up once per step.
+        self._step_positions: torch.Tensor | None = None
+        self._step_cos_sin: torch.Tensor | None = None
 
     def forward(
         self,
@@ -76,7 +79,10 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)  # each [T, 1, head_dim]
+        if positions is not self._step_positions or self._step_cos_sin is None:
+            self._step_positions = positions
+            self._step_cos_sin = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)
+        cos, sin = self._step_cos_sin  # each [T, 1, head_dim]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return q, k
