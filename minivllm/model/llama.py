@@ -22,6 +22,17 @@ from minivllm.model.config import LlamaConfig
 from minivllm.model.rope import RotaryEmbedding
 
 
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:  # [M, in] -> [M, out]
+    """`layer(x)`, computed on CPUs as (W · xᵀ)ᵀ: the same dot products, but MKL runs the weight
+    as the left operand ~1.3x faster at decode batch sizes (M = 16-256, measured on SmolLM2's
+    shapes; 1.7x for the LM head). The result is a transposed view; elementwise ops and the next
+    `linear` take it as it is, and callers that need rows contiguous copy once."""
+    if not x.is_cpu:
+        return F.linear(x, layer.weight, layer.bias)
+    y = torch.mm(layer.weight, x.t()).t()
+    return y if layer.bias is None else y + layer.bias
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 like the reference implementation."""
 
@@ -62,16 +73,18 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        qkv = linear(
+            hidden, self.qkv_proj
+        ).contiguous()  # [T, (num_heads + 2 * num_kv_heads) * head_dim]
+        # Queries and keys sit side by side in each row, so RoPE rotates both in one pass.
+        qk = rope.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         # Write first, then attend: the new tokens must see themselves, and another request
         # that shares a prefix block computed in this same step reads it from the cache.
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, num_heads, head_dim]
-        return self.o_proj(out.reshape(t, self.q_size))
+        return linear(out.reshape(t, self.q_size), self.o_proj)
 
 
 class LlamaMLP(nn.Module):
@@ -88,8 +101,8 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -164,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(
         self, hidden: torch.Tensor
     ) -> torch.Tensor:  # [N, hidden] -> float32 [N, vocab]
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head).float().contiguous()
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         for layer in self.model.layers:

@@ -73,16 +73,21 @@ class RotaryEmbedding(nn.Module):
         self._step_positions: torch.Tensor | None = None
         self._step_cos_sin: torch.Tensor | None = None
 
+    def rotate(
+        self,
+        positions: torch.Tensor,  # int64 [T]
+        x: torch.Tensor,  # [T, heads, head_dim]  queries, keys, or both side by side
+    ) -> torch.Tensor:  # [T, heads, head_dim]
+        if positions is not self._step_positions or self._step_cos_sin is None:
+            self._step_positions = positions
+            self._step_cos_sin = self.cos_sin[:, positions].to(x.dtype).unsqueeze(2)
+        cos, sin = self._step_cos_sin  # each [T, 1, head_dim]
+        return x * cos + rotate_half(x) * sin
+
     def forward(
         self,
         positions: torch.Tensor,  # int64 [T]
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions is not self._step_positions or self._step_cos_sin is None:
-            self._step_positions = positions
-            self._step_cos_sin = self.cos_sin[:, positions].to(q.dtype).unsqueeze(2)
-        cos, sin = self._step_cos_sin  # each [T, 1, head_dim]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return q, k
+        return self.rotate(positions, q), self.rotate(positions, k)
