@@ -61,12 +61,13 @@ class LLMEngine:
         mc = config.model
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
-        self.attention_backend = resolve_backend_name(mc.attention_backend, self.device)
+        resolve_backend_name(mc.attention_backend, self.device)  # a bad name fails before loading
         self.source = resolve_model(mc.model)
         self.tokenizer: Any = (
             None if mc.skip_tokenizer_init else load_tokenizer(self.source, mc.tokenizer)
         )
-        backend = get_attention_backend(self.attention_backend, self.device)
+        backend = get_attention_backend(mc.attention_backend, self.device)
+        self.attention_backend = backend.name  # "auto" resolved, after any fallback
         model_config = load_config(self.source)
         model_max = model_config.max_position_embeddings
         self.max_model_len = mc.max_model_len or model_max

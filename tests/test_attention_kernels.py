@@ -24,21 +24,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from test_attention_reference import make_paged_batch
+from test_attention_reference import TOLERANCES, batch_shape, make_paged_batch
 
 from minivllm.attention import get_attention_backend
 from minivllm.attention.reference import ReferenceBackend
 from minivllm.attention.triton import INTERPRETED, TritonBackend
-
-# Output tolerances per dtype. Both sides accumulate in float32; what separates them is rounding:
-# float32 only summation order (~1e-6, so 1e-5 leaves margin); float16 has a 2^-11 ≈ 5e-4 ulp near
-# 1 and SDPA rounds its intermediates in float16, ~2 ulps apart (2e-3); bfloat16 has a 2^-8 ≈ 4e-3
-# ulp near 1, and on a GPU the kernel also rounds the softmax weights to bfloat16 (2e-2).
-TOLERANCES = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-}
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -58,23 +48,6 @@ class ParityCase:
         dt = str(self.dtype).removeprefix("torch.")
         splits = f"-s{self.num_splits}" if self.num_splits else ""
         return f"{self.mode}-{h}q{hkv}kv-{dt}-d{self.head_dim}-bs{self.block_size}{splits}"
-
-
-def batch_shape(mode: str, bs: int) -> tuple[list[int], list[int]]:
-    """(seq_lens, query_lens) of one call: several requests of different lengths."""
-    if mode == "decode":  # every length at a block edge, plus a long one
-        return [1, bs - 1, bs, bs + 1, 300], [1] * 5
-    if mode == "decode_split":  # a 1-token context leaves all splits but the first empty
-        return [1, bs + 1, 600], [1] * 3
-    if mode == "prefill":  # whole prompts, nothing cached before
-        lens = [1, bs - 1, bs, bs + 1, 200]
-        return lens, lens
-    if mode == "extend":  # new chunks over cached context (prefix hits, chunked prefill),
-        # starting mid-block and crossing block boundaries
-        return [bs + 7, 3 * bs + 1, 290], [bs, 2 * bs - 3, 37]
-    if mode == "mixed":  # decodes among prompt chunks: all through the prefill kernel
-        return [bs + 1, 300, 2 * bs + 5, bs - 1], [1, 1, bs + 3, bs - 1]
-    raise ValueError(mode)
 
 
 # Pairwise covering grid over mode(5) × heads(4) × dtype(3) × head_dim(2) × block_size(2):

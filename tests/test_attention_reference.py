@@ -5,7 +5,8 @@ softmax(q·k·scale)·v for each new token of each request in float64, with noth
 or masked. If the reference backend agrees with it, the reference can be trusted as the oracle
 for the Triton kernels (tests/test_attention_kernels.py).
 
-`make_paged_batch` builds the inputs every attention test uses: a paged cache full of random
+`make_paged_batch` builds the inputs every attention test uses (`batch_shape` names the mixes of
+requests the fast backends are checked on): a paged cache full of random
 values (stale tails of blocks included, to catch any read past seq_len), shuffled block tables
 and the metadata of a step; the kernel tests import it.
 """
@@ -19,6 +20,37 @@ import torch
 
 from minivllm.attention import AttentionMetadata
 from minivllm.attention.reference import ReferenceBackend
+
+# Output tolerances of a fast backend against the reference, per dtype. Both sides accumulate in
+# float32; what separates them is rounding: float32 only summation order (~1e-6, so 1e-5 leaves
+# margin); float16 has a 2^-11 ≈ 5e-4 ulp near 1 and SDPA rounds its intermediates in float16,
+# ~2 ulps apart (2e-3); bfloat16 has a 2^-8 ≈ 4e-3 ulp near 1, and on a GPU the Triton kernel
+# also rounds the softmax weights to bfloat16 (2e-2).
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+def batch_shape(mode: str, bs: int) -> tuple[list[int], list[int]]:
+    """(seq_lens, query_lens) of one call: several requests of different lengths.
+
+    The Triton and CPU backend tests (tests/test_attention_kernels.py, test_attention_cpu.py)
+    check every mode against the reference."""
+    if mode == "decode":  # every length at a block edge, plus a long one
+        return [1, bs - 1, bs, bs + 1, 300], [1] * 5
+    if mode == "decode_split":  # a 1-token context leaves all splits but the first empty
+        return [1, bs + 1, 600], [1] * 3
+    if mode == "prefill":  # whole prompts, nothing cached before
+        lens = [1, bs - 1, bs, bs + 1, 200]
+        return lens, lens
+    if mode == "extend":  # new chunks over cached context (prefix hits, chunked prefill),
+        # starting mid-block and crossing block boundaries
+        return [bs + 7, 3 * bs + 1, 290], [bs, 2 * bs - 3, 37]
+    if mode == "mixed":  # decodes among prompt chunks: all through the prefill kernel
+        return [bs + 1, 300, 2 * bs + 5, bs - 1], [1, 1, bs + 3, bs - 1]
+    raise ValueError(mode)
 
 
 @dataclass

@@ -4,6 +4,8 @@ The same mixed batch of prompts (different lengths and max_tokens) runs plainly,
 small that sequences are preempted and recomputed, with a token budget so small that prompts are
 chunked, with shared prefixes served from the prefix cache, and with n > 1 sharing prompt blocks.
 Every variant must reproduce the oracle exactly; each also asserts that its mechanism really ran.
+The variants run on the default CPU backend (compiled paged decode); the plain batch also runs on
+the reference backend.
 """
 
 from __future__ import annotations
@@ -69,9 +71,12 @@ def _assert_matches(outputs, expected, n=1):
             assert completion.token_ids == exp, (out.request_id, completion.token_ids, exp)
 
 
-def test_plain_batch_matches_transformers(workload):
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_plain_batch_matches_transformers(workload, backend):
+    """On both CPU backends: the compiled decode kernel (the default) and the specification."""
     prompts, max_tokens, expected = workload
-    with checked_llm(num_gpu_blocks_override=256) as llm:
+    with checked_llm(num_gpu_blocks_override=256, attention_backend=backend) as llm:
+        assert llm.llm_engine.attention_backend == backend
         _assert_matches(_run(llm, prompts, max_tokens), expected)
 
 

@@ -11,12 +11,14 @@ slots, then `attend` computes causal attention of the new tokens over everything
 their request. One interface serves prefill, chunked prefill, prefix-cache hits and decode, because
 a step is just a set of (request, new tokens) pairs.
 
-Backends: "reference" (gather + scaled-dot-product attention, the specification, the CPU default)
-and "triton" (fused kernels, the CUDA default). `get_attention_backend` picks one by name.
+Backends: "reference" (gather + scaled-dot-product attention, the specification), "cpu" (the
+reference with decodes in a compiled paged kernel, the CPU default) and "triton" (fused kernels,
+the CUDA default). `get_attention_backend` picks one by name.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,28 +80,43 @@ class AttentionBackend(Protocol):
         ...
 
 
-BACKEND_NAMES = ("reference", "triton", "auto")
+BACKEND_NAMES = ("reference", "cpu", "triton", "auto")
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`"auto"` is Triton on CUDA (where it is fast) and the reference elsewhere."""
+    """`"auto"` is Triton on CUDA and the compiled CPU backend elsewhere (both fused, both fast)."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "auto":
-        return "triton" if device.type == "cuda" else "reference"
+        return "triton" if device.type == "cuda" else "cpu"
     return name
 
 
 def get_attention_backend(
     name: str = "auto", device: torch.device | None = None
 ) -> AttentionBackend:
-    """Return the backend called `name` ("reference", "triton" or "auto" for the device)."""
+    """Return the backend called `name` ("reference", "cpu", "triton", or "auto" for the device).
+
+    `"auto"` on a CPU falls back to the reference backend, with a warning, where the CPU kernel
+    cannot be compiled; asking for `"cpu"` by name raises `CpuKernelUnavailable` there instead.
+    """
     resolved = resolve_backend_name(name, device or torch.device("cpu"))
+    # Imported lazily: the default path must not pay for backends it does not use.
     if resolved == "triton":
-        # Imported lazily: Triton is an optional extra and the default CPU path never needs it.
         from minivllm.attention.triton import TritonBackend
 
         return TritonBackend()
+    if resolved == "cpu":
+        if device is not None and device.type != "cpu":
+            raise ValueError(f'attention_backend "cpu" needs device "cpu", got {device.type!r}')
+        from minivllm.attention.cpu import CpuBackend, CpuKernelUnavailable
+
+        try:
+            return CpuBackend()
+        except CpuKernelUnavailable as e:
+            if name != "auto":
+                raise
+            logging.getLogger("minivllm").warning("%s; using the reference backend", e)
     from minivllm.attention.reference import ReferenceBackend
 
     return ReferenceBackend()

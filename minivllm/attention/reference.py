@@ -87,11 +87,37 @@ class AttentionPlan:
     prompt_chunks: list[PromptChunk]
 
 
+def query_lens_of(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
+    """(new tokens, tokens in cache) of each request, as host lists."""
+    starts = meta.query_start_loc.tolist()
+    return [starts[i + 1] - starts[i] for i in range(len(starts) - 1)], meta.seq_lens.tolist()
+
+
+def plan_prompt_chunks(meta: AttentionMetadata, block_size: int) -> list[PromptChunk]:
+    """One `PromptChunk` per request with more than one new token."""
+    device = meta.seq_lens.device
+    starts = meta.query_start_loc.tolist()
+    query_lens, seq_lens = query_lens_of(meta)
+    chunks = []
+    for i, q_len in enumerate(query_lens):
+        if q_len > 1:
+            n_blocks = -(-seq_lens[i] // block_size)
+            chunks.append(
+                PromptChunk(
+                    start=starts[i],
+                    query_len=q_len,
+                    block_table=meta.block_tables[i : i + 1, :n_blocks],
+                    seq_len=seq_lens[i],
+                    mask=bottom_right_causal_mask(q_len, seq_lens[i], device),
+                )
+            )
+    return chunks
+
+
 def make_plan(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
     device = meta.seq_lens.device
     starts = meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens.tolist()
-    query_lens = [starts[i + 1] - starts[i] for i in range(len(seq_lens))]
+    query_lens, seq_lens = query_lens_of(meta)
     groups = []
     for rows in group_by_length([i for i, q in enumerate(query_lens) if q == 1], seq_lens):
         n_blocks = -(-max(seq_lens[i] for i in rows) // block_size)
@@ -106,20 +132,31 @@ def make_plan(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
                 valid=valid[:, None, None, :],
             )
         )
-    chunks = []
-    for i, q_len in enumerate(query_lens):
-        if q_len > 1:
-            n_blocks = -(-seq_lens[i] // block_size)
-            chunks.append(
-                PromptChunk(
-                    start=starts[i],
-                    query_len=q_len,
-                    block_table=meta.block_tables[i : i + 1, :n_blocks],
-                    seq_len=seq_lens[i],
-                    mask=bottom_right_causal_mask(q_len, seq_lens[i], device),
-                )
-            )
-    return AttentionPlan(groups, chunks)
+    return AttentionPlan(groups, plan_prompt_chunks(meta, block_size))
+
+
+def attend_prompt_chunk(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    chunk: PromptChunk,
+    scale: float,
+    out: torch.Tensor,  # [T, num_heads, head_dim]  the chunk's rows are written
+) -> None:
+    """Causal attention of one request's new tokens over its whole cached context."""
+    k = gather_kv(k_cache, chunk.block_table)[:, : chunk.seq_len]  # [1, S, Hkv, D]
+    v = gather_kv(v_cache, chunk.block_table)[:, : chunk.seq_len]
+    rows = slice(chunk.start, chunk.start + chunk.query_len)
+    q = query[rows].unsqueeze(0).transpose(1, 2)  # [1, num_heads, query_len, head_dim]
+    o = F.scaled_dot_product_attention(
+        q,
+        k.transpose(1, 2).to(q.dtype),  # [1, num_kv_heads, S, head_dim]
+        v.transpose(1, 2).to(q.dtype),
+        attn_mask=chunk.mask,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, num_heads, query_len, head_dim]
+    out[rows] = o[0].transpose(0, 1)
 
 
 class ReferenceBackend:
@@ -174,17 +211,5 @@ class ReferenceBackend:
             )  # [G, num_heads, 1, head_dim]
             out[group.token_idx] = o[:, :, 0]
         for chunk in self._plan.prompt_chunks:
-            k = gather_kv(k_cache, chunk.block_table)[:, : chunk.seq_len]  # [1, S, Hkv, D]
-            v = gather_kv(v_cache, chunk.block_table)[:, : chunk.seq_len]
-            rows = slice(chunk.start, chunk.start + chunk.query_len)
-            q = query[rows].unsqueeze(0).transpose(1, 2)  # [1, num_heads, query_len, head_dim]
-            o = F.scaled_dot_product_attention(
-                q,
-                k.transpose(1, 2).to(q.dtype),  # [1, num_kv_heads, S, head_dim]
-                v.transpose(1, 2).to(q.dtype),
-                attn_mask=chunk.mask,
-                scale=scale,
-                enable_gqa=True,
-            )  # [1, num_heads, query_len, head_dim]
-            out[rows] = o[0].transpose(0, 1)
+            attend_prompt_chunk(query, k_cache, v_cache, chunk, scale, out)
         return out

@@ -1,0 +1,172 @@
+// Paged decode attention for CPUs: the paper's §4.1 kernel, one request's KV blocks at a time.
+//
+// The reference backend gathers every decode request's K/V into a padded contiguous tensor and then
+// calls scaled_dot_product_attention: the context crosses memory three times (gather read, gather
+// write, attention read). This kernel reads each key and value once, straight from the paged cache
+// through the block table, so decode attention costs what its bytes cost. vLLM's CPU backend makes
+// the same split: SDPA for prompt chunks, a C++ paged kernel for decodes (csrc/cpu/attention.cpp).
+//
+// Work item = one request, all heads: a block of the cache ([block_size, num_kv_heads, head_dim])
+// is one contiguous run of memory, so reading it whole streams at the memory's speed (a work item
+// per KV head would read a strided third of every row, measured 2x slower). Items run on
+// PyTorch's own intra-op thread pool (at::parallel_for), never a second OpenMP runtime that would
+// fight it for the cores.
+//
+// Built on first use by minivllm/attention/cpu.py (torch.utils.cpp_extension). The loops are
+// plain C++ that the compiler vectorizes: -O3 with the host's SIMD flags and -ffast-math, which
+// lets it reorder the dot-product sums and call glibc's vector expf. Scores are finite here (every
+// key of a decode token is visible, no mask), which is all fast-math's finite-math assumes.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// Load the next block's rows into cache while this block is computed: blocks are scattered, so
+// the hardware prefetcher, which follows addresses, cannot guess where the next one starts.
+// Measured on 2 EPYC cores: 1.7x faster decode attention at 64 requests x 256 tokens.
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* row, int64_t row_elems) {
+  constexpr int64_t per_line = 64 / sizeof(scalar_t);
+  for (int64_t c = 0; c < row_elems; c += per_line) __builtin_prefetch(row + c);
+}
+
+template <typename scalar_t>
+void paged_decode_kernel(
+    float* __restrict__ out,              // [T, num_heads, head_dim] float32 output rows
+    const scalar_t* __restrict__ query,   // [T, num_heads, head_dim]
+    const scalar_t* __restrict__ k_cache, // [num_blocks, block_size, num_kv_heads, head_dim]
+    const scalar_t* __restrict__ v_cache, // [num_blocks, block_size, num_kv_heads, head_dim]
+    const int32_t* __restrict__ block_tables, // [B, max_blocks]
+    const int32_t* __restrict__ seq_lens,     // [B]
+    const int64_t* __restrict__ token_rows,   // [B] row of request b's query in query/out
+    int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale) {
+  const int64_t group = num_heads / num_kv_heads;        // query heads per KV head
+  const int64_t row_elems = num_kv_heads * head_dim;     // one token's K (or V), all KV heads
+  const int64_t block_elems = block_size * row_elems;    // one block, contiguous in the cache
+  // Where query head h's KV head starts in a token's row; computed once, since an integer
+  // division per head per token would cost more than the dot product it addresses.
+  std::vector<int64_t> kv_head_offset(num_heads);
+  for (int64_t h = 0; h < num_heads; ++h) kv_head_offset[h] = (h / group) * head_dim;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(num_heads * head_dim);    // [num_heads, head_dim] scaled queries
+    std::vector<float> acc(num_heads * head_dim);  // [num_heads, head_dim] weighted values
+    std::vector<float> inv_sum(num_heads);         // [num_heads] 1 / softmax denominator
+    std::vector<float> scores;                     // [num_heads, seq_len]
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t seq_len = seq_lens[b];
+      const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+      const int32_t* table = block_tables + b * max_blocks;
+      const scalar_t* src = query + token_rows[b] * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = float(src[i]) * scale;
+      scores.resize(num_heads * seq_len);
+
+      // --8<-- [start:scores]
+      // Scores: q · k for every cached token, block by block through the block table. A request
+      // is one work item, so each block is read as one contiguous run of memory; every query
+      // head meets the K row of its KV head (GQA: `group` query heads share one).
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const scalar_t* k_block = k_cache + int64_t(table[j]) * block_elems;
+        const scalar_t* k_next = k_cache + int64_t(table[std::min(j + 1, num_blocks - 1)]) * block_elems;
+        const int64_t t0 = j * block_size, n = std::min(block_size, seq_len - t0);
+        for (int64_t o = 0; o < n; ++o) {
+          prefetch_row(k_next + o * row_elems, row_elems);
+          const scalar_t* k_row = k_block + o * row_elems;
+          for (int64_t h = 0; h < num_heads; ++h) {  // h / group: the KV head of query head h
+            const scalar_t* k = k_row + kv_head_offset[h];
+            const float* qh = q.data() + h * head_dim;
+            float dot = 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * float(k[d]);
+            scores[h * seq_len + t0 + o] = dot;
+          }
+        }
+      }
+      // --8<-- [end:scores]
+      // Softmax per query head (max-subtracted, so exp never overflows).
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = scores.data() + h * seq_len;
+        float m = s[0];
+        for (int64_t t = 1; t < seq_len; ++t) m = std::max(m, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < seq_len; ++t) {
+          s[t] = std::exp(s[t] - m);
+          sum += s[t];
+        }
+        inv_sum[h] = 1.f / sum;
+      }
+      // Output: the probability-weighted sum of the values, again block by block.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < num_blocks; ++j) {
+        const scalar_t* v_block = v_cache + int64_t(table[j]) * block_elems;
+        const scalar_t* v_next = v_cache + int64_t(table[std::min(j + 1, num_blocks - 1)]) * block_elems;
+        const int64_t t0 = j * block_size, n = std::min(block_size, seq_len - t0);
+        for (int64_t o = 0; o < n; ++o) {
+          prefetch_row(v_next + o * row_elems, row_elems);
+          const scalar_t* v_row = v_block + o * row_elems;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const scalar_t* v = v_row + kv_head_offset[h];
+            const float p = scores[h * seq_len + t0 + o];
+            float* a = acc.data() + h * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * float(v[d]);
+          }
+        }
+      }
+      float* dst = out + token_rows[b] * num_heads * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int64_t d = 0; d < head_dim; ++d) dst[h * head_dim + d] = acc[h * head_dim + d] * inv_sum[h];
+    }
+  });
+}
+
+// out[token_rows[b]] = softmax(q · Kᵀ · scale) · V over request b's seq_lens[b] cached tokens.
+void paged_decode(
+    const at::Tensor& out,           // float32 [T, num_heads, head_dim]
+    const at::Tensor& query,         // [T, num_heads, head_dim]
+    const at::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
+    const at::Tensor& v_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
+    const at::Tensor& block_tables,  // int32 [B, max_blocks]
+    const at::Tensor& seq_lens,      // int32 [B]
+    const at::Tensor& token_rows,    // int64 [B]
+    double scale) {
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat, "out: contiguous float32");
+  TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "query and caches must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "query and caches must share a dtype");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt && token_rows.scalar_type() == at::kLong,
+              "block_tables/seq_lens int32, token_rows int64");
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  const auto lens = seq_lens.contiguous();
+  const auto rows = token_rows.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+        paged_decode_kernel<scalar_t>(
+            out.data_ptr<float>(), query.const_data_ptr<scalar_t>(),
+            k_cache.const_data_ptr<scalar_t>(), v_cache.const_data_ptr<scalar_t>(),
+            block_tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
+            rows.const_data_ptr<int64_t>(), block_tables.size(0), block_tables.size(1),
+            num_heads, num_kv_heads, head_dim, block_size, static_cast<float>(scale));
+      });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(minivllm_cpu, m) {
+  m.def(
+      "paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor token_rows, float scale) -> ()",
+      &paged_decode);
+}

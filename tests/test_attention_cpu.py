@@ -1,0 +1,117 @@
+"""The CPU backend (compiled paged decode kernel) against the reference backend.
+
+The kernel is cheap enough on a CPU to run the full product of the factors rather than a pairwise
+grid: every batch mix of `batch_shape` (decodes at block edges, long contexts, prompt chunks and
+decodes in one step) x MHA / GQA 2:1, 3:1 (SmolLM2's), 8:1 x three dtypes x two head sizes x two
+block sizes, each with shuffled block tables and stale values in every slot a request does not own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import zlib
+
+import pytest
+import torch
+from test_attention_reference import TOLERANCES, batch_shape, make_paged_batch
+
+from minivllm.attention import cpu as cpu_module
+from minivllm.attention import get_attention_backend, resolve_backend_name
+from minivllm.attention.cpu import CpuBackend, CpuKernelUnavailable, paged_decode
+from minivllm.attention.reference import ReferenceBackend
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+MODES = ["decode", "decode_split", "prefill", "extend", "mixed"]
+HEADS = [(4, 4), (4, 2), (9, 3), (8, 1)]
+CASES = list(itertools.product(MODES, HEADS, [F32, F16, BF16], [64, 80], [16, 32]))
+
+
+def case_id(case: tuple) -> str:
+    mode, (h, hkv), dtype, head_dim, block_size = case
+    return f"{mode}-{h}q{hkv}kv-{str(dtype).removeprefix('torch.')}-d{head_dim}-bs{block_size}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_cpu_backend_matches_reference(case: tuple) -> None:
+    mode, (h, hkv), dtype, head_dim, block_size = case
+    seq_lens, query_lens = batch_shape(mode, block_size)
+    b = make_paged_batch(
+        seq_lens, query_lens, h, hkv, head_dim, block_size, dtype, seed=zlib.crc32(case_id(case).encode())
+    )  # fmt: skip
+    # Q, K and V as views of one fused projection, as the model produces them.
+    qkv = torch.cat([b.query, b.key, b.value], dim=1)  # [T, h + 2 * hkv, head_dim]
+    query, key, value = qkv[:, :h], qkv[:, h : h + hkv], qkv[:, h + hkv :]
+    ref, cpu = ReferenceBackend(), CpuBackend()
+    ref_k, ref_v = b.k_cache.clone(), b.v_cache.clone()
+    ref.write_kv(key, value, ref_k, ref_v, b.meta.slot_mapping)
+    cpu.write_kv(key, value, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    expected = ref.attend(query, ref_k, ref_v, b.meta, b.scale)
+    out = cpu.attend(query, b.k_cache, b.v_cache, b.meta, b.scale)
+    assert out.dtype == query.dtype and out.shape == query.shape
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+def test_decode_never_reads_outside_the_request_s_blocks() -> None:
+    """NaN in every slot past each request's length, and in blocks nobody owns: none may leak."""
+    bs = 16
+    seq_lens = [1, bs - 1, bs, bs + 1, 70]
+    b = make_paged_batch(seq_lens, [1] * 5, 6, 2, 64, bs, seed=3)
+    poisoned_k, poisoned_v = (
+        torch.full_like(b.k_cache, float("nan")),
+        torch.full_like(b.v_cache, float("nan")),
+    )
+    for i, n in enumerate(seq_lens):
+        for pos in range(n):
+            blk, off = int(b.meta.block_tables[i, pos // bs]), pos % bs
+            poisoned_k[blk, off], poisoned_v[blk, off] = b.k_cache[blk, off], b.v_cache[blk, off]
+    out = torch.full(b.query.shape, float("nan"))
+    rows = b.meta.query_start_loc[:-1].long()
+    paged_decode(
+        b.query, poisoned_k, poisoned_v, b.meta.block_tables, b.meta.seq_lens, rows, b.scale, out
+    )
+    expected = ReferenceBackend().attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out, expected, **TOLERANCES[F32])
+
+
+def test_decode_of_one_long_request_spans_many_blocks() -> None:
+    b = make_paged_batch([2000], [1], 9, 3, 64, 16, seed=11)
+    expected = ReferenceBackend().attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale)
+    out = CpuBackend().attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out, expected, **TOLERANCES[F32])
+
+
+def test_auto_is_the_cpu_backend_on_a_cpu() -> None:
+    assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"
+    assert get_attention_backend("auto").name == "cpu"
+    assert get_attention_backend("cpu").name == "cpu"
+
+
+def test_cpu_backend_refuses_a_cuda_device() -> None:
+    with pytest.raises(ValueError, match='"cpu" needs device "cpu"'):
+        get_attention_backend("cpu", torch.device("cuda"))
+
+
+def test_auto_falls_back_to_reference_when_the_kernel_cannot_build(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_compiler() -> None:
+        raise CpuKernelUnavailable("could not build the CPU attention kernel (no compiler)")
+
+    monkeypatch.setattr(cpu_module, "load_cpu_kernels", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        backend = get_attention_backend("auto")
+    assert backend.name == "reference"
+    assert "no compiler" in caplog.text and "using the reference backend" in caplog.text
+    with pytest.raises(CpuKernelUnavailable, match="no compiler"):
+        get_attention_backend("cpu")
+
+
+def test_a_failed_build_names_what_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_load(**kwargs: object) -> None:
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", failing_load)
+    with pytest.raises(CpuKernelUnavailable, match="C\\+\\+ compiler and ninja") as info:
+        cpu_module.load_cpu_kernels.__wrapped__()
+    assert "Ninja is required" in str(info.value)
