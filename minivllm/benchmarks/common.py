@@ -85,7 +85,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_kv_blocks: int | N
     g.add_argument("--model", default=None, help="folder, .gguf or hub id (default: SmolLM2-135M)")
     g.add_argument("--dtype", default="auto", help="float32 on CPU, bfloat16 on CUDA by default")
     g.add_argument("--device", default="auto")
-    g.add_argument("--attention-backend", default="auto", help="reference | triton | auto")
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="reference | cpu | triton | auto (cpu on a CPU, triton on CUDA)",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
