@@ -38,6 +38,29 @@ inline void prefetch_row(const scalar_t* row, int64_t row_elems) {
   for (int64_t c = 0; c < row_elems; c += per_line) __builtin_prefetch(row + c);
 }
 
+// --8<-- [start:walk]
+// PagedAttention's read: visit(t, row) for each of a request's seq_len cached tokens, in logical
+// order, where row is token t's [num_kv_heads, head_dim] slice of the cache. Logical block j lives
+// in physical block table[j]; walking blocks rather than tokens keeps a division per token out.
+template <typename scalar_t, typename Visit>
+inline void for_each_cached_token(
+    const scalar_t* cache,  // [num_blocks, block_size, num_kv_heads, head_dim]
+    const int32_t* table,   // [>= ceil(seq_len / block_size)] the request's block table
+    int64_t seq_len, int64_t block_size, int64_t row_elems, Visit&& visit) {
+  const int64_t block_elems = block_size * row_elems;
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const scalar_t* block = cache + int64_t(table[j]) * block_elems;
+    const scalar_t* next = cache + int64_t(table[std::min(j + 1, num_blocks - 1)]) * block_elems;
+    const int64_t t0 = j * block_size, n = std::min(block_size, seq_len - t0);
+    for (int64_t o = 0; o < n; ++o) {
+      prefetch_row(next + o * row_elems, row_elems);
+      visit(t0 + o, block + o * row_elems);
+    }
+  }
+}
+// --8<-- [end:walk]
+
 template <typename scalar_t>
 void paged_decode_kernel(
     float* __restrict__ out,              // [T, num_heads, head_dim] float32 output rows
@@ -51,7 +74,6 @@ void paged_decode_kernel(
     int64_t head_dim, int64_t block_size, float scale) {
   const int64_t group = num_heads / num_kv_heads;        // query heads per KV head
   const int64_t row_elems = num_kv_heads * head_dim;     // one token's K (or V), all KV heads
-  const int64_t block_elems = block_size * row_elems;    // one block, contiguous in the cache
   // Where query head h's KV head starts in a token's row; computed once, since an integer
   // division per head per token would cost more than the dot product it addresses.
   std::vector<int64_t> kv_head_offset(num_heads);
@@ -63,32 +85,25 @@ void paged_decode_kernel(
     std::vector<float> scores;                     // [num_heads, seq_len]
     for (int64_t b = begin; b < end; ++b) {
       const int64_t seq_len = seq_lens[b];
-      const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
       const int32_t* table = block_tables + b * max_blocks;
       const scalar_t* src = query + token_rows[b] * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = float(src[i]) * scale;
       scores.resize(num_heads * seq_len);
 
       // --8<-- [start:scores]
-      // Scores: q · k for every cached token, block by block through the block table. A request
-      // is one work item, so each block is read as one contiguous run of memory; every query
-      // head meets the K row of its KV head (GQA: `group` query heads share one).
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const scalar_t* k_block = k_cache + int64_t(table[j]) * block_elems;
-        const scalar_t* k_next = k_cache + int64_t(table[std::min(j + 1, num_blocks - 1)]) * block_elems;
-        const int64_t t0 = j * block_size, n = std::min(block_size, seq_len - t0);
-        for (int64_t o = 0; o < n; ++o) {
-          prefetch_row(k_next + o * row_elems, row_elems);
-          const scalar_t* k_row = k_block + o * row_elems;
-          for (int64_t h = 0; h < num_heads; ++h) {  // h / group: the KV head of query head h
-            const scalar_t* k = k_row + kv_head_offset[h];
-            const float* qh = q.data() + h * head_dim;
-            float dot = 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * float(k[d]);
-            scores[h * seq_len + t0 + o] = dot;
-          }
+      // Scores: q · k for every cached token. A request is one work item, so each block is read
+      // as one contiguous run of memory; every query head meets the K row of its KV head (GQA:
+      // `group` query heads share one).
+      for_each_cached_token(k_cache, table, seq_len, block_size, row_elems,
+                            [&](int64_t t, const scalar_t* k_row) {
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const scalar_t* k = k_row + kv_head_offset[h];  // query head h's KV head
+          const float* qh = q.data() + h * head_dim;
+          float dot = 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * float(k[d]);
+          scores[h * seq_len + t] = dot;
         }
-      }
+      });
       // --8<-- [end:scores]
       // Softmax per query head (max-subtracted, so exp never overflows).
       for (int64_t h = 0; h < num_heads; ++h) {
@@ -102,23 +117,17 @@ void paged_decode_kernel(
         }
         inv_sum[h] = 1.f / sum;
       }
-      // Output: the probability-weighted sum of the values, again block by block.
+      // Output: the probability-weighted sum of the values, walked the same way.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const scalar_t* v_block = v_cache + int64_t(table[j]) * block_elems;
-        const scalar_t* v_next = v_cache + int64_t(table[std::min(j + 1, num_blocks - 1)]) * block_elems;
-        const int64_t t0 = j * block_size, n = std::min(block_size, seq_len - t0);
-        for (int64_t o = 0; o < n; ++o) {
-          prefetch_row(v_next + o * row_elems, row_elems);
-          const scalar_t* v_row = v_block + o * row_elems;
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const scalar_t* v = v_row + kv_head_offset[h];
-            const float p = scores[h * seq_len + t0 + o];
-            float* a = acc.data() + h * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * float(v[d]);
-          }
+      for_each_cached_token(v_cache, table, seq_len, block_size, row_elems,
+                            [&](int64_t t, const scalar_t* v_row) {
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const scalar_t* v = v_row + kv_head_offset[h];
+          const float p = scores[h * seq_len + t];
+          float* a = acc.data() + h * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * float(v[d]);
         }
-      }
+      });
       float* dst = out + token_rows[b] * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h)
         for (int64_t d = 0; d < head_dim; ++d) dst[h * head_dim + d] = acc[h * head_dim + d] * inv_sum[h];
