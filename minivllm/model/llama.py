@@ -21,6 +21,8 @@ from minivllm.attention import AttentionBackend, AttentionMetadata
 from minivllm.model.config import LlamaConfig
 from minivllm.model.rope import RotaryEmbedding
 
+LM_HEAD_ROWS = 1024  # vocabulary rows per LM-head matmul on a CPU (see compute_logits)
+
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:  # [M, in] -> [M, out]
     """`layer(x)`, computed on CPUs as (W · xᵀ)ᵀ: the same dot products, but MKL runs the weight
@@ -177,7 +179,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(
         self, hidden: torch.Tensor
     ) -> torch.Tensor:  # [N, hidden] -> float32 [N, vocab]
-        return linear(hidden, self.lm_head).float().contiguous()
+        if not hidden.is_cpu:
+            return self.lm_head(hidden).float()
+        # On a CPU the LM head's weight ([vocab, hidden]: 113 MB for SmolLM2) is far larger than the
+        # caches; MKL runs it 1.2-1.4x faster in slices of LM_HEAD_ROWS vocabulary rows (measured
+        # at 16-64 sampled rows, same results), each written straight into one [vocab, N] buffer.
+        weight = self.lm_head.weight
+        logits_t = torch.empty(weight.shape[0], hidden.shape[0], dtype=weight.dtype)  # [vocab, N]
+        for start in range(0, weight.shape[0], LM_HEAD_ROWS):
+            rows = slice(start, start + LM_HEAD_ROWS)
+            torch.mm(weight[rows], hidden.t(), out=logits_t[rows])
+        return logits_t.t().float().contiguous()
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         for layer in self.model.layers:
