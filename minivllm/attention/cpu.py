@@ -79,6 +79,8 @@ def load_cpu_kernels() -> None:
     # must never hand an AVX-512 build to an AVX2 CPU.
     build_dir = cache_root() / "torch_extensions" / f"cpu_kernels-{simd}-torch{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob("*.so")):
+        logger.info("compiling the CPU attention kernel into %s (once, ~15 s)", build_dir)
     try:
         load(
             name="minivllm_cpu_kernels",
