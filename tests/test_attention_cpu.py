@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import zlib
 
 import pytest
@@ -115,3 +116,15 @@ def test_a_failed_build_names_what_it_needs(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(CpuKernelUnavailable, match="C\\+\\+ compiler and ninja") as info:
         cpu_module.load_cpu_kernels.__wrapped__()
     assert "Ninja is required" in str(info.value)
+
+
+def test_ninja_from_the_wheel_is_found_without_an_activated_venv(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch looks for `ninja` on PATH; the wheel's binary sits next to an unactivated venv's python."""
+    import ninja
+
+    monkeypatch.setattr(cpu_module.shutil, "which", lambda name: None)
+    monkeypatch.setenv("PATH", "/nowhere")
+    cpu_module._put_ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
