@@ -189,6 +189,11 @@ class LLMEngine:
                     self._finish(seq, SequenceStatus.FINISHED_ABORTED)
             self._aborted_outputs.append(make_request_output(request))
 
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """Sampling defaults from the model's generation_config.json (vLLM's name): they apply to
+        every field a request leaves unset."""
+        return {}
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

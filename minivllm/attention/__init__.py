@@ -44,6 +44,9 @@ class AttentionMetadata:
     )  # int64 [T]  flat slot (block * block_size + offset) per new token; -1 skips
     max_query_len: int
     max_seq_len: int
+    # The backend's own per-step work list (which rows are decodes, how prompt chunks gather),
+    # built once per step by the model runner with `backend.plan(...)` and read by every layer.
+    plan: object | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -59,6 +62,11 @@ class AttentionBackend(Protocol):
     """What the model needs from an attention implementation."""
 
     name: str
+
+    def plan(self, meta: AttentionMetadata, block_size: int) -> object | None:
+        """The step's work list, derived from `meta` alone; the model runner calls this once per
+        step and stores the result in `meta.plan` for all layers (None: the backend needs none)."""
+        ...
 
     def write_kv(
         self,
