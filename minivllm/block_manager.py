@@ -10,8 +10,11 @@ free queue and their hashes are `block_pool.py`'s, as vLLM v1 splits `kv_cache_m
   parent (reference counts go up); the first write into a shared, partly filled block moves the
   writer to a fresh block and records a (src, dst) copy for the model runner.
 - Automatic prefix caching, as vLLM v1 does it (`vllm/v1/core/kv_cache_manager.py`): every FULL
-  block is registered under its `BlockHash`; a new prompt reuses the longest run of cached blocks
-  from its start. Freed blocks keep their hash and stay reusable until the allocator needs them.
+  block is registered under its `BlockHash` by `cache_blocks`, which the scheduler calls only after
+  the step that wrote the block's K/V has completed — so a step that fails or is interrupted leaves
+  no name behind for KV that was never written. A new prompt reuses the longest run of cached
+  blocks from its start. Freed blocks keep their hash and stay reusable until the allocator needs
+  them.
 - Everything is O(blocks touched): a cache hit on a free block leaves the free queue in O(1),
   allocation pops its front, freeing appends to its back; the filled-slot count is incremental.
 """
@@ -26,6 +29,7 @@ from minivllm.block_pool import (
     BlockHash,
     ExtraKeys,
     FreeKVCacheBlockQueue,
+    HashFn,
     KVCacheBlock,
     NoFreeBlocksError,
     hash_block_tokens,
@@ -89,7 +93,11 @@ class BlockManager:
     """Block pool + per-sequence block tables + prefix cache. Methods named as vLLM's where it has one."""
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        hash_fn: HashFn = hash_block_tokens,  # vLLM lets users choose it too (builtin or sha256)
     ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -97,6 +105,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn = hash_fn
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         # One physical block per name: the first block registered under a name keeps it.
@@ -158,10 +167,12 @@ class BlockManager:
         token_ids: Sequence[int],
         num_new_tokens: int,
         extra_keys: ExtraKeys = None,
+        count_as_query: bool = True,
     ) -> int:
         """Admit a sequence: take its prefix-cache hit, then fresh blocks for `num_new_tokens` more
         tokens. `token_ids` is everything known (prompt + generated tokens, after a preemption).
-        Returns the hit in tokens; the model computes tokens from there on."""
+        Returns the hit in tokens; the model computes tokens from there on. `count_as_query=False`
+        keeps a re-admission after preemption out of the prompt lookup counters."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already holds blocks; free it before allocating")
         hit_blocks = self._find_cached_blocks(token_ids, extra_keys)
@@ -185,9 +196,10 @@ class BlockManager:
             extra_keys=extra_keys,
         )
         self._seqs[seq_id] = seq
-        self._grow(seq, token_ids, num_new_tokens)
-        self._prefix_cache_queries += len(token_ids)
-        self._prefix_cache_hits += num_cached_tokens
+        self._grow(seq, num_new_tokens)
+        if count_as_query:
+            self._prefix_cache_queries += len(token_ids)
+            self._prefix_cache_hits += num_cached_tokens
         self._record_utilization()
         return num_cached_tokens
 
@@ -214,7 +226,7 @@ class BlockManager:
             last.ref_cnt -= 1  # still >= 1: the sibling keeps it
             seq.block_table[-1] = dst.block_id
             self._pending_copies.append((last.block_id, dst.block_id))
-        self._grow(seq, token_ids, num_new_tokens)
+        self._grow(seq, num_new_tokens)
         self._record_utilization()
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
@@ -248,6 +260,20 @@ class BlockManager:
                     self._num_evictable += 1
                 self.free_block_queue.append(block)
         self._record_utilization()
+
+    def cache_blocks(
+        self, seq_id: SeqId, token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Register every full block among the first `num_computed_tokens` slots of a sequence
+        under its hash. Called after the step that wrote their K/V completed (vLLM v1 does the
+        same in `cache_blocks`): a name given earlier could serve KV that a failed step never
+        wrote. Idempotent: blocks named already are skipped."""
+        if not self.enable_prefix_caching:
+            return
+        seq = self._seq(seq_id)
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), min(num_computed_tokens, seq.num_slots) // bs):
+            self._cache_full_block(seq, i, tuple(token_ids[i * bs : (i + 1) * bs]))
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) block pairs since the last call, for the model runner."""
@@ -305,9 +331,8 @@ class BlockManager:
         hits: list[KVCacheBlock] = []
         parent: BlockHash | None = None
         for i in range((len(token_ids) - 1) // bs):
-            # hash_fn is looked up here at call time: tests patch this module's hash to collide.
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            key = BlockHash.of(parent, tokens, extra_keys, hash_fn=hash_block_tokens)
+            key = BlockHash.of(parent, tokens, extra_keys, hash_fn=self.hash_fn)
             block = self.cached_block_hash_to_block.get(key)
             if block is None:
                 break
@@ -346,9 +371,9 @@ class BlockManager:
         block.num_filled = 0
         return block
 
-    def _grow(self, seq: SeqBlocks, token_ids: Sequence[int], num_new_tokens: int) -> None:
-        """Give `seq` slots for `num_new_tokens` more tokens (blocks already checked to be free),
-        then register every block that just became full."""
+    def _grow(self, seq: SeqBlocks, num_new_tokens: int) -> None:
+        """Give `seq` slots for `num_new_tokens` more tokens (blocks already checked to be free).
+        Full blocks are named later, by `cache_blocks`, once their K/V is written."""
         bs = self.block_size
         remaining = num_new_tokens
         if seq.num_slots % bs and remaining:  # finish the partly filled last block first
@@ -364,19 +389,13 @@ class BlockManager:
             seq.block_table.append(block.block_id)
             remaining -= block.num_filled
         seq.num_slots += num_new_tokens
-        if self.enable_prefix_caching:
-            for i in range(len(seq.block_hashes), seq.num_slots // bs):
-                self._cache_full_block(seq, i, tuple(token_ids[i * bs : (i + 1) * bs]))
 
     def _cache_full_block(
         self, seq: SeqBlocks, index: int, block_token_ids: tuple[int, ...]
     ) -> None:
-        """Name block `index` of `seq` now that it is full. Registering at allocation time is safe
-        because the engine writes the KV of every slot it allocates in the same step, and each
-        layer writes all new K/V before any attention of that layer reads: a second request that
-        hits this block in the same step reads KV written before its attention runs."""
+        """Name block `index` of `seq`, full and written, unless its content has a name already."""
         parent = seq.block_hashes[index - 1] if index else None
-        key = BlockHash.of(parent, block_token_ids, seq.extra_keys, hash_fn=hash_block_tokens)
+        key = BlockHash.of(parent, block_token_ids, seq.extra_keys, hash_fn=self.hash_fn)
         cached = self.cached_block_hash_to_block.get(key)
         if cached is not None:  # same content already cached in another block: keep that one
             seq.block_hashes.append(cached.block_hash or key)

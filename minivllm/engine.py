@@ -1,8 +1,16 @@
 """LLMEngine: requests in, one scheduled batch per `step()`, streaming `RequestOutput`s out.
 
-vLLM's `LLMEngine` (vllm/v1/engine/llm_engine.py) without the process boundaries. One step is the
-life of the data in DESIGN.md: schedule -> copy-on-write copies -> prepare inputs -> run model ->
-sample -> postprocess (append tokens, detokenize, check stops, free finished sequences' blocks).
+vLLM's `LLMEngine` (vllm/v1/engine/llm_engine.py) without the process boundaries. One `step()` is
+the paper's one iteration (§4.5), in the order of "one engine step" on the docs' architecture page:
+
+    schedule -> run the model -> sample -> commit (progress, prefix-cache hashes) -> process outputs
+
+The engine only orchestrates: the scheduler owns the KV bookkeeping, the model runner owns the KV
+tensors, the sampler picks tokens and the output processor turns them into text and stops.
+
+A step that raises (an exception, or Ctrl-C inside the model) fails the requests it carried and
+frees their blocks; because the step commits last, nothing it half-did is visible to any other
+request: no block it allocated is named in the prefix cache before its K/V is written.
 
 Parallel sampling (`n > 1`) follows the paper's §4.4: the prompt is computed once by the first
 sequence; when its first token is sampled, it is forked into n sequences that share every prompt
@@ -11,8 +19,8 @@ block, and the block manager copies a shared block only when one of them writes 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,7 +29,6 @@ import torch
 from minivllm.attention import get_attention_backend, resolve_backend_name
 from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
-from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.inputs import PromptType, process_prompt
 from minivllm.model.loader import (
     build_model,
@@ -32,13 +39,13 @@ from minivllm.model.loader import (
     resolve_model,
 )
 from minivllm.model_runner import ModelRunner, determine_num_blocks
+from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput, make_request_output
-from minivllm.sampler import Sampler, SamplingMetadata, SamplingRow
+from minivllm.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import Scheduler, SchedulerOutput
-from minivllm.sequence import Logprob, Request, Sequence, SequenceStatus
+from minivllm.sequence import Request, Sequence, SequenceStatus
 from minivllm.stats import EngineStats
-from minivllm.stop_checker import check_stop
 
 logger = logging.getLogger("minivllm")
 
@@ -92,23 +99,29 @@ class LLMEngine:
             self.max_model_len = capacity
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.dtype, self.device)
-        self.sampler = Sampler()
+        self.runner = ModelRunner(
+            self.model, backend, num_blocks, cc.block_size, self.dtype, self.device
+        )
+        # Unseeded random sampling draws from the engine's own generator, seeded by `seed`: a
+        # whole offline run is reproducible, and torch's global RNG stays the user's.
+        self.generator = torch.Generator(device=self.device).manual_seed(mc.seed)
+        self.sampler = Sampler(self.generator)
         self.eos_token_id: int | None = (
             self.tokenizer.eos_token_id
             if self.tokenizer is not None
             else next(iter(model_config.eos_token_ids), None)
         )
+        self._diff_sampling_param: dict[str, Any] = {}
+        self._extra_eos_token_ids: set[int] = set()
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.eos_token_id, self.max_model_len
+        )
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}
-        # Unseeded random sampling draws from torch's global generator, in one batched call per
-        # step; seeding it here makes a whole offline run reproducible (vLLM does the same).
-        torch.manual_seed(mc.seed)
         self._next_seq_id = 0
         self._aborted_outputs: list[RequestOutput] = []
         # Counters behind get_stats().
         self.num_steps = 0
-        self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         self.peak_blocks_used = 0
         self.peak_slot_utilization = 1.0
@@ -129,6 +142,11 @@ class LLMEngine:
         """(text, token ids) of a prompt; see `minivllm.inputs.process_prompt`."""
         return process_prompt(prompt, self.tokenizer, self.vocab_size)
 
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """Sampling defaults from the model's generation_config.json (vLLM's name): they apply to
+        every field a request leaves unset."""
+        return dict(self._diff_sampling_param)
+
     def add_request(
         self,
         request_id: str,
@@ -138,7 +156,14 @@ class LLMEngine:
     ) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self._diff_sampling_param)
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if params.n > max_num_seqs:
+            raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}")
+        if self._extra_eos_token_ids and not params.ignore_eos:
+            # Every EOS of generation_config.json stops, reported as a stop token (as vLLM does).
+            stops = set(params.stop_token_ids or []) | self._extra_eos_token_ids
+            params = dataclasses.replace(params, stop_token_ids=sorted(stops))
         text, ids = self.tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
@@ -148,37 +173,33 @@ class LLMEngine:
         request = Request(request_id, text, ids, params)
         if arrival_time is not None:
             request.arrival_time = arrival_time
-        request.seqs.append(self._new_seq(request, 0, list(ids)))
+        request.seqs.append(self._new_seq(request, 0))
         self.requests[request_id] = request
         self.scheduler.add_seq(request.seqs[0])
         return request
 
-    def _new_seq(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+    def _new_seq(self, request: Request, index: int) -> Sequence:
         params = request.params
         generator = None
         if params.seed is not None and not params.is_greedy:
             # A seeded request owns its generator, so its samples do not depend on the batch.
             # vLLM's rule for n > 1: sample i uses seed + i.
             generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params, self.eos_token_id
-            )
         self._next_seq_id += 1
         return Sequence(
             seq_id=self._next_seq_id,
             request=request,
             index=index,
-            token_ids=token_ids,
+            token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids),
-            detokenizer=detok,
+            detokenizer=self.output_processor.make_detokenizer(request),
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
         )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Stop requests now; every KV block they hold is freed. Unknown ids are ignored."""
+        """Stop requests now; every KV block they hold is freed. Unknown ids are ignored. Their
+        final outputs come out of the next `step()`."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
             request = self.requests.pop(rid, None)
@@ -189,10 +210,10 @@ class LLMEngine:
                     self._finish(seq, SequenceStatus.FINISHED_ABORTED)
             self._aborted_outputs.append(make_request_output(request))
 
-    def get_diff_sampling_param(self) -> dict[str, Any]:
-        """Sampling defaults from the model's generation_config.json (vLLM's name): they apply to
-        every field a request leaves unset."""
-        return {}
+    def take_aborted_outputs(self) -> list[RequestOutput]:
+        """The final outputs of requests aborted since the last step (which would return them)."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -203,172 +224,110 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the outputs of every request that progressed or ended."""
-        outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs = self.take_aborted_outputs()
         sched = self.scheduler.schedule()
         self._track_memory()
         if sched.is_empty:
             return outputs
         self.num_steps += 1
         try:
-            logits, sampled = self._run_model(sched)
-            touched = self._sample_and_postprocess(logits, sampled) if sampled else []
-        except Exception as exc:  # a failed step fails its requests; the engine keeps serving
-            logger.exception("engine step failed")
-            return outputs + self._fail_step(sched, exc)
-        outputs += [make_request_output(r) for r in touched]
-        for r in touched:
-            if r.is_finished:
-                self.requests.pop(r.request_id, None)
+            logits = self.runner.execute_model(sched)
+            seqs, forks, sampled = self._sample(sched, logits)
+            self.scheduler.update_after_step(sched)  # commit: K/V written, hashes may serve hits
+            for parent, child in forks:
+                self._add_fork(parent, child)
+            processed = None if sampled is None else self.output_processor.process(seqs, sampled)
+        except BaseException as exc:  # Ctrl-C too: the step's requests cannot be trusted
+            outputs += self._fail_step(sched, exc)
+            if isinstance(exc, Exception):  # the engine keeps serving the other requests
+                logger.exception("engine step failed")
+                return outputs
+            raise  # KeyboardInterrupt and friends reach the caller as themselves
+        if processed is None:
+            return outputs
+        self.num_generated_tokens += len(seqs)
+        for seq, status in processed.finished:
+            self._finish(seq, status)
+        for req in processed.touched:
+            outputs.append(make_request_output(req))
+            if req.is_finished:
+                self.requests.pop(req.request_id, None)
         return outputs
 
-    def _run_model(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
-        self.runner.copy_blocks(sched.block_copies)
-        tables = [self.block_manager.get_block_table(s.seq.seq_id) for s in sched.scheduled]
-        inp = self.runner.prepare_inputs(sched, tables)
-        logits = self.runner.execute_model(inp)
-        for item in sched.scheduled:
-            start, seq = item.seq.num_computed_tokens, item.seq
-            self.num_prompt_tokens_computed += max(
-                0, min(start + item.num_new_tokens, seq.num_prompt_tokens) - start
-            )
-        self.scheduler.update_after_step(sched)
-        return logits, inp.sampled_seqs
-
-    def _sample_and_postprocess(
-        self, logits: torch.Tensor | None, sampled: list[Sequence]
-    ) -> list[Request]:
-        assert logits is not None
-        rows: list[SamplingRow] = []
-        row_seqs: list[Sequence] = []
-        row_index: list[int] = []  # which logits row each sampling row reads
-        for i, seq in enumerate(sampled):
-            for s in self._fork_if_needed(seq):
-                rows.append(
-                    SamplingRow(
-                        s.request.params,
-                        s.prompt_token_ids,
-                        s.output_token_ids,
-                        s.generator,
-                        self.eos_token_id,
-                    )
-                )
-                row_seqs.append(s)
-                row_index.append(i)
-        if len(row_index) != len(sampled):
-            logits = logits[torch.tensor(row_index, device=logits.device)]
-        meta = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
-        out = self.sampler(logits, meta)
-        tokens = out.sampled_token_ids.tolist()
-        lp = out.logprobs
-        lp_lists = None
-        if lp is not None:
-            lp_lists = (
-                lp.logprob_token_ids.tolist(),
-                lp.logprobs.tolist(),
-                lp.sampled_logprobs.tolist(),
-                lp.sampled_token_ranks.tolist(),
-            )
-        now = time.monotonic()
-        touched: dict[str, Request] = {}
-        for j, (seq, token) in enumerate(zip(row_seqs, tokens)):
-            seq.token_ids.append(token)
-            self.num_generated_tokens += 1
-            if lp_lists is not None and seq.logprobs is not None:
-                self._record_logprobs(seq, token, j, lp_lists)
-            self._postprocess_token(seq, token)
+    def _sample(
+        self, sched: SchedulerOutput, logits: torch.Tensor | None
+    ) -> tuple[list[Sequence], list[tuple[Sequence, Sequence]], SamplerOutput | None]:
+        """One batched sampler call for the step. An n > 1 request's first sample draws n tokens
+        from the same logits row: one per sequence it is about to fork into."""
+        sampling = [self.scheduler.seqs[s.seq_id] for s in sched.scheduled if s.sample]
+        if logits is None:
+            return [], [], None
+        seqs: list[Sequence] = []
+        forks: list[tuple[Sequence, Sequence]] = []
+        row_index: list[int] = []  # which logits row each sampled sequence reads
+        for i, seq in enumerate(sampling):
             req = seq.request
-            req.first_token_time = req.first_token_time or now
-            req.last_token_time = now
-            touched[req.request_id] = req
-        return list(touched.values())
-
-    def _fork_if_needed(self, seq: Sequence) -> list[Sequence]:
-        """At its first sample, the first sequence of an n > 1 request becomes n sequences."""
-        req = seq.request
-        if req.forked or req.params.n == 1:
-            return [seq]
-        req.forked = True
-        children: list[Sequence] = []
-        for index in range(1, req.params.n):
-            child = self._new_seq(req, index, list(seq.token_ids))
-            child.num_computed_tokens = seq.num_computed_tokens
-            child.num_cached_tokens = seq.num_cached_tokens
-            self.block_manager.fork(seq.seq_id, child.seq_id)
-            self.scheduler.add_running_fork(seq if not children else children[-1], child)
-            req.seqs.append(child)
-            children.append(child)
-        return [seq, *children]
-
-    def _record_logprobs(self, seq: Sequence, token: int, j: int, lp: tuple[list, ...]) -> None:
-        top_ids, top_lps, sampled_lp, ranks = lp
-        k = seq.request.params.logprobs or 0
-        entry = {token: Logprob(sampled_lp[j], ranks[j], self._decode_one(token))}
-        for tid, val, rank in zip(top_ids[j][:k], top_lps[j][:k], range(1, k + 1)):
-            entry.setdefault(tid, Logprob(val, rank, self._decode_one(tid)))
-        assert seq.logprobs is not None
-        seq.logprobs.append(entry)
-        seq.cumulative_logprob += sampled_lp[j]
-
-    def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else str(self.tokenizer.decode([token_id]))
-
-    def _postprocess_token(self, seq: Sequence, token: int) -> None:
-        stop_str = None
-        if seq.detokenizer is not None:
-            seq.detokenizer.append([token])
-            stop_str = seq.detokenizer.stop_string_matched
-        stop = check_stop(
-            seq.output_token_ids,
-            seq.request.params,
-            self.eos_token_id,
-            stop_str,
-            seq.num_tokens,
-            self.max_model_len,
-        )
-        if stop is not None:
-            seq.finish_reason, seq.stop_reason = stop
-            status = (
-                SequenceStatus.FINISHED_STOPPED
-                if stop[0] == "stop"
-                else SequenceStatus.FINISHED_LENGTH
+            children = []
+            if req.params.n > 1 and not req.forked:
+                children = [self._new_seq(req, index) for index in range(1, req.params.n)]
+                forks += [(seq, child) for child in children]
+            for s in (seq, *children):
+                seqs.append(s)
+                row_index.append(i)
+        if len(row_index) != len(sampling):
+            logits = logits[torch.tensor(row_index, device=logits.device)]
+        rows = [
+            SamplingRow(
+                s.request.params,
+                s.prompt_token_ids,
+                s.output_token_ids,
+                s.generator,
+                self.eos_token_id,
             )
-            self._finish(seq, status)
+            for s in seqs
+        ]
+        meta = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
+        return seqs, forks, self.sampler(logits, meta)
+
+    def _add_fork(self, parent: Sequence, child: Sequence) -> None:
+        """After the commit, so the child shares the blocks and hashes the step completed."""
+        req = parent.request
+        self.scheduler.fork_seq(parent if not req.forked else req.seqs[-1], child)
+        req.forked = True
+        req.seqs.append(child)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish_seq(seq, status)
-        seq.finish_reason = seq.finish_reason or status.value
-        if seq.detokenizer is not None and not seq.detokenizer.finished:
-            seq.detokenizer.finish()
-        if seq.request.is_finished:
-            seq.request.finished_time = time.monotonic()
+        self.output_processor.mark_finished(seq, status)
 
-    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        failed = {item.seq.request.request_id: item.seq.request for item in sched.scheduled}
+    def _fail_step(self, sched: SchedulerOutput, exc: BaseException) -> list[RequestOutput]:
+        """Fail every request the step carried and free all their blocks. Nothing else needs
+        undoing: the step's K/V was never committed to the prefix cache (the commit comes last),
+        so no other request can hit a block this step failed to write."""
+        failed: dict[str, Request] = {}
+        for item in sched.scheduled:
+            seq = self.scheduler.seqs.get(item.seq_id)
+            if seq is not None:
+                failed[seq.request.request_id] = seq.request
         for req in failed.values():
             req.error = f"{type(exc).__name__}: {exc}"
             for seq in req.seqs:
                 if not seq.status.is_finished:
                     self._finish(seq, SequenceStatus.FINISHED_ERROR)
             self.requests.pop(req.request_id, None)
-        # Blocks hashed this step may hold K/V that was never written: forget the cached prefixes.
-        self.block_manager.reset_prefix_cache()
         return [make_request_output(r) for r in failed.values()]
 
     def fail_request(self, request: Request, message: str) -> RequestOutput:
         """Record a request that could not be admitted as failed (the offline API's too-long prompt)."""
         request.error = message
-        seq = (
-            request.seqs[0]
-            if request.seqs
-            else self._new_seq(request, 0, list(request.prompt_token_ids))
-        )
         if not request.seqs:
-            request.seqs.append(seq)
+            request.seqs.append(self._new_seq(request, 0))
+        seq = request.seqs[0]
         seq.status = SequenceStatus.FINISHED_ERROR
         seq.finish_reason = "error"
         return make_request_output(request)
 
-    # ------------------------------------------------------------------ outputs and stats
+    # ------------------------------------------------------------------ stats
     def _track_memory(self) -> None:
         bm = self.block_manager
         used = bm.num_blocks - bm.num_free_blocks
@@ -386,7 +345,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
-            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             num_prefix_cache_queries=bm.prefix_cache_queries,
             num_prefix_cache_hit_tokens=bm.prefix_cache_hits,
             num_generated_tokens=self.num_generated_tokens,

@@ -92,7 +92,7 @@ class LLM:
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
@@ -135,6 +135,10 @@ class LLM:
             ids = ids["input_ids"]
         return list(ids)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults, overridden by the model's generation_config.json where it sets any."""
+        return SamplingParams(**self.llm_engine.get_diff_sampling_param())
+
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
 
@@ -160,7 +164,7 @@ class LLM:
                 results[rid] = engine.fail_request(Request(rid, text, ids, p), str(exc))
             except Exception:
                 engine.abort_request(order)  # nothing half-added stays behind
-                engine.step()
+                engine.take_aborted_outputs()
                 raise
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, unit="req")
         generated = 0
@@ -174,8 +178,10 @@ class LLM:
                         rate = generated / max(bar.format_dict["elapsed"], 1e-9)
                         bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
         except BaseException:
-            engine.abort_request(order)  # e.g. Ctrl-C: free every block before leaving
-            engine.step()
+            # Ctrl-C (or a bug): free every block of this call's requests, then re-raise the
+            # very exception, so a KeyboardInterrupt stays a KeyboardInterrupt.
+            engine.abort_request(order)
+            engine.take_aborted_outputs()
             raise
         finally:
             bar.close()

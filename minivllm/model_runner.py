@@ -1,11 +1,16 @@
 """From a schedule to logits: flatten the step into one batch, run the model, keep what is sampled.
 
 vLLM's GPU model runner in miniature (vllm/v1/worker/gpu_model_runner.py). It owns the KV cache
-tensor, the one big allocation of the engine, and turns the scheduler's (sequence, new tokens)
-pairs into the flat tensors of DESIGN.md:
+tensor, the one big allocation of the engine, and turns the scheduler's plain `SchedulerOutput`
+(which sequences, which new tokens, which blocks) into the flat tensors of one step (see "one
+engine step" on the docs' architecture page):
 
     input_ids[T], positions[T]            every new token of every scheduled sequence, end to end
     AttentionMetadata                     where each sequence's tokens are and where its K/V lives
+
+It reads nothing but that message, so the same runner can serve a worker in another process.
+The attention backend's per-step plan is built here, once, and handed to every layer in the
+metadata.
 
 Logits are computed only at the last new token of sequences that will sample this step (those
 whose new tokens reach the end of what they know); a prompt chunk that is not the last needs none.
@@ -17,11 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.attention import AttentionMetadata
+from minivllm.attention import AttentionBackend, AttentionMetadata
 from minivllm.config import CacheConfig
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.scheduler import SchedulerOutput
-from minivllm.sequence import Sequence
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -58,19 +62,20 @@ class ModelInput:
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [S]  rows of the flat batch whose logits are sampled
-    sampled_seqs: list[Sequence]  # [S]  the sequence each of those rows samples for
 
 
 class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
+        backend: AttentionBackend,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.model = model
+        self.backend = backend
         self.block_size = block_size
         self.device = device
         cfg = model.config
@@ -96,7 +101,7 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in copies], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def prepare_inputs(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelInput:
+    def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -104,22 +109,21 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        sampled: list[Sequence] = []
-        for item, table in zip(sched.scheduled, block_tables):
-            seq, n = item.seq, item.num_new_tokens
-            start = seq.num_computed_tokens
-            end = start + n
-            input_ids += seq.token_ids[start:end]
-            pos = range(start, end)
+        for item in sched.scheduled:
+            table = item.block_table
+            input_ids += item.new_token_ids
+            pos = range(item.num_computed_tokens, item.seq_len)
             positions += pos
             slots += [table[p // bs] * bs + p % bs for p in pos]
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(end)
-            if end == seq.num_tokens:  # reaches the newest token: a new one is sampled
+            query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
+            seq_lens.append(item.seq_len)
+            if item.sample:
                 logits_indices.append(query_start_loc[-1] - 1)
-                sampled.append(seq)
-        max_blocks = max(len(t) for t in block_tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        max_blocks = max(len(item.block_table) for item in sched.scheduled)
+        padded = [
+            item.block_table + [0] * (max_blocks - len(item.block_table))
+            for item in sched.scheduled
+        ]
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
@@ -129,17 +133,22 @@ class ModelRunner:
             max_query_len=max(item.num_new_tokens for item in sched.scheduled),
             max_seq_len=max(seq_lens),
         )
+        meta.plan = self.backend.plan(meta, bs)  # once per step, for all layers
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
-            sampled_seqs=sampled,
         )
 
     @torch.inference_mode()
-    def execute_model(self, inp: ModelInput) -> torch.Tensor | None:  # float32 [S, vocab] or None
+    def execute_model(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        """Run one step: copy-on-write copies first, then the model over every new token. Returns
+        float32 [S, vocab] logits for the scheduled sequences that sample (in schedule order), or
+        None when none does (every sequence computed a non-final prompt chunk)."""
+        self.copy_blocks(sched.block_copies)
+        inp = self.prepare_inputs(sched)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)  # [T, hidden]
-        if not inp.sampled_seqs:
+        if not inp.logits_indices.numel():
             return None
         return self.model.compute_logits(hidden[inp.logits_indices])

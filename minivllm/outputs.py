@@ -65,7 +65,7 @@ def make_request_output(req: Request) -> RequestOutput:
         prompt_token_ids=list(req.prompt_token_ids),
         outputs=outs,
         finished=req.is_finished,
-        num_cached_tokens=req.seqs[0].num_cached_tokens if req.seqs else 0,
+        num_cached_tokens=(req.seqs[0].num_cached_tokens or 0) if req.seqs else 0,
         error=req.error,
         metrics=metrics,
     )

@@ -243,13 +243,19 @@ def apply_truncation(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     return apply_top_k_top_p(logits, meta)
 
 
-def random_sample(probs: Tensor, meta: SamplingMetadata, method: str = "auto") -> Tensor:
+def random_sample(
+    probs: Tensor,
+    meta: SamplingMetadata,
+    method: str = "auto",
+    generator: torch.Generator | None = None,
+) -> Tensor:
     """One draw from each row's categorical distribution `probs` [B, V] -> int64 [B].
 
     "exponential": argmax(probs / q), q ~ Exp(1) — no host sync on CUDA, the GPU default.
     "multinomial": inverse-CDF sampling with one uniform per row — on a CPU, drawing B x V
     exponentials costs more than the model's LM head, so this is the CPU default.
-    Either way a row with its own generator draws only from it.
+    Either way a row with its own generator draws only from it; the other rows draw from
+    `generator` (the engine's own, seeded by its `seed`), or torch's global one when None.
     """
     if method == "auto":
         method = "exponential" if probs.is_cuda else "multinomial"
@@ -258,17 +264,17 @@ def random_sample(probs: Tensor, meta: SamplingMetadata, method: str = "auto") -
         out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
         if rows_global:
             idx = torch.tensor(rows_global, device=probs.device)
-            out[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
-        for i, generator in enumerate(meta.generators):
-            if generator is not None:
-                out[i] = torch.multinomial(probs[i], 1, generator=generator)[0]
+            out[idx] = torch.multinomial(probs[idx], 1, generator=generator).squeeze(1)
+        for i, row_generator in enumerate(meta.generators):
+            if row_generator is not None:
+                out[i] = torch.multinomial(probs[i], 1, generator=row_generator)[0]
         return out
     q = torch.empty_like(probs)  # [B, V]
     if rows_global:
-        q[rows_global] = torch.empty_like(probs[rows_global]).exponential_()
-    for i, generator in enumerate(meta.generators):
-        if generator is not None:
-            q[i].exponential_(generator=generator)
+        q[rows_global] = torch.empty_like(probs[rows_global]).exponential_(generator=generator)
+    for i, row_generator in enumerate(meta.generators):
+        if row_generator is not None:
+            q[i].exponential_(generator=row_generator)
     # q == 0 has probability ~0 but would make 0/0 = NaN, which argmax prefers.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div(q).argmax(dim=-1)
@@ -288,7 +294,14 @@ def gather_logprobs(logprobs: Tensor, sampled: Tensor, k: int) -> LogprobsTensor
 
 
 class Sampler:
-    """logits float32 [B, V] + SamplingMetadata -> SamplerOutput."""
+    """logits float32 [B, V] + SamplingMetadata -> SamplerOutput.
+
+    `generator` draws for the rows without a seed of their own. An engine passes its own, so
+    that its runs are reproducible without touching torch's global RNG, which the user owns.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
@@ -307,7 +320,7 @@ class Sampler:
             sampled = greedy
         else:
             probs = apply_truncation(logits, meta).softmax(dim=-1)
-            sampled = random_sample(probs, meta)
+            sampled = random_sample(probs, meta, generator=self.generator)
             if greedy is not None:
                 sampled = torch.where(meta.temperature < SAMPLING_EPS, greedy, sampled)
 

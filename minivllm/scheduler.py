@@ -1,6 +1,8 @@
 """Iteration-level scheduling under a token budget: decodes first, prompt chunks, preemption.
 
-The paper's §4.5 and vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py). Every step:
+The paper's §4.5 and vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py). The scheduler is the
+only owner of the block manager: admission, slots, forks, preemption and freeing all go through
+it. Every step:
 
 1. Running sequences, oldest first, each get what they still need — one token for a decode, the
    rest of the prompt (up to the remaining budget) for a prompt that is being chunked. A sequence
@@ -10,6 +12,13 @@ The paper's §4.5 and vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py). Eve
 2. If nothing was preempted, waiting sequences are admitted first come, first served while the
    token budget, `max_num_seqs` and free blocks last. Admission takes prefix-cache hits first, so
    only the uncached suffix counts against the budget and the block pool.
+
+The result is a `SchedulerOutput`: a plain message with everything a model runner needs for the
+step (token ids, positions, block tables, copy-on-write copies) and no reference back into
+scheduler state, so it can go to another process, into a trace or into a test unchanged (vLLM v1's
+`SchedulerOutput`; see the architecture page of the docs). After the step has run, the engine
+calls `update_after_step`, the step's commit: only then does progress advance and do the blocks
+the step filled become prefix-cache hits.
 
 There is no separate prefill phase: a long prompt is split over steps and shares each step's
 batch with the decodes of other requests (chunked prefill), which keeps decode latency flat.
@@ -26,17 +35,31 @@ from minivllm.config import SchedulerConfig
 from minivllm.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int  # tokens whose K/V this step computes: seq.token_ids[c : c + n]
+    """One sequence's share of a step, as plain data."""
+
+    seq_id: int
+    num_computed_tokens: int  # tokens with K/V in the cache before the step: the first position
+    new_token_ids: list[int]  # [num_new_tokens]  the tokens whose K/V the step computes
+    block_table: list[int]  # [ceil(seq_len / block_size)]  physical blocks, after allocation
+    sample: bool  # the new tokens reach the newest known token: a next token is sampled
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.new_token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the cache after the step's write."""
+        return self.num_computed_tokens + len(self.new_token_ids)
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted_seq_ids: list[int] = field(default_factory=list)
     num_batched_tokens: int = 0
 
     @property
@@ -50,17 +73,25 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.seqs: dict[int, Sequence] = {}  # every unfinished sequence, by seq_id
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt K/V computed by the model, not cache hits
 
     # ------------------------------------------------------------------ queue changes
     def add_seq(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.seqs[seq.seq_id] = seq
 
-    def add_running_fork(self, parent: Sequence, child: Sequence) -> None:
-        """A child of `parent` that already shares its blocks (n > 1); it runs right after it."""
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every block of `parent` (paper §4.4) and runs right after it; the first
+        write into a shared, partly filled block gets a copy (copy-on-write)."""
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
         child.status = SequenceStatus.RUNNING
         self.running.insert(self.running.index(parent) + 1, child)
+        self.seqs[child.seq_id] = child
 
     def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         """Take a sequence out of the queues for good and free its blocks."""
@@ -70,6 +101,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if self.block_manager.has_seq(seq.seq_id):
             self.block_manager.free(seq.seq_id)
+        self.seqs.pop(seq.seq_id, None)
         seq.status = status
 
     @property
@@ -94,33 +126,52 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:  # preempted itself: nothing else fits
                 break
             bm.append_slots(seq.seq_id, seq.token_ids, num_new)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
+            out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
             i += 1
 
         # Admitting while preempting would evict the very blocks a preempted sequence will want.
-        while (
-            not out.preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+        while not out.preempted_seq_ids and self.waiting and budget > 0:
             seq = self.waiting[0]
+            if len(self.running) + self._num_seqs_at_admission(seq) > self.config.max_num_seqs:
+                break
             num_cached = bm.get_num_cached_tokens(seq.token_ids)
             num_new = min(seq.num_tokens - num_cached, budget)
             if not bm.can_allocate(seq.token_ids, num_new):
                 break  # first come, first served: nobody overtakes the head of the queue
-            seq.num_cached_tokens = bm.allocate(seq.seq_id, seq.token_ids, num_new)
-            seq.num_computed_tokens = seq.num_cached_tokens
+            first_admission = seq.num_cached_tokens is None
+            num_cached = bm.allocate(
+                seq.seq_id, seq.token_ids, num_new, count_as_query=first_admission
+            )
+            if first_admission:  # vLLM v1 reports the first admission's hit, not a recompute's
+                seq.num_cached_tokens = num_cached
+            seq.num_computed_tokens = num_cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
+            out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
 
         out.block_copies = bm.take_pending_copies()
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        return ScheduledSequence(
+            seq_id=seq.seq_id,
+            num_computed_tokens=start,
+            new_token_ids=seq.token_ids[start : start + num_new],
+            block_table=list(self.block_manager.get_block_table(seq.seq_id)),
+            sample=start + num_new == seq.num_tokens,
+        )
+
+    @staticmethod
+    def _num_seqs_at_admission(seq: Sequence) -> int:
+        """An `n > 1` request that has not sampled yet turns into n running sequences at its first
+        sample, so it is admitted only with room for all of them under `max_num_seqs`."""
+        request = seq.request
+        return 1 if request.forked else request.params.n
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preemption by recompute: free the blocks, forget the progress, wait at the front."""
@@ -130,9 +181,16 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-        out.preempted.append(seq)
+        out.preempted_seq_ids.append(seq.seq_id)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """The step computed what was scheduled: advance every scheduled sequence's progress."""
+        """The step's commit, called once its K/V is written and its tokens sampled: advance each
+        scheduled sequence's progress and name the blocks it filled in the prefix cache."""
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            seq = self.seqs[item.seq_id]
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens = start + item.num_new_tokens
+            self.num_prompt_tokens_computed += max(
+                0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start
+            )
+            self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)

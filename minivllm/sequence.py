@@ -15,7 +15,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -56,7 +55,9 @@ class Sequence:
     generator: torch.Generator | None  # this sequence's own RNG (None for greedy)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
-    num_cached_tokens: int = 0  # of the prompt, served by the prefix cache at admission
+    # Of the prompt, served by the prefix cache at the FIRST admission (None until then); a
+    # re-admission after preemption does not change it, as in vLLM v1.
+    num_cached_tokens: int | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
@@ -78,11 +79,6 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    @property
-    def is_prefill(self) -> bool:
-        """Still computing tokens it already knows (a prompt, or a recompute after preemption)."""
-        return self.num_computed_tokens < self.num_tokens - 1
-
 
 @dataclass(eq=False)
 class Request:
@@ -99,7 +95,6 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    user_data: dict[str, Any] = field(default_factory=dict)
 
     # n > 1: the first sequence computes the prompt; at its first sample it is forked into n.
     forked: bool = False

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,3 +44,34 @@ def hf_greedy(
             pad_token_id=eos_token_id if eos_token_id is not None else 0,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def save_tiny_llama(out: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A random 2-layer Llama with SmolLM2's tokenizer, saved with `save_pretrained`: it loads in
+    well under a second. Its weights are drawn wider than transformers' default so that its
+    next-token distributions are peaked, like a trained model's: greedy comparisons between two
+    runs whose batches differ then do not hinge on near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from minivllm.model.loader import resolve_model
+
+    config = LlamaConfig(
+        **{
+            "vocab_size": 49152,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": True,
+            "initializer_range": 0.2,
+            **overrides,
+        }
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(out)
+    bundled = resolve_model(None).path
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled / name, out)
+    return out

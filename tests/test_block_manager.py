@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-import minivllm.block_manager as bm_module
 from minivllm.block_manager import (
     BlockHash,
     BlockManager,
@@ -18,8 +17,25 @@ from minivllm.block_manager import (
 BS = 4
 
 
-def make(num_blocks: int = 8, block_size: int = BS, caching: bool = True) -> BlockManager:
-    return BlockManager(num_blocks, block_size=block_size, enable_prefix_caching=caching)
+class CommittingBlockManager(BlockManager):
+    """The scheduler's pattern in one call: take slots, then (the step having written their K/V)
+    commit the full blocks to the prefix cache. Most specifications below are about what happens
+    after a completed step; the ones about uncommitted steps use a plain `BlockManager`."""
+
+    def allocate(self, seq_id, token_ids, num_new_tokens, extra_keys=None, **kwargs):  # type: ignore[no-untyped-def]
+        hit = super().allocate(seq_id, token_ids, num_new_tokens, extra_keys, **kwargs)
+        self.cache_blocks(seq_id, token_ids, self.get_num_slots(seq_id))
+        return hit
+
+    def append_slots(self, seq_id, token_ids, num_new_tokens):  # type: ignore[no-untyped-def]
+        super().append_slots(seq_id, token_ids, num_new_tokens)
+        self.cache_blocks(seq_id, token_ids, self.get_num_slots(seq_id))
+
+
+def make(num_blocks: int = 8, block_size: int = BS, caching: bool = True, **kwargs) -> BlockManager:
+    return CommittingBlockManager(
+        num_blocks, block_size=block_size, enable_prefix_caching=caching, **kwargs
+    )
 
 
 def refs(bm: BlockManager) -> list[int]:
@@ -384,9 +400,8 @@ def test_extra_keys_separate_cache_entries() -> None:
     assert bm.get_num_cached_tokens([*range(12), 0], extra_keys=("lora-1",)) == 12
 
 
-def test_hash_collisions_never_serve_another_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens, extra: 0)
-    bm = make()
+def test_hash_collisions_never_serve_another_prefix() -> None:
+    bm = make(hash_fn=lambda parent, tokens, extra: 0)
     bm.allocate("a", [1, 1, 1, 1, 2, 2, 2, 2], 8)
     assert bm.get_num_cached_tokens([9, 9, 9, 9, 2, 2, 2, 2, 0]) == 0
     assert bm.get_num_cached_tokens([1, 1, 1, 1, 9, 9, 9, 9, 0]) == 4
@@ -578,3 +593,45 @@ def test_utilization_counts_a_hit_on_an_evictable_block_as_full() -> None:
     bm.free("a")
     bm.allocate("b", [0, 1, 2, 3, 4], 1)
     assert bm.get_stats().kv_slot_utilization == 5 / 8
+
+
+# ------------------------------------------------------------------ commit after the step (fault safety)
+
+
+def test_full_blocks_are_not_hits_until_the_step_that_wrote_them_commits() -> None:
+    bm = BlockManager(8, block_size=BS)
+    bm.allocate("a", list(range(10)), 10)  # the step is scheduled, its K/V not yet written
+    assert bm.get_num_cached_tokens([*range(8), 99]) == 0
+    assert not bm.cached_block_hash_to_block
+    bm.cache_blocks("a", list(range(10)), 10)  # the step completed
+    assert bm.get_num_cached_tokens([*range(8), 99]) == 8
+
+
+def test_a_step_that_never_commits_leaves_no_hash_behind_when_freed() -> None:
+    bm = BlockManager(8, block_size=BS)
+    bm.allocate("a", list(range(8)), 8)
+    bm.cache_blocks("a", list(range(8)), 8)  # step 1 completed: two full blocks named
+    bm.append_slots("a", list(range(12)), 4)  # step 2 fails before its K/V is written ...
+    bm.free("a")  # ... and the engine fails the request
+    assert bm.get_num_cached_tokens([*range(12), 99]) == 8  # step 1's blocks only
+    assert len(bm.cached_block_hash_to_block) == 2
+
+
+def test_cache_blocks_names_only_computed_full_blocks_and_is_idempotent() -> None:
+    bm = BlockManager(8, block_size=BS)
+    tokens = list(range(11))
+    bm.allocate("a", tokens, 11)
+    bm.cache_blocks("a", tokens, 6)  # a chunk of 6 computed: one full block
+    assert len(bm.cached_block_hash_to_block) == 1
+    bm.cache_blocks("a", tokens, 11)
+    bm.cache_blocks("a", tokens, 11)
+    assert len(bm.cached_block_hash_to_block) == 2  # block 2 is partial: never named
+
+
+def test_readmission_is_not_counted_as_a_prompt_lookup() -> None:
+    bm = make()
+    bm.allocate("a", list(range(8)), 8)
+    bm.free("a")  # preempted
+    bm.allocate("a", list(range(10)), 2, count_as_query=False)  # prompt + 2 outputs recomputed
+    stats = bm.get_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (8, 0)

@@ -145,8 +145,9 @@ class CpuBackend(ReferenceBackend):
     def __init__(self) -> None:
         super().__init__()
         load_cpu_kernels()  # fail at construction, not in the middle of a step
-        self._cpu_plan_meta: AttentionMetadata | None = None
-        self._cpu_plan: CpuPlan | None = None
+
+    def plan(self, meta: AttentionMetadata, block_size: int) -> CpuPlan:  # type: ignore[override]
+        return make_cpu_plan(meta, block_size)
 
     def attend(
         self,
@@ -156,9 +157,9 @@ class CpuBackend(ReferenceBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        if meta is not self._cpu_plan_meta or self._cpu_plan is None:
-            self._cpu_plan_meta, self._cpu_plan = meta, make_cpu_plan(meta, k_cache.shape[1])
-        plan = self._cpu_plan
+        plan = meta.plan
+        if not isinstance(plan, CpuPlan):  # called without the runner: build it for this call
+            plan = make_cpu_plan(meta, k_cache.shape[1])
         out = torch.empty(query.shape, dtype=torch.float32)  # the kernel accumulates in float32
         if plan.decode_rows.numel():
             paged_decode(

@@ -164,9 +164,8 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def __init__(self) -> None:
-        self._plan_meta: AttentionMetadata | None = None
-        self._plan: AttentionPlan | None = None
+    def plan(self, meta: AttentionMetadata, block_size: int) -> AttentionPlan:
+        return make_plan(meta, block_size)
 
     def write_kv(
         self,
@@ -194,10 +193,11 @@ class ReferenceBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        if meta is not self._plan_meta or self._plan is None:
-            self._plan_meta, self._plan = meta, make_plan(meta, k_cache.shape[1])
+        plan = (
+            meta.plan if isinstance(meta.plan, AttentionPlan) else make_plan(meta, k_cache.shape[1])
+        )
         out = torch.empty_like(query)
-        for group in self._plan.decode_groups:
+        for group in plan.decode_groups:
             k = gather_kv(k_cache, group.block_tables)  # [G, L, num_kv_heads, head_dim]
             v = gather_kv(v_cache, group.block_tables)
             q = query[group.token_idx].unsqueeze(2)  # [G, num_heads, 1, head_dim]
@@ -210,6 +210,6 @@ class ReferenceBackend:
                 enable_gqa=True,
             )  # [G, num_heads, 1, head_dim]
             out[group.token_idx] = o[:, :, 0]
-        for chunk in self._plan.prompt_chunks:
+        for chunk in plan.prompt_chunks:
             attend_prompt_chunk(query, k_cache, v_cache, chunk, scale, out)
         return out

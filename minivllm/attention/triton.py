@@ -213,6 +213,9 @@ class TritonBackend:
             )
         self.num_splits = num_splits
 
+    def plan(self, meta: AttentionMetadata, block_size: int) -> None:
+        return None  # the kernels read the metadata directly
+
     def write_kv(
         self,
         key: torch.Tensor,  # [T, num_kv_heads, head_dim]

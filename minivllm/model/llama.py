@@ -190,8 +190,3 @@ class LlamaForCausalLM(nn.Module):
             rows = slice(start, start + LM_HEAD_ROWS)
             torch.mm(weight[rows], hidden.t(), out=logits_t[rows])
         return logits_t.t().float().contiguous()
-
-    def set_attention_backend(self, backend: AttentionBackend) -> None:
-        for layer in self.model.layers:
-            assert isinstance(layer, LlamaDecoderLayer)
-            layer.self_attn.backend = backend

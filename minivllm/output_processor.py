@@ -1,0 +1,118 @@
+"""From sampled token ids to what a caller sees: text, stops, logprobs, finish reasons.
+
+vLLM v1 gives this its own class (`vllm/v1/engine/output_processor.py`), apart from scheduling
+and from running the model: it is pure bookkeeping on the host, per sequence, after the step's
+tokens are known. For every sequence that sampled a token this step it:
+
+1. appends the token (and, if asked, its logprob and the top-k candidates, decoded);
+2. feeds it to the sequence's incremental detokenizer, which holds back text that may still turn
+   into a stop string;
+3. checks the stop conditions (`stop_checker.py`): EOS, stop token ids, stop strings, max_tokens,
+   max_model_len.
+
+It never frees blocks: it reports which sequences finished, and the engine tells the scheduler,
+the only owner of the KV bookkeeping (see "one engine step" on the docs' architecture page).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.sampler import SamplerOutput
+from minivllm.sequence import Logprob, Request, Sequence, SequenceStatus
+from minivllm.stop_checker import check_stop
+
+
+@dataclass
+class ProcessedStep:
+    touched: list[Request] = field(default_factory=list)  # requests that got a token, in order
+    finished: list[tuple[Sequence, SequenceStatus]] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_id: int | None, max_model_len: int) -> None:
+        self.tokenizer = tokenizer  # None with skip_tokenizer_init: token ids only, no text
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
+
+    def make_detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.params, self.eos_token_id
+        )
+
+    def process(self, seqs: Seq[Sequence], sampled: SamplerOutput) -> ProcessedStep:
+        """`seqs[j]` sampled `sampled.sampled_token_ids[j]`."""
+        tokens = sampled.sampled_token_ids.tolist()
+        lp = sampled.logprobs
+        lp_lists = None
+        if lp is not None:  # one host transfer per tensor, not one per row
+            lp_lists = (
+                lp.logprob_token_ids.tolist(),
+                lp.logprobs.tolist(),
+                lp.sampled_logprobs.tolist(),
+                lp.sampled_token_ranks.tolist(),
+            )
+        now = time.monotonic()
+        step = ProcessedStep()
+        touched: dict[str, Request] = {}
+        for j, (seq, token) in enumerate(zip(seqs, tokens)):
+            seq.token_ids.append(token)
+            if lp_lists is not None and seq.logprobs is not None:
+                self._record_logprobs(seq, token, j, lp_lists)
+            status = self._check_stop(seq, token)
+            if status is not None:
+                step.finished.append((seq, status))
+            req = seq.request
+            req.first_token_time = req.first_token_time or now
+            req.last_token_time = now
+            touched[req.request_id] = req
+        step.touched = list(touched.values())
+        return step
+
+    def mark_finished(self, seq: Sequence, status: SequenceStatus) -> None:
+        """The output side of finishing: the reason, the held-back text, the request's end time."""
+        seq.finish_reason = seq.finish_reason or status.value
+        if seq.detokenizer is not None and not seq.detokenizer.finished:
+            seq.detokenizer.finish()
+        if seq.request.is_finished:
+            seq.request.finished_time = time.monotonic()
+
+    # ------------------------------------------------------------------ helpers
+    def _record_logprobs(self, seq: Sequence, token: int, j: int, lp: tuple[list, ...]) -> None:
+        top_ids, top_lps, sampled_lp, ranks = lp
+        k = seq.request.params.logprobs or 0
+        entry = {token: Logprob(sampled_lp[j], ranks[j], self._decode_one(token))}
+        for tid, val, rank in zip(top_ids[j][:k], top_lps[j][:k], range(1, k + 1)):
+            entry.setdefault(tid, Logprob(val, rank, self._decode_one(tid)))
+        assert seq.logprobs is not None
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += sampled_lp[j]
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else str(self.tokenizer.decode([token_id]))
+
+    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        stop_str = None
+        if seq.detokenizer is not None:
+            seq.detokenizer.append([token])
+            stop_str = seq.detokenizer.stop_string_matched
+        stop = check_stop(
+            seq.output_token_ids,
+            seq.request.params,
+            self.eos_token_id,
+            stop_str,
+            seq.num_tokens,
+            self.max_model_len,
+        )
+        if stop is None:
+            return None
+        seq.finish_reason, seq.stop_reason = stop
+        if stop[0] == "stop":
+            return SequenceStatus.FINISHED_STOPPED
+        return SequenceStatus.FINISHED_LENGTH
