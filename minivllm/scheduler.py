@@ -131,9 +131,10 @@ class Scheduler:
             i += 1
 
         # Admitting while preempting would evict the very blocks a preempted sequence will want.
+        num_seqs = sum(self._num_seqs_at_admission(s) for s in self.running)
         while not out.preempted_seq_ids and self.waiting and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + self._num_seqs_at_admission(seq) > self.config.max_num_seqs:
+            if num_seqs + self._num_seqs_at_admission(seq) > self.config.max_num_seqs:
                 break
             num_cached = bm.get_num_cached_tokens(seq.token_ids)
             num_new = min(seq.num_tokens - num_cached, budget)
@@ -149,6 +150,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            num_seqs += self._num_seqs_at_admission(seq)
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
 
@@ -168,8 +170,8 @@ class Scheduler:
 
     @staticmethod
     def _num_seqs_at_admission(seq: Sequence) -> int:
-        """An `n > 1` request that has not sampled yet turns into n running sequences at its first
-        sample, so it is admitted only with room for all of them under `max_num_seqs`."""
+        """The running sequences `seq` stands for: an `n > 1` request that has not sampled yet turns
+        into n at its first sample, so it is counted as n against `max_num_seqs`."""
         request = seq.request
         return 1 if request.forked else request.params.n
 
