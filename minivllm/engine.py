@@ -215,6 +215,11 @@ class LLMEngine:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         return outputs
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (after new weights, say). False, with nothing changed, while
+        a request still holds a cached block (vLLM's `reset_prefix_cache`)."""
+        return self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

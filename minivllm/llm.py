@@ -139,6 +139,10 @@ class LLM:
         """vLLM's defaults, overridden by the model's generation_config.json where it sets any."""
         return SamplingParams(**self.llm_engine.get_diff_sampling_param())
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, e.g. after loading new weights; False while busy."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
 

@@ -62,15 +62,6 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None  # None when no row asked for logprobs (k = max_num_logprobs)
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A per-sequence generator for a seeded request (None: draw from the global RNG)."""
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
-
-
 @dataclass
 class SamplingMetadata:
     """Per-step sampling inputs as tensors, built once per step by `from_rows`."""

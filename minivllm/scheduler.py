@@ -104,10 +104,6 @@ class Scheduler:
         self.seqs.pop(seq.seq_id, None)
         seq.status = status
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -103,3 +103,12 @@ def test_the_engine_leaves_torchs_global_rng_alone(tiny_model: Path) -> None:
         PROMPTS[:2], SamplingParams(temperature=1.0, max_tokens=8), use_tqdm=False
     )
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+
+
+def test_reset_prefix_cache_forgets_cached_prompts(tiny_model: Path) -> None:
+    llm = LLM(str(tiny_model), num_gpu_blocks_override=32)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate(PROMPTS[5], params, use_tqdm=False)
+    assert llm.generate(PROMPTS[5], params, use_tqdm=False)[0].num_cached_tokens == 16
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate(PROMPTS[5], params, use_tqdm=False)[0].num_cached_tokens == 0

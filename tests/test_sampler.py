@@ -21,13 +21,16 @@ from minivllm.sampler import (
     apply_min_tokens,
     apply_penalties,
     apply_truncation,
-    make_generator,
 )
 from minivllm.sampling_params import SamplingParams
 
 V = 48
 EOS = 0
 NEG_INF = float("-inf")
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
 
 
 def meta_for(rows: list[SamplingRow], vocab_size: int = V) -> SamplingMetadata:
@@ -221,7 +224,7 @@ def test_greedy_is_argmax_of_the_penalized_logits():
 def test_greedy_rows_in_a_mixed_batch_take_the_argmax():
     logits, _ = random_batch(4, batch=8)
     rows = [
-        row(SamplingParams(temperature=0.0 if i % 2 else 1.0), generator=make_generator(i))
+        row(SamplingParams(temperature=0.0 if i % 2 else 1.0), generator=_generator(i))
         for i in range(8)
     ]
     sampled = Sampler()(logits, meta_for(rows)).sampled_token_ids
@@ -238,7 +241,7 @@ def run_seeded_row(seed: int, neighbours: list[SamplingRow], position: int) -> l
     """Sample 30 steps for one seeded row placed among `neighbours`; its logits depend only on
     the step, the neighbours' logits are fresh noise."""
     params = SamplingParams(temperature=1.3, top_p=0.9, seed=seed)
-    target = row(params, generator=make_generator(seed))
+    target = row(params, generator=_generator(seed))
     step_logits = torch.Generator().manual_seed(99)
     noise = torch.Generator().manual_seed(1000 + len(neighbours))
     tokens = []
@@ -258,7 +261,7 @@ def test_seeded_row_is_reproducible_whatever_the_batch():
     assert len(set(alone)) > 5  # it is really sampling, not stuck on one token
     mixed = [
         row(SamplingParams(temperature=0.0)),
-        row(SamplingParams(temperature=0.8, seed=1), generator=make_generator(1)),
+        row(SamplingParams(temperature=0.8, seed=1), generator=_generator(1)),
         row(SamplingParams(temperature=1.0, top_k=5)),
         row(SamplingParams(temperature=0.5, logprobs=3, repetition_penalty=1.2)),
     ]
@@ -274,7 +277,7 @@ def test_empirical_frequencies_match_tempered_softmax(seeded):
     params = SamplingParams(temperature=0.7)
     if seeded:
         # One generator per row, as the engine makes one per sequence.
-        rows = [row(params, generator=make_generator(i)) for i in range(n)]
+        rows = [row(params, generator=_generator(i)) for i in range(n)]
     else:
         torch.manual_seed(0)
         rows = [row(params)] * n
@@ -295,7 +298,7 @@ def test_both_sampling_methods_draw_from_the_distribution(method, seeded):
     probs = torch.tensor([0.1, 0.3, 0.05, 0.25, 0.2, 0.1])
     params = SamplingParams(temperature=1.0)
     if seeded:
-        rows = [row(params, generator=make_generator(i)) for i in range(n)]
+        rows = [row(params, generator=_generator(i)) for i in range(n)]
     else:
         torch.manual_seed(0)
         rows = [row(params)] * n
@@ -337,8 +340,8 @@ def test_logprobs_are_raw_log_softmax_with_ranks_and_top_k():
     logits, _ = random_batch(8, batch=5)
     rows = [
         row(SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.5), prompt=[1]),
-        row(SamplingParams(logprobs=0, top_k=4), generator=make_generator(0)),
-        row(SamplingParams(temperature=2.0), generator=make_generator(1)),
+        row(SamplingParams(logprobs=0, top_k=4), generator=_generator(0)),
+        row(SamplingParams(temperature=2.0), generator=_generator(1)),
         row(SamplingParams(logprobs=1, presence_penalty=2.0), output=[2, 3]),
         row(SamplingParams(temperature=0.0)),
     ]
