@@ -228,7 +228,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the outputs of every request that progressed or ended."""
+        """One iteration (paper §4.5): schedule, run the model, sample, commit, process outputs.
+        Returns the outputs of every request that progressed or ended."""
         outputs = self.take_aborted_outputs()
         sched = self.scheduler.schedule()
         self._track_memory()
@@ -238,26 +239,10 @@ class LLMEngine:
         try:
             logits = self.runner.execute_model(sched)
             seqs, forks, sampled = self._sample(sched, logits)
-            self.scheduler.update_after_step(sched)  # commit: K/V written, hashes may serve hits
-            for parent, child in forks:
-                self._add_fork(parent, child)
-            processed = None if sampled is None else self.output_processor.process(seqs, sampled)
+            self.scheduler.update_after_step(sched)  # the commit: progress, prefix-cache names
+            return outputs + self._process_outputs(seqs, forks, sampled)
         except BaseException as exc:  # Ctrl-C too: the step's requests cannot be trusted
-            outputs += self._fail_step(sched, exc)
-            if isinstance(exc, Exception):  # the engine keeps serving the other requests
-                logger.exception("engine step failed")
-                return outputs
-            raise  # KeyboardInterrupt and friends reach the caller as themselves
-        if processed is None:
-            return outputs
-        self.num_generated_tokens += len(seqs)
-        for seq, status in processed.finished:
-            self._finish(seq, status)
-        for req in processed.touched:
-            outputs.append(make_request_output(req))
-            if req.is_finished:
-                self.requests.pop(req.request_id, None)
-        return outputs
+            return outputs + self._fail_step(sched, exc)
 
     def _sample(
         self, sched: SchedulerOutput, logits: torch.Tensor | None
@@ -294,12 +279,28 @@ class LLMEngine:
         meta = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
         return seqs, forks, self.sampler(logits, meta)
 
-    def _add_fork(self, parent: Sequence, child: Sequence) -> None:
-        """After the commit, so the child shares the blocks and hashes the step completed."""
-        req = parent.request
-        self.scheduler.fork_seq(parent if not req.forked else req.seqs[-1], child)
-        req.forked = True
-        req.seqs.append(child)
+    def _process_outputs(
+        self,
+        seqs: list[Sequence],
+        forks: list[tuple[Sequence, Sequence]],
+        sampled: SamplerOutput | None,
+    ) -> list[RequestOutput]:
+        for parent, child in forks:  # after the commit: children share what the step completed
+            req = parent.request
+            self.scheduler.fork_seq(parent if not req.forked else req.seqs[-1], child)
+            req.forked = True
+            req.seqs.append(child)
+        if sampled is None:
+            return []
+        processed = self.output_processor.process(seqs, sampled)
+        self.num_generated_tokens += len(seqs)
+        for seq, status in processed.finished:
+            self._finish(seq, status)
+        outputs = [make_request_output(req) for req in processed.touched]
+        for req in processed.touched:
+            if req.is_finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish_seq(seq, status)
@@ -308,7 +309,8 @@ class LLMEngine:
     def _fail_step(self, sched: SchedulerOutput, exc: BaseException) -> list[RequestOutput]:
         """Fail every request the step carried and free all their blocks. Nothing else needs
         undoing: the step's K/V was never committed to the prefix cache (the commit comes last),
-        so no other request can hit a block this step failed to write."""
+        so no other request can hit a block this step failed to write. An exception is logged
+        and the engine serves on; KeyboardInterrupt and the like are re-raised as themselves."""
         failed: dict[str, Request] = {}
         for item in sched.scheduled:
             seq = self.scheduler.seqs.get(item.seq_id)
@@ -320,6 +322,9 @@ class LLMEngine:
                 if not seq.status.is_finished:
                     self._finish(seq, SequenceStatus.FINISHED_ERROR)
             self.requests.pop(req.request_id, None)
+        if not isinstance(exc, Exception):
+            raise exc
+        logger.exception("engine step failed")
         return [make_request_output(r) for r in failed.values()]
 
     def fail_request(self, request: Request, message: str) -> RequestOutput:
