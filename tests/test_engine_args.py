@@ -133,9 +133,38 @@ def test_create_engine_config_carries_every_argument() -> None:
     assert carried == values
 
 
-def test_tensor_parallel_size_must_be_a_positive_integer_and_only_one_is_available() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer, got 0"):
-        EngineArgs(tensor_parallel_size=0).create_engine_config()
+INVALID = [
+    ({"dtype": "int8"}, "dtype must be one of ("),
+    ({"device": "tpu"}, "device must be 'auto', 'cpu' or 'cuda[:N]', got 'tpu'"),
+    ({"seed": 1.5}, "seed must be an integer, got 1.5"),
+    ({"max_model_len": 0}, "max_model_len must be a positive integer, got 0"),
+    ({"attention_backend": "flash"}, "attention_backend must be one of ("),
+    ({"block_size": 0}, "block_size must be a positive integer, got 0"),
+    ({"num_gpu_blocks_override": -1}, "num_gpu_blocks_override must be a positive integer, got -1"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1], got 1.5"),
+    ({"cpu_kv_cache_space": 0.0}, "cpu_kv_cache_space must be > 0 GiB, got 0.0"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer, got 0"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be a positive integer, got 0"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
+]
+# Checked where they are used: a path or hub id is resolved when the model loads; flags are bools.
+UNCHECKED = {"model", "tokenizer", "skip_tokenizer_init", "enable_prefix_caching"}
+
+
+@pytest.mark.parametrize(("kwargs", "message"), INVALID, ids=[next(iter(k)) for k, _ in INVALID])
+def test_invalid_engine_argument_raises_value_error_naming_the_field(
+    kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        EngineArgs(**kwargs).create_engine_config()  # type: ignore[arg-type]
+    assert str(info.value).startswith(message)
+
+
+def test_every_checked_engine_argument_has_an_invalid_case() -> None:
+    assert {name for kwargs, _ in INVALID for name in kwargs} == set(FIELDS) - UNCHECKED
+
+
+def test_tensor_parallel_size_other_than_one_is_refused_until_it_is_implemented() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1, got 2: tensor paral"):
         EngineArgs(tensor_parallel_size=2).create_engine_config()
     assert EngineArgs().create_engine_config().parallel.tensor_parallel_size == 1
