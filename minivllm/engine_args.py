@@ -123,24 +123,17 @@ class EngineArgs:
         group = parser.add_argument_group(ENGINE_GROUP)
         hints = _field_types()
         for f in fields(cls):
-            default = getattr(defaults, f.name) if defaults is not None else f.default
-            flag = "--" + f.name.replace("_", "-")
-            extra = {k: v for k, v in f.metadata.items() if k != "help"}
+            how: dict[str, Any] = {k: v for k, v in f.metadata.items() if k != "help"}
             if hints[f.name] is bool:  # --enable-prefix-caching / --no-enable-prefix-caching
-                group.add_argument(
-                    flag,
-                    action=argparse.BooleanOptionalAction,
-                    default=default,
-                    help=f.metadata["help"],
-                )
+                how["action"] = argparse.BooleanOptionalAction
             else:
-                group.add_argument(
-                    flag,
-                    type=_scalar(hints[f.name]),
-                    default=default,
-                    help=f.metadata["help"],
-                    **extra,
-                )
+                how["type"] = _scalar(hints[f.name])
+            group.add_argument(
+                "--" + f.name.replace("_", "-"),
+                default=getattr(defaults, f.name) if defaults is not None else f.default,
+                help=f.metadata["help"],
+                **how,
+            )
         return parser
 
     @classmethod
