@@ -4,10 +4,12 @@ PagedAttention (Kwon et al., SOSP 2023) and vLLM's engine in small, plain-PyTorc
 KV cache with block tables, copy-on-write and prefix caching, continuous batching with chunked
 prefill and preemption, a full sampler, a Llama model, and an OpenAI-compatible server.
 
-The public names are vLLM's: `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`.
+The public names are vLLM's: `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`,
+`EngineArgs` (every engine option, declared once).
 """
 
 from minivllm.engine import LLMEngine
+from minivllm.engine_args import EngineArgs
 from minivllm.llm import LLM
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -18,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EngineArgs",
     "EngineStats",
     "LLMEngine",
     "RequestOutput",

@@ -1,14 +1,17 @@
 """Typed, validated configuration of the engine: what to load, how big the cache, how to schedule.
 
-vLLM spreads these over `ModelConfig`, `CacheConfig` and `SchedulerConfig` (vllm/config/); we keep
-the same split and field names. Each dataclass validates itself in `__post_init__` with messages
-that name the field and the allowed range, so a bad argument fails at construction — and the
-server's 400s come from the same checks.
+vLLM spreads these over `ModelConfig`, `CacheConfig`, `SchedulerConfig` and `ParallelConfig`
+(vllm/config/); we keep the same split and field names. The user-facing declaration of every option
+(its default and what it means) is `EngineArgs` in `minivllm/engine_args.py`, which builds these
+with `create_engine_config()`; the fields here carry no defaults so that no value is declared
+twice. Each dataclass validates itself in `__post_init__` with messages that name the field and the
+allowed range, so a bad argument fails at construction, the same way from `LLM(...)`, the CLI and
+the benches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from minivllm.attention import BACKEND_NAMES
 
@@ -22,14 +25,14 @@ def _positive(name: str, value: object) -> None:
 
 @dataclass
 class ModelConfig:
-    model: str | None = None  # folder, .gguf file, hub id; None = the bundled SmolLM2-135M-Instruct
-    tokenizer: str | None = None  # folder or hub id; None = the model's own
-    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs have no text
-    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # "cuda" when available, else "cpu"
-    seed: int = 0  # seeds the per-request generators of unseeded random sampling
-    max_model_len: int | None = None  # prompt + output limit; None = the model's own
-    attention_backend: str = "auto"  # "reference", "triton", or "auto" (triton on CUDA)
+    model: str | None  # None: the bundled SmolLM2-135M-Instruct
+    tokenizer: str | None  # None: the model's own
+    skip_tokenizer_init: bool
+    dtype: str  # one of DTYPES
+    device: str  # "auto", "cpu", "cuda" or "cuda:N"
+    seed: int
+    max_model_len: int | None  # None: the model's own context length
+    attention_backend: str  # one of BACKEND_NAMES
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -48,11 +51,11 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16  # tokens per KV block (paper §4.1; vLLM's default)
-    enable_prefix_caching: bool = True  # reuse KV of identical prompt prefixes (vLLM v1 default)
-    num_gpu_blocks_override: int | None = None  # exact block count, on any device; wins
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory minivllm may fill
-    cpu_kv_cache_space: float = 4.0  # CPU: GiB for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    block_size: int  # tokens per KV block
+    enable_prefix_caching: bool
+    num_gpu_blocks_override: int | None  # None: sized from the memory limits below
+    gpu_memory_utilization: float  # fraction of CUDA memory
+    cpu_kv_cache_space: float  # GiB
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -68,18 +71,38 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256  # sequences running at once
-    # Tokens computed per step, decodes and prompt chunks together. Prompts are always chunked to
-    # fit it (as in vLLM v1), so it bounds a step's latency, not the prompt length.
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int  # sequences running at once
+    max_num_batched_tokens: int  # tokens computed per step, decodes and prompt chunks together
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        # vLLM refuses this too: a decode computes one token per running sequence, so with a
+        # smaller budget max_num_seqs sequences could never all step at once.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than "
+                f"or equal to max_num_seqs ({self.max_num_seqs})."
+            )
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int  # devices each layer is split across (Megatron-style)
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        # Not implemented yet: the issue that adds tensor parallelism deletes this check.
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size must be 1, got {self.tensor_parallel_size}: tensor "
+                "parallelism is not available in minivllm yet"
+            )
 
 
 @dataclass
 class EngineConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig

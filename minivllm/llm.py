@@ -8,17 +8,23 @@ the scheduler keep the batch full (paper §4.5). Outputs come back in input orde
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from minivllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from minivllm.engine import LLMEngine, PromptTooLongError
+from minivllm.engine_args import EngineArgs, EngineKwargs, document_engine_args
 from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.stats import EngineStats
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # a dependency of torch
+    from typing_extensions import Unpack
 
 logger = logging.getLogger("minivllm")
 
@@ -28,49 +34,14 @@ ChatMessages = list[dict[str, Any]]
 class LLM:
     """Load a model and generate from it offline.
 
-    `model=None` is the bundled SmolLM2-135M-Instruct. Keyword arguments are vLLM's engine
-    arguments (see `minivllm.config` for what each does and its default).
+    `model=None` is the bundled SmolLM2-135M-Instruct. The keyword arguments are vLLM's engine
+    arguments, the fields of `minivllm.EngineArgs` (listed with their meaning under `__init__`).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        skip_tokenizer_init: bool = False,
-        dtype: str = "auto",
-        device: str = "auto",
-        seed: int = 0,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        num_gpu_blocks_override: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        cpu_kv_cache_space: float = 4.0,
-        attention_backend: str = "auto",
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model,
-                tokenizer=tokenizer,
-                skip_tokenizer_init=skip_tokenizer_init,
-                dtype=dtype,
-                device=device,
-                seed=seed,
-                max_model_len=max_model_len,
-                attention_backend=attention_backend,
-            ),
-            cache=CacheConfig(
-                block_size,
-                enable_prefix_caching,
-                num_gpu_blocks_override,
-                gpu_memory_utilization,
-                cpu_kv_cache_space,
-            ),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-        )
+    @document_engine_args
+    def __init__(self, model: str | None = None, **kwargs: Unpack[EngineKwargs]) -> None:
+        """Load `model` (None: the bundled SmolLM2-135M-Instruct) and size its KV cache."""
+        config = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
         self.llm_engine = LLMEngine(config)
         self._counter = 0
 

@@ -67,7 +67,7 @@ def test_throughput_reports_every_system_and_the_flops_fraction(
     out = tmp_path / "throughput.json"
     argv = ["--model", str(tiny_llama), "--num-prompts", "4", "--input-len", "8-24"]
     argv += ["--output-len", "3-6", "--peers", "hf-static", "--hf-batch-sizes", "3"]
-    argv += ["--decode-roofline", "--matmul-size", "256", "--num-kv-blocks", "64"]
+    argv += ["--decode-roofline", "--matmul-size", "256", "--num-gpu-blocks-override", "64"]
     argv += ["--json", str(out)]
     assert throughput.main(parse(throughput, argv)) == 0
     report = json.loads(out.read_text())
@@ -99,7 +99,7 @@ def test_memory_shares_sum_to_one_and_paging_beats_reservation(
 ) -> None:
     out, png = tmp_path / "memory.json", tmp_path / "kv.png"
     argv = ["--model", str(tiny_llama), "--num-prompts", "8", "--input-len", "8-40"]
-    argv += ["--output-len", "4-12", "--num-kv-blocks", "24", "--max-model-len", "96"]
+    argv += ["--output-len", "4-12", "--num-gpu-blocks-override", "24", "--max-model-len", "96"]
     argv += ["--plot", str(png), "--json", str(out)]
     assert memory.main(parse(memory, argv)) == 0
     report = json.loads(out.read_text())
@@ -128,7 +128,7 @@ def test_prefix_sharing_lowers_prompt_tokens_and_peak_blocks(
     out = tmp_path / "prefix.json"
     argv = ["--model", str(tiny_llama), "--num-prompts", "4", "--system-prompt-len", "128"]
     argv += ["--suffix-len", "4-12", "--output-len", "3", "--n-prompts", "2"]
-    argv += ["--n-prompt-len", "64", "--n-output-len", "4", "--num-kv-blocks", "64"]
+    argv += ["--n-prompt-len", "64", "--n-output-len", "4", "--num-gpu-blocks-override", "64"]
     argv += ["--json", str(out)]
     assert prefix.main(parse(prefix, argv)) == 0
     no_cache, cache, independent, shared = json.loads(out.read_text())["runs"]

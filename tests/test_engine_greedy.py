@@ -90,7 +90,9 @@ def test_preemption_keeps_outputs_exact(workload):
 
 def test_chunked_prefill_keeps_outputs_exact(workload):
     prompts, max_tokens, expected = workload
-    with checked_llm(num_gpu_blocks_override=256, max_num_batched_tokens=16) as llm:
+    with checked_llm(
+        num_gpu_blocks_override=256, max_num_batched_tokens=16, max_num_seqs=16
+    ) as llm:
         _assert_matches(_run(llm, prompts, max_tokens), expected)
         # A 16-token budget cannot hold any of these prompts whole: every prompt was chunked.
         assert min(len(p) for p in prompts) > 16
@@ -149,6 +151,7 @@ def test_random_tiny_llama_matches_transformers(tmp_path):
         num_gpu_blocks_override=10,
         max_model_len=160,
         max_num_batched_tokens=24,
+        max_num_seqs=24,  # vLLM's rule: the step's token budget covers a full batch of decodes
     ) as llm:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

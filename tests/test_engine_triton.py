@@ -41,6 +41,7 @@ def test_tiny_llama_on_triton_matches_reference(tmp_path: Path) -> None:
             block_size=16,
             max_model_len=48,
             max_num_batched_tokens=20,
+            max_num_seqs=20,  # vLLM's rule: the token budget covers a full batch of decodes
         ) as llm:
             assert llm.llm_engine.attention_backend == backend
             results[backend] = _greedy(llm, prompts, max_tokens)

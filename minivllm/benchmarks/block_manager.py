@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from minivllm.block_manager import BlockManager
+from minivllm.entrypoints.cli import HelpFormatter
 
 
 def _per_call_us(calls: list[Callable[[], object]]) -> float:
@@ -69,10 +70,12 @@ def bench(num_blocks: int, block_size: int, prompt_len: int, caching: bool) -> d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--num-blocks", type=int, default=100_000)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=512)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0] if __doc__ else None, formatter_class=HelpFormatter
+    )
+    parser.add_argument("--num-blocks", type=int, default=100_000, help="blocks in the pool")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--prompt-len", type=int, default=512, help="tokens per allocated prompt")
     args = parser.parse_args()
     print(
         f"block manager, {args.num_blocks:,} blocks of {args.block_size}, "

@@ -9,6 +9,7 @@ length (`ignore_eos=True`), so that every system computes the same tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 
+from minivllm.engine_args import EngineArgs
+from minivllm.entrypoints.cli import HelpFormatter
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 
@@ -79,31 +82,14 @@ def fixed_params(output_len: int, **kwargs: Any) -> SamplingParams:
     return SamplingParams(max_tokens=output_len, ignore_eos=True, **kwargs)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, num_kv_blocks: int | None = None) -> None:
-    """The engine and the model under test (vLLM's engine argument names)."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="folder, .gguf or hub id (default: SmolLM2-135M)")
-    g.add_argument("--dtype", default="auto", help="float32 on CPU, bfloat16 on CUDA by default")
-    g.add_argument("--device", default="auto")
-    g.add_argument(
-        "--attention-backend",
-        default="auto",
-        help="reference | cpu | triton | auto (cpu on a CPU, triton on CUDA)",
-    )
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=num_kv_blocks,
-        help="KV cache size in blocks (num_gpu_blocks_override); default: the engine's own sizing",
-    )
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every offline bench takes besides the engine's flags (EngineArgs.add_cli_args)."""
+    g = parser.add_argument_group("run")
     g.add_argument(
         "--threads",
         type=int,
         default=None,
-        help="torch intra-op threads for every system (default: torch's); 1 is far faster on a "
+        help="torch intra-op threads for every system (unset: torch's); 1 is far faster on a "
         "CPU that other jobs share, where threads wait on each other at every op",
     )
     g.add_argument("--json", type=Path, default=None, help="also write the results to this file")
@@ -112,28 +98,30 @@ def add_engine_arguments(parser: argparse.ArgumentParser, num_kv_blocks: int | N
 def add_workload_arguments(
     parser: argparse.ArgumentParser, num_prompts: int, input_len: str, output_len: str
 ) -> None:
-    g = parser.add_argument_group("workload (vLLM's random dataset)")
-    g.add_argument("--num-prompts", type=int, default=num_prompts)
-    g.add_argument("--input-len", type=length_range, default=length_range(input_len))
-    g.add_argument("--output-len", type=length_range, default=length_range(output_len))
-    g.add_argument("--seed", type=int, default=0)
+    g = parser.add_argument_group(
+        "workload (vLLM's random dataset)", "drawn with the engine's --seed"
+    )
+    g.add_argument("--num-prompts", type=int, default=num_prompts, help="requests in the workload")
+    g.add_argument(
+        "--input-len",
+        type=length_range,
+        default=input_len,  # argparse passes a string default through `type`
+        help="prompt tokens: N, or MIN-MAX drawn uniformly",
+    )
+    g.add_argument(
+        "--output-len",
+        type=length_range,
+        default=output_len,
+        help="output tokens, each request run to exactly its own: N, or MIN-MAX",
+    )
 
 
 def build_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
+    """The engine under test, from the engine's flags; `overrides` are a run's own settings."""
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    kwargs: dict[str, Any] = {
-        "dtype": args.dtype,
-        "device": args.device,
-        "attention_backend": args.attention_backend,
-        "block_size": args.block_size,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "seed": args.seed,
-        "num_gpu_blocks_override": args.num_kv_blocks,
-    }
-    kwargs.update(overrides)
-    return LLM(args.model, **kwargs)
+    engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), **overrides)
+    return LLM(**dataclasses.asdict(engine_args))
 
 
 def workload_for(llm: LLM, args: argparse.Namespace) -> list[BenchRequest]:
@@ -331,7 +319,7 @@ def write_json(path: Path | None, data: dict[str, Any]) -> None:
 def set_epilog(parser: argparse.ArgumentParser, epilog: str) -> None:
     """Show the GPU invocation under --help, whoever built the parser (the CLI or `-m`)."""
     parser.epilog = epilog
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.formatter_class = HelpFormatter
 
 
 def run_main(
@@ -340,6 +328,8 @@ def run_main(
     doc: str | None,
 ) -> int:
     """`python -m minivllm.benchmarks.<name>`: the same arguments the CLI wires in."""
-    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=(doc or "").split("\n\n")[0], formatter_class=HelpFormatter
+    )
     add_arguments(parser)
     return main(parser.parse_args())

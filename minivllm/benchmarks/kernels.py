@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.attention import AttentionMetadata
+from minivllm.entrypoints.cli import HelpFormatter
 
 # Datasheet HBM bandwidth in TB/s, matched against torch.cuda.get_device_name() in this order.
 PEAK_TBS = [
@@ -189,7 +190,9 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None, formatter_class=HelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="three shapes instead of eight")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

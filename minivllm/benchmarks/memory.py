@@ -8,8 +8,8 @@ The paper's Fig. 2 splits the KV memory of a serving system into
                        `max_model_len` per request, the over-reservation beyond the request's final
                        length; for PagedAttention, the unfilled tail of each request's last block
 
-Both systems run the same workload under the same KV budget (`--num-kv-blocks` x `--block-size`
-slots). minivllm runs for real, driven one `step()` at a time so that the block manager can be
+Both systems run the same workload under the same KV budget (`--num-gpu-blocks-override` x
+`--block-size` slots). minivllm runs for real, driven one `step()` at a time so that the block manager can be
 read after every step. The naive allocator is simulated on the same requests with the same
 scheduling rules (FCFS admission, the same token budget and `max_num_seqs`, decodes first, chunked
 prompts), except that admitting a request reserves `max_model_len` contiguous slots up front, as
@@ -28,7 +28,7 @@ from typing import Any
 from minivllm.benchmarks.common import (
     GPU_EPILOG,
     BenchRequest,
-    add_engine_arguments,
+    add_run_arguments,
     add_workload_arguments,
     build_llm,
     drive_engine,
@@ -40,26 +40,29 @@ from minivllm.benchmarks.common import (
     workload_for,
     write_json,
 )
+from minivllm.engine_args import EngineArgs
 
 EPILOG = (
     "Default: the throughput workload (64 prompts, 16-256 in/out) under 1024 blocks of 16 slots,\n"
     "with the naive allocator reserving max_model_len=2048 slots per request; ~1-2 minutes on CPU.\n"
     "  minivllm bench memory --plot kv_memory.png --json memory.json\n\n"
-    + GPU_EPILOG.format(name="memory", extra=" \\\n      --num-prompts 1000 --num-kv-blocks 4096")
+    + GPU_EPILOG.format(
+        name="memory", extra=" \\\n      --num-prompts 1000 --num-gpu-blocks-override 4096"
+    )
 )
+
+# A fixed KV budget, and the context limit the naive allocator reserves for every request.
+ENGINE_DEFAULTS = EngineArgs(num_gpu_blocks_override=1024, max_model_len=2048)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser, num_prompts=64, input_len="16-256", output_len="16-256")
-    add_engine_arguments(parser, num_kv_blocks=1024)  # the fixed KV budget
-    g = parser.add_argument_group("KV budget")
+    EngineArgs.add_cli_args(parser, defaults=ENGINE_DEFAULTS)
+    add_run_arguments(parser)
+    g = parser.add_argument_group("output")
     g.add_argument(
-        "--max-model-len",
-        type=int,
-        default=2048,
-        help="context limit; what the naive allocator reserves per request",
+        "--plot", type=Path, default=Path("kv_memory.png"), help="PNG of both runs; '' for none"
     )
-    g.add_argument("--plot", type=Path, default=Path("kv_memory.png"), help="'' for no plot")
     set_epilog(parser, EPILOG)
 
 
@@ -103,11 +106,8 @@ def summarize(steps: Sequence[StepUsage]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------- minivllm
 def trace_minivllm(args: argparse.Namespace) -> tuple[list[StepUsage], dict[str, Any]]:
-    llm = build_llm(
-        args,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=False,  # Fig. 2 is about one request's own memory, not sharing
-    )
+    # Fig. 2 is about one request's own memory, not sharing.
+    llm = build_llm(args, enable_prefix_caching=False)
     requests = workload_for(llm, args)
     engine = llm.llm_engine
     bm = engine.block_manager
@@ -222,11 +222,11 @@ def plot(path: Path, traces: dict[str, list[StepUsage]], budget_slots: int, titl
 
 
 def main(args: argparse.Namespace) -> int:
-    budget_slots = args.num_kv_blocks * args.block_size
+    budget_slots = args.num_gpu_blocks_override * args.block_size
     if args.max_model_len > budget_slots:
         raise SystemExit(
             f"--max-model-len ({args.max_model_len}) must fit in the KV budget "
-            f"({args.num_kv_blocks} x {args.block_size} = {budget_slots} slots)"
+            f"({args.num_gpu_blocks_override} x {args.block_size} = {budget_slots} slots)"
         )
     mini_steps, extra = trace_minivllm(args)
     requests = [BenchRequest([0] * p, o) for p, o in extra.pop("requests")]
@@ -237,7 +237,7 @@ def main(args: argparse.Namespace) -> int:
     results["minivllm"].update(extra)
 
     print(
-        f"\nKV budget {args.num_kv_blocks} blocks x {args.block_size} = {budget_slots:,} slots; "
+        f"\nKV budget {args.num_gpu_blocks_override} blocks x {args.block_size} = {budget_slots:,} slots; "
         f"{len(requests)} requests; naive reserves {args.max_model_len} slots per request"
     )
     rows = []

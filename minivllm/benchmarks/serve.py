@@ -26,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from minivllm.entrypoints.cli import HelpFormatter
+
 
 @dataclass
 class RequestResult:
@@ -39,12 +41,16 @@ class RequestResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default=None, help="default: the server's first model")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--random-input-len", type=int, default=128)
-    parser.add_argument("--random-output-len", type=int, default=64)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to load")
+    parser.add_argument(
+        "--model", default=None, help="the model field of the requests; unset: the server's first"
+    )
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    parser.add_argument("--random-input-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument(
+        "--random-output-len", type=int, default=64, help="output tokens asked for (ignore_eos)"
+    )
     parser.add_argument(
         "--random-vocab-size",
         type=int,
@@ -52,8 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt token ids are drawn below this (30000 fits Llama's and SmolLM2's vocabularies)",
     )
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-concurrency", type=int, default=None, help="most requests in flight; unset: all"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrivals")
     parser.add_argument("--percentiles", default="50,90,99", help="comma-separated")
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -191,6 +199,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="minivllm bench serve")
+    p = argparse.ArgumentParser(prog="minivllm bench serve", formatter_class=HelpFormatter)
     add_arguments(p)
     raise SystemExit(main(p.parse_args()))

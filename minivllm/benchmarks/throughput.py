@@ -31,7 +31,7 @@ from minivllm.benchmarks.common import (
     GPU_EPILOG,
     BenchRequest,
     ModelCost,
-    add_engine_arguments,
+    add_run_arguments,
     add_workload_arguments,
     build_llm,
     drive_engine,
@@ -50,6 +50,7 @@ from minivllm.benchmarks.common import (
     workload_for,
     write_json,
 )
+from minivllm.engine_args import EngineArgs
 from minivllm.llm import LLM
 
 PEERS = ("hf-static", "hf-cb")
@@ -71,7 +72,8 @@ EPILOG = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser, num_prompts=64, input_len="16-256", output_len="16-256")
-    add_engine_arguments(parser)
+    EngineArgs.add_cli_args(parser)
+    add_run_arguments(parser)
     g = parser.add_argument_group("peers and limits")
     g.add_argument(
         "--peers",

@@ -1,9 +1,11 @@
 """The `minivllm` command: `minivllm serve [MODEL] ...` and `minivllm bench {throughput,memory,
-prefix,serve} ...`, with vLLM's flag names (vllm/engine/arg_utils.py, vllm/entrypoints/cli/).
+prefix,serve} ...`, with vLLM's flag names (vllm/entrypoints/cli/). The engine's flags come from
+`EngineArgs` (minivllm/engine_args.py), the one declaration of the engine's options.
 
 Subcommand modules are imported only when their subcommand runs, so `minivllm serve` never pays
 for the benchmarks' imports (matplotlib, ...) and the CLI works while a benchmark is missing. Each
 bench module follows one convention: `add_arguments(parser)` and `main(args) -> int`.
+`python -m minivllm.entrypoints.openai.api_server` runs the same server as `minivllm serve`.
 """
 
 from __future__ import annotations
@@ -13,10 +15,6 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from minivllm.config import EngineConfig
 
 BENCHMARKS = {
     "throughput": "offline generation throughput",
@@ -25,82 +23,95 @@ BENCHMARKS = {
     "serve": "load test a running server: TTFT, TPOT, ITL, throughput",
 }
 
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """vLLM's engine arguments; the defaults are minivllm.config's."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id")
-    g.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N]")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--attention-backend", default="auto", help="auto, reference, triton")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--cpu-kv-cache-space", type=float, default=4.0, help="GiB of KV cache on CPU")
+SERVE_DESCRIPTION = "Serve a model over vLLM's OpenAI-compatible HTTP API (under /v1)."
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from minivllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`--help` shows each flag's default after its meaning; descriptions and epilogs keep their
+    line breaks (the benches print their commands there)."""
 
-    return EngineConfig(
-        model=ModelConfig(
-            model=args.model,
-            tokenizer=args.tokenizer,
-            dtype=args.dtype,
-            device=args.device,
-            seed=args.seed,
-            max_model_len=args.max_model_len,
-            attention_backend=args.attention_backend,
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
-            num_gpu_blocks_override=args.num_gpu_blocks_override,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            cpu_kv_cache_space=args.cpu_kv_cache_space,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-        ),
+
+def setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags, then the engine's (from EngineArgs)."""
+    from minivllm.engine_args import EngineArgs
     from minivllm.entrypoints.api_server import (
         DEFAULT_MAX_BODY_BYTES,
         DEFAULT_MAX_WAITING_REQUESTS,
     )
 
-    parser.add_argument("model", nargs="?", default=None, help="default: the bundled SmolLM2")
+    # vLLM's `vllm serve MODEL`; `--model MODEL` (the engine flag) says the same.
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="the model to serve, as --model"
+    )
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="default: loopback only")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    g.add_argument("--served-model-name", nargs="+", default=None)
-    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names accepted in a request's model field, the first one reported; unset: the model",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are refused with 413",
+    )
     g.add_argument(
         "--max-waiting-requests",
         type=int,
         default=DEFAULT_MAX_WAITING_REQUESTS,
         help="answer 503 + Retry-After while this many requests wait",
     )
-    g.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds")
-    g.add_argument("--uvicorn-log-level", default="info")
-    add_engine_arguments(parser)
+    g.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=5.0,
+        help="seconds between the stats log lines (throughput, queues, KV cache use)",
+    )
+    g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's own log level")
+    EngineArgs.add_cli_args(parser)
+
+
+def make_serve_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=SERVE_DESCRIPTION, formatter_class=HelpFormatter
+    )
+    add_serve_arguments(parser)
+    return parser
+
+
+def parse_serve_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+) -> argparse.Namespace:
+    """Parse, then merge the positional MODEL into `args.model` (an error if both differ)."""
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(
+                f"the model is given twice, as {args.model_tag!r} and as --model {args.model!r}; "
+                "give it once"
+            )
+        args.model = args.model_tag
+    return args
 
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from minivllm.engine import LLMEngine
+    from minivllm.engine_args import EngineArgs
     from minivllm.entrypoints.api_server import build_app
 
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     names = args.served_model_name or [args.model or engine.source.name]
 
     def ready() -> None:  # logged once the engine thread runs, before uvicorn's own line
@@ -127,30 +138,28 @@ def serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description="the readable vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    # Each subcommand's own parser is built in main(), once we know which one runs.
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name, help_text in BENCHMARKS.items():
-        # The module's own arguments are added in main(), once we know which one runs.
         bench_sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
-    )
-    parser = build_parser()
+    setup_logging()
+    if argv[:1] == ["serve"]:
+        return serve(parse_serve_args(make_serve_parser("minivllm serve"), argv[1:]))
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
         module = importlib.import_module(f"minivllm.benchmarks.{argv[1]}")
-        bench_parser = argparse.ArgumentParser(prog=f"minivllm bench {argv[1]}")
+        bench_parser = argparse.ArgumentParser(
+            prog=f"minivllm bench {argv[1]}", formatter_class=HelpFormatter
+        )
         module.add_arguments(bench_parser)
         return int(module.main(bench_parser.parse_args(argv[2:])))
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        return serve(args)
-    parser.error(f"unknown command {args.command!r}")
+    build_parser().parse_args(argv)  # prints usage, or the error for an unknown command
     return 2
 
 

@@ -1,0 +1,230 @@
+"""Every engine option, declared once: vLLM's `EngineArgs` (vllm/engine/arg_utils.py).
+
+Each field of `EngineArgs` below is one option, with its default and its help text beside it. The
+ways of setting an option are all generated from these fields, so they cannot drift apart:
+
+  Python    `LLM(model, **kwargs)`: the keywords are exactly these fields
+  server    `minivllm serve`, `python -m minivllm.entrypoints.openai.api_server`: `--kebab-case`
+            flags from `add_cli_args`, read back with `from_cli_args`
+  benches   `minivllm bench throughput | memory | prefix`: the same flags
+
+`create_engine_config()` turns the flat options into the typed configs of `minivllm/config.py`
+(`ModelConfig`, `CacheConfig`, `SchedulerConfig`, `ParallelConfig`), whose `__post_init__`
+checks the values, so a bad value fails the same way from every surface. See the architecture
+page (docs/architecture.md) for where each config is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from functools import cache
+from typing import Any, TypedDict, TypeVar
+
+from minivllm.attention import BACKEND_NAMES
+from minivllm.config import (
+    DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+ENGINE_GROUP = "engine"  # the argparse group holding the engine's flags on every parser
+
+
+def _arg(default: Any, help: str, **cli: Any) -> Any:
+    """One option: its default, its help text, and extra `add_argument` keywords (`choices`)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass
+class EngineArgs:
+    """The engine's options, with vLLM's names and (where vLLM has one) vLLM's defaults."""
+
+    # ---------------------------------------------------------------------- the model
+    model: str | None = _arg(
+        None, "model folder, .gguf file or hub id; unset: the bundled SmolLM2-135M-Instruct"
+    )
+    tokenizer: str | None = _arg(None, "tokenizer folder or hub id; unset: the model's own")
+    skip_tokenizer_init: bool = _arg(
+        False, "load no tokenizer: prompts must be token ids and outputs carry no text"
+    )
+    dtype: str = _arg(
+        "auto", "weights and activations; auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES
+    )
+    device: str = _arg("auto", "cpu, cuda or cuda:N; auto: cuda when available, else cpu")
+    seed: int = _arg(0, "seeds the generators of random-sampling requests that bring no seed")
+    max_model_len: int | None = _arg(
+        None, "most tokens of prompt + output per request; unset: the model's context length"
+    )
+    attention_backend: str = _arg(
+        "auto",
+        "reference (PyTorch, the specification), cpu (compiled CPU kernel for decodes), triton "
+        "(CUDA kernels); auto: cpu on a CPU, triton on CUDA",
+        choices=BACKEND_NAMES,
+    )
+    # ---------------------------------------------------------------------- the KV cache
+    block_size: int = _arg(16, "tokens per KV cache block (paper §4.1)")
+    enable_prefix_caching: bool = _arg(
+        True,
+        "reuse the KV blocks of identical prompt prefixes (vLLM v1's automatic prefix caching)",
+    )
+    num_gpu_blocks_override: int | None = _arg(
+        None,
+        "exact number of KV blocks, on any device; unset: sized by gpu_memory_utilization "
+        "(CUDA) or cpu_kv_cache_space (CPU)",
+    )
+    gpu_memory_utilization: float = _arg(
+        0.9, "CUDA: fraction of the device's memory minivllm may fill, KV cache included"
+    )
+    cpu_kv_cache_space: float = _arg(
+        4.0, "CPU: GiB of memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE)"
+    )
+    # ---------------------------------------------------------------------- the scheduler
+    max_num_seqs: int = _arg(256, "most sequences running at once (the batch's rows)")
+    max_num_batched_tokens: int = _arg(
+        2048,
+        "most tokens computed in one step, decodes and prompt chunks together; prompts are "
+        "chunked to fit (as in vLLM v1), so it bounds a step's latency, not the prompt length; "
+        "at least max_num_seqs",
+    )
+    # ---------------------------------------------------------------------- parallelism
+    tensor_parallel_size: int = _arg(1, "devices each layer is split across; only 1 for now")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """`EngineArgs(**kwargs)`, but a misspelled option is named with the valid ones."""
+        names = [f.name for f in fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(
+                    f"unexpected engine argument {key!r}{hint}; the engine arguments are: "
+                    + ", ".join(names)
+                )
+        return cls(**kwargs)
+
+    # ------------------------------------------------------------------------------ the CLI
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, defaults: EngineArgs | None = None
+    ) -> argparse.ArgumentParser:
+        """Add one `--kebab-case` flag per field, in an argument group named "engine".
+
+        `defaults` lets a bench start from other values (a fixed KV budget) without a second
+        declaration of the flags; `minivllm serve` takes the fields' own defaults."""
+        group = parser.add_argument_group(ENGINE_GROUP)
+        hints = _field_types()
+        for f in fields(cls):
+            how: dict[str, Any] = {k: v for k, v in f.metadata.items() if k != "help"}
+            if hints[f.name] is bool:  # --enable-prefix-caching / --no-enable-prefix-caching
+                how["action"] = argparse.BooleanOptionalAction
+            else:
+                how["type"] = _scalar(hints[f.name])
+            group.add_argument(
+                "--" + f.name.replace("_", "-"),
+                default=getattr(defaults, f.name) if defaults is not None else f.default,
+                help=f.metadata["help"],
+                **how,
+            )
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    # ------------------------------------------------------------------------------ the configs
+    def create_engine_config(self) -> EngineConfig:
+        """The typed configs the engine reads; each one validates its own fields."""
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model,
+                tokenizer=self.tokenizer,
+                skip_tokenizer_init=self.skip_tokenizer_init,
+                dtype=self.dtype,
+                device=self.device,
+                seed=self.seed,
+                max_model_len=self.max_model_len,
+                attention_backend=self.attention_backend,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                cpu_kv_cache_space=self.cpu_kv_cache_space,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+            ),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+        )
+
+
+class EngineKwargs(TypedDict, total=False):
+    """EngineArgs's fields but `model`, typed for `LLM(model, **kwargs: Unpack[EngineKwargs])`
+    (PEP 692): what type checkers and IDEs read. tests/test_engine_args.py holds it equal to
+    EngineArgs, names and types."""
+
+    tokenizer: str | None
+    skip_tokenizer_init: bool
+    dtype: str
+    device: str
+    seed: int
+    max_model_len: int | None
+    attention_backend: str
+    block_size: int
+    enable_prefix_caching: bool
+    num_gpu_blocks_override: int | None
+    gpu_memory_utilization: float
+    cpu_kv_cache_space: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    tensor_parallel_size: int
+
+
+InitT = TypeVar("InitT", bound=Callable[..., None])
+
+
+def document_engine_args(init: InitT) -> InitT:
+    """Show every engine argument in `help(LLM)` and `inspect.signature(LLM)`, from EngineArgs.
+
+    `LLM.__init__` takes `**kwargs` so that an unknown keyword gets `from_kwargs`'s message; this
+    gives it the explicit signature (`model` first, the rest keyword-only, with their defaults)
+    and a docstring that lists each option's meaning."""
+    hints = _field_types()
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    lines = [(init.__doc__ or "").rstrip(), "", "Engine arguments (minivllm.EngineArgs):"]
+    for f in fields(EngineArgs):
+        kind = (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD
+            if f.name == "model"
+            else inspect.Parameter.KEYWORD_ONLY
+        )
+        assert f.default is not MISSING  # every option has a default
+        params.append(inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name]))
+        lines.append(f"    {f.name} (default {f.default!r}): {f.metadata['help']}")
+    init.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+    init.__doc__ = "\n".join(lines)
+    return init
+
+
+# ---------------------------------------------------------------------------------- helpers
+@cache
+def _field_types() -> dict[str, Any]:
+    """EngineArgs's annotations as types (`int | None`), not the strings `__future__` leaves."""
+    return typing.get_type_hints(EngineArgs)
+
+
+def _scalar(hint: Any) -> type:
+    """The argparse `type` of an annotation: `int | None` -> int."""
+    members = [t for t in typing.get_args(hint) if t is not type(None)]
+    return members[0] if members else hint
