@@ -35,7 +35,9 @@ def _plain(value: Any) -> bool:
 
 
 def test_scheduler_output_is_plain_data_that_survives_pickling(tiny_model: Path) -> None:
-    llm = LLM(str(tiny_model), num_gpu_blocks_override=64, max_num_batched_tokens=32)
+    llm = LLM(
+        str(tiny_model), num_gpu_blocks_override=64, max_num_batched_tokens=32, max_num_seqs=8
+    )
     engine = llm.llm_engine
     engine.add_request("a", PROMPTS[1], SamplingParams(n=2, temperature=1.0, max_tokens=4))
     engine.add_request("b", PROMPTS[5], SamplingParams(temperature=0, max_tokens=4))
@@ -62,7 +64,7 @@ def test_scheduler_output_is_plain_data_that_survives_pickling(tiny_model: Path)
 
 def test_num_cached_tokens_and_lookups_count_the_first_admission_only(tiny_model: Path) -> None:
     # 9 blocks of 16 slots for 6 growing requests: sequences are preempted and readmitted.
-    llm = LLM(str(tiny_model), num_gpu_blocks_override=9, max_num_batched_tokens=64)
+    llm = LLM(str(tiny_model), num_gpu_blocks_override=9, max_num_batched_tokens=64, max_num_seqs=8)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     stats = llm.get_stats()
