@@ -12,6 +12,7 @@ from test_model_llama import BASE, save_tiny_llama
 
 from minivllm.attention import get_attention_backend
 from minivllm.model import loader
+from minivllm.model.gguf import _unpermute
 from minivllm.model.loader import (
     CorruptCheckpointError,
     HubUnavailableError,
@@ -109,6 +110,20 @@ def test_unreadable_gguf_file_is_a_corrupt_checkpoint(tmp_path: Path, monkeypatc
     bad.write_bytes(b"GGUF" + b"\x00" * 12)  # the magic, then a truncated header
     with pytest.raises(CorruptCheckpointError, match="cannot read GGUF file"):
         resolve_model(bad)
+
+
+@pytest.mark.parametrize("trailing", [(5,), ()], ids=["weight", "bias"])
+def test_gguf_unpermute_undoes_llama_cpp_s_q_k_row_order(trailing: tuple[int, ...]) -> None:
+    """llama.cpp stores each head's Q/K rows as interleaved pairs: HF row j of the first half
+    at 2j, row j of the second half at 2j + 1 (its converter's `permute`, written out here)."""
+    n_heads, head_dim = 3, 8
+    hf = torch.randn(n_heads * head_dim, *trailing)
+    gguf = torch.empty_like(hf)
+    for h in range(n_heads):
+        for j in range(head_dim // 2):
+            gguf[h * head_dim + 2 * j] = hf[h * head_dim + j]
+            gguf[h * head_dim + 2 * j + 1] = hf[h * head_dim + head_dim // 2 + j]
+    assert torch.equal(_unpermute(gguf, n_heads), hf)
 
 
 def test_checkpoint_missing_a_tensor_is_named(tmp_path: Path) -> None:

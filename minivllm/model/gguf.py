@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from einops import rearrange
 
 from minivllm.envs import cache_root
 from minivllm.model.config import LlamaConfig
@@ -53,10 +54,9 @@ class GGUFReadError(ValueError):
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (per head, interleaved pairs -> two halves)."""
-    half = w.shape[0] // n_heads // 2
-    # rows viewed as [n_heads, half, 2] -> [n_heads, 2, half]
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    """Undo llama.cpp's Q/K row permutation: within each head, GGUF stores the rows as
+    interleaved pairs (half, pair); HuggingFace stores the two halves one after the other."""
+    return rearrange(w, "(heads half pair) ... -> (heads pair half) ...", heads=n_heads, pair=2)
 
 
 def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
