@@ -10,10 +10,12 @@ makes a process build once).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,47 @@ def test_deleting_the_marker_or_changing_the_compiler_retries_the_build(
     assert len(fake.compiled) == 3
 
 
+@contextlib.contextmanager
+def another_builder(build_dir: Path, then: str) -> Iterator[subprocess.Popen[str]]:
+    """Another process that takes the build lock, creates torch's `lock` file, then runs `then`
+    (Python) while holding both. Yields once it holds them; SIGKILLed at the end if still alive."""
+    script = (
+        "import fcntl, pathlib, sys, time\n"
+        "build_dir = pathlib.Path(sys.argv[1])\n"
+        "held = open(build_dir / 'build.lock', 'a'); fcntl.flock(held, fcntl.LOCK_EX)\n"
+        "(build_dir / 'lock').touch(); print('building', flush=True)\n" + then
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script, str(build_dir)], stdout=subprocess.PIPE, text=True
+    ) as builder:
+        try:
+            assert builder.stdout is not None and builder.stdout.readline() == "building\n"
+            yield builder
+        finally:
+            builder.kill()
+            builder.wait()
+
+
+def test_a_process_that_waited_for_another_s_build_loads_it_without_compiling(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = FakeBuild(monkeypatch)
+    build_dir = cpu_build.kernel_build_dir()
+    build_dir.mkdir(parents=True)
+    finish_the_build = (
+        "time.sleep(0.5); (build_dir / 'lock').unlink()\n"
+        f"(build_dir / {cpu_build.BUILT_STAMP!r}).write_text({LIBRARY!r})"
+    )
+    with (
+        another_builder(build_dir, then=finish_the_build),
+        caplog.at_level(logging.WARNING, logger="minivllm"),
+    ):
+        load_in_a_new_process()
+    assert fake.compiled == [] and fake.loaded == [build_dir / LIBRARY]
+    assert len(messages(caplog, "waiting for it")) == 1
+    assert not messages(caplog, "compiling minivllm")
+
+
 def test_a_lock_left_by_a_killed_build_does_not_block_the_next_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -147,25 +190,9 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_one(
     fake = FakeBuild(monkeypatch)
     build_dir = cpu_build.kernel_build_dir()
     build_dir.mkdir(parents=True)
-    builder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import fcntl, sys, time\n"
-            "held = open(sys.argv[1], 'a'); fcntl.flock(held, fcntl.LOCK_EX)\n"
-            "open(sys.argv[2], 'w').close(); print('building', flush=True); time.sleep(600)",
-            str(build_dir / "build.lock"),
-            str(build_dir / "lock"),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert builder.stdout is not None and builder.stdout.readline() == "building\n"
-    finally:
+    with another_builder(build_dir, then="time.sleep(600)") as builder:
         builder.kill()  # SIGKILL: no clean-up code of the builder runs
         builder.wait()
-        builder.stdout.close()  # type: ignore[union-attr]
     assert (build_dir / "lock").exists()
     load_in_a_new_process()
     assert fake.compiled == [build_dir]
