@@ -172,7 +172,10 @@ def build_lock(build_dir: Path, timeout_s: float) -> Iterator[None]:
     however it dies. A process that holds it therefore knows that torch's own baton (`lock`, a
     plain file that outlives its process and that torch would wait on forever) is stale.
     """
-    import fcntl  # POSIX; imported here so that merely importing this module works everywhere
+    try:  # POSIX only; imported here so that importing this module works everywhere
+        import fcntl
+    except ImportError as exc:  # Windows: the kernel's flags are GCC/Clang ones anyway
+        raise CpuKernelUnavailable("the CPU attention kernel builds on Linux and macOS") from exc
 
     with open(build_dir / "build.lock", "a") as handle:  # closing it releases the lock
         deadline = time.monotonic() + timeout_s
