@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import zlib
 
 import pytest
@@ -106,25 +105,3 @@ def test_auto_falls_back_to_reference_when_the_kernel_cannot_build(
     assert "no compiler" in caplog.text and "using the reference backend" in caplog.text
     with pytest.raises(CpuKernelUnavailable, match="no compiler"):
         get_attention_backend("cpu")
-
-
-def test_a_failed_build_names_what_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
-    def failing_load(**kwargs: object) -> None:
-        raise RuntimeError("Ninja is required to load C++ extensions")
-
-    monkeypatch.setattr("torch.utils.cpp_extension.load", failing_load)
-    with pytest.raises(CpuKernelUnavailable, match="C\\+\\+ compiler and ninja") as info:
-        cpu_module.load_cpu_kernels.__wrapped__()
-    assert "Ninja is required" in str(info.value)
-
-
-def test_ninja_from_the_wheel_is_found_without_an_activated_venv(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """torch looks for `ninja` on PATH; the wheel's binary sits next to an unactivated venv's python."""
-    import ninja
-
-    monkeypatch.setattr(cpu_module.shutil, "which", lambda name: None)
-    monkeypatch.setenv("PATH", "/nowhere")
-    cpu_module._put_ninja_on_path()
-    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR

@@ -12,17 +12,23 @@ from test_model_llama import BASE, save_tiny_llama
 
 from minivllm.attention import get_attention_backend
 from minivllm.model import loader
+from minivllm.model.gguf import _unpermute
 from minivllm.model.loader import (
     CorruptCheckpointError,
+    GenerationDefaults,
     HubUnavailableError,
     ModelLoadError,
     ModelNotFoundError,
+    ModelSource,
+    TokenizerNotFoundError,
     UnsupportedArchitectureError,
+    load_generation_defaults,
     load_model,
     load_tokenizer,
     resolve_dtype,
     resolve_model,
 )
+from minivllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 
@@ -103,6 +109,28 @@ def test_truncated_safetensors_is_a_corrupt_checkpoint(tmp_path: Path) -> None:
         _load(tmp_path)
 
 
+def test_unreadable_gguf_file_is_a_corrupt_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 12)  # the magic, then a truncated header
+    with pytest.raises(CorruptCheckpointError, match="cannot read GGUF file"):
+        resolve_model(bad)
+
+
+@pytest.mark.parametrize("trailing", [(5,), ()], ids=["weight", "bias"])
+def test_gguf_unpermute_undoes_llama_cpp_s_q_k_row_order(trailing: tuple[int, ...]) -> None:
+    """llama.cpp stores each head's Q/K rows as interleaved pairs: HF row j of the first half
+    at 2j, row j of the second half at 2j + 1 (its converter's `permute`, written out here)."""
+    n_heads, head_dim = 3, 8
+    hf = torch.randn(n_heads * head_dim, *trailing)
+    gguf = torch.empty_like(hf)
+    for h in range(n_heads):
+        for j in range(head_dim // 2):
+            gguf[h * head_dim + 2 * j] = hf[h * head_dim + j]
+            gguf[h * head_dim + 2 * j + 1] = hf[h * head_dim + head_dim // 2 + j]
+    assert torch.equal(_unpermute(gguf, n_heads), hf)
+
+
 def test_checkpoint_missing_a_tensor_is_named(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -151,3 +179,125 @@ def test_dtype_auto_is_float32_on_cpu_and_bad_dtype_is_rejected() -> None:
     assert resolve_dtype(torch.float16, CPU) == torch.float16
     with pytest.raises(ValueError, match="dtype must be"):
         resolve_dtype("float8", CPU)
+
+
+# ---------------------------------------------------------------------------------- generation_config.json
+def save_with_generation_config(tmp_path: Path, generation_config: dict | str) -> ModelSource:
+    """A tiny model saved by transformers (config eos_token_id 2), then a hand-written
+    generation_config.json in place of the one save_pretrained writes."""
+    save_tiny_llama(tmp_path, {"eos_token_id": 2})
+    text = (
+        generation_config if isinstance(generation_config, str) else json.dumps(generation_config)
+    )
+    (tmp_path / "generation_config.json").write_text(text)
+    return resolve_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("eos_token_id", "expected"),
+    [(7, (2, 7)), ([2, 7, 9], (2, 7, 9)), ([9, 2, 9], (2, 9)), (2, (2,)), (None, (2,))],
+    ids=["int", "list", "list-repeats", "same-as-config", "null"],
+)
+def test_every_eos_id_of_generation_config_is_added_to_the_config_s(
+    tmp_path: Path, eos_token_id: object, expected: tuple[int, ...]
+) -> None:
+    source = save_with_generation_config(tmp_path, {"eos_token_id": eos_token_id})
+    assert load_generation_defaults(source) == GenerationDefaults(eos_token_ids=expected)
+
+
+def test_generation_config_sampling_fields_become_sampling_params_defaults(tmp_path: Path) -> None:
+    source = save_with_generation_config(
+        tmp_path,
+        {
+            "bos_token_id": 1,
+            "eos_token_id": [2, 5],
+            "do_sample": True,  # not a SamplingParams field: ignored, as vLLM does
+            "max_length": 4096,  # prompt + output in transformers: ignored, as vLLM does
+            "temperature": 0.6,
+            "top_p": 0.9,
+            "top_k": 20,
+            "min_p": None,  # null is not a default
+            "repetition_penalty": 1.05,
+            "max_new_tokens": 256,
+            "transformers_version": "4.56.0",
+        },
+    )
+    defaults = load_generation_defaults(source)
+    assert defaults.eos_token_ids == (2, 5)
+    assert defaults.sampling_defaults == {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "max_tokens": 256,
+    }
+    params = SamplingParams(**defaults.sampling_defaults)  # the names are SamplingParams' own
+    assert params.max_tokens == 256 and params.temperature == 0.6
+
+
+def test_a_model_without_generation_config_has_its_config_s_eos_and_no_defaults(
+    tmp_path: Path,
+) -> None:
+    save_tiny_llama(tmp_path, {"eos_token_id": [2, 3]})
+    (tmp_path / "generation_config.json").unlink()
+    assert load_generation_defaults(resolve_model(tmp_path)) == GenerationDefaults((2, 3))
+
+
+def test_a_gguf_model_has_its_config_s_eos_and_no_defaults(smollm2_gguf: Path) -> None:
+    source = resolve_model(smollm2_gguf)
+    tokenizer = load_tokenizer(source)
+    assert load_generation_defaults(source) == GenerationDefaults((tokenizer.eos_token_id,))
+
+
+@pytest.mark.parametrize(
+    ("generation_config", "named"),
+    [
+        ({"top_p": 0.0}, "top_p must be in"),
+        ({"temperature": -1}, "temperature must be non-negative"),
+        ({"max_new_tokens": 0}, "max_tokens"),
+        ({"eos_token_id": "</s>"}, "eos_token_id must be a token id"),
+        ({"eos_token_id": [2, -1]}, "eos_token_id must be a token id"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must hold a JSON object"),
+    ],
+    ids=["top_p", "temperature", "max_new_tokens", "eos-str", "eos-negative", "json", "not-object"],
+)
+def test_a_bad_generation_config_is_a_corrupt_checkpoint_naming_the_field(
+    tmp_path: Path, generation_config: dict | str, named: str
+) -> None:
+    source = save_with_generation_config(tmp_path, generation_config)
+    with pytest.raises(CorruptCheckpointError, match=named) as info:
+        load_generation_defaults(source)
+    assert "generation_config.json" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------- tokenizer
+def test_a_folder_without_tokenizer_files_names_the_two_ways_out(tmp_path: Path) -> None:
+    save_tiny_llama(tmp_path, {})  # save_pretrained of a model writes no tokenizer
+    with pytest.raises(TokenizerNotFoundError) as info:
+        load_tokenizer(resolve_model(tmp_path))
+    message = str(info.value)
+    for way_out in (
+        "tokenizer=",
+        "--tokenizer",
+        "skip_tokenizer_init=True",
+        "--skip-tokenizer-init",
+    ):
+        assert way_out in message
+    assert "model folder" in message and "slow tokenizer" not in message
+    assert isinstance(info.value, ModelLoadError)
+
+
+def test_a_tokenizer_folder_without_tokenizer_files_is_named_as_such(tmp_path: Path) -> None:
+    save_tiny_llama(tmp_path / "model", {})
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TokenizerNotFoundError, match=r"tokenizer folder .*empty"):
+        load_tokenizer(resolve_model(tmp_path / "model"), tokenizer=str(tmp_path / "empty"))
+
+
+def test_llm_on_a_folder_without_tokenizer_fails_before_loading_weights(tmp_path: Path) -> None:
+    from minivllm import LLM
+
+    save_tiny_llama(tmp_path, {})
+    with pytest.raises(TokenizerNotFoundError, match="skip_tokenizer_init=True"):
+        LLM(str(tmp_path))

@@ -11,23 +11,19 @@ Everything else is the reference backend's: the cache write (`index_copy_`) and 
 (gather + SDPA, where the gather is paid once for many query rows and SDPA runs as matmuls). vLLM's
 CPU backend splits the work the same way.
 
-The kernel is compiled on first use with `torch.utils.cpp_extension` (about 15 s, then cached
-under ~/.cache/minivllm/torch_extensions). Compiling needs a C++ compiler and `ninja`; where the
-build fails, `get_attention_backend("auto")` logs why and falls back to the reference backend.
+The kernel is compiled on first use (about 15 s, once per machine; `cpu_build.py` says how, and
+what a user sees). Where it cannot be built, `get_attention_backend("auto")` says why in one line
+and falls back to the reference backend.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from minivllm.attention import AttentionMetadata
+from minivllm.attention.cpu_build import CpuKernelUnavailable, load_cpu_kernels
 from minivllm.attention.reference import (
     PromptChunk,
     ReferenceBackend,
@@ -36,66 +32,7 @@ from minivllm.attention.reference import (
     query_lens_of,
 )
 
-logger = logging.getLogger("minivllm")
-
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-
-# Compiler flags per SIMD level PyTorch detected on this CPU: the kernel's loops are vectorized by
-# the compiler, so it must be told which instructions it may use (and no more than the CPU has).
-SIMD_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-}
-
-
-class CpuKernelUnavailable(RuntimeError):
-    """The C++ decode kernel could not be built or loaded on this machine."""
-
-
-def _put_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; the ninja wheel installs it next to this interpreter, which
-    is not on PATH when a virtual environment is used without being activated."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-@functools.cache
-def load_cpu_kernels() -> None:
-    """Compile (first time) and load `cpu_kernels.cpp`; registers `torch.ops.minivllm_cpu`."""
-    from minivllm.model.gguf import cache_root  # the one cache folder of minivllm
-
-    try:
-        from torch.utils.cpp_extension import load
-    except ImportError as e:  # pragma: no cover - part of every torch build
-        raise CpuKernelUnavailable(str(e)) from e
-    _put_ninja_on_path()
-    simd = torch.backends.cpu.get_cpu_capability()
-    # One build per SIMD level and torch version: a home folder shared by different machines
-    # must never hand an AVX-512 build to an AVX2 CPU.
-    build_dir = cache_root() / "torch_extensions" / f"cpu_kernels-{simd}-torch{torch.__version__}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob("*.so")):
-        logger.info("compiling the CPU attention kernel into %s (once, ~15 s)", build_dir)
-    try:
-        load(
-            name="minivllm_cpu_kernels",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-ffast-math", "-fopenmp", *SIMD_FLAGS.get(simd, [])],
-            extra_ldflags=["-lm", "-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as e:  # a missing compiler or ninja, or a failed build
-        raise CpuKernelUnavailable(
-            f"could not build the CPU attention kernel ({type(e).__name__}: {e}); it needs a C++ "
-            'compiler and ninja (pip install ninja), or use attention_backend="reference"'
-        ) from e
+__all__ = ["CpuBackend", "CpuKernelUnavailable", "load_cpu_kernels", "paged_decode"]
 
 
 def paged_decode(

@@ -23,7 +23,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from einops import rearrange
 
+from minivllm.envs import cache_root
 from minivllm.model.config import LlamaConfig
 
 # llama.cpp's per-layer tensor names -> HuggingFace names under model.layers.{i}.
@@ -47,16 +49,14 @@ _GLOBAL_NAMES = {
 _SKIP_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"}
 
 
-def cache_root() -> Path:
-    """Where converted models live: $MINIVLLM_CACHE, else ~/.cache/minivllm."""
-    return Path(os.environ.get("MINIVLLM_CACHE") or Path.home() / ".cache" / "minivllm")
+class GGUFReadError(ValueError):
+    """The file is not a readable GGUF file (truncated, or another format)."""
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (per head, interleaved pairs -> two halves)."""
-    half = w.shape[0] // n_heads // 2
-    # rows viewed as [n_heads, half, 2] -> [n_heads, 2, half]
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    """Undo llama.cpp's Q/K row permutation: within each head, GGUF stores the rows as
+    interleaved pairs (half, pair); HuggingFace stores the two halves one after the other."""
+    return rearrange(w, "(heads half pair) ... -> (heads pair half) ...", heads=n_heads, pair=2)
 
 
 def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
@@ -64,12 +64,10 @@ def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    from minivllm.model.loader import CorruptCheckpointError
-
     try:
         reader = GGUFReader(str(path))
     except (ValueError, OSError, IndexError) as exc:
-        raise CorruptCheckpointError(f"cannot read GGUF file {path}: {exc}") from exc
+        raise GGUFReadError(f"cannot read GGUF file {path}: {exc}") from exc
     fields = {k: f.contents() for k, f in reader.fields.items() if k not in _SKIP_FIELDS}
     names = {t.name for t in reader.tensors}
     config = LlamaConfig.from_gguf_fields(fields, tie_word_embeddings="output.weight" not in names)

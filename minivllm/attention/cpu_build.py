@@ -1,0 +1,298 @@
+"""Building the CPU attention kernel (`cpu_kernels.cpp`) once per machine, quietly and safely.
+
+`torch.utils.cpp_extension.load` compiles a C++ file with the system compiler and `ninja`, the
+way vLLM builds its CPU kernels ahead of time. Doing it at first use keeps `pip install` free of a
+compiler step, at the price of three things this module takes care of:
+
+- **A user sees what happens.** One line when a compile really starts (it takes ~15 s), and on
+  failure one line saying why; `get_attention_backend("auto")` then adds that the pure-PyTorch
+  reference backend is used instead. Later processes load the built library directly: no
+  compiler, no ninja, no lock.
+- **A failure is remembered.** The reason and the compiler's whole output go to a marker file in
+  the build folder, keyed by the compiler and ninja found (torch's version and the kernel's source
+  are in the folder's name). Later processes read the marker instead of failing again at length;
+  deleting it retries, and so does a new compiler.
+- **A killed build holds nothing.** torch's own lock is a plain `lock` file it waits on forever, so
+  a build killed half-way (SIGKILL, the OOM killer) would make every later process hang. Builds
+  here run under an `flock`, which the kernel releases when its process dies: whoever holds it
+  knows any `lock` file left in the folder is stale, and removes it. Waiting for a live build is
+  bounded by `LOCK_TIMEOUT_S`.
+
+Where it all lives: `$MINIVLLM_CACHE/torch_extensions/` (see `minivllm/envs.py`). The backend that
+uses the kernel is `minivllm/attention/cpu.py`; docs/concepts/attention-kernels.md explains it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import itertools
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from minivllm.envs import cache_root
+
+logger = logging.getLogger("minivllm")
+
+EXTENSION_NAME = "minivllm_cpu_kernels"  # the library; its ops register as torch.ops.minivllm_cpu
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+# Compiler flags per SIMD level PyTorch detected on this CPU: the kernel's loops are vectorized by
+# the compiler, so it must be told which instructions it may use (and no more than the CPU has).
+SIMD_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+LDFLAGS = ["-lm", "-fopenmp"]
+# How long a process waits for another one to finish compiling (a build takes ~15 s on 2 cores,
+# more on a loaded machine). A process that died while building holds nothing to wait for.
+LOCK_TIMEOUT_S = 600.0
+BUILT_STAMP = "built.txt"  # holds the library's file name; written once it has built and loaded
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The C++ decode kernel could not be built or loaded on this machine."""
+
+
+def cflags(simd: str) -> list[str]:
+    return ["-O3", "-ffast-math", "-fopenmp", *SIMD_FLAGS.get(simd, [])]
+
+
+def kernel_build_dir() -> Path:
+    """The build folder: one per SIMD level, torch version, and kernel source with its flags.
+
+    A home folder shared by several machines never hands an AVX-512 build to an AVX2 CPU, and a
+    new minivllm (a changed `cpu_kernels.cpp`) builds into a folder of its own, with no remembered
+    failure of the old source.
+    """
+    simd = torch.backends.cpu.get_cpu_capability()
+    digest = hashlib.sha256(SOURCE.read_bytes() + repr((cflags(simd), LDFLAGS)).encode())
+    name = f"cpu_kernels-{simd}-torch{torch.__version__}-{digest.hexdigest()[:10]}"
+    return cache_root() / "torch_extensions" / name
+
+
+# ---------------------------------------------------------------------------------- toolchain
+def _ninja_wheel_dir() -> str | None:
+    """The ninja wheel's binary folder when `ninja` is not on PATH: the wheel installs it next to
+    the interpreter, which is not on PATH when a virtual environment is used without activating it."""
+    if shutil.which("ninja") is not None:
+        return None
+    try:
+        import ninja
+    except ImportError:
+        return None
+    return str(ninja.BIN_DIR)
+
+
+@contextlib.contextmanager
+def ninja_on_path() -> Iterator[None]:
+    """torch runs `ninja` from PATH: put the wheel's binary there for the build only, and give the
+    process its PATH back afterwards, whatever happens."""
+    extra = _ninja_wheel_dir()
+    if extra is None:
+        yield
+        return
+    saved = os.environ.get("PATH")
+    os.environ["PATH"] = extra + os.pathsep + (saved or "")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = saved
+
+
+def toolchain_key() -> str:
+    """Which C++ compiler and ninja a build would run (torch's choice: `$CXX`, else `c++`), as
+    path, size and mtime of each: a remembered failure holds for this toolchain only, so
+    installing or upgrading either one retries the build."""
+    found = []
+    for tool, search_path in ((os.environ.get("CXX", "c++"), None), ("ninja", _ninja_wheel_dir())):
+        where = shutil.which(tool, path=search_path)
+        if where is None:
+            found.append(f"{tool}: missing")
+        else:
+            real = os.path.realpath(where)
+            st = os.stat(real)
+            found.append(f"{real}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(found).encode()).hexdigest()[:10]
+
+
+def failure_marker(build_dir: Path) -> Path:
+    return build_dir / f"build-failed-{toolchain_key()}.txt"
+
+
+# ---------------------------------------------------------------------------------- building
+def _write_atomically(path: Path, text: str) -> None:
+    """A reader sees the old file or the whole new one, even if this process dies meanwhile."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _summary(exc: BaseException) -> str:
+    """One line out of torch's build error, which carries ninja's whole log: the compiler's first
+    error line where there is one (the marker file keeps everything)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    # torch's first line runs on into ninja's: "Error building extension 'x': [1/2] c++ -MMD ..."
+    head = lines[0].split(": [", 1)[0] if lines else ""
+    errors = [
+        line
+        for line in lines[1:]
+        if re.search(r"\berror\b|not found|no such file", line, re.IGNORECASE)
+        and not line.startswith(("[", "FAILED"))
+    ]
+    text = f"{head}: {errors[0]}" if errors else head
+    return (text or type(exc).__name__)[:300]
+
+
+def _remembered_failure(marker: Path) -> CpuKernelUnavailable | None:
+    if not marker.is_file():
+        return None
+    reason = marker.read_text().partition("\n")[0]
+    return CpuKernelUnavailable(
+        f"the CPU attention kernel failed to build before with this compiler and torch ({reason}); "
+        f"not retrying: delete {marker} to retry"
+    )
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, timeout_s: float) -> Iterator[None]:
+    """Hold `build.lock` in `build_dir` while building: one process compiles, the others wait.
+
+    An `flock` belongs to the open file, so the operating system drops it when the process dies,
+    however it dies. A process that holds it therefore knows that torch's own baton (`lock`, a
+    plain file that outlives its process and that torch would wait on forever) is stale.
+    """
+    try:  # POSIX only; imported here so that importing this module works everywhere
+        import fcntl
+    except ImportError as exc:  # Windows: the kernel's flags are GCC/Clang ones anyway
+        raise CpuKernelUnavailable("the CPU attention kernel builds on Linux and macOS") from exc
+
+    with open(build_dir / "build.lock", "a") as handle:  # closing it releases the lock
+        deadline = time.monotonic() + timeout_s
+        for attempt in itertools.count():
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise CpuKernelUnavailable(
+                        f"another process has been compiling the CPU attention kernel for over "
+                        f"{timeout_s:.0f} s (it holds {handle.name}); not waiting longer"
+                    ) from None
+            if attempt == 0:
+                logger.warning(
+                    "another process is compiling the CPU attention kernel; waiting for it "
+                    "(at most %.0f s)",
+                    timeout_s,
+                )
+            time.sleep(0.25)
+        (build_dir / "lock").unlink(missing_ok=True)  # torch's baton, left by a killed build
+        yield
+
+
+class _LinesHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} (torch): {record.getMessage()}")
+
+
+@contextlib.contextmanager
+def torch_build_log() -> Iterator[list[str]]:
+    """Collect torch's build log lines (compiler warnings) for the failure marker instead of
+    printing them: the user gets one line, the marker gets everything."""
+    torch_logger = logging.getLogger("torch.utils.cpp_extension")
+    handler, propagate = _LinesHandler(), torch_logger.propagate
+    torch_logger.addHandler(handler)
+    torch_logger.propagate = False
+    try:
+        yield handler.lines
+    finally:
+        torch_logger.removeHandler(handler)
+        torch_logger.propagate = propagate
+
+
+def compile_kernel(build_dir: Path) -> str:
+    """Run torch's build (`ninja`, then the C++ compiler) into `build_dir` and load the library;
+    returns the library's file name."""
+    from torch.utils.cpp_extension import load
+
+    with ninja_on_path():
+        library = load(
+            name=EXTENSION_NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=cflags(torch.backends.cpu.get_cpu_capability()),
+            extra_ldflags=LDFLAGS,
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    return Path(str(library)).name
+
+
+def _build(build_dir: Path) -> None:
+    """Compile the kernel into `build_dir` unless it is built or failed before; at most one process
+    of the machine compiles at a time."""
+    marker = failure_marker(build_dir)
+    if failure := _remembered_failure(marker):
+        raise failure
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CpuKernelUnavailable(
+            f"cannot create {build_dir} to build the CPU attention kernel ({exc}); "
+            "set MINIVLLM_CACHE to a writable folder"
+        ) from exc
+    with build_lock(build_dir, LOCK_TIMEOUT_S):
+        if (build_dir / BUILT_STAMP).is_file():  # built by the process this one waited for
+            return
+        if failure := _remembered_failure(marker):
+            raise failure
+        logger.warning(
+            "compiling minivllm's CPU attention kernel (once per machine, ~15 s) into %s",
+            build_dir,
+        )
+        try:
+            with torch_build_log() as torch_lines:
+                library = compile_kernel(build_dir)
+        except Exception as exc:  # a missing compiler or ninja, a compile error, a bad library
+            reason = _summary(exc)
+            _write_atomically(marker, "\n\n".join([reason, str(exc), *torch_lines]) + "\n")
+            raise CpuKernelUnavailable(
+                f"could not build the CPU attention kernel ({reason}); it needs a C++ compiler "
+                f"and ninja. Full compiler output: {marker} (delete it to retry)"
+            ) from exc
+        _write_atomically(build_dir / BUILT_STAMP, library)
+
+
+def _load_library(path: Path) -> None:
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as exc:
+        raise CpuKernelUnavailable(
+            f"cannot load the compiled CPU attention kernel {path} ({exc}); delete {path.parent} "
+            "to rebuild it"
+        ) from exc
+
+
+@functools.cache
+def load_cpu_kernels() -> None:
+    """Load `cpu_kernels.cpp`'s library, building it first if this machine never has; registers
+    `torch.ops.minivllm_cpu`. Raises `CpuKernelUnavailable` (one line) where it cannot."""
+    build_dir = kernel_build_dir()
+    stamp = build_dir / BUILT_STAMP
+    if not stamp.is_file():
+        _build(build_dir)
+    _load_library(build_dir / stamp.read_text().strip())

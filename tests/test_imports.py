@@ -1,0 +1,107 @@
+"""minivllm's modules import each other without a cycle.
+
+The import graph is read from the source with `ast`, so no module is imported (or compiled)
+here. An edge is every `import` of a minivllm module, at the top of a file or deferred inside a
+function alike: a deferred import only postpones a cycle to the first call, and a cycle means
+two modules that cannot be read, tested or moved apart. Two kinds of import are not edges:
+those under `if TYPE_CHECKING:` (never run), and a package's `__init__` importing one of its own
+submodules from inside a function (the factory that picks a backend by name): every submodule
+imports its package first anyway, so that pair is an order, not a tangle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "minivllm"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(tree: ast.Module) -> list[tuple[str, bool]]:
+    """(module or module.attribute, deferred) for every absolute import outside TYPE_CHECKING."""
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, deferred: bool) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child, deferred)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, deferred) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module, deferred))
+            found.extend((f"{node.module}.{alias.name}", deferred) for alias in node.names)
+        inside = deferred or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for child in ast.iter_child_nodes(node):
+            visit(child, inside)
+
+    visit(tree, False)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        is_package = path.name == "__init__.py"
+        graph[name] = set()
+        for target, deferred in imported_names(ast.parse(path.read_text())):
+            if target not in paths or target == name:
+                continue  # another library, or `from pkg import name` naming a non-module
+            if is_package and deferred and target.startswith(name + "."):
+                continue  # a package's factory importing its own submodule (see the docstring)
+            graph[name].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as [a, b, ..., a], or None (depth-first search, three colours)."""
+    state: dict[str, str] = {}  # "open" while on the search path, "done" after
+    path: list[str] = []
+
+    def search(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := search(nxt)):
+                return cycle
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := search(node)):
+            return cycle
+    return None
+
+
+def test_the_package_s_import_graph_has_no_cycle() -> None:
+    graph = import_graph()
+    assert "minivllm.attention.cpu" in graph and "minivllm.model.loader" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_a_deferred_cycle() -> None:
+    """The check itself can fail: a function-level import closing a loop is reported."""
+    code = "import minivllm.b\ndef f():\n    from minivllm.a import x\n"
+    assert imported_names(ast.parse(code)) == [
+        ("minivllm.b", False),
+        ("minivllm.a", True),
+        ("minivllm.a.x", True),
+    ]
+    graph = {"minivllm.a": {"minivllm.b"}, "minivllm.b": {"minivllm.a"}, "minivllm.c": set()}
+    assert find_cycle(graph) == ["minivllm.a", "minivllm.b", "minivllm.a"]
+    assert find_cycle({"minivllm.a": {"minivllm.b"}, "minivllm.b": set()}) is None
+
+
+def test_the_cache_folder_module_imports_nothing_of_minivllm() -> None:
+    """Every module that caches something may import it, so it must depend on nothing."""
+    assert import_graph()["minivllm.envs"] == set()
