@@ -33,6 +33,7 @@ from minivllm.inputs import PromptType, process_prompt
 from minivllm.model.loader import (
     build_model,
     load_config,
+    load_generation_defaults,
     load_state_dict,
     load_tokenizer,
     resolve_dtype,
@@ -111,8 +112,12 @@ class LLMEngine:
             if self.tokenizer is not None
             else next(iter(model_config.eos_token_ids), None)
         )
-        self._diff_sampling_param: dict[str, Any] = {}
-        self._extra_eos_token_ids: set[int] = set()
+        # generation_config.json, as vLLM reads it by default: its sampling defaults fill the fields
+        # a request leaves unset, and each of its EOS ids stops generation (models whose
+        # end-of-turn token is not the tokenizer's eos_token).
+        generation = load_generation_defaults(self.source)
+        self._diff_sampling_param: dict[str, Any] = dict(generation.sampling_defaults)
+        self._extra_eos_token_ids = set(generation.eos_token_ids) - {self.eos_token_id}
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_id, self.max_model_len
         )

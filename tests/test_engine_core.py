@@ -114,3 +114,25 @@ def test_reset_prefix_cache_forgets_cached_prompts(tiny_model: Path) -> None:
     assert llm.generate(PROMPTS[5], params, use_tqdm=False)[0].num_cached_tokens == 16
     assert llm.reset_prefix_cache() is True
     assert llm.generate(PROMPTS[5], params, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_generation_config_eos_ids_stop_and_its_defaults_apply(tmp_path: Path) -> None:
+    import json
+
+    model = save_tiny_llama(tmp_path / "m")
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = LLM(str(model), num_gpu_blocks_override=32).generate(PROMPTS[2], greedy, use_tqdm=False)
+    end_of_turn = first[0].outputs[0].token_ids[2]  # a token the model says third: call it an EOS
+    (model / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [0, end_of_turn], "temperature": 0.0, "top_p": 0.5})
+    )
+    llm = LLM(str(model), num_gpu_blocks_override=32)
+    assert llm.llm_engine.get_diff_sampling_param() == {"temperature": 0.0, "top_p": 0.5}
+    assert llm.get_default_sampling_params().temperature == 0.0
+    out = llm.generate(PROMPTS[2], use_tqdm=False)[0].outputs[0]  # the defaults: greedy
+    assert out.token_ids == first[0].outputs[0].token_ids[:3]
+    assert (out.finish_reason, out.stop_reason) == ("stop", end_of_turn)
+    # ignore_eos ignores every EOS, the generation config's too.
+    assert llm.generate(PROMPTS[2], greedy, use_tqdm=False)[0].outputs[0].token_ids == (
+        first[0].outputs[0].token_ids
+    )
