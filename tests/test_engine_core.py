@@ -124,10 +124,10 @@ def test_generation_config_eos_ids_stop_and_its_defaults_apply(tmp_path: Path) -
     first = LLM(str(model), num_gpu_blocks_override=32).generate(PROMPTS[2], greedy, use_tqdm=False)
     end_of_turn = first[0].outputs[0].token_ids[2]  # a token the model says third: call it an EOS
     (model / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [0, end_of_turn], "temperature": 0.0, "top_p": 0.5})
+        json.dumps({"eos_token_id": [0, end_of_turn], "temperature": 0.0, "max_new_tokens": 10})
     )
     llm = LLM(str(model), num_gpu_blocks_override=32)
-    assert llm.llm_engine.get_diff_sampling_param() == {"temperature": 0.0, "top_p": 0.5}
+    assert llm.llm_engine.get_diff_sampling_param() == {"temperature": 0.0, "max_tokens": 10}
     assert llm.get_default_sampling_params().temperature == 0.0
     out = llm.generate(PROMPTS[2], use_tqdm=False)[0].outputs[0]  # the defaults: greedy
     assert out.token_ids == first[0].outputs[0].token_ids[:3]
