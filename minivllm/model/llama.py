@@ -5,7 +5,8 @@ residual), final RMSNorm, LM head. Grouped-query attention (fewer K/V heads than
 what makes the KV cache small, and the cache is where PagedAttention lives: each layer hands its
 new keys/values to `backend.write_kv` and its queries to `backend.attend`, which reads the whole
 context through the block tables. The model never sees a padded batch: a step's tokens from all
-requests arrive as one flat sequence of `T` tokens with their positions (DESIGN.md, "one step").
+requests arrive as one flat sequence of `T` tokens with their positions ("one engine step" on the
+docs' architecture page).
 
 As in vLLM, q/k/v and gate/up projections are fused into one matmul each (the loader concatenates
 the checkpoint's separate weights); that halves the matmul launches, which matters on a CPU.
