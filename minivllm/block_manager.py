@@ -10,11 +10,12 @@ free queue and their hashes are `block_pool.py`'s, as vLLM v1 splits `kv_cache_m
   parent (reference counts go up); the first write into a shared, partly filled block moves the
   writer to a fresh block and records a (src, dst) copy for the model runner.
 - Automatic prefix caching, as vLLM v1 does it (`vllm/v1/core/kv_cache_manager.py`): every FULL
-  block is registered under its `BlockHash` by `cache_blocks`, which the scheduler calls only after
-  the step that wrote the block's K/V has completed — so a step that fails or is interrupted leaves
-  no name behind for KV that was never written. A new prompt reuses the longest run of cached
-  blocks from its start. Freed blocks keep their hash and stay reusable until the allocator needs
-  them.
+  block is registered under its `BlockHash` when its slots are allocated, so a request admitted in
+  the same step can already hit it (each layer writes all new K/V before any attention reads).
+  Names are provisional until the step commits (`commit_step`); a step that fails or is
+  interrupted withdraws the names it gave (`rollback_step`), so no block whose K/V was never
+  written is ever served to a later step. A new prompt reuses the longest run of cached blocks
+  from its start. Freed blocks keep their hash and stay reusable until the allocator needs them.
 - Everything is O(blocks touched): a cache hit on a free block leaves the free queue in O(1),
   allocation pops its front, freeing appends to its back; the filled-slot count is incremental.
 """
@@ -112,6 +113,7 @@ class BlockManager:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self._seqs: dict[SeqId, SeqBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        self._step_names: list[KVCacheBlock] = []  # named since the last commit (provisional)
         self._num_evictable = 0  # cached blocks with ref count 0
         self._num_filled_slots = 0  # sum of num_filled over used blocks, each block once
         self._prefix_cache_queries = 0
@@ -196,7 +198,7 @@ class BlockManager:
             extra_keys=extra_keys,
         )
         self._seqs[seq_id] = seq
-        self._grow(seq, num_new_tokens)
+        self._grow(seq, token_ids, num_new_tokens)
         if count_as_query:
             self._prefix_cache_queries += len(token_ids)
             self._prefix_cache_hits += num_cached_tokens
@@ -226,7 +228,7 @@ class BlockManager:
             last.ref_cnt -= 1  # still >= 1: the sibling keeps it
             seq.block_table[-1] = dst.block_id
             self._pending_copies.append((last.block_id, dst.block_id))
-        self._grow(seq, num_new_tokens)
+        self._grow(seq, token_ids, num_new_tokens)
         self._record_utilization()
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
@@ -261,19 +263,22 @@ class BlockManager:
                 self.free_block_queue.append(block)
         self._record_utilization()
 
-    def cache_blocks(
-        self, seq_id: SeqId, token_ids: Sequence[int], num_computed_tokens: int
-    ) -> None:
-        """Register every full block among the first `num_computed_tokens` slots of a sequence
-        under its hash. Called after the step that wrote their K/V completed (vLLM v1 does the
-        same in `cache_blocks`): a name given earlier could serve KV that a failed step never
-        wrote. Idempotent: blocks named already are skipped."""
-        if not self.enable_prefix_caching:
-            return
-        seq = self._seq(seq_id)
-        bs = self.block_size
-        for i in range(len(seq.block_hashes), min(num_computed_tokens, seq.num_slots) // bs):
-            self._cache_full_block(seq, i, tuple(token_ids[i * bs : (i + 1) * bs]))
+    def commit_step(self) -> None:
+        """The step that wrote the K/V of the blocks named since the last commit has completed:
+        their names are final."""
+        self._step_names.clear()
+
+    def rollback_step(self) -> None:
+        """The step failed: withdraw every name it gave, so a block whose K/V it may not have
+        written can never be a prefix-cache hit. Call before freeing the step's sequences."""
+        for block in self._step_names:
+            key = block.block_hash
+            if key is not None and self.cached_block_hash_to_block.get(key) is block:
+                del self.cached_block_hash_to_block[key]
+                block.block_hash = None
+                if block.ref_cnt == 0:
+                    self._num_evictable -= 1
+        self._step_names.clear()
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) block pairs since the last call, for the model runner."""
@@ -371,9 +376,9 @@ class BlockManager:
         block.num_filled = 0
         return block
 
-    def _grow(self, seq: SeqBlocks, num_new_tokens: int) -> None:
-        """Give `seq` slots for `num_new_tokens` more tokens (blocks already checked to be free).
-        Full blocks are named later, by `cache_blocks`, once their K/V is written."""
+    def _grow(self, seq: SeqBlocks, token_ids: Sequence[int], num_new_tokens: int) -> None:
+        """Give `seq` slots for `num_new_tokens` more tokens (blocks already checked to be free),
+        then name every block that just became full (provisionally, until the step commits)."""
         bs = self.block_size
         remaining = num_new_tokens
         if seq.num_slots % bs and remaining:  # finish the partly filled last block first
@@ -389,6 +394,9 @@ class BlockManager:
             seq.block_table.append(block.block_id)
             remaining -= block.num_filled
         seq.num_slots += num_new_tokens
+        if self.enable_prefix_caching:
+            for i in range(len(seq.block_hashes), seq.num_slots // bs):
+                self._cache_full_block(seq, i, tuple(token_ids[i * bs : (i + 1) * bs]))
 
     def _cache_full_block(
         self, seq: SeqBlocks, index: int, block_token_ids: tuple[int, ...]
@@ -404,6 +412,7 @@ class BlockManager:
         block.block_hash = key
         self.cached_block_hash_to_block[key] = block
         seq.block_hashes.append(key)
+        self._step_names.append(block)
 
     def _utilization(self) -> float:
         used = self.num_blocks - self.num_free_blocks

@@ -9,8 +9,8 @@ The engine only orchestrates: the scheduler owns the KV bookkeeping, the model r
 tensors, the sampler picks tokens and the output processor turns them into text and stops.
 
 A step that raises (an exception, or Ctrl-C inside the model) fails the requests it carried and
-frees their blocks; because the step commits last, nothing it half-did is visible to any other
-request: no block it allocated is named in the prefix cache before its K/V is written.
+frees their blocks; the prefix-cache names it gave are withdrawn (they become final only when a
+step commits, last), so nothing it half-did is visible to any later request.
 
 Parallel sampling (`n > 1`) follows the paper's §4.4: the prompt is computed once by the first
 sequence; when its first token is sampled, it is forked into n sequences that share every prompt
@@ -244,7 +244,7 @@ class LLMEngine:
         try:
             logits = self.runner.execute_model(sched)
             seqs, forks, sampled = self._sample(sched, logits)
-            self.scheduler.update_after_step(sched)  # the commit: progress, prefix-cache names
+            self.scheduler.update_after_step(sched)  # the commit: progress, final cache names
             return outputs + self._process_outputs(seqs, forks, sampled)
         except BaseException as exc:  # Ctrl-C too: the step's requests cannot be trusted
             return outputs + self._fail_step(sched, exc)
@@ -312,10 +312,11 @@ class LLMEngine:
         self.output_processor.mark_finished(seq, status)
 
     def _fail_step(self, sched: SchedulerOutput, exc: BaseException) -> list[RequestOutput]:
-        """Fail every request the step carried and free all their blocks. Nothing else needs
-        undoing: the step's K/V was never committed to the prefix cache (the commit comes last),
-        so no other request can hit a block this step failed to write. An exception is logged
+        """Withdraw the prefix-cache names the step gave, then fail every request it carried and
+        free all their blocks: no later request can hit a block whose K/V the step may not have
+        written, and nothing else needs undoing (no whole-cache reset). An exception is logged
         and the engine serves on; KeyboardInterrupt and the like are re-raised as themselves."""
+        self.scheduler.rollback_step()
         failed: dict[str, Request] = {}
         for item in sched.scheduled:
             seq = self.scheduler.seqs.get(item.seq_id)

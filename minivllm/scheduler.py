@@ -17,8 +17,9 @@ The result is a `SchedulerOutput`: a plain message with everything a model runne
 step (token ids, positions, block tables, copy-on-write copies) and no reference back into
 scheduler state, so it can go to another process, into a trace or into a test unchanged (vLLM v1's
 `SchedulerOutput`; see the architecture page of the docs). After the step has run, the engine
-calls `update_after_step`, the step's commit: only then does progress advance and do the blocks
-the step filled become prefix-cache hits.
+calls `update_after_step`, the step's commit: only then does progress advance and do the names
+the step gave its full blocks become final; a failed step is rolled back instead
+(`rollback_step`).
 
 There is no separate prefill phase: a long prompt is split over steps and shares each step's
 batch with the decodes of other requests (chunked prefill), which keeps decode latency flat.
@@ -183,7 +184,7 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """The step's commit, called once its K/V is written and its tokens sampled: advance each
-        scheduled sequence's progress and name the blocks it filled in the prefix cache."""
+        scheduled sequence's progress and make the prefix-cache names of its blocks final."""
         for item in out.scheduled:
             seq = self.seqs[item.seq_id]
             start = seq.num_computed_tokens
@@ -191,4 +192,9 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(
                 0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start
             )
-            self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        self.block_manager.commit_step()
+
+    def rollback_step(self) -> None:
+        """The step failed before its commit: withdraw the prefix-cache names it gave (the engine
+        then fails the requests it carried, which frees their blocks)."""
+        self.block_manager.rollback_step()

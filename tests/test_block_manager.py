@@ -17,25 +17,8 @@ from minivllm.block_manager import (
 BS = 4
 
 
-class CommittingBlockManager(BlockManager):
-    """The scheduler's pattern in one call: take slots, then (the step having written their K/V)
-    commit the full blocks to the prefix cache. Most specifications below are about what happens
-    after a completed step; the ones about uncommitted steps use a plain `BlockManager`."""
-
-    def allocate(self, seq_id, token_ids, num_new_tokens, extra_keys=None, **kwargs):  # type: ignore[no-untyped-def]
-        hit = super().allocate(seq_id, token_ids, num_new_tokens, extra_keys, **kwargs)
-        self.cache_blocks(seq_id, token_ids, self.get_num_slots(seq_id))
-        return hit
-
-    def append_slots(self, seq_id, token_ids, num_new_tokens):  # type: ignore[no-untyped-def]
-        super().append_slots(seq_id, token_ids, num_new_tokens)
-        self.cache_blocks(seq_id, token_ids, self.get_num_slots(seq_id))
-
-
 def make(num_blocks: int = 8, block_size: int = BS, caching: bool = True, **kwargs) -> BlockManager:
-    return CommittingBlockManager(
-        num_blocks, block_size=block_size, enable_prefix_caching=caching, **kwargs
-    )
+    return BlockManager(num_blocks, block_size=block_size, enable_prefix_caching=caching, **kwargs)
 
 
 def refs(bm: BlockManager) -> list[int]:
@@ -595,37 +578,38 @@ def test_utilization_counts_a_hit_on_an_evictable_block_as_full() -> None:
     assert bm.get_stats().kv_slot_utilization == 5 / 8
 
 
-# ------------------------------------------------------------------ commit after the step (fault safety)
+# ------------------------------------------------------------------ commit or roll back a step
 
 
-def test_full_blocks_are_not_hits_until_the_step_that_wrote_them_commits() -> None:
-    bm = BlockManager(8, block_size=BS)
-    bm.allocate("a", list(range(10)), 10)  # the step is scheduled, its K/V not yet written
+def test_a_rolled_back_step_withdraws_the_names_it_gave() -> None:
+    bm = make()
+    bm.allocate("a", list(range(10)), 10)  # a step named blocks 0 and 1 ...
+    assert bm.get_num_cached_tokens([*range(8), 99]) == 8  # (a request in the same step may hit)
+    bm.rollback_step()  # ... and failed before its K/V was surely written
     assert bm.get_num_cached_tokens([*range(8), 99]) == 0
-    assert not bm.cached_block_hash_to_block
-    bm.cache_blocks("a", list(range(10)), 10)  # the step completed
-    assert bm.get_num_cached_tokens([*range(8), 99]) == 8
+    bm.free("a")
+    stats = bm.get_stats()
+    assert (stats.num_cached_blocks, stats.num_evictable_blocks) == (0, 0)
 
 
-def test_a_step_that_never_commits_leaves_no_hash_behind_when_freed() -> None:
-    bm = BlockManager(8, block_size=BS)
+def test_a_rollback_keeps_the_names_of_committed_steps() -> None:
+    bm = make()
     bm.allocate("a", list(range(8)), 8)
-    bm.cache_blocks("a", list(range(8)), 8)  # step 1 completed: two full blocks named
-    bm.append_slots("a", list(range(12)), 4)  # step 2 fails before its K/V is written ...
-    bm.free("a")  # ... and the engine fails the request
-    assert bm.get_num_cached_tokens([*range(12), 99]) == 8  # step 1's blocks only
-    assert len(bm.cached_block_hash_to_block) == 2
+    bm.commit_step()  # step 1 completed: two full blocks, named for good
+    bm.append_slots("a", list(range(12)), 4)  # step 2 names block 2 ...
+    bm.rollback_step()  # ... and fails
+    bm.free("a")
+    assert bm.get_num_cached_tokens([*range(12), 99]) == 8
+    assert bm.get_stats().num_evictable_blocks == 2
 
 
-def test_cache_blocks_names_only_computed_full_blocks_and_is_idempotent() -> None:
-    bm = BlockManager(8, block_size=BS)
-    tokens = list(range(11))
-    bm.allocate("a", tokens, 11)
-    bm.cache_blocks("a", tokens, 6)  # a chunk of 6 computed: one full block
-    assert len(bm.cached_block_hash_to_block) == 1
-    bm.cache_blocks("a", tokens, 11)
-    bm.cache_blocks("a", tokens, 11)
-    assert len(bm.cached_block_hash_to_block) == 2  # block 2 is partial: never named
+def test_a_rollback_after_the_blocks_were_freed_keeps_the_counts_exact() -> None:
+    bm = make()
+    bm.allocate("a", list(range(8)), 8)
+    bm.free("a")  # freed (evictable) before the step was rolled back
+    bm.rollback_step()
+    stats = bm.get_stats()
+    assert (stats.num_cached_blocks, stats.num_evictable_blocks, stats.num_free_blocks) == (0, 0, 8)
 
 
 def test_readmission_is_not_counted_as_a_prompt_lookup() -> None:
