@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-# The pool's names are re-exported: the scheduler, the engine and the tests import them from here.
 from minivllm.block_pool import (
     BlockHash,
     ExtraKeys,
@@ -35,20 +34,7 @@ from minivllm.block_pool import (
     NoFreeBlocksError,
     hash_block_tokens,
 )
-
-__all__ = [
-    "BlockHash",
-    "BlockManager",
-    "BlockManagerStats",
-    "ExtraKeys",
-    "FreeKVCacheBlockQueue",
-    "KVCacheBlock",
-    "NoFreeBlocksError",
-    "SeqBlocks",
-    "SeqId",
-    "UnknownSequenceError",
-    "hash_block_tokens",
-]
+from minivllm.stats import BlockManagerStats
 
 SeqId = Hashable  # request / sequence ids (str or int)
 
@@ -58,23 +44,6 @@ class UnknownSequenceError(KeyError):
 
     def __str__(self) -> str:  # KeyError's str() would quote the message
         return str(self.args[0])
-
-
-# ----------------------------------------------------------------------------------- statistics
-
-
-@dataclass
-class BlockManagerStats:
-    num_total_blocks: int
-    num_free_blocks: int  # blocks no sequence holds, including evictable cached blocks
-    num_used_blocks: int  # blocks with ref count > 0 (used + free == total)
-    num_cached_blocks: int  # blocks that carry a prefix-cache hash (held or evictable)
-    num_evictable_blocks: int  # cached blocks that no sequence holds
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (at admission)
-    prefix_cache_hits: int  # of those, tokens served from the cache
-    kv_slot_utilization: float  # filled slots / (used blocks * block_size) now; 1.0 when none used
-    min_kv_slot_utilization: float  # lowest seen after any operation while blocks were used
-    peak_kv_slot_utilization: float  # the utilization when used blocks were at their peak (latest)
 
 
 @dataclass(slots=True)

@@ -26,3 +26,19 @@ class EngineStats:
     peak_kv_blocks_used: int  # the most blocks ever held at once
     kv_slot_utilization: float  # filled slots / allocated slots, now
     peak_kv_slot_utilization: float  # the same, at the step with the most blocks in use
+
+
+@dataclass
+class BlockManagerStats:
+    """The block manager's own view: blocks, prefix-cache lookups and slot utilization."""
+
+    num_total_blocks: int
+    num_free_blocks: int  # blocks no sequence holds, including evictable cached blocks
+    num_used_blocks: int  # blocks with ref count > 0 (used + free == total)
+    num_cached_blocks: int  # blocks that carry a prefix-cache hash (held or evictable)
+    num_evictable_blocks: int  # cached blocks that no sequence holds
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (at admission)
+    prefix_cache_hits: int  # of those, tokens served from the cache
+    kv_slot_utilization: float  # filled slots / (used blocks * block_size) now; 1.0 when none used
+    min_kv_slot_utilization: float  # lowest seen after any operation while blocks were used
+    peak_kv_slot_utilization: float  # the utilization when used blocks were at their peak (latest)
