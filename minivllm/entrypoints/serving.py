@@ -78,12 +78,14 @@ class OpenAIServing:
 
     def with_model_defaults(self, req: Any) -> tuple[Any, set[str]]:
         """`req` as if the client had sent the model's sampling defaults for every field it left
-        out (`model_fields_set`: what the JSON body named), and the names of the fields so filled.
-        A field the client sent always wins, as in vLLM."""
+        out (not in `model_fields_set`, the fields the JSON body named) or sent as null, and the
+        names of the fields so filled. A value the client sent always wins. Null counts as left
+        out, as in vLLM and OpenAI, where null means "the default"."""
         filled = {
             name: value
             for name, value in self.default_sampling_params.items()
-            if name in type(req).model_fields and name not in req.model_fields_set
+            if name in type(req).model_fields
+            and (name not in req.model_fields_set or getattr(req, name) is None)
         }
         return (req.model_copy(update=filled) if filled else req), set(filled)
 
