@@ -1,14 +1,14 @@
 """The published OpenAPI schema (`/openapi.json`, browsed at `/docs`): request bodies, responses
 and errors, all from `protocol.py`'s pydantic models.
 
-The generation endpoints parse their bodies by hand (`api_server._parse`, so that every invalid
-body is OpenAI's 400 and the size limit applies before parsing), which hides the request models
-from FastAPI. This module publishes them anyway, from the very models that validate the bodies:
-one JSON schema per model in `components.schemas`, referenced by each route's `requestBody`
-(FastAPI's `openapi_extra`, its documented way for bodies a handler reads itself) — so the schema
-cannot drift from the validation. The responses are documented from the response models, and
-every 4xx/5xx as OpenAI's error object. vLLM's server publishes its request models the same way
-FastAPI always does; see docs/serving.md.
+The handlers parse their bodies by hand (`api_server._parse`, so that every invalid body is
+OpenAI's 400 and the size limit applies before parsing), which hides the request models from
+FastAPI; vLLM, whose handlers take the models as parameters, gets their schemas from FastAPI for
+free. This module publishes them anyway, from the very models that validate the bodies: one JSON
+schema per model in `components.schemas`, referenced by each route's `requestBody` (FastAPI's
+`openapi_extra`, its documented way for a body the handler reads itself), so the schema cannot
+drift from the validation. Responses are documented from the response models, stream events
+included, and every 4xx/5xx as OpenAI's error object. See docs/serving.md.
 """
 
 from __future__ import annotations

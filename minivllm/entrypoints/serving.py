@@ -298,7 +298,8 @@ def usage(outputs: list[RequestOutput]) -> dict[str, int]:
 
 
 def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    # allow_nan=False: a NaN would be invalid JSON; raising here becomes an in-band error event.
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 def error_response(exc: OpenAIError) -> JSONResponse:
