@@ -1,17 +1,24 @@
-"""Start `minivllm serve` as a subprocess on a free loopback port, for the server tests."""
+"""Servers for the server tests, on a free loopback port: `minivllm serve` as a subprocess
+(`run_server`), or `build_app` under uvicorn in a thread of the test process (`serve_in_process`),
+when a test must reach the engine itself (fault injection, KV block accounting). Also a tiny random
+Llama, for tests that need a model but not its answers to make sense."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -93,3 +100,74 @@ def run_server(args: Sequence[str] = (), api_key: str | None = None) -> Iterator
             proc.kill()
             proc.wait()
         log.close()
+
+
+def make_tiny_llama(out: Path) -> Path:
+    """A 2-layer random Llama with SmolLM2's tokenizer in `out`: loads and decodes in milliseconds."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from minivllm.model.loader import resolve_model
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    source = resolve_model(None).path
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / name, out)
+    return out
+
+
+@dataclass
+class InProcessServer:
+    url: str  # http://127.0.0.1:PORT
+    engine: Any  # the LLMEngine the app serves, stepped by the app's engine thread
+    app: Any
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def wait_idle(self, timeout: float = 60.0) -> Any:
+        """The engine thread's published stats, once no request runs or waits."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.app.state.async_engine.stats
+            if stats.num_running == 0 and stats.num_waiting == 0 and not self.engine.requests:
+                return stats
+            assert time.monotonic() < deadline, f"the engine did not go idle: {stats}"
+            time.sleep(0.05)
+
+
+@contextmanager
+def serve_in_process(engine: Any, **app_kwargs: Any) -> Iterator[InProcessServer]:
+    """`build_app(engine)` served by uvicorn in a daemon thread; stopped (engine thread included)
+    on exit, pass or fail."""
+    import uvicorn
+
+    from minivllm.entrypoints.api_server import build_app
+
+    app = build_app(engine, **app_kwargs)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive(), "uvicorn exited during startup"
+            assert time.monotonic() < deadline, "uvicorn did not start in time"
+            time.sleep(0.05)
+        yield InProcessServer(f"http://127.0.0.1:{port}", engine, app)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -231,6 +231,8 @@ BAD_REQUESTS = [
     ("min-tokens-over-max", "/v1/completions", {**GOOD_COMPLETION, "min_tokens": 5}, 400, "min_tokens"),
     ("oversized-body", "/v1/completions", b'{"prompt": "' + b"a" * 5_000_000 + b'"}', 413, "larger"),
     ("detokenize-bad-token", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("stream-options-without-stream", "/v1/completions", {**GOOD_COMPLETION, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("chat-stream-options-stream-false", "/v1/chat/completions", {**GOOD_CHAT, "stream": False, "stream_options": {"continuous_usage_stats": True}}, 400, "stream_options"),
 ]  # fmt: skip
 
 
@@ -279,6 +281,39 @@ def test_server_answers_correctly_after_hostile_requests(
     b = client.completions.create(**kw, stream=True)
     assert a == "".join(c.choices[0].text for c in b)
     assert "Traceback" not in server.log()
+
+
+def sse_chunks(r: httpx.Response) -> list[dict]:
+    """The JSON events of a server-sent event stream, checking that it ends with [DONE]."""
+    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line]
+    assert events[-1] == "[DONE]", events
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(server: RemoteServer) -> None:
+    body = {**GOOD_COMPLETION, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+    chunks = sse_chunks(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+    usages = [c["usage"] for c in chunks]
+    assert all(c["choices"] for c in chunks)  # no usage-only chunk without include_usage
+    done = [u["completion_tokens"] for u in usages]
+    assert done == sorted(done) and done[-1] == 6
+    prompt = usages[0]["prompt_tokens"]
+    for u, d in zip(usages, done):
+        assert u == {"prompt_tokens": prompt, "completion_tokens": d, "total_tokens": prompt + d}
+
+
+def test_chat_stream_with_both_usage_options_counts_from_the_role_chunk(
+    server: RemoteServer,
+) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**GOOD_CHAT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": options}
+    chunks = sse_chunks(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60))
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[0]["usage"]["completion_tokens"] == 0
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert chunks[-2]["usage"] == chunks[-1]["usage"]  # the last token's chunk: the same totals
 
 
 # ---------------------------------------------------------------------- disconnects and metrics

@@ -10,7 +10,8 @@ a hand-written asyncio server) would mean writing validation, routing and error 
 Request bodies are validated by hand (`Model.model_validate_json(body)`) instead of through
 FastAPI's parameter injection: it lets bad JSON, wrong types and unknown fields all become OpenAI's
 400 error object (FastAPI's default is a 422 in its own shape), and it lets the body-size limit
-apply before any parsing. Two pure-ASGI middlewares (not `BaseHTTPMiddleware`, which would hide
+apply before any parsing. The published schema still documents those bodies, from the same
+models (`openapi.py`). Two pure-ASGI middlewares (not `BaseHTTPMiddleware`, which would hide
 client disconnects from streaming responses) check the API key and the body size.
 """
 
@@ -24,28 +25,32 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import minivllm
 from minivllm.engine import LLMEngine
+from minivllm.entrypoints import protocol as p
 from minivllm.entrypoints.async_engine import AsyncLLMEngine
 from minivllm.entrypoints.metrics import ServerMetrics
-from minivllm.entrypoints.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    OpenAIError,
-    TokenizeRequest,
-)
-from minivllm.entrypoints.serving import OpenAIServing, error_response
+from minivllm.entrypoints.openapi import install_openapi, json_body, responses
+from minivllm.entrypoints.protocol import OpenAIError
+from minivllm.entrypoints.serving import error_response
+from minivllm.entrypoints.serving_chat import OpenAIServingChat
+from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger("minivllm")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: ~1M tokens of text, far past any context
 DEFAULT_MAX_WAITING_REQUESTS = 1024  # beyond this, new requests get 503 + Retry-After
+API_DESCRIPTION = (
+    "OpenAI-compatible API of minivllm, the readable vLLM. Every error is OpenAI's error object. "
+    "Fields that OpenAI or vLLM define but minivllm cannot honour are refused by name (a 400), "
+    "never ignored."
+)
 
 
 # ---------------------------------------------------------------------- middleware
@@ -144,9 +149,9 @@ def build_app(
     names = served_model_names or [engine.source.name]
     metrics = ServerMetrics(names[0], log_stats_interval_s)
     async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step)
-    serving = OpenAIServing(
-        async_engine, names, max_waiting_requests, engine.config.scheduler.max_num_seqs
-    )
+    limits = (names, max_waiting_requests, engine.config.scheduler.max_num_seqs)
+    completion = OpenAIServingCompletion(async_engine, *limits)
+    chat = OpenAIServingChat(async_engine, *limits)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -156,14 +161,28 @@ def build_app(
         yield
         await asyncio.to_thread(async_engine.shutdown)
 
-    app = FastAPI(title="minivllm", version=minivllm.__version__, lifespan=lifespan)
+    app = FastAPI(
+        title="minivllm",
+        version=minivllm.__version__,
+        description=API_DESCRIPTION,
+        lifespan=lifespan,
+    )
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    install_openapi(app, bearer_auth=api_key is not None)
+    v1_errors = (400, 401, 404, 413, 500, 503) if api_key else (400, 404, 413, 500, 503)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_req: Request, exc: OpenAIError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Routing's own errors (an unknown path: 404, a wrong method: 405 with `Allow`), in
+        # OpenAI's shape like every other error.
+        headers = dict(exc.headers) if exc.headers else None
+        return error_response(OpenAIError(str(exc.detail), exc.status_code, headers=headers))
 
     @app.exception_handler(Exception)
     async def _internal_error(_req: Request, exc: Exception) -> JSONResponse:
@@ -179,21 +198,31 @@ def build_app(
 
         return wait
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "The engine thread runs"}, **responses(None, (503,))},
+    )
     async def health() -> Response:
         if not async_engine.is_running:
             return error_response(OpenAIError("the engine is not running", 503))
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", response_model=None, responses=responses(p.VersionResponse, ()))
     async def version() -> dict[str, str]:
         return {"version": minivllm.__version__}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text format"}},
+    )
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    models_errors = (401,) if api_key else ()
+
+    @app.get("/v1/models", response_model=None, responses=responses(p.ModelList, models_errors))
     async def models() -> dict[str, Any]:
         cards = [
             {
@@ -208,24 +237,56 @@ def build_app(
         ]
         return {"object": "list", "data": cards}
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        openapi_extra=json_body(
+            p.CompletionRequest,
+            {"model": names[0], "prompt": "The capital of France is", "max_tokens": 16},
+        ),
+        responses=responses(
+            p.CompletionResponse, v1_errors, "A completion", stream=p.CompletionStreamResponse
+        ),
+    )
     async def completions(request: Request) -> Any:
-        req = await _parse(request, CompletionRequest)
-        return await serving.create_completion(req, disconnect_watcher(request))
+        req = await _parse(request, p.CompletionRequest)
+        return await completion.create_completion(req, disconnect_watcher(request))
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        openapi_extra=json_body(
+            p.ChatCompletionRequest,
+            {
+                "model": names[0],
+                "messages": [{"role": "user", "content": "Hello! Who are you?"}],
+                "max_tokens": 32,
+            },
+        ),
+        responses=responses(
+            p.ChatCompletionResponse,
+            v1_errors,
+            "A chat completion",
+            stream=p.ChatCompletionStreamResponse,
+        ),
+    )
     async def chat_completions(request: Request) -> Any:
-        req = await _parse(request, ChatCompletionRequest)
-        return await serving.create_chat_completion(req, disconnect_watcher(request))
+        req = await _parse(request, p.ChatCompletionRequest)
+        return await chat.create_chat_completion(req, disconnect_watcher(request))
 
-    @app.post("/tokenize")
+    @app.post(
+        "/tokenize",
+        response_model=None,
+        openapi_extra=json_body(p.TokenizeRequest, {"prompt": "Hello, world"}),
+        responses=responses(p.TokenizeResponse, (400, 404, 413)),
+    )
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, TokenizeRequest)
-        serving.check_model(req.model)
+        req = await _parse(request, p.TokenizeRequest)
+        chat.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = serving.apply_chat_template(req.messages, req.add_generation_prompt)
+            ids = chat.apply_chat_template(req.messages, req.add_generation_prompt)
         else:
             assert req.prompt is not None
             ids = list(
@@ -233,10 +294,15 @@ def build_app(
             )
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post(
+        "/detokenize",
+        response_model=None,
+        openapi_extra=json_body(p.DetokenizeRequest),
+        responses=responses(p.DetokenizeResponse, (400, 404, 413)),
+    )
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, DetokenizeRequest)
-        serving.check_model(req.model)
+        req = await _parse(request, p.DetokenizeRequest)
+        chat.check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
         if bad:
             raise OpenAIError(

@@ -1,16 +1,21 @@
-"""The OpenAI wire format: pydantic models of the requests, and the error shape.
+"""The OpenAI wire format: pydantic models of the requests, the error shape, and the responses.
 
 Field names and defaults are OpenAI's (`openai-python`'s `CompletionCreateParams` and
 `ChatCompletionCreateParams`) plus vLLM's sampling extras (vllm/entrypoints/openai/protocol.py).
 Two rules make a request either honoured or refused, never half-honoured:
 
 - `extra="forbid"`: a field this server does not know is a 400 that names it.
-- Fields that OpenAI defines but minivllm cannot honour (tools, logit_bias, ...) are declared, so
-  that `unsupported_fields` can refuse them with a message saying *why*, rather than "unknown".
+- Fields that OpenAI defines but minivllm cannot honour (tools, logit_bias, ...) are declared with
+  `_unsupported(reason)`, so that `unsupported_fields` refuses them with a message saying *why*,
+  rather than "unknown", and the published schema says the same.
 
 `strict=True`: the body is validated from JSON (`model_validate_json`), where strict mode still
 accepts an integer for a float, but refuses "0.5" for a number and 1 for a bool — the types on the
 wire are the types of the API.
+
+The request models are also the published OpenAPI schema of the request bodies (one source of
+truth: see `openapi.py`). The response models only document what the handlers send; the handlers
+build plain dicts, and the schema-driven fuzz test (tests/test_server_fuzz.py) holds the two equal.
 """
 
 from __future__ import annotations
@@ -54,30 +59,47 @@ ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     413: "RequestEntityTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
 
+# ---------------------------------------------------------------------- requests
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _unsupported(reason: str) -> Any:
+    """A field OpenAI or vLLM defines that minivllm refuses (400, `reason`) whenever it is set."""
+    return Field(
+        None,
+        description=f"Refused with a 400 unless null: {reason}.",
+        json_schema_extra={"x-unsupported": reason},
+    )
+
+
 class StreamOptions(_Request):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool = Field(
+        False, description="End the stream with a chunk that has `usage` and no choices."
+    )
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's extra: every chunk carries the `usage` of its choice so far."
+    )
 
 
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None  # None: 1.0, OpenAI's default
+    model: str | None = Field(None, description="A served model name; omitted: the first one.")
+    n: int = Field(1, description="Samples per prompt, at most the server's max_num_seqs.")
+    temperature: float | None = Field(
+        None, description="0 is greedy; omitted: the model's generation_config.json, else 1.0."
+    )
     top_p: float | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream: bool = Field(False, description="Send server-sent events, ending with `[DONE]`.")
+    stream_options: StreamOptions | None = Field(None, description="Only with `stream: true`.")
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -93,26 +115,31 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # OpenAI fields minivllm cannot honour: declared only to be refused with a reason.
-    logit_bias: Any = None
-    best_of: Any = None
-    # vLLM extras minivllm cannot honour
-    prompt_logprobs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    # OpenAI's and vLLM's fields that minivllm cannot honour
+    logit_bias: Any = _unsupported("logit_bias is not supported by minivllm")
+    best_of: Any = Field(None, description="Only equal to `n`: every sample is returned.")
+    prompt_logprobs: Any = _unsupported("prompt_logprobs is not supported by minivllm")
+    guided_json: Any = _unsupported("guided decoding (guided_json) is not supported by minivllm")
+    guided_regex: Any = _unsupported("guided decoding (guided_regex) is not supported by minivllm")
+    guided_choice: Any = _unsupported(
+        "guided decoding (guided_choice) is not supported by minivllm"
+    )
+    guided_grammar: Any = _unsupported(
+        "guided decoding (guided_grammar) is not supported by minivllm"
+    )
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: PromptInput
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None  # top logprobs per token, 0..20
+    prompt: PromptInput = Field(
+        description="A string, a list of strings, token ids, or a list of token-id lists."
+    )
+    max_tokens: int | None = Field(16, description="OpenAI's default for completions: 16.")
+    logprobs: int | None = Field(None, description="Top logprobs per token, 0..20.")
     echo: bool = False
-    suffix: Any = None  # unsupported
+    suffix: Any = _unsupported("suffix (insertion) is not supported by minivllm")
 
 
 class TextPart(_Request):
@@ -134,28 +161,35 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # None: what the context leaves
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    max_tokens: int | None = Field(None, description="Omitted: what the context leaves.")
+    max_completion_tokens: int | None = Field(
+        None, description="OpenAI's newer name for max_tokens; wins over it."
+    )
     logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True  # vLLM's extra
-    # unsupported
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
+    top_logprobs: int | None = Field(None, description="0..20; needs `logprobs: true`.")
+    add_generation_prompt: bool = Field(True, description="vLLM's extra.")
+    tools: Any = _unsupported("tool calling (tools) is not supported by minivllm")
+    tool_choice: Any = _unsupported("tool calling (tool_choice) is not supported by minivllm")
+    parallel_tool_calls: Any = _unsupported(
+        "tool calling (parallel_tool_calls) is not supported by minivllm"
+    )
+    functions: Any = _unsupported("function calling (functions) is not supported by minivllm")
+    function_call: Any = _unsupported(
+        "function calling (function_call) is not supported by minivllm"
+    )
+    response_format: Any = Field(
+        None, description='Only {"type": "text"}: JSON mode and JSON schemas are a 400.'
+    )
+    audio: Any = _unsupported("audio output is not supported by minivllm")
+    modalities: Any = _unsupported("output modalities are not supported by minivllm")
+    prediction: Any = _unsupported("predicted outputs are not supported by minivllm")
+    reasoning_effort: Any = _unsupported("reasoning_effort is not supported by minivllm")
+    web_search_options: Any = _unsupported("web search is not supported by minivllm")
 
 
 class TokenizeRequest(_Request):
     model: str | None = None
-    prompt: str | None = None
+    prompt: str | None = Field(None, description="Exactly one of prompt and messages.")
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -168,27 +202,10 @@ class DetokenizeRequest(_Request):
 
 def unsupported_fields(req: _SamplingFields) -> None:
     """Refuse, by name, every declared field that minivllm cannot honour."""
-    why = {
-        "logit_bias": "logit_bias is not supported by minivllm",
-        "suffix": "suffix (insertion) is not supported by minivllm",
-        "prompt_logprobs": "prompt_logprobs is not supported by minivllm",
-        "tools": "tool calling (tools) is not supported by minivllm",
-        "tool_choice": "tool calling (tool_choice) is not supported by minivllm",
-        "parallel_tool_calls": "tool calling (parallel_tool_calls) is not supported by minivllm",
-        "functions": "function calling (functions) is not supported by minivllm",
-        "function_call": "function calling (function_call) is not supported by minivllm",
-        "audio": "audio output is not supported by minivllm",
-        "modalities": "output modalities are not supported by minivllm",
-        "prediction": "predicted outputs are not supported by minivllm",
-        "reasoning_effort": "reasoning_effort is not supported by minivllm",
-        "web_search_options": "web search is not supported by minivllm",
-    }
-    for name in type(req).model_fields:
-        value = getattr(req, name)
-        if name in why and value is not None:
-            raise OpenAIError(why[name], param=name)
-        if name.startswith("guided_") and value is not None:
-            raise OpenAIError(f"guided decoding ({name}) is not supported by minivllm", param=name)
+    for name, field in type(req).model_fields.items():
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and "x-unsupported" in extra and getattr(req, name) is not None:
+            raise OpenAIError(str(extra["x-unsupported"]), param=name)
     if req.best_of is not None and req.best_of != req.n:
         raise OpenAIError(
             f"best_of must equal n ({req.n}): minivllm returns every sample, got {req.best_of!r}",
@@ -201,3 +218,153 @@ def unsupported_fields(req: _SamplingFields) -> None:
             "supported by minivllm",
             param="response_format",
         )
+
+
+# ---------------------------------------------------------------------- responses (documented)
+class _Response(BaseModel):
+    # Exact shapes: the fuzz test fails on a field the handlers send but this file does not name.
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str = Field(description="vLLM's error type, e.g. BadRequestError.")
+    param: str | None = Field(description="The request field at fault, when there is one.")
+    code: int = Field(description="The HTTP status.")
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+FinishReason = Literal["stop", "length"] | None
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int = Field(description="prompt_index * n + sample_index")
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(_Response):
+    """One `data:` event of a completion stream."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice] = Field(description="Empty in the final usage chunk.")
+    usage: UsageInfo | None = Field(
+        None, description="With include_usage (last chunk) or continuous_usage_stats (each chunk)."
+    )
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprobEntry(ChatTokenLogprob):
+    top_logprobs: list[ChatTokenLogprob]
+
+
+class ChatChoiceLogprobs(_Response):
+    content: list[ChatTokenLogprobEntry]
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(_Response):
+    role: Literal["assistant"] | None = Field(
+        None, description="Only in each choice's first chunk."
+    )
+    content: str
+
+
+class ChatCompletionStreamChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletionStreamResponse(_Response):
+    """One `data:` event of a chat completion stream."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice] = Field(description="Empty in the usage chunk.")
+    usage: UsageInfo | None = None
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str = Field(description="The model the name serves.")
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class VersionResponse(_Response):
+    version: str

@@ -1,13 +1,12 @@
-"""The two generation endpoints: OpenAI request -> engine requests -> OpenAI response or SSE stream.
+"""What the two generation endpoints share: request checks, SamplingParams, engine plumbing, SSE.
 
-vLLM's `OpenAIServingCompletion` / `OpenAIServingChat` (vllm/entrypoints/openai/serving_*.py) in one
-class, because the two differ only in how the prompt is made (text or token ids vs. the chat
-template) and in the names of the response fields. Every check that can fail runs before the first
-byte is sent, so a bad request is a 400 and never a broken stream; a failure after the stream began
-is sent as an error event followed by `data: [DONE]`.
-
-A completion with several prompts becomes one engine request per prompt, sharing one output queue;
-the choices are numbered prompt-major (`prompt_index * n + sample_index`), as OpenAI does.
+vLLM's `OpenAIServing` (vllm/entrypoints/openai/serving_engine.py), the base of
+`OpenAIServingCompletion` (serving_completion.py) and `OpenAIServingChat` (serving_chat.py), which
+differ only in how the prompt is made (text or token ids vs. the chat template) and in the names
+of the response fields. Every check that can fail runs before the first byte is sent, so a bad
+request is a 400 and never a broken stream; a failure after the stream began (the engine failed
+the step that carried the request) is sent as an error event followed by `data: [DONE]`, and the
+same failure without streaming is a 500 in OpenAI's error shape. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -15,29 +14,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from minivllm.entrypoints.async_engine import AsyncLLMEngine, StreamItem
-from minivllm.entrypoints.logprobs import chat_logprobs, completion_logprobs
-from minivllm.entrypoints.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    unsupported_fields,
-)
+from minivllm.entrypoints.protocol import OpenAIError, StreamOptions
 from minivllm.inputs import PromptType
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("minivllm")
 
 # Fields of SamplingParams whose ValueError messages name them (and so the 400's `param`).
 _PARAM_NAMES = {f for f in SamplingParams.__dataclass_fields__} | {"top_logprobs"}
+
+# Builds one stream event: (prompt index, choice so far, characters sent, tokens sent, first?).
+ChunkFn = Callable[[int, CompletionOutput, int, int, bool], dict[str, Any]]
 
 
 class OpenAIServing:
@@ -54,6 +48,8 @@ class OpenAIServing:
         self.max_num_seqs = max_num_seqs
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        # The model's generation_config.json sampling defaults (vLLM reads them once, too).
+        self.default_sampling_params: dict[str, Any] = engine.engine.get_diff_sampling_param()
 
     # ------------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> str:
@@ -72,16 +68,42 @@ class OpenAIServing:
                 headers={"Retry-After": "1"},
             )
 
-    def _max_tokens(self, requested: int | None, num_prompt: int, field: str) -> int:
+    @staticmethod
+    def check_stream_options(stream: bool, options: StreamOptions | None) -> None:
+        # OpenAI and vLLM refuse it too: without a stream there is no chunk to carry the usage.
+        if options is not None and not stream:
+            raise OpenAIError(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
+
+    def with_model_defaults(self, req: Any) -> tuple[Any, set[str]]:
+        """`req` as if the client had sent the model's sampling defaults for every field it left
+        out (not in `model_fields_set`, the fields the JSON body named) or sent as null, and the
+        names of the fields so filled. A value the client sent always wins. Null counts as left
+        out, as in vLLM and OpenAI, where null means "the default"."""
+        filled = {
+            name: value
+            for name, value in self.default_sampling_params.items()
+            if name in type(req).model_fields
+            and (name not in req.model_fields_set or getattr(req, name) is None)
+        }
+        return (req.model_copy(update=filled) if filled else req), set(filled)
+
+    def max_tokens(self, requested: int | None, num_prompt: int, field: str, cap: bool) -> int:
+        """The completion budget; `cap`: `requested` is the model's default, not the client's, so
+        it is cut to what the context leaves instead of refused."""
         if num_prompt >= self.max_model_len:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your prompt has {num_prompt} tokens, which leaves no room for the completion.",
                 param="messages" if field == "max_completion_tokens" else "prompt",
             )
+        room = self.max_model_len - num_prompt
         if requested is None:
-            return self.max_model_len - num_prompt
-        if requested >= 1 and num_prompt + requested > self.max_model_len:
+            return room
+        if cap:
+            return min(requested, room)
+        if requested >= 1 and requested > room:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {num_prompt + requested} tokens ({num_prompt} in the prompt, "
@@ -127,137 +149,6 @@ class OpenAIServing:
             name = str(exc).split(" ", 1)[0]
             raise OpenAIError(str(exc), param=name if name in _PARAM_NAMES else None) from None
 
-    # ------------------------------------------------------------------ /v1/completions
-    async def create_completion(self, req: CompletionRequest, is_disconnected: Any) -> Any:
-        model = self.check_model(req.model)
-        unsupported_fields(req)
-        if req.echo and req.logprobs is not None:
-            raise OpenAIError("echo with logprobs (prompt logprobs) is not supported", param="echo")
-        prompts = _split_prompts(req.prompt)
-        tokenized: list[tuple[str | None, list[int]]] = []
-        for p in prompts:
-            try:
-                tokenized.append(self.engine.engine.tokenize_prompt(p))
-            except ValueError as exc:
-                raise OpenAIError(str(exc), param="prompt") from None
-        params = [
-            self.sampling_params(
-                req, self._max_tokens(req.max_tokens, len(ids), "max_tokens"), req.logprobs
-            )
-            for _, ids in tokenized
-        ]
-        self.check_capacity()
-        echo_texts = [
-            (text if text is not None else self.tokenizer.decode(ids)) if req.echo else ""
-            for text, ids in tokenized
-        ]
-        n, k = req.n, req.logprobs
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-
-        def choice(i: int, c: Any, text: str, start: int, offset: int) -> dict[str, Any]:
-            lps = None
-            if k is not None and c.logprobs is not None:
-                lps = completion_logprobs(c.token_ids[start:], c.logprobs[start:], k, offset)
-            return {"index": i, "text": text, "logprobs": lps, "finish_reason": None}
-
-        header = {"id": rid, "object": "text_completion", "created": created, "model": model}
-        ids_in: list[PromptType] = [{"prompt_token_ids": ids} for _, ids in tokenized]
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-            def chunk(prompt_i: int, c: Any, prev_text: int, prev_tok: int, first: bool) -> Any:
-                echo = echo_texts[prompt_i] if first else ""
-                offset = len(echo_texts[prompt_i]) + prev_text
-                ch = choice(prompt_i * n + c.index, c, echo + c.text[prev_text:], prev_tok, offset)
-                ch["finish_reason"] = _finish(c)
-                return {**header, "choices": [ch]}
-
-            return self._stream(rid, ids_in, params, header, chunk, include_usage, None, req.echo)
-
-        finals = await self._collect(rid, ids_in, params, is_disconnected)
-        choices = []
-        for pi, out in enumerate(finals):
-            for c in out.outputs:
-                ch = choice(pi * n + c.index, c, echo_texts[pi] + c.text, 0, len(echo_texts[pi]))
-                ch["finish_reason"] = _finish(c)
-                choices.append(ch)
-        return {**header, "choices": choices, "usage": _usage(finals)}
-
-    # ------------------------------------------------------------------ /v1/chat/completions
-    async def create_chat_completion(self, req: ChatCompletionRequest, is_disconnected: Any) -> Any:
-        model = self.check_model(req.model)
-        unsupported_fields(req)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        ids = self.apply_chat_template(req.messages, req.add_generation_prompt)
-        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        requested = (
-            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        )
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        params = [self.sampling_params(req, self._max_tokens(requested, len(ids), field), k)]
-        self.check_capacity()
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        header = {
-            "id": rid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-        }
-        ids_in: list[PromptType] = [{"prompt_token_ids": ids}]
-
-        def logprobs_of(c: Any, start: int) -> dict[str, Any] | None:
-            if k is None or c.logprobs is None:
-                return None
-            return {"content": chat_logprobs(c.token_ids[start:], c.logprobs[start:], k)}
-
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunk_header = {**header, "object": "chat.completion.chunk"}
-
-            def chunk(_pi: int, c: Any, prev_text: int, prev_tok: int, first: bool) -> Any:
-                delta = {"content": c.text[prev_text:]}
-                ch = {"index": c.index, "delta": delta, "logprobs": logprobs_of(c, prev_tok)}
-                ch["finish_reason"] = _finish(c)
-                return {**chunk_header, "choices": [ch]}
-
-            def role_chunk(index: int) -> dict[str, Any]:
-                ch = {"index": index, "delta": {"role": "assistant", "content": ""}}
-                return {
-                    **chunk_header,
-                    "choices": [{**ch, "logprobs": None, "finish_reason": None}],
-                }
-
-            return self._stream(rid, ids_in, params, chunk_header, chunk, include_usage, role_chunk)
-
-        finals = await self._collect(rid, ids_in, params, is_disconnected)
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs_of(c, 0),
-                "finish_reason": _finish(c),
-            }
-            for c in finals[0].outputs
-        ]
-        return {**header, "choices": choices, "usage": _usage(finals)}
-
-    def apply_chat_template(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
-        conversation = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in messages
-        ]
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True
-            )
-        except Exception as exc:  # jinja's TemplateError: e.g. roles the template refuses
-            raise OpenAIError(f"the chat template failed: {exc}", param="messages") from None
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
-
     # ------------------------------------------------------------------ engine plumbing
     def _submit(
         self, rid: str, prompts: list[PromptType], params: list[SamplingParams]
@@ -281,7 +172,7 @@ class OpenAIServing:
                 item = await out.get()
                 if isinstance(item, BaseException):
                     raise OpenAIError(f"the request failed: {item}", 500)
-                if item.error is not None:
+                if item.error is not None:  # the engine failed a step that carried it
                     raise OpenAIError(f"the request failed: {item.error}", 500)
                 if item.finished:
                     pending.discard(item.request_id)
@@ -325,12 +216,15 @@ class OpenAIServing:
         prompts: list[PromptType],
         params: list[SamplingParams],
         header: dict[str, Any],
-        chunk: Callable[[int, Any, int, int, bool], dict[str, Any]],
-        include_usage: bool,
-        role_chunk: Callable[[int], dict[str, Any]] | None,
+        chunk: ChunkFn,
+        options: StreamOptions | None,
+        role_chunk: Callable[[int], dict[str, Any]] | None = None,
         emit_first: bool = False,
     ) -> StreamingResponse:
         n = params[0].n
+        include_usage = options is not None and options.include_usage
+        continuous_usage = options is not None and options.continuous_usage_stats
+        num_prompt = [len(prompt_ids(p)) for p in prompts]
         submitted = self._submit(rid, prompts, params)  # now, as in _collect
 
         async def events() -> AsyncIterator[str]:
@@ -342,7 +236,10 @@ class OpenAIServing:
             try:
                 if role_chunk is not None:
                     for i in range(n):
-                        yield _sse(role_chunk(i))
+                        event = role_chunk(i)
+                        if continuous_usage:
+                            event["usage"] = _usage_of(num_prompt[0], 0)
+                        yield _sse(event)
                 async for pi, out in results:
                     finals[pi] = out
                     for c in out.outputs:
@@ -355,12 +252,15 @@ class OpenAIServing:
                         if not (grew or (first and emit_first)):
                             continue  # text held back (a possible stop string): nothing to send
                         prev[key] = (len(c.text), len(c.token_ids))
-                        yield _sse(chunk(pi, c, p_text, p_tok, first))
+                        event = chunk(pi, c, p_text, p_tok, first)
+                        if continuous_usage:  # vLLM's extra: this choice's usage so far
+                            event["usage"] = _usage_of(num_prompt[pi], len(c.token_ids))
+                        yield _sse(event)
                         if c.finish_reason is not None:
                             done.add(key)
                 if include_usage:
-                    usage = _usage([finals[i] for i in sorted(finals)])
-                    yield _sse({**header, "choices": [], "usage": usage})
+                    total = usage([finals[i] for i in sorted(finals)])
+                    yield _sse({**header, "choices": [], "usage": total})
             except OpenAIError as exc:
                 yield _sse(exc.to_dict())
             except Exception as exc:  # the stream has begun: report in-band, never a broken stream
@@ -373,36 +273,33 @@ class OpenAIServing:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _split_prompts(prompt: Any) -> list[PromptType]:
-    """OpenAI's four prompt shapes -> a list of engine prompts (text or token ids)."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise OpenAIError("prompt must not be empty", param="prompt")
-    if isinstance(prompt[0], int):
-        return [{"prompt_token_ids": list(prompt)}]
-    if isinstance(prompt[0], list):
-        return [{"prompt_token_ids": list(p)} for p in prompt]
-    return list(prompt)
+def prompt_ids(prompt: PromptType) -> list[int]:
+    assert isinstance(prompt, dict) and "prompt_token_ids" in prompt, "tokenize prompts first"
+    return list(prompt["prompt_token_ids"])
 
 
-def _finish(c: Any) -> str | None:
+def finish_reason(c: CompletionOutput) -> str | None:
     reason = c.finish_reason
     return "length" if reason == "length" else ("stop" if reason is not None else None)
 
 
-def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+def _usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    """OpenAI's `usage` over every prompt and sample of a request."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    return _usage_of(prompt, sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+
 def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    # allow_nan=False: a NaN would be invalid JSON; raising here becomes an in-band error event.
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 def error_response(exc: OpenAIError) -> JSONResponse:

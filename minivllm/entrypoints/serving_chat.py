@@ -1,0 +1,99 @@
+"""POST /v1/chat/completions: messages through the model's chat template (vLLM's serving_chat.py).
+
+A stream starts with one `{"role": "assistant"}` delta per choice, as OpenAI's does; the choices
+are the request's n samples of its one prompt.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from minivllm.entrypoints.logprobs import chat_logprobs
+from minivllm.entrypoints.protocol import ChatCompletionRequest, OpenAIError, unsupported_fields
+from minivllm.entrypoints.serving import OpenAIServing, finish_reason, usage
+from minivllm.inputs import PromptType
+from minivllm.outputs import CompletionOutput
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, req: ChatCompletionRequest, is_disconnected: Any) -> Any:
+        model = self.check_model(req.model)
+        unsupported_fields(req)
+        self.check_stream_options(req.stream, req.stream_options)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        req, from_model = self.with_model_defaults(req)
+        ids = self.apply_chat_template(req.messages, req.add_generation_prompt)
+        requested: int | None = req.max_tokens
+        field = "max_tokens"
+        if req.max_completion_tokens is not None:
+            field, requested = "max_completion_tokens", req.max_completion_tokens
+        cap = field in from_model
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        params = [self.sampling_params(req, self.max_tokens(requested, len(ids), field, cap), k)]
+        self.check_capacity()
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        header = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+        ids_in: list[PromptType] = [{"prompt_token_ids": ids}]
+
+        def logprobs_of(c: CompletionOutput, start: int) -> dict[str, Any] | None:
+            if k is None or c.logprobs is None:
+                return None
+            return {"content": chat_logprobs(c.token_ids[start:], c.logprobs[start:], k)}
+
+        if req.stream:
+            chunk_header = {**header, "object": "chat.completion.chunk"}
+
+            def chunk(
+                _pi: int, c: CompletionOutput, prev_text: int, prev_tok: int, _f: bool
+            ) -> Any:
+                ch = {
+                    "index": c.index,
+                    "delta": {"content": c.text[prev_text:]},
+                    "logprobs": logprobs_of(c, prev_tok),
+                    "finish_reason": finish_reason(c),
+                }
+                return {**chunk_header, "choices": [ch]}
+
+            def role_chunk(index: int) -> dict[str, Any]:
+                delta = {"role": "assistant", "content": ""}
+                ch = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                return {**chunk_header, "choices": [ch]}
+
+            return self._stream(
+                rid, ids_in, params, chunk_header, chunk, req.stream_options, role_chunk
+            )
+
+        finals = await self._collect(rid, ids_in, params, is_disconnected)
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs_of(c, 0),
+                "finish_reason": finish_reason(c),
+            }
+            for c in finals[0].outputs
+        ]
+        return {**header, "choices": choices, "usage": usage(finals)}
+
+    def apply_chat_template(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
+        conversation = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages
+        ]
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        except Exception as exc:  # jinja's TemplateError: e.g. roles the template refuses
+            raise OpenAIError(f"the chat template failed: {exc}", param="messages") from None
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)

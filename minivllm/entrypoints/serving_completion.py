@@ -1,0 +1,95 @@
+"""POST /v1/completions: OpenAI's legacy text completion (vLLM's serving_completion.py).
+
+A completion with several prompts becomes one engine request per prompt, sharing one output queue;
+the choices are numbered prompt-major (`prompt_index * n + sample_index`), as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from minivllm.entrypoints.logprobs import completion_logprobs
+from minivllm.entrypoints.protocol import CompletionRequest, OpenAIError, unsupported_fields
+from minivllm.entrypoints.serving import OpenAIServing, finish_reason, usage
+from minivllm.inputs import PromptType
+from minivllm.outputs import CompletionOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, req: CompletionRequest, is_disconnected: Any) -> Any:
+        model = self.check_model(req.model)
+        unsupported_fields(req)
+        self.check_stream_options(req.stream, req.stream_options)
+        if req.echo and req.logprobs is not None:
+            raise OpenAIError("echo with logprobs (prompt logprobs) is not supported", param="echo")
+        req, from_model = self.with_model_defaults(req)
+        tokenized: list[tuple[str | None, list[int]]] = []
+        for p in _split_prompts(req.prompt):
+            try:
+                tokenized.append(self.engine.engine.tokenize_prompt(p))
+            except ValueError as exc:
+                raise OpenAIError(str(exc), param="prompt") from None
+        cap = "max_tokens" in from_model
+        params = [
+            self.sampling_params(
+                req, self.max_tokens(req.max_tokens, len(ids), "max_tokens", cap), req.logprobs
+            )
+            for _, ids in tokenized
+        ]
+        self.check_capacity()
+        echo_texts = [
+            (text if text is not None else self.tokenizer.decode(ids)) if req.echo else ""
+            for text, ids in tokenized
+        ]
+        n, k = req.n, req.logprobs
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        header = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+        def choice(i: int, c: CompletionOutput, text: str, start: int, offset: int) -> Any:
+            lps = None
+            if k is not None and c.logprobs is not None:
+                lps = completion_logprobs(c.token_ids[start:], c.logprobs[start:], k, offset)
+            return {"index": i, "text": text, "logprobs": lps, "finish_reason": finish_reason(c)}
+
+        ids_in: list[PromptType] = [{"prompt_token_ids": ids} for _, ids in tokenized]
+        if req.stream:
+
+            def chunk(
+                pi: int, c: CompletionOutput, prev_text: int, prev_tok: int, first: bool
+            ) -> Any:
+                echo = echo_texts[pi] if first else ""
+                offset = len(echo_texts[pi]) + prev_text
+                text = echo + c.text[prev_text:]
+                return {**header, "choices": [choice(pi * n + c.index, c, text, prev_tok, offset)]}
+
+            return self._stream(
+                rid, ids_in, params, header, chunk, req.stream_options, emit_first=req.echo
+            )
+
+        finals = await self._collect(rid, ids_in, params, is_disconnected)
+        choices = [
+            choice(pi * n + c.index, c, echo_texts[pi] + c.text, 0, len(echo_texts[pi]))
+            for pi, out in enumerate(finals)
+            for c in out.outputs
+        ]
+        return {**header, "choices": choices, "usage": usage(finals)}
+
+
+def _split_prompts(prompt: Any) -> list[PromptType]:
+    """OpenAI's four prompt shapes -> a list of engine prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise OpenAIError("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": list(prompt)}]
+    if isinstance(prompt[0], list):
+        return [{"prompt_token_ids": list(p)} for p in prompt]
+    return list(prompt)
