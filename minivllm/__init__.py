@@ -5,9 +5,10 @@ KV cache with block tables, copy-on-write and prefix caching, continuous batchin
 prefill and preemption, a full sampler, a Llama model, and an OpenAI-compatible server.
 
 The public names are vLLM's: `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`,
-`EngineArgs` (every engine option, declared once).
+`EngineArgs` (every engine option, declared once), `BeamSearchParams` and its outputs.
 """
 
+from minivllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from minivllm.engine import LLMEngine
 from minivllm.engine_args import EngineArgs
 from minivllm.llm import LLM
@@ -19,6 +20,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineArgs",
     "EngineStats",

@@ -102,6 +102,11 @@ class BlockManager:
         """Fraction of blocks held by sequences (vLLM's kv_cache_usage metric)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def num_blocks_without_sharing(self) -> int:
+        """The blocks in use if no block were shared: each sequence holding its own copy of every
+        block in its table (the baseline of the paper's Fig. 15 memory saving)."""
+        return sum(len(seq.block_table) for seq in self._seqs.values())
+
     def has_seq(self, seq_id: SeqId) -> bool:
         return seq_id in self._seqs
 

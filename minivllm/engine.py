@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from minivllm.attention import get_attention_backend, resolve_backend_name
+from minivllm.beam_search import BeamSearchParams, BeamSearchProcessor, BeamState
 from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
 from minivllm.inputs import PromptType, process_prompt
@@ -121,6 +122,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_id, self.max_model_len
         )
+        eos_ids = {t for t in (self.eos_token_id, *self._extra_eos_token_ids) if t is not None}
+        self.beam_search = BeamSearchProcessor(
+            self.scheduler, self._new_seq, self._finish, self.output_processor, eos_ids
+        )
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
@@ -156,13 +161,23 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         arrival_time: float | None = None,
     ) -> Request:
+        """Queue a request: sampling (SamplingParams, vLLM's defaults or the model's when None) or
+        a beam search (BeamSearchParams)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        beam = BeamState(params) if isinstance(params, BeamSearchParams) else None
+        if isinstance(params, BeamSearchParams):
+            params = params.sampling_params()
         params = params or SamplingParams(**self._diff_sampling_param)
         max_num_seqs = self.config.scheduler.max_num_seqs
+        if beam is not None and beam.params.beam_width > max_num_seqs:
+            width = beam.params.beam_width
+            raise ValueError(
+                f"beam_width must be at most max_num_seqs ({max_num_seqs}), got {width}"
+            )
         if params.n > max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}")
         if self._extra_eos_token_ids and not params.ignore_eos:
@@ -175,7 +190,7 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
                 "it must be shorter, to leave room for at least one output token"
             )
-        request = Request(request_id, text, ids, params)
+        request = Request(request_id, text, ids, params, beam=beam)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         request.seqs.append(self._new_seq(request, 0))
@@ -197,7 +212,8 @@ class LLMEngine:
             index=index,
             token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids),
-            detokenizer=self.output_processor.make_detokenizer(request),
+            # A beam's text is decoded once, at the end of the search.
+            detokenizer=None if request.beam else self.output_processor.make_detokenizer(request),
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
         )
@@ -297,11 +313,17 @@ class LLMEngine:
             req.seqs.append(child)
         if sampled is None:
             return []
-        processed = self.output_processor.process(seqs, sampled)
         self.num_generated_tokens += len(seqs)
+        lists = sampled.tolist()
+        beam_rows = [j for j, s in enumerate(seqs) if s.request.beam is not None]
+        outputs = self.beam_search.process([seqs[j] for j in beam_rows], lists, beam_rows)
+        for out in outputs:
+            self.requests.pop(out.request_id, None)
+        rows = [j for j, s in enumerate(seqs) if s.request.beam is None]
+        processed = self.output_processor.process([seqs[j] for j in rows], lists, rows)
         for seq, status in processed.finished:
             self._finish(seq, status)
-        outputs = [make_request_output(req) for req in processed.touched]
+        outputs += [make_request_output(req) for req in processed.touched]
         for req in processed.touched:
             if req.is_finished:
                 self.requests.pop(req.request_id, None)

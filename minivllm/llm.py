@@ -14,11 +14,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from minivllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from minivllm.engine import LLMEngine, PromptTooLongError
 from minivllm.engine_args import EngineArgs, EngineKwargs, document_engine_args
 from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import Request
 from minivllm.stats import EngineStats
 
 if sys.version_info >= (3, 11):
@@ -55,13 +57,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for one prompt or many: strings, or {"prompt_token_ids": [...]} dicts."""
-        prompt_list: list[PromptType]
-        if isinstance(prompts, str | dict):
-            prompt_list = [prompts]
-        elif prompts and all(isinstance(p, int) for p in prompts):
-            prompt_list = [list(prompts)]  # type: ignore[arg-type]  # one tokenized prompt
-        else:
-            prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list = self._prompt_list(prompts)
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -118,8 +114,52 @@ class LLM:
         return self.llm_engine.get_stats()
 
     # ------------------------------------------------------------------
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's `LLM.beam_search`), run inside the engine on
+        copy-on-write blocks and batched like any other requests: the beams of a prompt share
+        their history's KV blocks (paper §4.4). One `BeamSearchOutput` per prompt, best beam first."""
+        prompt_list = self._prompt_list(prompts)
+        tokenizer = self.llm_engine.tokenizer
+        results = []
+        for out in self._run(prompt_list, [params] * len(prompt_list), use_tqdm):
+            if out.error is not None:
+                raise RuntimeError(f"beam search failed: {out.error}")
+            beams = []
+            for c in out.outputs:
+                tokens = [*out.prompt_token_ids, *c.token_ids]
+                text = None if tokenizer is None else str(tokenizer.decode(tokens))
+                beams.append(
+                    BeamSearchSequence(
+                        tokens,
+                        list(c.logprobs or []),
+                        c.cumulative_logprob or 0.0,
+                        text,
+                        c.finish_reason,
+                        c.stop_reason,
+                    )
+                )
+            results.append(BeamSearchOutput(beams))
+        return results
+
+    @staticmethod
+    def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        """One prompt (text, a dict, or a list of token ids) or many, as a list."""
+        if isinstance(prompts, str | dict):
+            return [prompts]
+        if prompts and all(isinstance(p, int) for p in prompts):
+            return [list(prompts)]  # type: ignore[arg-type]  # one tokenized prompt
+        return list(prompts)  # type: ignore[arg-type]
+
     def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params: Sequence[SamplingParams | BeamSearchParams],
+        use_tqdm: bool,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
@@ -134,9 +174,9 @@ class LLM:
                 # One bad prompt fails alone; the others still run (the reason is in the output).
                 logger.warning("request %s failed: %s", rid, exc)
                 text, ids = engine.tokenize_prompt(prompt)
-                from minivllm.sequence import Request
-
-                results[rid] = engine.fail_request(Request(rid, text, ids, p), str(exc))
+                sampling = p.sampling_params() if isinstance(p, BeamSearchParams) else p
+                request = Request(rid, text, ids, sampling)
+                results[rid] = engine.fail_request(request, str(exc))
             except Exception:
                 engine.abort_request(order)  # nothing half-added stays behind
                 engine.take_aborted_outputs()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.detokenizer import IncrementalDetokenizer
-from minivllm.sampler import SamplerOutput
+from minivllm.sampler import SampledLists
 from minivllm.sequence import Logprob, Request, Sequence, SequenceStatus
 from minivllm.stop_checker import check_stop
 
@@ -46,25 +46,16 @@ class OutputProcessor:
             self.tokenizer, request.prompt_token_ids, request.params, self.eos_token_id
         )
 
-    def process(self, seqs: Seq[Sequence], sampled: SamplerOutput) -> ProcessedStep:
-        """`seqs[j]` sampled `sampled.sampled_token_ids[j]`."""
-        tokens = sampled.sampled_token_ids.tolist()
-        lp = sampled.logprobs
-        lp_lists = None
-        if lp is not None:  # one host transfer per tensor, not one per row
-            lp_lists = (
-                lp.logprob_token_ids.tolist(),
-                lp.logprobs.tolist(),
-                lp.sampled_logprobs.tolist(),
-                lp.sampled_token_ranks.tolist(),
-            )
+    def process(self, seqs: Seq[Sequence], sampled: SampledLists, rows: Seq[int]) -> ProcessedStep:
+        """`seqs[i]` sampled row `rows[i]` of the step's sampler output."""
         now = time.monotonic()
         step = ProcessedStep()
         touched: dict[str, Request] = {}
-        for j, (seq, token) in enumerate(zip(seqs, tokens)):
+        for seq, j in zip(seqs, rows):
+            token = sampled.token_ids[j]
             seq.token_ids.append(token)
-            if lp_lists is not None and seq.logprobs is not None:
-                self._record_logprobs(seq, token, j, lp_lists)
+            if sampled.top_ids is not None and seq.logprobs is not None:
+                self._record_logprobs(seq, token, j, sampled)
             status = self._check_stop(seq, token)
             if status is not None:
                 step.finished.append((seq, status))
@@ -84,17 +75,28 @@ class OutputProcessor:
             seq.request.finished_time = time.monotonic()
 
     # ------------------------------------------------------------------ helpers
-    def _record_logprobs(self, seq: Sequence, token: int, j: int, lp: tuple[list, ...]) -> None:
-        top_ids, top_lps, sampled_lp, ranks = lp
+    def _record_logprobs(self, seq: Sequence, token: int, j: int, lp: SampledLists) -> None:
+        top_ids, top_lps, sampled_lp, ranks = (
+            lp.top_ids,
+            lp.top_logprobs,
+            lp.sampled_logprobs,
+            lp.sampled_ranks,
+        )
+        assert (
+            top_ids is not None
+            and top_lps is not None
+            and sampled_lp is not None
+            and ranks is not None
+        )
         k = seq.request.params.logprobs or 0
-        entry = {token: Logprob(sampled_lp[j], ranks[j], self._decode_one(token))}
+        entry = {token: Logprob(sampled_lp[j], ranks[j], self.decode_one(token))}
         for tid, val, rank in zip(top_ids[j][:k], top_lps[j][:k], range(1, k + 1)):
-            entry.setdefault(tid, Logprob(val, rank, self._decode_one(tid)))
+            entry.setdefault(tid, Logprob(val, rank, self.decode_one(tid)))
         assert seq.logprobs is not None
         seq.logprobs.append(entry)
         seq.cumulative_logprob += sampled_lp[j]
 
-    def _decode_one(self, token_id: int) -> str | None:
+    def decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else str(self.tokenizer.decode([token_id]))
 
     def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:

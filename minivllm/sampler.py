@@ -61,6 +61,27 @@ class SamplerOutput:
     sampled_token_ids: Tensor  # int64 [B]
     logprobs: LogprobsTensors | None  # None when no row asked for logprobs (k = max_num_logprobs)
 
+    def tolist(self) -> SampledLists:
+        """On the host as Python lists: one transfer per tensor, not one per row."""
+        lp = self.logprobs
+        return SampledLists(
+            self.sampled_token_ids.tolist(),
+            None if lp is None else lp.logprob_token_ids.tolist(),
+            None if lp is None else lp.logprobs.tolist(),
+            None if lp is None else lp.sampled_logprobs.tolist(),
+            None if lp is None else lp.sampled_token_ranks.tolist(),
+        )
+
+
+class SampledLists(NamedTuple):
+    """`SamplerOutput` as lists, row j for the j-th sampled sequence."""
+
+    token_ids: list[int]  # [B]
+    top_ids: list[list[int]] | None  # [B, k]  None when no row asked for logprobs
+    top_logprobs: list[list[float]] | None  # [B, k]
+    sampled_logprobs: list[float] | None  # [B]
+    sampled_ranks: list[int] | None  # [B]
+
 
 @dataclass
 class SamplingMetadata:

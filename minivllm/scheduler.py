@@ -115,6 +115,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 0:  # a beam that has sampled waits for its round's other beams
+                i += 1
+                continue
             while not bm.can_append_slots(seq.seq_id, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -167,10 +170,11 @@ class Scheduler:
 
     @staticmethod
     def _num_seqs_at_admission(seq: Sequence) -> int:
-        """The running sequences `seq` stands for: an `n > 1` request that has not sampled yet turns
-        into n at its first sample, so it is counted as n against `max_num_seqs`."""
+        """The running sequences `seq` stands for: an `n > 1` request (or a beam search) that has
+        not sampled yet turns into n (beam_width) at its first sample, so it counts as that many
+        against `max_num_seqs`."""
         request = seq.request
-        return 1 if request.forked else request.params.n
+        return 1 if request.forked else request.max_num_seqs
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preemption by recompute: free the blocks, forget the progress, wait at the front."""
