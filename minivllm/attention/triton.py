@@ -134,12 +134,12 @@ def attend_launches(
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     launches = []
     args: tuple[Any, ...]
-    num_q_blocks = layer.q_blocks.shape[1]
+    num_q_blocks = layer.q_blocks.shape[0]
     if num_q_blocks:
         args = (
             query, k_cache, v_cache, out,
             meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            layer.q_blocks[0], layer.q_blocks[1],
+            layer.q_blocks,
             qk_scale,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             meta.block_tables.stride(0), *cache_strides,
@@ -152,21 +152,21 @@ def attend_launches(
         # `out` stands in for them so that every pointer argument is a tensor.
         part_out = out if layer.part_out is None else layer.part_out
         part_lse = out if layer.part_lse is None else layer.part_lse
-        part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2))
-        lse_strides = (part_lse.stride(0), part_lse.stride(1))
+        # Between (row, split) pairs and between heads; none depends on the split count.
+        part_strides = (part_out.stride(-3), part_out.stride(-2), part_lse.stride(-2))
         args = (
             query, k_cache, v_cache, out, part_out, part_lse, layer.decode_seqs,
             meta.block_tables, meta.seq_lens, meta.query_start_loc,
             layer.num_splits, qk_scale,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            meta.block_tables.stride(0), *cache_strides, *part_strides, *lse_strides,
+            meta.block_tables.stride(0), *cache_strides, *part_strides,
         )  # fmt: skip
         grid = check_grid((num_decodes, num_kv_heads, layer.num_splits))
         launches.append(KernelLaunch(K.paged_decode_split_kernel, grid, args, layer.decode_split))
         if layer.num_splits > 1:
             args = (
                 part_out, part_lse, out, layer.decode_seqs, meta.query_start_loc, layer.num_splits,
-                out.stride(0), out.stride(1), *part_strides, *lse_strides,
+                out.stride(0), out.stride(1), *part_strides,
             )  # fmt: skip
             grid = check_grid((num_decodes, query.shape[1]))
             launches.append(

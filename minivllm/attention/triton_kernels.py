@@ -26,8 +26,10 @@ Three ideas, each where it earns its place:
 What changes from step to step is passed at run time, never as a `tl.constexpr`: a constexpr is
 part of the compiled kernel's identity, so a split count that followed the batch would recompile
 both decode kernels (seconds each) as a server's load changed. `num_splits` and `num_tokens` are
-also exempt from Triton's value specialisation (`do_not_specialize`), which would otherwise
-compile separate variants for the values 1 and multiples of 16.
+exempt from Triton's value specialisation (`do_not_specialize`), which would otherwise compile
+separate variants for the value 1 and for multiples of 16; so is the block tables' row stride,
+which follows the longest request of the step. The partial outputs are laid out
+`[row, split, head, dim]`, so their strides do not depend on the split count either.
 
 Addresses: every offset into the cache or the token-major tensors is computed in int64
 (`cache_offsets`): a KV cache passes 2**31 elements at about 8 GiB of bfloat16.
@@ -178,7 +180,7 @@ def _attend_key_range(  # type: ignore[no-untyped-def]  # Triton's untyped kerne
 # ============================================================================ prefill / extend
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
     query_ptr,  # [T, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -187,8 +189,7 @@ def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped ke
     block_tables_ptr,  # int32 [B, max_blocks_per_seq]
     seq_lens_ptr,  # int32 [B]
     query_start_loc_ptr,  # int32 [B + 1]
-    q_block_seqs_ptr,  # int32 [NB]  request of each query block of the step
-    q_block_idx_ptr,  # int32 [NB]  which block of that request's new tokens it is
+    q_blocks_ptr,  # int32 [NB, 2]  (request, block index within its new tokens) per program
     qk_scale,
     stride_qt,
     stride_qh,
@@ -209,18 +210,18 @@ def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped ke
 ):
     """Causal attention of BLOCK_Q new tokens × one GQA group over the request's whole cache.
 
-    Grid: (query block, KV head), over the query blocks that exist: the step's list
-    (`q_block_seqs`, `q_block_idx`) holds ceil(query_len / BLOCK_Q) blocks per request with
-    several new tokens, and nothing else, so no program starts only to exit (vLLM's unified
-    attention flattens its grid the same way). The new tokens are the last `query_len` of the
+    Grid: (query block, KV head), over the query blocks that exist: the step's list `q_blocks`
+    holds ceil(query_len / BLOCK_Q) blocks per request with several new tokens, and nothing
+    else, so no program starts only to exit (vLLM's unified attention flattens its grid the same
+    way). The new tokens are the last `query_len` of the
     `seq_len` in cache (bottom-right alignment), so new token j sits at position
     `seq_len - query_len + j` and sees keys 0..that position: cached prefix, earlier chunks and
     the new tokens before it. That one rule covers prefill, chunked prefill and prefix-cache hits.
     """
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = tl.load(q_block_seqs_ptr + pid)
-    q_block = tl.load(q_block_idx_ptr + pid)
+    req = tl.load(q_blocks_ptr + 2 * pid)
+    q_block = tl.load(q_blocks_ptr + 2 * pid + 1)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
@@ -262,14 +263,14 @@ def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped ke
 # ============================================================================== decode (2 stages)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
     query_ptr,  # [T, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,
     out_ptr,  # [T, num_heads, head_dim]  written here only if DIRECT (one split)
-    part_out_ptr,  # float32 [D, num_heads, num_splits, head_dim]  each split's normalised output
-    part_lse_ptr,  # float32 [D, num_heads, num_splits]  log2-sum-exp2 of each split's scores
+    part_out_ptr,  # float32 [D, num_splits, num_heads, head_dim]  each split's normalised output
+    part_lse_ptr,  # float32 [D, num_splits, num_heads]  log2-sum-exp2 of each split's scores
     decode_seqs_ptr,  # int32 [D]  the requests with one new token
     block_tables_ptr,  # int32 [B, max_blocks_per_seq]
     seq_lens_ptr,  # int32 [B]
@@ -284,11 +285,9 @@ def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyp
     stride_cb,
     stride_cs,
     stride_ch,
-    stride_pd,
+    stride_ps,  # part_out's stride between (row, split) pairs: num_heads * head_dim
     stride_ph,
-    stride_ps,
-    stride_ld,
-    stride_lh,
+    stride_ls,  # part_lse's stride between (row, split) pairs: num_heads
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # >= 16: the smallest M that tl.dot accepts
     BLOCK_SIZE: tl.constexpr,
@@ -349,30 +348,30 @@ def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyp
         )
     else:
         lse = m_i + tl.log2(l_safe)  # [GROUP_PAD]
-        p_row = row.to(tl.int64) * stride_pd + head * stride_ph + split * stride_ps
+        # (row, split) pairs are numbered row * num_splits + split and multiplied by a stride
+        # that is fixed for the model, so the split count never reaches the compiled code.
+        pair = row.to(tl.int64) * num_splits + split
+        p_row = pair * stride_ps + head * stride_ph
         tl.store(
             part_out_ptr + p_row[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=io_mask
         )
-        lse_row = row.to(tl.int64) * stride_ld + head * stride_lh + split
-        tl.store(part_lse_ptr + lse_row, lse, mask=g_mask)
+        tl.store(part_lse_ptr + pair * stride_ls + head, lse, mask=g_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def paged_decode_merge_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
-    part_out_ptr,  # float32 [D, num_heads, num_splits, head_dim]
-    part_lse_ptr,  # float32 [D, num_heads, num_splits], contiguous splits
+    part_out_ptr,  # float32 [D, num_splits, num_heads, head_dim]
+    part_lse_ptr,  # float32 [D, num_splits, num_heads]
     out_ptr,  # [T, num_heads, head_dim], the query's dtype
     decode_seqs_ptr,  # int32 [D]
     query_start_loc_ptr,  # int32 [B + 1]
     num_splits,
     stride_ot,
     stride_oh,
-    stride_pd,
-    stride_ph,
     stride_ps,
-    stride_ld,
-    stride_lh,
-    SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits: the one constant of the count
+    stride_ph,
+    stride_ls,
+    SPLITS_PAD: tl.constexpr,  # a power of two >= num_splits (64 for every automatic count)
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
@@ -391,20 +390,15 @@ def paged_decode_merge_kernel(  # type: ignore[no-untyped-def]  # Triton's untyp
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
     s_mask = offs_s < num_splits
-    lse_row = row * stride_ld + head * stride_lh
-    lse = tl.load(part_lse_ptr + lse_row + offs_s, mask=s_mask, other=float("-inf"))
+    pair = row * num_splits + offs_s  # [SPLITS_PAD] (row, split) pairs, as stage 1 numbers them
+    lse = tl.load(part_lse_ptr + pair * stride_ls + head, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no key at all: weights all 0
     weight = tl.exp2(lse - lse_max)  # [SPLITS_PAD]; 0 for empty and padding splits
     io_mask = s_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    p_off = pair * stride_ps + head * stride_ph  # [SPLITS_PAD]
     part = tl.load(
-        part_out_ptr
-        + row * stride_pd
-        + head * stride_ph
-        + offs_s[:, None] * stride_ps
-        + offs_d[None, :],
-        mask=io_mask,
-        other=0.0,
+        part_out_ptr + p_off[:, None] + offs_d[None, :], mask=io_mask, other=0.0
     )  # [SPLITS_PAD, D_PAD]
     total = tl.sum(weight, 0)
     out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)

@@ -164,7 +164,8 @@ def decode_settings(
     upcast: bool, num_splits: int,
 ) -> tuple[dict, dict]:  # fmt: skip
     """Settings of stage 1 (split) and stage 2 (merge). The split count itself is a run-time
-    argument; only whether there is one split (`DIRECT`) and its padded power of two are fixed."""
+    argument; only whether there is one split (`DIRECT`) is fixed, and the merge's padded width
+    (64 lanes, more only for a larger count fixed by hand)."""
     group = num_heads // num_kv_heads
     group_pad, d_pad = next_power_of_2(group, 16), next_power_of_2(head_dim, 16)
     # The accumulator is [GROUP_PAD, D_PAD] float32. Past 64 × 128 (MQA: 128 query heads on one
@@ -175,9 +176,11 @@ def decode_settings(
         BLOCK_N=tiles.decode_block_n, UPCAST=upcast, DIRECT=num_splits == 1,
         num_warps=warps, num_stages=tiles.decode_stages,
     )  # fmt: skip
+    # One padded width for every count the backend picks (masked lanes cost no memory traffic),
+    # so a server never compiles the merge again as its load changes.
     merge = dict(
-        SPLITS_PAD=next_power_of_2(num_splits), HEAD_DIM=head_dim,
-        D_PAD=next_power_of_2(head_dim, 16),
+        SPLITS_PAD=next_power_of_2(max(num_splits, MAX_SPLITS)), HEAD_DIM=head_dim, D_PAD=d_pad,
+        num_warps=4 if d_pad <= 128 else 8,  # a [64, D_PAD] float32 tile in registers
     )  # fmt: skip
     return split, merge
 
@@ -204,13 +207,13 @@ class LayerPlan:
 
     tiles: KernelTiles
     prefill: dict  # prefill kernel settings
-    q_blocks: torch.Tensor  # int32 [2, NB]  (request, block index) of every query block
+    q_blocks: torch.Tensor  # int32 [NB, 2]  (request, block index) of every query block
     decode_seqs: torch.Tensor  # int32 [D]  the step's decode rows (the plan's, shared)
     num_splits: int  # KV splits of the decode rows (a run-time kernel argument)
     decode_split: dict  # stage 1 settings
     decode_merge: dict  # stage 2 settings
-    part_out: torch.Tensor | None  # float32 [D, num_heads, num_splits, head_dim]; None: 1 split
-    part_lse: torch.Tensor | None  # float32 [D, num_heads, num_splits]
+    part_out: torch.Tensor | None  # float32 [D, num_splits, num_heads, head_dim]; None: 1 split
+    part_lse: torch.Tensor | None  # float32 [D, num_splits, num_heads]
 
 
 @dataclass
@@ -251,11 +254,11 @@ class TritonPlan:
         if num_splits > 1 and self.num_decodes:
             # Stage 1's output, stage 2's input: tiny next to the KV cache it summarises.
             part_out = torch.empty(
-                (self.num_decodes, s.num_heads, num_splits, s.head_dim),
+                (self.num_decodes, num_splits, s.num_heads, s.head_dim),
                 dtype=torch.float32, device=device,
             )  # fmt: skip
             part_lse = torch.empty(
-                (self.num_decodes, s.num_heads, num_splits), dtype=torch.float32, device=device
+                (self.num_decodes, num_splits, s.num_heads), dtype=torch.float32, device=device
             )
         return LayerPlan(
             tiles=tiles,
@@ -272,17 +275,17 @@ class TritonPlan:
 
 def flatten_query_blocks(
     prompts: list[tuple[int, int]], block_q: int, device: torch.device
-) -> torch.Tensor:  # int32 [2, NB]: row 0 the request, row 1 the block index within it
+) -> torch.Tensor:  # int32 [NB, 2]: (request, block index within its new tokens)
     """Every query block of the step, once: ceil(query_len / block_q) per prompt request."""
     if not prompts:
-        return torch.empty((2, 0), dtype=torch.int32, device=device)
+        return torch.empty((0, 2), dtype=torch.int32, device=device)
     reqs = torch.tensor([r for r, _ in prompts], dtype=torch.int32)
     counts = torch.tensor([cdiv(q, block_q) for _, q in prompts])
     seqs = torch.repeat_interleave(reqs, counts)  # [NB]
     # Block index within its request: position in the list minus where its request's run starts.
     starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
     idx = (torch.arange(int(counts.sum())) - starts).to(torch.int32)
-    return torch.stack([seqs, idx]).to(device)
+    return torch.stack([seqs, idx], dim=1).to(device)
 
 
 def make_triton_plan(
