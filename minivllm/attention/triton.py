@@ -286,7 +286,9 @@ def _check_inputs(
     if not INTERPRETED and not k_cache.is_cuda:
         raise ValueError("the compiled Triton kernels need CUDA tensors, got a CPU KV cache")
     # One launch reads all of these; a tensor on another GPU is an illegal address there.
-    others = list(tensors) + ([] if meta is None else [meta.seq_lens, meta.block_tables])
+    others = list(tensors)
+    if meta is not None:
+        others += [meta.query_start_loc, meta.seq_lens, meta.block_tables]
     for t in [v_cache, *others]:
         if t.device != k_cache.device:
             raise ValueError(
