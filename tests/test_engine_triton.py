@@ -64,19 +64,26 @@ def test_smollm2_on_triton_matches_reference() -> None:
 def test_tiny_llama_on_compiled_triton_matches_reference_on_cuda(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """float32, so that greedy tokens may be compared exactly; chunked prompts next to decodes
-    of up to ~500 tokens of context, and a run short of blocks that preempts."""
+    """float32, so that greedy tokens may be compared exactly: prompts of up to 450 tokens in
+    64-token chunks next to decodes (long enough contexts that the default split count splits),
+    then the CPU test's short prompts in 5 blocks, which preempts."""
     require_compiled_cuda(request.config)
     _, path = save_tiny_llama(tmp_path, dict(num_key_value_heads=2, initializer_range=0.5))
     gen = torch.Generator().manual_seed(1)
-    lengths = (3, 40, 200, 450)
-    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
-    for overrides in (dict(max_num_batched_tokens=64), dict(num_gpu_blocks_override=40)):
+    runs = [
+        ((3, 40, 200, 450), [40, 30, 30, 40], dict(max_num_batched_tokens=64, max_model_len=512)),
+        ((3, 5, 7, 20), [30, 25, 20, 10],
+         dict(num_gpu_blocks_override=5, max_model_len=48, max_num_batched_tokens=20)),
+    ]  # fmt: skip
+    for lengths, max_tokens, overrides in runs:
+        prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
         results = {}
         for backend in ("reference", "triton"):
             with checked_llm(
                 model=str(path), skip_tokenizer_init=True, attention_backend=backend,
-                device="cuda", dtype="float32", block_size=16, max_model_len=512, **overrides,
+                device="cuda", dtype="float32", block_size=16, **overrides,
             ) as llm:  # fmt: skip
-                results[backend] = _greedy(llm, prompts, [40, 30, 30, 40])
+                results[backend] = _greedy(llm, prompts, max_tokens)
+                preempted = llm.get_stats().num_preemptions > 0
+                assert preempted == ("num_gpu_blocks_override" in overrides), overrides
         assert results["triton"] == results["reference"], overrides
