@@ -36,7 +36,11 @@ cat "$OUT/machine.txt"
 
 # 1. The GPU suite compiled (parity grid, >2**31-element cache, padded rows, engine end to end,
 #    registers/spills/shared memory as loaded), then the sm_90 compile-only report.
-step 1-gpu-suite "$PY" -m pytest -q -m gpu tests -rA -p no:cacheprovider --timeout=900
+# Compiling the kernel variants is most of the suite's time: spread it over 4 workers if
+# pytest-xdist is there (the lent H200s have it).
+parallel=()
+"$PY" -c "import xdist" 2>/dev/null && parallel=(-n 4)
+step 1-gpu-suite "$PY" -m pytest -q -m gpu tests -rA -p no:cacheprovider --timeout=900 "${parallel[@]}"
 step 1-compile-report "$PY" -m pytest -q tests/test_attention_triton_launch.py -rA \
   -p no:cacheprovider -k sm90
 # 2. Overheads: first-call (compile) time by context length, a chunk with and without 64
