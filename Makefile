@@ -39,10 +39,17 @@ test: lint unit docs
 serve: install
 	$(VENV)/bin/minivllm serve $(MODEL) $(SERVE_ARGS)
 
-# On a machine with a CUDA GPU: the kernel parity suite compiled for real, then the kernel benchmark.
+# On a machine with a CUDA GPU: the GPU suite compiled for real (kernel parity, the engine end to
+# end, resources as loaded), then the kernel benchmark, which fails when it misses its target.
 test-gpu: install
-	$(PY) -m pytest -q -m gpu tests
-	$(PY) -m minivllm.benchmarks.kernels
+	env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu tests -rA
+	env -u TRITON_INTERPRET $(PY) -m minivllm.benchmarks.kernels
+
+# The prepared one-call GPU check (suite, sm_90 resource report, overheads, quick benchmark), its
+# outputs under bench-out/gpu-check/. On a bare GPU machine: PYTHON=python3 bash scripts/gpu_check.sh
+.PHONY: gpu-check
+gpu-check: install
+	PYTHON=$(PY) bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache

@@ -5,16 +5,18 @@ The parity grid is pairwise, not a cartesian product: every pair of values of an
 bugs that need two factors to meet (e.g. GQA 3:1 with head_dim 80 masking) in 20 cases instead
 of 240. Every case also runs several requests of different lengths in one call, with the lengths
 that probe block edges: 1, block_size − 1, block_size, block_size + 1 and a few hundred.
-tests/test_attention_gpu.py runs the same grid on a GPU with the kernels compiled.
 
-Also here: exact cache writes, and a compile-only check that every kernel compiles for sm_90
-(Hopper: H100/H200) to a cubin, with no GPU, in a subprocess without the interpreter.
+The interpreter's own tiles are large (256 keys per decode tile) to keep it fast, so a few cases
+run the sm_90 tiles instead (`gpu_tiles`): 32- and 64-key tiles, several non-empty KV splits,
+head_dim 256. tests/test_attention_gpu.py runs all of it on a GPU with the kernels compiled;
+tests/test_attention_triton_launch.py checks the launches themselves (grids, plans, sm_90 builds).
+
+Also here: exact cache writes, padded requests with nothing in cache, the int64 cache offsets.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -24,9 +26,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from test_attention_reference import TOLERANCES, batch_shape, make_paged_batch
 
-from minivllm.attention import get_attention_backend
+from minivllm.attention import AttentionMetadata, get_attention_backend
+from minivllm.attention import triton_kernels as K
 from minivllm.attention.reference import ReferenceBackend
 from minivllm.attention.triton import INTERPRETED, TritonBackend
 
@@ -41,13 +46,15 @@ class ParityCase:
     head_dim: int  # 64, and 80 (not a power of two: masked lanes)
     block_size: int
     num_splits: int | None = None  # decode kernel's KV splits; None = the backend's choice
+    gpu_tiles: bool = False  # the sm_90 tile sizes, even in the interpreter
 
     @property
     def id(self) -> str:
         h, hkv = self.heads
         dt = str(self.dtype).removeprefix("torch.")
         splits = f"-s{self.num_splits}" if self.num_splits else ""
-        return f"{self.mode}-{h}q{hkv}kv-{dt}-d{self.head_dim}-bs{self.block_size}{splits}"
+        tiles = "-gputiles" if self.gpu_tiles else ""
+        return f"{self.mode}-{h}q{hkv}kv-{dt}-d{self.head_dim}-bs{self.block_size}{splits}{tiles}"
 
 
 # Pairwise covering grid over mode(5) × heads(4) × dtype(3) × head_dim(2) × block_size(2):
@@ -83,9 +90,26 @@ GRID_FACTORS = {
     "block_size": [16, 32],
 }
 
+# What a GPU runs and the interpreter's 256-key tiles hide: decode tiles of 64 keys (32 in float32
+# and for head_dim 256), so a 600-token context really is cut into 3-7 non-empty splits; 128-row
+# prefill tiles; head_dim 256 with its halved tiles; the decode rows of a mixed batch split too.
+GPU_TILE_CASES = [
+    ParityCase("decode_split", (8, 1), BF16, 128, 16, 5, gpu_tiles=True),
+    ParityCase("decode_split", (4, 2), F32, 64, 16, 7, gpu_tiles=True),
+    ParityCase("decode_split", (8, 2), BF16, 256, 16, 4, gpu_tiles=True),
+    ParityCase("mixed", (6, 2), F16, 64, 16, 3, gpu_tiles=True),
+    ParityCase("prefill", (4, 4), BF16, 128, 32, gpu_tiles=True),
+    ParityCase("extend", (8, 2), F16, 256, 16, gpu_tiles=True),
+]
+HEAD_DIM_256_CASES = [ParityCase("mixed", (4, 2), F32, 256, 16, 2)]  # the interpreter's tiles
 
-def check_attend_parity(case: ParityCase, device: str) -> float:
-    """Write K/V and attend with both backends on the same batch; returns the max abs error."""
+
+def check_attend_parity(case: ParityCase, device: str, use_plan: bool = True) -> float:
+    """Write K/V and attend with both backends on the same batch; returns the max abs error.
+
+    With `use_plan` the step's plan is built once and put in the metadata, as the model runner
+    does; without, `attend` builds its own.
+    """
     h, hkv = case.heads
     seq_lens, query_lens = batch_shape(case.mode, case.block_size)
     b = make_paged_batch(
@@ -96,12 +120,15 @@ def check_attend_parity(case: ParityCase, device: str) -> float:
     # must honour the token stride rather than assume contiguous inputs.
     qkv = torch.cat([b.query, b.key, b.value], dim=1)  # [T, h + 2 * hkv, head_dim]
     query, key, value = qkv[:, :h], qkv[:, h : h + hkv], qkv[:, h + hkv :]
-    ref, tri = ReferenceBackend(), TritonBackend(num_splits=case.num_splits)
+    ref = ReferenceBackend()
+    tri = TritonBackend(num_splits=case.num_splits, gpu_tiles=case.gpu_tiles or None)
     ref_k, ref_v = b.k_cache.clone(), b.v_cache.clone()
     ref.write_kv(key, value, ref_k, ref_v, b.meta.slot_mapping)
     tri.write_kv(key, value, b.k_cache, b.v_cache, b.meta.slot_mapping)
     assert torch.equal(b.k_cache, ref_k) and torch.equal(b.v_cache, ref_v)
     expected = ref.attend(query, ref_k, ref_v, b.meta, b.scale)
+    if use_plan:
+        b.meta.plan = tri.plan(b.meta, case.block_size)
     out = tri.attend(query, b.k_cache, b.v_cache, b.meta, b.scale)
     assert out.dtype == query.dtype and out.shape == query.shape
     torch.testing.assert_close(out, expected, **TOLERANCES[case.dtype])
@@ -125,6 +152,34 @@ def check_write_kv_exact(dtype: torch.dtype, device: str) -> None:
     assert torch.equal(b.v_cache.view(flat)[untouched], v_before.view(flat)[untouched])
 
 
+def check_padded_requests_attend_to_zeros(device: str, num_splits: int, mixed: bool) -> None:
+    """Padded requests between real ones: seq_len 0 with a token (output defined as zeros) and
+    seq_len 0 without one (nothing written, no neighbour overwritten). The real requests keep the
+    reference's output."""
+    h, hkv, d, bs = 4, 2, 64, 16
+    seq_lens, query_lens = ([40, 300], [33, 1]) if mixed else ([17, 300], [1, 1])
+    b = make_paged_batch(seq_lens, query_lens, h, hkv, d, bs, F32, device, seed=3)
+    expected = ReferenceBackend().attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale)
+    # Requests: padded (1 token, seq_len 0), real 0, padded (no token), real 1, padded (1 token).
+    q_lens = [1, query_lens[0], 0, query_lens[1], 1]
+    pad_row = torch.randn(1, h, d, device=device)
+    query = torch.cat([pad_row, b.query[: query_lens[0]], b.query[query_lens[0] :], pad_row])
+    starts = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
+    tables = torch.zeros(5, b.meta.block_tables.shape[1], dtype=torch.int32, device=device)
+    tables[1], tables[3] = b.meta.block_tables[0], b.meta.block_tables[1]
+    padded = AttentionMetadata(
+        query_start_loc=starts,
+        seq_lens=torch.tensor([0, seq_lens[0], 0, seq_lens[1], 0], dtype=torch.int32).to(device),
+        block_tables=tables,
+        slot_mapping=torch.full((query.shape[0],), -1, dtype=torch.int64, device=device),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+    out = TritonBackend(num_splits=num_splits).attend(query, b.k_cache, b.v_cache, padded, b.scale)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[-1], out[0])
+    torch.testing.assert_close(out[1:-1], expected, **TOLERANCES[F32])
+
+
 # ================================================================ CPU, Triton's interpreter
 
 interpreter_only = pytest.mark.skipif(
@@ -137,6 +192,17 @@ interpreter_only = pytest.mark.skipif(
 @pytest.mark.parametrize("case", PARITY_GRID, ids=lambda c: c.id)
 def test_triton_matches_reference_on_the_parity_grid(case: ParityCase) -> None:
     check_attend_parity(case, "cpu")
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", GPU_TILE_CASES + HEAD_DIM_256_CASES, ids=lambda c: c.id)
+def test_triton_matches_reference_with_the_gpu_tiles_and_head_dim_256(case: ParityCase) -> None:
+    check_attend_parity(case, "cpu")
+
+
+@interpreter_only
+def test_triton_attend_without_a_plan_builds_its_own() -> None:
+    check_attend_parity(ParityCase("mixed", (4, 2), F16, 64, 16, 2), "cpu", use_plan=False)
 
 
 @interpreter_only
@@ -159,6 +225,48 @@ def test_triton_write_kv_casts_like_the_reference() -> None:
 def test_triton_decode_default_splits_match_reference() -> None:
     """The backend's own split choice (num_splits=None) on a decode batch."""
     check_attend_parity(ParityCase("decode", (4, 2), BF16, 64, 16), "cpu")
+
+
+@interpreter_only
+@pytest.mark.parametrize(
+    ("num_splits", "mixed"), [(1, False), (4, False), (3, True)], ids=["1split", "4splits", "mixed"]
+)
+def test_padded_requests_with_nothing_in_cache_attend_to_zeros(
+    num_splits: int, mixed: bool
+) -> None:
+    """seq_len 0 used to merge -inf with -inf into NaN; it is defined as zeros."""
+    check_padded_requests_attend_to_zeros("cpu", num_splits, mixed)
+
+
+@triton.jit
+def _cache_offsets_probe(  # type: ignore[no-untyped-def]  # a Triton kernel
+    block_ptr, pos_ptr, out_ptr, kv_head, stride_cb, stride_cs, stride_ch, N: tl.constexpr
+):
+    offs = tl.arange(0, N)
+    block = tl.load(block_ptr + offs)  # int32, as the block tables hold them
+    pos = tl.load(pos_ptr + offs)
+    tl.store(out_ptr + offs, K.cache_offsets(block, pos, kv_head, stride_cb, stride_cs, stride_ch))
+
+
+@interpreter_only
+def test_cache_offsets_do_not_wrap_past_two_to_the_31_elements() -> None:
+    """A bfloat16 cache of 8 GiB has 2**32 elements: block ids times the block stride must be
+    computed in int64. (The interpreter wraps int32 products as a GPU does, so a narrowing would
+    show here; tests/test_attention_gpu.py reads such a cache for real.)"""
+    block_size, num_kv_heads, head_dim = 16, 8, 128
+    stride_ch, stride_cs = head_dim, num_kv_heads * head_dim
+    stride_cb = block_size * stride_cs  # 16,384 elements per block
+    blocks = torch.tensor([0, 1, 131_071, 131_072, 262_143, 2**31 - 1], dtype=torch.int32)
+    blocks = torch.cat([blocks, blocks[:2]])  # N = 8, a power of two
+    pos = torch.tensor([0, 15, 3, 0, 15, 7, 1, 2], dtype=torch.int32)
+    out = torch.empty(8, dtype=torch.int64)
+    kv_head = 7
+    _cache_offsets_probe[(1,)](blocks, pos, out, kv_head, stride_cb, stride_cs, stride_ch, N=8)
+    expected = [
+        b * stride_cb + p * stride_cs + kv_head * stride_ch
+        for b, p in zip(blocks.tolist(), pos.tolist())
+    ]
+    assert max(expected) > 2**31 and out.tolist() == expected
 
 
 def test_parity_grid_covers_every_pair() -> None:
@@ -215,82 +323,3 @@ def test_backend_errors_say_what_to_do() -> None:
     import_error, runtime_error = run.stdout.strip().splitlines()
     assert 'pip install "minivllm[triton]"' in import_error
     assert "TRITON_INTERPRET=1" in runtime_error and "no CUDA" in runtime_error
-
-
-# ====================================================================== compile-only, sm_90
-
-# Runs in a fresh interpreter with TRITON_INTERPRET=0: under the interpreter `@triton.jit` returns
-# an InterpretedFunction, which cannot be compiled. The launch settings are the backend's own
-# (`*_launch(on_gpu=True)`), so what compiles here is what an H100/H200 would launch.
-COMPILE_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    import torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from minivllm.attention import triton as backend, triton_kernels as K
-
-    POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-                "slot_mapping_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-    TY = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-    def compile_for_sm90(fn, dtype, launch):
-        options = {k: launch.pop(k) for k in ("num_warps", "num_stages") if k in launch}
-        signature = {}
-        for p in fn.params:
-            if p.is_constexpr:
-                signature[p.name] = "constexpr"
-            elif p.name.endswith("_ptr"):
-                signature[p.name] = POINTERS.get(p.name, "*" + TY[dtype])
-            else:
-                signature[p.name] = "fp32" if p.name == "qk_scale" else "i32"
-        src = ASTSource(fn, signature, launch)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-    results = []
-    for dtype, (h, hkv, d, bs) in json.loads(sys.argv[1]):
-        dtype = getattr(torch, dtype)
-        split, merge = backend.decode_launch(h, hkv, d, bs, dtype, True, 4)
-        for fn, launch in [
-            (K.write_kv_kernel, backend.write_kv_launch(d, bs, dtype, True)),
-            (K.paged_prefill_kernel, backend.prefill_launch(h, hkv, d, bs, dtype, True)),
-            (K.paged_decode_split_kernel, split),
-            (K.paged_decode_merge_kernel, merge),
-        ]:
-            kernel = compile_for_sm90(fn, dtype, dict(launch))
-            results.append([fn.__name__, str(dtype), sorted(kernel.asm), len(kernel.asm["cubin"])])
-    print(json.dumps(results))
-    """
-)
-
-# Every kernel for every dtype, at the benchmark's shape (GQA 8:1, head_dim 128) in 16 bits, and
-# at GQA 3:1 with head_dim 80 (masked lanes) in float32. Split across two processes: two cores.
-COMPILE_SHARDS = [
-    [["bfloat16", [32, 4, 128, 16]], ["float32", [6, 2, 80, 16]]],
-    [["float16", [32, 4, 128, 16]]],
-]
-
-
-def test_every_kernel_compiles_to_a_cubin_for_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_INTERPRET"] = "0"  # set, so that importing the backend leaves it off
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the current default; silences Triton's warning
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", COMPILE_SCRIPT, json.dumps(shard)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for shard in COMPILE_SHARDS
-    ]
-    compiled = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-4000:]
-        compiled += json.loads(stdout.strip().splitlines()[-1])
-    assert len(compiled) == 4 * 3
-    for name, dtype, stages, cubin_bytes in compiled:
-        assert "ptx" in stages and "cubin" in stages, (name, dtype, stages)
-        assert cubin_bytes > 0, (name, dtype)

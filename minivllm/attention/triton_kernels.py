@@ -15,11 +15,24 @@ Three ideas, each where it earns its place:
 - **GQA packing**: the query heads that share one KV head are rows of the same tile, so each K/V
   tile is loaded once per group rather than once per query head (vLLM's unified attention does the
   same). It also gives decode a matrix-shaped tile for `tl.dot` with a single query token.
-- **Flash-decoding (split-KV)** for decode: one new token per request leaves the prefill grid with
-  only `requests × kv_heads` programs, too few to keep an H200's 132 SMs streaming the cache.
-  Stage 1 splits each context into `num_splits` ranges and attends each range separately,
-  writing a partial output and its log-sum-exp; stage 2 merges the splits exactly,
-  `out = Σ_s exp(lse_s - lse) · out_s`, because softmax over a union is a weighted mix of softmaxes.
+- **Flash-decoding (split-KV)** for the rows with one new token (decodes, in decode-only and
+  mixed batches alike): one query token per request leaves only `requests × kv_heads` programs,
+  too few to keep an H200's 132 SMs streaming the cache. Stage 1 splits each context into
+  `num_splits` ranges and attends each range separately, writing a partial output and its
+  log-sum-exp; stage 2 merges the splits exactly, `out = Σ_s exp(lse_s - lse) · out_s`, because
+  softmax over a union is a weighted mix of softmaxes. With one split, stage 1 writes the output
+  itself and stage 2 is not launched.
+
+What changes from step to step is passed at run time, never as a `tl.constexpr`: a constexpr is
+part of the compiled kernel's identity, so a split count that followed the batch would recompile
+both decode kernels (seconds each) as a server's load changed. `num_splits` and `num_tokens` are
+exempt from Triton's value specialisation (`do_not_specialize`), which would otherwise compile
+separate variants for the value 1 and for multiples of 16; so is the block tables' row stride,
+which follows the longest request of the step. The partial outputs are laid out
+`[row, split, head, dim]`, so their strides do not depend on the split count either.
+
+Addresses: every offset into the cache or the token-major tensors is computed in int64
+(`cache_offsets`): a KV cache passes 2**31 elements at about 8 GiB of bfloat16.
 
 Precision: dots accumulate in float32 with `input_precision="ieee"` (no TF32), so float32 matches
 the reference to ~1e-6. Under Triton's CPU interpreter the kernels upcast K/V/Q to float32 after
@@ -27,10 +40,10 @@ loading (`UPCAST`): the interpreter keeps bfloat16 as raw uint16 bits and would 
 them. On a GPU the operands stay in 16 bits for the tensor cores and only `p` is rounded, as in
 FlashAttention.
 
-This module only defines the kernels; their tile sizes and launches are in
-`minivllm.attention.triton`. Import it through that module, which switches the interpreter on
-when there is no GPU *before* the `@triton.jit` decorators below run: Triton decides there,
-per kernel, whether it is interpreted or compiled.
+This module only defines the kernels; their tile sizes and per-step work lists are in
+`minivllm.attention.triton_plan`, their launches in `minivllm.attention.triton`. Import it through
+that module, which switches the interpreter on when there is no GPU *before* the `@triton.jit`
+decorators below run: Triton decides there, per kernel, whether it is interpreted or compiled.
 """
 
 from __future__ import annotations
@@ -38,10 +51,30 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# ================================================================================== cache write
+# ================================================================================== addresses
 
 
 @triton.jit
+def cache_offsets(
+    block,  # int tensor: physical block of each key (any integer type)
+    pos_in_block,  # int tensor of the same shape: offset inside the block
+    kv_head,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+):
+    """Element offset of (block, offset, KV head) in a `[num_blocks, block_size, heads, dim]` cache.
+
+    The block id is widened to int64 *before* it is multiplied by the block stride: a cache of
+    8 GiB of bfloat16 has 2**32 elements, and an int32 product would wrap to a wrong address.
+    """
+    return block.to(tl.int64) * stride_cb + pos_in_block * stride_cs + kv_head * stride_ch
+
+
+# ================================================================================== cache write
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
 def write_kv_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
     key_ptr,  # [T, num_kv_heads, head_dim], same dtype as the cache
     value_ptr,  # [T, num_kv_heads, head_dim]
@@ -70,7 +103,9 @@ def write_kv_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel 
     # -1 marks a token whose K/V must not be written (already cached, or padding): masked out,
     # so its slot keeps whatever it held.
     mask = (slot >= 0)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    dst = cache_offsets(
+        slot // BLOCK_SIZE, slot % BLOCK_SIZE, kv_head, stride_cb, stride_cs, stride_ch
+    )  # [BLOCK_T] int64
     src_t = offs_t.to(tl.int64)
     k = tl.load(
         key_ptr + (src_t * stride_kt + kv_head * stride_kh)[:, None] + offs_d[None, :], mask=mask
@@ -115,10 +150,11 @@ def _attend_key_range(  # type: ignore[no-untyped-def]  # Triton's untyped kerne
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        # The PagedAttention step: logical key n -> (physical block, offset). Block ids are widened
-        # to int64 before multiplying by the block stride: a large cache passes 2**31 elements.
-        block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        # The PagedAttention step: logical key n -> (physical block, offset).
+        block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        kv_off = cache_offsets(
+            block, offs_n % BLOCK_SIZE, kv_head, stride_cb, stride_cs, stride_ch
+        )  # [BLOCK_N] int64
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -144,7 +180,7 @@ def _attend_key_range(  # type: ignore[no-untyped-def]  # Triton's untyped kerne
 # ============================================================================ prefill / extend
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
     query_ptr,  # [T, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -153,6 +189,7 @@ def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped ke
     block_tables_ptr,  # int32 [B, max_blocks_per_seq]
     seq_lens_ptr,  # int32 [B]
     query_start_loc_ptr,  # int32 [B + 1]
+    q_blocks_ptr,  # int32 [NB, 2]  (request, block index within its new tokens) per program
     qk_scale,
     stride_qt,
     stride_qh,
@@ -173,19 +210,20 @@ def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped ke
 ):
     """Causal attention of BLOCK_Q new tokens × one GQA group over the request's whole cache.
 
-    Grid: (request, query-token block, KV head). The new tokens are the last `query_len` of the
+    Grid: (query block, KV head), over the query blocks that exist: the step's list `q_blocks`
+    holds ceil(query_len / BLOCK_Q) blocks per request with several new tokens, and nothing
+    else, so no program starts only to exit (vLLM's unified attention flattens its grid the same
+    way). The new tokens are the last `query_len` of the
     `seq_len` in cache (bottom-right alignment), so new token j sits at position
-    `seq_len - query_len + j` and sees keys 0..that position: cached prefix, earlier chunks and the
-    new tokens before it. That one rule covers prefill, chunked prefill and prefix-cache hits.
+    `seq_len - query_len + j` and sees keys 0..that position: cached prefix, earlier chunks and
+    the new tokens before it. That one rule covers prefill, chunked prefill and prefix-cache hits.
     """
-    req = tl.program_id(0)
-    q_block = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.load(q_blocks_ptr + 2 * pid)
+    q_block = tl.load(q_blocks_ptr + 2 * pid + 1)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    # The grid is sized for the longest query; blocks past this request's query have no work.
-    if q_block * BLOCK_Q >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len  # tokens in cache before the new ones
 
@@ -207,14 +245,15 @@ def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped ke
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # Key 0 is visible to every row (padding rows included), so no row divides by zero.
+    # Key 0 is visible to every row (padding rows included) whenever seq_len > 0.
     acc, m_i, l_i = _attend_key_range(
         q, acc, m_i, l_i, q_pos, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + req.to(tl.int64) * stride_bt, kv_head, 0, hi, qk_scale,
         stride_cb, stride_cs, stride_ch,
         BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, True, UPCAST,
     )  # fmt: skip
-    out = acc / l_i[:, None]
+    # A request with nothing in cache (seq_len 0, a padded row) saw no key: its output is 0.
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_row = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(
         out_ptr + o_row[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask
@@ -224,48 +263,57 @@ def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped ke
 # ============================================================================== decode (2 stages)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
-    query_ptr,  # [T, num_heads, head_dim], one new token per request
+    query_ptr,  # [T, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,
-    part_out_ptr,  # float32 [B, num_heads, NUM_SPLITS, head_dim]  normalised output of each split
-    part_lse_ptr,  # float32 [B, num_heads, NUM_SPLITS], contiguous splits; log2-sum-exp2 of each split's scores
+    out_ptr,  # [T, num_heads, head_dim]  written here only if DIRECT (one split)
+    part_out_ptr,  # float32 [D, num_splits, num_heads, head_dim]  each split's normalised output
+    part_lse_ptr,  # float32 [D, num_splits, num_heads]  log2-sum-exp2 of each split's scores
+    decode_seqs_ptr,  # int32 [D]  the requests with one new token
     block_tables_ptr,  # int32 [B, max_blocks_per_seq]
     seq_lens_ptr,  # int32 [B]
     query_start_loc_ptr,  # int32 [B + 1]
+    num_splits,
     qk_scale,
     stride_qt,
     stride_qh,
+    stride_ot,
+    stride_oh,
     stride_bt,
     stride_cb,
     stride_cs,
     stride_ch,
-    stride_pb,
+    stride_ps,  # part_out's stride between (row, split) pairs: num_heads * head_dim
     stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
+    stride_ls,  # part_lse's stride between (row, split) pairs: num_heads
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # >= 16: the smallest M that tl.dot accepts
-    NUM_SPLITS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    DIRECT: tl.constexpr,  # one split: write the output itself; no partials, no stage 2
 ):
-    """Stage 1 of flash-decoding. Grid: (request, KV head, split).
+    """Stage 1 of flash-decoding. Grid: (decode row, KV head, split).
 
     The newest token sees every key, so no causal mask: only the split's range [lo, hi). Splits
-    are whole numbers of key tiles, sized per request (`ceil(seq_len / NUM_SPLITS)`), so a short
+    are whole numbers of key tiles, sized per request (`ceil(seq_len / num_splits)`), so a short
     request leaves its last splits empty; those write lse = -inf and weigh nothing in stage 2.
+    A request with nothing in cache (seq_len 0, a padded row) leaves every split empty.
     """
-    req = tl.program_id(0)
+    row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    req = tl.load(decode_seqs_ptr + row)
+    token = tl.load(query_start_loc_ptr + req)
+    # A decode-only step lists every request, and a padded one may have no new token at all.
+    if tl.load(query_start_loc_ptr + req + 1) - token != 1:
+        return
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
@@ -274,8 +322,7 @@ def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyp
     head = kv_head * GROUP + offs_g  # [GROUP_PAD] query heads of this KV head
     g_mask = offs_g < GROUP
     io_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
-    q_row = token * stride_qt + head * stride_qh
+    q_row = token.to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(query_ptr + q_row[:, None] + offs_d[None, :], mask=io_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -291,57 +338,76 @@ def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyp
     )  # fmt: skip
     # An empty split has l = 0 and m = -inf: store out = 0 and lse = -inf instead of 0/0.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    lse = m_i + tl.log2(l_safe)  # [GROUP_PAD]
-    p_row = req.to(tl.int64) * stride_pb + head * stride_ph + split * stride_ps
-    tl.store(part_out_ptr + p_row[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=io_mask)
-    lse_row = req.to(tl.int64) * stride_lb + head * stride_lh + split
-    tl.store(part_lse_ptr + lse_row, lse, mask=g_mask)
+    if DIRECT:
+        o_row = token.to(tl.int64) * stride_ot + head * stride_oh
+        out = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + o_row[:, None] + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
+    else:
+        lse = m_i + tl.log2(l_safe)  # [GROUP_PAD]
+        # (row, split) pairs are numbered row * num_splits + split and multiplied by a stride
+        # that is fixed for the model, so the split count never reaches the compiled code.
+        pair = row.to(tl.int64) * num_splits + split
+        p_row = pair * stride_ps + head * stride_ph
+        tl.store(
+            part_out_ptr + p_row[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=io_mask
+        )
+        tl.store(part_lse_ptr + pair * stride_ls + head, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def paged_decode_merge_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
-    part_out_ptr,  # float32 [B, num_heads, NUM_SPLITS, head_dim]
-    part_lse_ptr,  # float32 [B, num_heads, NUM_SPLITS]
+    part_out_ptr,  # float32 [D, num_splits, num_heads, head_dim]
+    part_lse_ptr,  # float32 [D, num_splits, num_heads]
     out_ptr,  # [T, num_heads, head_dim], the query's dtype
+    decode_seqs_ptr,  # int32 [D]
     query_start_loc_ptr,  # int32 [B + 1]
+    num_splits,
     stride_ot,
     stride_oh,
-    stride_pb,
-    stride_ph,
     stride_ps,
-    stride_lb,
-    stride_lh,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+    stride_ph,
+    stride_ls,
+    SPLITS_PAD: tl.constexpr,  # a power of two >= num_splits (64 for every automatic count)
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
     """Stage 2 of flash-decoding: out = Σ_s 2^(lse_s - max lse) · out_s / Σ_s 2^(lse_s - max lse).
 
-    Grid: (request, query head). Split 0 always holds key 0, so the max is finite.
+    Grid: (decode row, query head). Split 0 holds key 0 whenever seq_len > 0, so the max is
+    finite; with seq_len 0 every split is empty, and the output is defined as 0 (not the NaN of
+    -inf - -inf).
     """
-    req = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    req = tl.load(decode_seqs_ptr + row)
+    token = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - token != 1:
+        return  # stage 1 skipped this padded request too
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, D_PAD)
-    s_mask = offs_s < NUM_SPLITS
-    lse_row = req * stride_lb + head * stride_lh
-    lse = tl.load(part_lse_ptr + lse_row + offs_s, mask=s_mask, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]; 0 for empty and padding splits
+    s_mask = offs_s < num_splits
+    pair = row * num_splits + offs_s  # [SPLITS_PAD] (row, split) pairs, as stage 1 numbers them
+    lse = tl.load(part_lse_ptr + pair * stride_ls + head, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no key at all: weights all 0
+    weight = tl.exp2(lse - lse_max)  # [SPLITS_PAD]; 0 for empty and padding splits
     io_mask = s_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    p_off = pair * stride_ps + head * stride_ph  # [SPLITS_PAD]
     part = tl.load(
-        part_out_ptr
-        + req * stride_pb
-        + head * stride_ph
-        + offs_s[:, None] * stride_ps
-        + offs_d[None, :],
-        mask=io_mask,
-        other=0.0,
+        part_out_ptr + p_off[:, None] + offs_d[None, :], mask=io_mask, other=0.0
     )  # [SPLITS_PAD, D_PAD]
-    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
-    token = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    total = tl.sum(weight, 0)
+    out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
-        out_ptr + token * stride_ot + head * stride_oh + offs_d,
+        out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
         out.to(out_ptr.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
     )
+
+
+# True when the kernels above were decorated under Triton's interpreter (they run on CPU tensors).
+INTERPRETED = not isinstance(write_kv_kernel, triton.runtime.jit.JITFunction)
