@@ -204,9 +204,6 @@ class TritonBackend:
         """The step's work list (decode rows, flattened query blocks), shared by all layers."""
         return make_triton_plan(meta, num_sms(meta.seq_lens.device), self.num_splits)
 
-    def plan(self, meta: AttentionMetadata, block_size: int) -> None:
-        return None  # the kernels read the metadata directly
-
     def write_kv(
         self,
         key: torch.Tensor,  # [T, num_kv_heads, head_dim]
