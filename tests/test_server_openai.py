@@ -107,6 +107,32 @@ def test_n2_returns_two_indexed_choices(client: openai.OpenAI) -> None:
     assert resp.usage.completion_tokens == sum(6 for _ in resp.choices)
 
 
+def test_beam_search_returns_n_beams_and_width_one_is_greedy(
+    server: RemoteServer, client: openai.OpenAI
+) -> None:
+    prompt = "The three primary colors are"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    beam = {"use_beam_search": True, "ignore_eos": True}
+    one = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, extra_body=beam)
+    assert one.choices[0].text == greedy.choices[0].text
+    three = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, n=3, extra_body=beam
+    )
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert len({c.text for c in three.choices}) == 3
+    assert all(c.finish_reason == "length" for c in three.choices)
+    assert three.usage.completion_tokens == 18
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=5, n=2, stream=True, extra_body=beam
+    )
+    texts = ["", ""]
+    for chunk in chat:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert all(texts) and texts[0] != texts[1]
+    wait_idle(server)
+
+
 def test_several_prompts_number_choices_prompt_major(client: openai.OpenAI) -> None:
     texts = client.completions.create(
         model=MODEL, prompt=["Hello", "Hello,"], max_tokens=3, n=2, temperature=0
@@ -232,6 +258,10 @@ BAD_REQUESTS = [
     ("oversized-body", "/v1/completions", b'{"prompt": "' + b"a" * 5_000_000 + b'"}', 413, "larger"),
     ("detokenize-bad-token", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("stream-options-without-stream", "/v1/completions", {**GOOD_COMPLETION, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("beam-with-top-p", "/v1/completions", {**GOOD_COMPLETION, "use_beam_search": True, "top_p": 0.5}, 400, "top_p"),
+    ("beam-with-logprobs", "/v1/completions", {**GOOD_COMPLETION, "use_beam_search": True, "logprobs": 2}, 400, "logprobs"),
+    ("beam-too-wide", "/v1/chat/completions", {**GOOD_CHAT, "use_beam_search": True, "n": 11}, 400, "n"),
+    ("length-penalty-without-beams", "/v1/completions", {**GOOD_COMPLETION, "length_penalty": 2.0}, 400, "length_penalty"),
     ("chat-stream-options-stream-false", "/v1/chat/completions", {**GOOD_CHAT, "stream": False, "stream_options": {"continuous_usage_stats": True}}, 400, "stream_options"),
 ]  # fmt: skip
 

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from minivllm.beam_search import BeamSearchParams
 from minivllm.engine import LLMEngine
 from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
@@ -39,7 +40,7 @@ StreamItem = RequestOutput | BaseException
 class _Add:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     sink: Callable[[StreamItem], None]
 
 
@@ -98,7 +99,7 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         out: asyncio.Queue[StreamItem],
     ) -> None:
         """Queue a request; its outputs (and a failure, as an exception) arrive on `out`.

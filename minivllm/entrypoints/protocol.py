@@ -115,9 +115,19 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    use_beam_search: bool = Field(
+        False,
+        description="vLLM's beam search: `n` (or `best_of`) beams, the best first; greedy unless "
+        "`temperature` > 0. Sampling-only fields (penalties, top_p/top_k/min_p, seed, stop, "
+        "logprobs, ...) are refused with it.",
+    )
+    length_penalty: float = Field(
+        1.0,
+        description="Beam search only: beams are ranked by cum_logprob / len ** length_penalty.",
+    )
     # OpenAI's and vLLM's fields that minivllm cannot honour
     logit_bias: Any = _unsupported("logit_bias is not supported by minivllm")
-    best_of: Any = Field(None, description="Only equal to `n`: every sample is returned.")
+    best_of: Any = Field(None, description="Only equal to `n`: every sample (or beam) is returned.")
     prompt_logprobs: Any = _unsupported("prompt_logprobs is not supported by minivllm")
     guided_json: Any = _unsupported("guided decoding (guided_json) is not supported by minivllm")
     guided_regex: Any = _unsupported("guided decoding (guided_regex) is not supported by minivllm")
@@ -200,6 +210,23 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
+BEAM_SEARCH_REFUSED = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+)
+
+
 def unsupported_fields(req: _SamplingFields) -> None:
     """Refuse, by name, every declared field that minivllm cannot honour."""
     for name, field in type(req).model_fields.items():
@@ -211,6 +238,14 @@ def unsupported_fields(req: _SamplingFields) -> None:
             f"best_of must equal n ({req.n}): minivllm returns every sample, got {req.best_of!r}",
             param="best_of",
         )
+    if req.use_beam_search:
+        # Beam search ranks whole beams by their log-probability; these shape sampling instead.
+        fields = type(req).model_fields
+        for name in BEAM_SEARCH_REFUSED:
+            if name in fields and getattr(req, name) != fields[name].default:
+                raise OpenAIError(f"{name} is not supported with use_beam_search", param=name)
+    elif req.length_penalty != 1.0:
+        raise OpenAIError("length_penalty needs use_beam_search", param="length_penalty")
     fmt = getattr(req, "response_format", None)
     if fmt is not None and fmt != {"type": "text"}:
         raise OpenAIError(

@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from minivllm.beam_search import BeamSearchParams
 from minivllm.entrypoints.async_engine import AsyncLLMEngine, StreamItem
 from minivllm.entrypoints.protocol import OpenAIError, StreamOptions
 from minivllm.inputs import PromptType
@@ -112,11 +113,26 @@ class OpenAIServing:
             )
         return requested  # < 1 is refused by SamplingParams, with its own message
 
-    def sampling_params(self, req: Any, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, req: Any, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams | BeamSearchParams:
         if req.n > self.max_num_seqs:
             raise OpenAIError(
                 f"n must be at most max_num_seqs ({self.max_num_seqs}), got {req.n}", param="n"
             )
+        if req.use_beam_search:
+            try:
+                return BeamSearchParams(
+                    beam_width=req.best_of if req.best_of is not None else req.n,
+                    max_tokens=max_tokens,
+                    ignore_eos=req.ignore_eos,
+                    temperature=req.temperature if req.temperature is not None else 0.0,
+                    length_penalty=req.length_penalty,
+                )
+            except ValueError as exc:
+                field = str(exc).split(" ", 1)[0]
+                param = {"beam_width": "n", "max_tokens": "max_tokens"}.get(field, field)
+                raise OpenAIError(str(exc), param=param) from None
         extras = {
             k: v
             for k, v in (
@@ -151,7 +167,10 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ engine plumbing
     def _submit(
-        self, rid: str, prompts: list[PromptType], params: list[SamplingParams]
+        self,
+        rid: str,
+        prompts: list[PromptType],
+        params: Sequence[SamplingParams | BeamSearchParams],
     ) -> tuple[asyncio.Queue[StreamItem], list[str]]:
         out: asyncio.Queue[StreamItem] = asyncio.Queue()
         rids = [f"{rid}-{i}" for i in range(len(prompts))]
@@ -185,7 +204,7 @@ class OpenAIServing:
         self,
         rid: str,
         prompts: list[PromptType],
-        params: list[SamplingParams],
+        params: Sequence[SamplingParams | BeamSearchParams],
         is_disconnected: Any,
     ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)
@@ -214,14 +233,15 @@ class OpenAIServing:
         self,
         rid: str,
         prompts: list[PromptType],
-        params: list[SamplingParams],
+        params: Sequence[SamplingParams | BeamSearchParams],
         header: dict[str, Any],
         chunk: ChunkFn,
         options: StreamOptions | None,
         role_chunk: Callable[[int], dict[str, Any]] | None = None,
         emit_first: bool = False,
     ) -> StreamingResponse:
-        n = params[0].n
+        p0 = params[0]
+        n = p0.beam_width if isinstance(p0, BeamSearchParams) else p0.n
         include_usage = options is not None and options.include_usage
         continuous_usage = options is not None and options.continuous_usage_stats
         num_prompt = [len(prompt_ids(p)) for p in prompts]
