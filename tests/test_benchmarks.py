@@ -5,40 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
+from engine_utils import save_tiny_llama
 
-from minivllm.benchmarks import memory, prefix, throughput
+from minivllm.benchmarks import memory, prefix, sharing, throughput
 from minivllm.benchmarks.common import BenchRequest, length_range, random_requests
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama with SmolLM2's tokenizer: loads in well under a second."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from minivllm.model.loader import resolve_model
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    source = resolve_model(None).path
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, out)
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def parse(module: object, argv: list[str]) -> argparse.Namespace:
@@ -140,3 +119,26 @@ def test_prefix_sharing_lowers_prompt_tokens_and_peak_blocks(
     assert shared["prompt_tokens_computed"] * 4 == independent["prompt_tokens_computed"]
     assert shared["peak_kv_blocks_used"] < independent["peak_kv_blocks_used"]
     assert shared["output_tokens"] == independent["output_tokens"]
+
+
+def test_sharing_saves_memory_in_beam_search_and_parallel_sampling(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "sharing.json"
+    argv = ["--model", str(tiny_llama), "--workloads", "sharegpt", "--widths", "2,4"]
+    argv += ["--num-prompts", "2", "--max-len", "40", "--json", str(out)]
+    argv += ["--plot", str(tmp_path / "sharing.png")]
+    assert sharing.main(parse(sharing, argv)) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["method"], r["width"]) for r in results] == [
+        ("parallel", 2),
+        ("parallel", 4),
+        ("beam", 2),
+        ("beam", 4),
+    ]
+    for r in results:
+        assert 0 < r["mean_blocks_shared"] < r["mean_blocks_private"]
+        assert 0 < r["saving"] < 1 and r["peak_blocks_shared"] <= r["peak_blocks_private"]
+    by = {(r["method"], r["width"]): r["saving"] for r in results}
+    assert by[("beam", 4)] > by[("beam", 2)]  # more beams, more of the history shared
+    assert (tmp_path / "sharing.png").stat().st_size > 0

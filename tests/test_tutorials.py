@@ -161,12 +161,24 @@ def test_07_openai_client_talks_to_minivllm_serve(tmp_path: Path) -> None:
     assert "server stopped" in out
 
 
+@pytest.mark.slow
+def test_10_beams_share_blocks_fork_copy_and_prune(tmp_path: Path) -> None:
+    out = run_tutorial("10_beam_search.py", tmp_path)
+    held = number(r"blocks held on average: ([\d.]+)", out)
+    separate = number(r"without sharing ([\d.]+)", out)
+    assert 0 < held < separate
+    assert re.search(r"beam +\d+: \[\d+\*4", out)  # a block shared by all four beams
+    assert number(r"copy-on-write copies: (\d+)", out) > 0
+    assert len(re.findall(r"^  +-?[\d.]+  '", out, re.M)) == 4  # four beams, with scores
+    assert_png(tmp_path / "10_beam_blocks.png")
+
+
 # ------------------------------------------------------------------------- the docs quote them
 
 
 def test_every_tutorial_is_run_here_and_shown_in_the_docs() -> None:
     tutorials = sorted(p.name for p in TUTORIALS.glob("[0-9][0-9]_*.py"))
-    assert len(tutorials) == 7
+    assert len(tutorials) >= 8
     tested = Path(__file__).read_text()
     docs = "\n".join(p.read_text() for p in DOCS.rglob("*.md"))
     for name in tutorials:

@@ -95,6 +95,18 @@ def render(path: Path) -> str:
                 for r in data["runs"]
             ],
         )
+    elif kind == "sharing":
+        ranges = data.get("paper_ranges", {})
+        body = _table(
+            ["workload", "method", "n / beam width", "KV blocks (mean)", "without sharing",
+             "saved", "saved at peak", "paper (§6.3)"],
+            [
+                [r["workload"], r["method"], r["width"], r["mean_blocks_shared"],
+                 r["mean_blocks_private"], _pct(r["saving"]), _pct(r["peak_saving"]),
+                 "{}-{} %".format(*ranges.get(r["method"], ("?", "?")))]
+                for r in data["results"]
+            ],
+        )  # fmt: skip
     else:  # e.g. bench serve's flat summary: one row per scalar
         rows = [[k, v] for k, v in data.items() if isinstance(v, int | float | str)]
         body = _table(["metric", "value"], rows)
@@ -102,7 +114,17 @@ def render(path: Path) -> str:
 
 
 def _args(args: dict[str, Any]) -> str:
-    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in args.items() if v not in (None, ""))
+    """The arguments as a command line: booleans as --flag / --no-flag, as the CLI spells them."""
+    words = []
+    for k, v in args.items():
+        if v in (None, ""):
+            continue
+        flag = k.replace("_", "-")
+        if isinstance(v, bool):
+            words.append(f"--{flag}" if v else f"--no-{flag}")
+        else:
+            words.append(f"--{flag} {v}")
+    return " ".join(words)
 
 
 def _fmt(v: Any) -> str:

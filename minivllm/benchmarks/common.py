@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from minivllm.beam_search import BeamSearchParams
 from minivllm.engine_args import EngineArgs
 from minivllm.entrypoints.cli import HelpFormatter
 from minivllm.llm import LLM
@@ -150,7 +151,7 @@ def prompts_of(requests: Sequence[BenchRequest]) -> list[dict[str, list[int]]]:
 def drive_engine(
     llm: LLM,
     requests: Sequence[BenchRequest],
-    params: Sequence[SamplingParams],
+    params: Sequence[SamplingParams | BeamSearchParams],
     before_step: Callable[[], object] | None = None,
     after_step: Callable[[], object] | None = None,
     desc: str = "steps",

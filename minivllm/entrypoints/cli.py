@@ -21,6 +21,7 @@ BENCHMARKS = {
     "memory": "KV cache memory use (the paper's Fig. 2)",
     "prefix": "prefix caching speed-up",
     "serve": "load test a running server: TTFT, TPOT, ITL, throughput",
+    "sharing": "KV memory saved by sharing in parallel sampling and beam search (Fig. 15)",
 }
 
 SERVE_DESCRIPTION = "Serve a model over vLLM's OpenAI-compatible HTTP API (under /v1)."
