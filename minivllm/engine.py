@@ -239,7 +239,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (after new weights, say). False, with nothing changed, while
         a request still holds a cached block (vLLM's `reset_prefix_cache`)."""
-        return self.block_manager.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

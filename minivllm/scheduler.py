@@ -198,6 +198,9 @@ class Scheduler:
             )
         self.block_manager.commit_step()
 
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()
+
     def rollback_step(self) -> None:
         """The step failed before its commit: withdraw the prefix-cache names it gave (the engine
         then fails the requests it carried, which frees their blocks)."""

@@ -72,6 +72,6 @@ def save_tiny_llama(out: Path, seed: int = 0, **overrides: Any) -> Path:
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(out)
     bundled = resolve_model(None).path
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(bundled / name, out)
     return out

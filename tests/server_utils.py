@@ -6,7 +6,6 @@ Llama, for tests that need a model but not its answers to make sense."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +16,6 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -100,31 +98,6 @@ def run_server(args: Sequence[str] = (), api_key: str | None = None) -> Iterator
             proc.kill()
             proc.wait()
         log.close()
-
-
-def make_tiny_llama(out: Path) -> Path:
-    """A 2-layer random Llama with SmolLM2's tokenizer in `out`: loads and decodes in milliseconds."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from minivllm.model.loader import resolve_model
-
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    source = resolve_model(None).path
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(source / name, out)
-    return out
 
 
 @dataclass

@@ -20,10 +20,11 @@ from typing import Any
 
 import httpx
 import pytest
-from server_utils import InProcessServer, make_tiny_llama, serve_in_process
+from engine_utils import save_tiny_llama
+from server_utils import InProcessServer, serve_in_process
 
-from minivllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from minivllm.engine import LLMEngine
+from minivllm.engine_args import EngineArgs
 
 OTHERS = ["The capital of France is", "Once upon a time", "Hello, my name is"]
 # Longer than any other prompt plus its completion, so only the victim's tokens reach its positions.
@@ -57,12 +58,14 @@ class FaultOnce:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    model = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    config = EngineConfig(
-        model=ModelConfig(model=str(model), max_model_len=128),
-        cache=CacheConfig(block_size=4, num_gpu_blocks_override=128),
-        scheduler=SchedulerConfig(max_num_seqs=1),
-    )
+    model = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    config = EngineArgs(
+        model=str(model),
+        max_model_len=128,
+        block_size=4,
+        num_gpu_blocks_override=128,
+        max_num_seqs=1,
+    ).create_engine_config()
     with serve_in_process(LLMEngine(config)) as s:
         yield s
 

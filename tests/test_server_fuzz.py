@@ -30,7 +30,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from server_utils import RemoteServer, make_tiny_llama, run_server
+from engine_utils import save_tiny_llama
+from server_utils import RemoteServer, run_server
 
 from minivllm.entrypoints import protocol
 
@@ -41,7 +42,7 @@ RUN_TIMEOUT_S = 600  # a hung server fails the test instead of hanging it
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    model = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    model = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     args = [str(model), "--max-model-len", "64", "--max-num-seqs", "8", "--block-size", "4"]
     args += ["--num-gpu-blocks-override", "256"]  # 8 sequences x 64 tokens fit twice over
     with run_server(args) as s:

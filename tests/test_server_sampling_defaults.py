@@ -13,10 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
-from server_utils import make_tiny_llama, serve_in_process
+from engine_utils import save_tiny_llama
+from server_utils import serve_in_process
 
-from minivllm.config import CacheConfig, EngineConfig, ModelConfig
 from minivllm.engine import LLMEngine
+from minivllm.engine_args import EngineArgs
 from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from minivllm.entrypoints.serving import OpenAIServing
 from minivllm.sampling_params import SamplingParams
@@ -83,11 +84,10 @@ def test_chat_takes_the_same_defaults() -> None:
 def test_the_server_hands_the_engine_the_models_defaults(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    config = EngineConfig(
-        model=ModelConfig(model=str(model), max_model_len=64),
-        cache=CacheConfig(block_size=4, num_gpu_blocks_override=64),
-    )
+    model = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    config = EngineArgs(
+        model=str(model), max_model_len=64, block_size=4, num_gpu_blocks_override=64
+    ).create_engine_config()
     engine = LLMEngine(config)
     monkeypatch.setattr(engine, "get_diff_sampling_param", lambda: dict(MODEL_DEFAULTS))
     with serve_in_process(engine) as server:
