@@ -145,7 +145,9 @@ def test_slider_and_arrow_keys_move_between_steps(page: Any, traced: dict[str, A
     page.locator("#next").click()
     assert shown_step(page) == 12
     page.locator("#play").click()
-    page.wait_for_function("document.getElementById('step-label').textContent.startsWith('step 14 ')")
+    page.wait_for_function(
+        "document.getElementById('step-label').textContent.startsWith('step 14 ')"
+    )
     page.locator("#play").click()
     stopped = shown_step(page)
     page.wait_for_timeout(900)  # longer than one play tick: paused means it stays
@@ -160,7 +162,9 @@ def test_step_in_the_address_opens_that_step_and_follows_hash_changes(
     open_step(page, traced, preempted["step"])
     assert_page_shows(page, trace, preempted)
     page.evaluate("location.hash = '#step=3'")
-    page.wait_for_function("document.getElementById('step-label').textContent.startsWith('step 3 ')")
+    page.wait_for_function(
+        "document.getElementById('step-label').textContent.startsWith('step 3 ')"
+    )
     assert_page_shows(page, trace, trace["steps"][2])
     page.goto(traced["page"].as_uri())  # no step named: the first
     assert shown_step(page) == 1
