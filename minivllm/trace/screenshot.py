@@ -33,6 +33,11 @@ CHROMIUM_ARGS = [
 ]
 
 
+# The step controls stick to the top of the window while scrolling; in a picture of one element
+# they would cover its top.
+UNSTICK = "#controls { position: static; }"
+
+
 class BrowserNotFoundError(RuntimeError):
     """No Chromium, or no Playwright, to take the screenshot with."""
 
@@ -81,6 +86,7 @@ def screenshot(
     try:
         page.goto(url)
         page.wait_for_selector("#grid .block")
+        page.add_style_tag(content=UNSTICK)
         target = page.locator(selector) if selector else page
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
