@@ -82,17 +82,17 @@ def plot_block_map(trace: dict[str, Any], path: str | Path, title: str | None = 
         Patch(color=colours[2 + i], label=f"request {r}") for i, r in enumerate(requests)
     ]
     handles.append(Patch(facecolor=colours[CACHED], label="free, prefix-cached"))
-    marks = [
+    marks: list[tuple[str, bool, dict[str, Any]]] = [
         ("shared (ref count > 1)", bool(shared), {"marker": ".", "color": "black"}),
-        ("preemption", any(s["preempted"] for s in steps), {"color": "#c62828"}),
+        ("preemption", any(s["preempted"] for s in steps), {"color": "#c62828", "linestyle": "-"}),
         ("copy-on-write", any(s["copies"] for s in steps),
          {"marker": "*", "color": "#ffeb3b", "markeredgecolor": "black", "markersize": 10}),
         ("fork (n > 1)", any(s["forked"] for s in steps), {"marker": "|", "color": "black"}),
     ]  # fmt: skip
     for label, present, style in marks:
         if present:
-            line = "-" if label == "preemption" else "none"
-            handles.append(Line2D([], [], linestyle=line, label=label, **style))
+            style.setdefault("linestyle", "none")  # a marker only; the preemption is a line
+            handles.append(Line2D([], [], label=label, **style))
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     usage.set_title(title or "KV blocks held, by request, step by step", fontsize=10)
     fig.tight_layout()
