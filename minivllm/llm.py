@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -22,6 +23,7 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Request
 from minivllm.stats import EngineStats
+from minivllm.trace.recorder import StepRecorder, record
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -112,6 +114,14 @@ class LLM:
 
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
+
+    @contextmanager
+    def trace(self, max_steps: int | None = None) -> Iterator[StepRecorder]:
+        """Record every engine step inside the block: `with llm.trace() as trace: llm.generate(...)`,
+        then `trace.save(dir)` writes trace.json and index.html, a page that shows the block pool,
+        the block tables and the scheduler's batch step by step (minivllm/trace/)."""
+        with record(self.llm_engine, max_steps) as recorder:
+            yield recorder
 
     # ------------------------------------------------------------------
     def beam_search(

@@ -1,8 +1,10 @@
 """The tutorials run, and teach what they say: each `tutorials/0N_*.py` runs as a subprocess
 (`python tutorials/0N_*.py OUT_DIR`, as a reader would run it) and its printed numbers are held
-to the lesson it states. Figures are written into a temporary folder and checked to be PNGs; the
-copies the docs show are committed under docs/tutorials/img/ (regenerate them with
-`python tutorials/0N_*.py docs/tutorials/img`), so the docs build never depends on this run.
+to the lesson it states. Every tutorial ends with a picture of its own run and a "TRY THIS"
+exercise; figures and traces are written into a temporary folder and checked (PNGs; a trace.json
+and its page). The copies the docs show are committed under docs/tutorials/img/ (regenerate them
+with `python tutorials/0N_*.py docs/tutorials/img`) and docs/img/trace/ (screenshots of tutorial
+09's page, tests/trace_screenshots.py), so the docs build never depends on this run.
 
 Also here: the docs include the tutorials and their figures, and every line-range snippet of
 library code in the docs still starts and ends on a whole definition, so a page cannot drift
@@ -12,6 +14,7 @@ silently from the code it quotes.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -57,6 +60,19 @@ def assert_png(path: Path) -> None:
     assert path.read_bytes()[:8] == PNG_MAGIC, f"{path} is not a PNG"
 
 
+def assert_ends_with_a_picture_and_an_exercise(out: str, png: Path) -> None:
+    assert_png(png)
+    assert re.search(r"^TRY THIS: .*Predict", out, re.M), "no 'TRY THIS' exercise at the end"
+
+
+def assert_trace(folder: Path) -> dict:
+    """A trace the tutorial wrote: trace.json with steps, and its self-contained page."""
+    trace = json.loads((folder / "trace.json").read_text())
+    assert trace["steps"] and trace["sequences"]
+    assert (folder / "index.html").read_text().startswith("<!doctype html>")
+    return trace
+
+
 # --------------------------------------------------------------------------------- the tutorials
 
 
@@ -71,7 +87,7 @@ def test_01_naive_reservation_holds_fewer_token_states_than_paging(tmp_path: Pat
     fit_naive = number(r"requests at once in this cache: naive (\d+)", out)
     fit_paged = number(r"requests at once in this cache: naive \d+, paging (\d+)", out)
     assert fit_paged > fit_naive
-    assert_png(tmp_path / "01_kv_memory.png")
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "01_kv_memory.png")
 
 
 def test_02_block_tables_interleave_and_attention_is_unchanged(tmp_path: Path) -> None:
@@ -87,6 +103,13 @@ def test_02_block_tables_interleave_and_attention_is_unchanged(tmp_path: Path) -
         assert int(empty) < 4  # at most block_size - 1
     assert number(r"max \|difference\| = ([\d.e+-]+)", out) < 1e-5
     assert "6 of 8 blocks free again" in out
+    trace = assert_trace(tmp_path / "02_trace")  # the same two requests in the engine
+    engine_tables = ast.literal_eval(
+        re.search(r"in the engine, step \d+: block tables (\{.*?\})", out)[1]
+    )
+    assert sorted(len(t) for t in engine_tables.values()) == [2, 3]  # 6+4 and 3+4 tokens
+    assert trace["block_size"] == 4
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "02_block_map.png")
 
 
 @pytest.mark.slow
@@ -104,6 +127,10 @@ def test_03_forks_share_blocks_until_a_write_and_prefixes_are_reused(tmp_path: P
     copies_4 = number(r"4 copies would hold (\d+)", out)
     assert peak < copies_4
     assert len(re.findall(r"sample \d: ", out)) == 4
+    assert "reference counts [4]" in out  # the fork: four tables on the prompt's blocks
+    trace = assert_trace(tmp_path / "03_trace")
+    assert any(step["copies"] for step in trace["steps"])
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "03_block_map.png")
 
 
 @pytest.mark.slow
@@ -122,7 +149,10 @@ def test_04_continuous_batching_keeps_the_batch_fuller_and_chunks_long_prompts(
     assert sum(p for p, _ in chunks) == 200  # the whole long prompt, in pieces
     assert all(p + d <= 64 for p, d in chunks)  # never past the token budget
     assert all(d >= 3 for p, d in chunks)  # the decodes kept going meanwhile
-    assert_png(tmp_path / "04_batch_occupancy.png")
+    trace = assert_trace(tmp_path / "04_trace")
+    assert len(trace["steps"]) == cont_steps  # the continuous run, step for step
+    assert re.search(r"at step \d+ a waiting request took its row", out)
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "04_batch_occupancy.png")
 
 
 @pytest.mark.slow
@@ -139,6 +169,7 @@ def test_05_sampler_truncates_matches_softmax_and_seeds_ignore_the_batch(tmp_pat
     alone = re.search(r"seed 1234 alone: +(.*)", out).group(1)
     in_batch = re.search(r"seed 1234 in a batch: +(.*)", out).group(1)
     assert alone == in_batch
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "05_sampler.png")
 
 
 def test_06_triton_kernels_match_the_reference(tmp_path: Path) -> None:
@@ -148,6 +179,7 @@ def test_06_triton_kernels_match_the_reference(tmp_path: Path) -> None:
     # On a CPU the tutorial also checks the compiled CPU decode kernel against the reference.
     if not torch.cuda.is_available():
         assert float(re.search(r"max \|reference - cpu\| = ([\d.e+-]+)", out)[1]) < 1e-4
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "06_block_tables.png")
 
 
 @pytest.mark.slow
@@ -159,6 +191,30 @@ def test_07_openai_client_talks_to_minivllm_serve(tmp_path: Path) -> None:
     assert "top_p=1.5 -> HTTP 400: 'top_p must be in (0, 1]" in out
     assert number(r"generation_tokens_total\{[^}]*\} ([\d.]+)", out) > 0
     assert "server stopped" in out
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "07_stream.png")
+
+
+@pytest.mark.slow
+def test_09_the_trace_shows_a_shared_prefix_a_preemption_and_a_copy_on_write(
+    tmp_path: Path,
+) -> None:
+    """The walk-through's events are in its trace, and its page is the one the docs' screenshots
+    show (taken here in Chromium, as tests/trace_screenshots.py takes the committed ones)."""
+    out = run_tutorial("09_watch_the_scheduler.py", tmp_path)
+    trace = assert_trace(tmp_path / "09_trace")
+    for event in ("cache_hits", "preempted", "forked", "copies", "finished"):
+        assert any(step[event] for step in trace["steps"]), event
+    assert re.search(r"blocks \[[\d, ]+\] are held twice \(reference count 2\)", out)
+    assert re.search(r"was preempted;\s+at step \d+ it came back and took \d+ of its tokens", out)
+    assert re.search(r"shared block \d+, partly filled; the first to write got a copy", out)
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "09_block_map.png")
+
+    from trace_screenshots import SHOTS, take_screenshots
+
+    shots = take_screenshots(tmp_path / "09_trace", tmp_path / "shots")
+    assert set(shots) == set(SHOTS)
+    for path in shots.values():
+        assert_png(path)
 
 
 @pytest.mark.slow
@@ -198,6 +254,16 @@ def test_docs_figures_are_committed_and_are_the_tutorials_figures() -> None:
     assert shown and shown <= written, f"docs show figures no tutorial writes: {shown - written}"
     for name in shown:
         assert_png(DOCS / "tutorials" / "img" / name)
+
+
+def test_docs_screenshots_of_the_trace_page_are_committed_and_are_the_ones_the_tests_take() -> None:
+    from trace_screenshots import SHOTS
+
+    pages = "\n".join(p.read_text() for p in DOCS.rglob("*.md"))
+    shown = set(re.findall(r"img/trace/([\w.-]+\.png)", pages))
+    assert shown == set(SHOTS), "every screenshot is shown, and only those the tests take"
+    for name in shown:
+        assert_png(DOCS / "img" / "trace" / name)
 
 
 def test_every_quoted_definition_exists_and_is_quoted_whole() -> None:

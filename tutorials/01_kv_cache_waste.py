@@ -95,3 +95,7 @@ print(
     f"LESSON: reserving for the longest possible request leaves {1 - naive_share:.0%} of the "
     f"reserved memory idle; paging wastes {1 - paged_share:.0%} (the tails of last blocks)."
 )
+print(
+    "TRY THIS: set BLOCK_SIZE = 64 (and NUM_BLOCKS = 16, the same memory). Predict before you "
+    "run: paging's share falls (a bigger last block has a longer empty tail) while naive's stays."
+)

@@ -5,19 +5,27 @@ fixed-size blocks, anywhere in one big pool, and keeps a *block table* per reque
 of the request lives in physical block table[i]. Here we drive minivllm's `BlockManager` by hand
 for two requests that grow in turns, look at their block tables, turn them into the slot mapping
 the model runner hands to attention, and check that attention through the block table gives
-exactly what attention over contiguous K/V gives.
+exactly what attention over contiguous K/V gives. Last, the same two requests run in the engine
+(bundled SmolLM2-135M) under `llm.trace()`, which records every step's block tables.
 
-Run: python tutorials/02_block_table.py   (no model needed; a few seconds)
+Run: python tutorials/02_block_table.py [OUT_DIR]   (a few seconds; writes OUT_DIR/02_trace/ and
+OUT_DIR/02_block_map.png)
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
+from minivllm import LLM, SamplingParams
 from minivllm.attention import AttentionMetadata
 from minivllm.attention.reference import ReferenceBackend
 from minivllm.block_manager import BlockManager
+from minivllm.trace.plot import plot_block_map
 
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "out"
 BLOCK_SIZE = 4  # tiny, so that the tables are readable; minivllm's default is 16
 bm = BlockManager(num_blocks=8, block_size=BLOCK_SIZE, enable_prefix_caching=False)
 
@@ -106,8 +114,28 @@ assert worst < 1e-5
 # --- 4. Finishing frees the blocks at once, for any other request to use --------------------------
 bm.free("a")
 print(f"request a finished: {bm.num_free_blocks} of {bm.num_blocks} blocks free again")
+# --- 5. The same in the engine, recorded step by step -------------------------------------------
+llm = LLM(block_size=BLOCK_SIZE, num_gpu_blocks_override=64 // BLOCK_SIZE, max_model_len=32)
+with llm.trace() as trace:
+    llm.generate(
+        [{"prompt_token_ids": [11, 12, 13, 14, 15, 16]}, {"prompt_token_ids": [21, 22, 23]}],
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        use_tqdm=False,
+    )
+last = trace.steps[-2]  # the last step before both finish and free their blocks
+print(f"in the engine, step {last['step']}: block tables {last['block_tables']} (seq id: table)")
+page = trace.save(OUT / "02_trace")
+print(f"page: {page}  (open it; the arrow keys step through: watch each table grow by one block")
+print("  exactly when its last block is full, and the two requests' blocks interleave)")
+figure = plot_block_map(trace.to_dict(), OUT / "02_block_map.png")
+print(f"figure: {figure}")
+
 print(
     "LESSON: a block table maps a request's logical blocks to any physical blocks; the pool "
     f"wastes at most {BLOCK_SIZE - 1} slots per request, and attention is unchanged "
     f"(difference {worst:.0e})."
+)
+print(
+    "TRY THIS: set BLOCK_SIZE = 8. Predict before you run: shorter block tables (a: 2 blocks, "
+    "b: 1), but more empty slots at the end of a's last block (at most 7 now)."
 )

@@ -144,6 +144,8 @@ def build_app(
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
     log_stats_interval_s: float = 5.0,
     on_ready: Callable[[], None] | None = None,
+    enable_dashboard: bool = False,
+    dashboard_max_steps: int = 256,
 ) -> FastAPI:
     """An app serving `engine`; its engine thread starts and stops with the app's lifespan."""
     names = served_model_names or [engine.source.name]
@@ -170,6 +172,10 @@ def build_app(
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    if enable_dashboard:  # the live trace page at /dashboard (minivllm/entrypoints/dashboard.py)
+        from minivllm.entrypoints.dashboard import add_dashboard
+
+        add_dashboard(app, engine, api_key, dashboard_max_steps)
     install_openapi(app, bearer_auth=api_key is not None)
     v1_errors = (400, 401, 404, 413, 500, 503) if api_key else (400, 404, 413, 500, 503)
 

@@ -1,5 +1,6 @@
-"""The `minivllm` command: `minivllm serve [MODEL] ...` and `minivllm bench {throughput,memory,
-prefix,serve} ...`, with vLLM's flag names (vllm/entrypoints/cli/). The engine's flags come from
+"""The `minivllm` command: `minivllm serve [MODEL] ...`, `minivllm trace [MODEL] --prompt ... --out DIR`
+and `minivllm bench {throughput,memory,prefix,serve} ...`, with vLLM's flag names
+(vllm/entrypoints/cli/). The engine's flags come from
 `EngineArgs` (minivllm/engine_args.py), the one declaration of the engine's options.
 
 Subcommand modules are imported only when their subcommand runs, so `minivllm serve` never pays
@@ -25,6 +26,13 @@ BENCHMARKS = {
 }
 
 SERVE_DESCRIPTION = "Serve a model over vLLM's OpenAI-compatible HTTP API (under /v1)."
+TRACE_DESCRIPTION = (
+    "Run prompts and record every engine step: writes OUT/trace.json and OUT/index.html, a page "
+    "that shows the KV block pool, the block tables and the scheduler's batch step by step "
+    "(open it from the file system)."
+)
+# A trace is for looking at: a pool small enough to draw, unless the flags say otherwise.
+TRACE_NUM_BLOCKS = 64
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -79,7 +87,38 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between the stats log lines (throughput, queues, KV cache use)",
     )
     g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's own log level")
+    g.add_argument(
+        "--enable-dashboard",
+        action="store_true",
+        help="serve a live view of the KV blocks and the scheduler at /dashboard (behind "
+        "--api-key when one is set)",
+    )
+    g.add_argument(
+        "--dashboard-max-steps",
+        type=int,
+        default=256,
+        help="the dashboard keeps this many recent engine steps (bounded memory)",
+    )
     EngineArgs.add_cli_args(parser)
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to run and where to write, then the engine's flags (from EngineArgs)."""
+    from minivllm.engine_args import EngineArgs
+
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="the model to run, as --model"
+    )
+    g = parser.add_argument_group("trace")
+    g.add_argument(
+        "--prompt", action="append", required=True, help="a prompt; repeat the flag for more"
+    )
+    g.add_argument("--n", type=int, default=1, help="samples per prompt (they share blocks)")
+    g.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per sample")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
+    g.add_argument("--out", required=True, help="folder for trace.json and index.html")
+    EngineArgs.add_cli_args(parser, defaults=EngineArgs(num_gpu_blocks_override=TRACE_NUM_BLOCKS))
 
 
 def make_serve_parser(prog: str) -> argparse.ArgumentParser:
@@ -131,8 +170,39 @@ def serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         log_stats_interval_s=args.log_stats_interval,
         on_ready=ready,
+        enable_dashboard=args.enable_dashboard,
+        dashboard_max_steps=args.dashboard_max_steps,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return 0
+
+
+def trace(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from minivllm import LLM, SamplingParams
+    from minivllm.engine_args import EngineArgs
+
+    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+    )
+    with llm.trace() as recorder:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    page = recorder.save(args.out)
+    for out in outputs:
+        for sample in out.outputs:
+            print(f"request {out.request_id} #{sample.index}: {sample.text!r}")
+    stats = llm.get_stats()
+    print(
+        f"{len(recorder.steps)} steps recorded ({stats.num_preemptions} preemptions) on "
+        f"{stats.num_kv_blocks} blocks of {args.block_size} tokens"
+    )
+    print(f"wrote {page.parent / 'trace.json'} and {page}")
+    print(f"open {page.resolve().as_uri()} in a browser")
     return 0
 
 
@@ -141,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     # Each subcommand's own parser is built in main(), once we know which one runs.
     sub.add_parser("serve", help="OpenAI-compatible HTTP server", add_help=False)
+    sub.add_parser("trace", help="record a run's steps as trace.json + a page", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name, help_text in BENCHMARKS.items():
@@ -153,6 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     if argv[:1] == ["serve"]:
         return serve(parse_serve_args(make_serve_parser("minivllm serve"), argv[1:]))
+    if argv[:1] == ["trace"]:
+        trace_parser = argparse.ArgumentParser(
+            prog="minivllm trace", description=TRACE_DESCRIPTION, formatter_class=HelpFormatter
+        )
+        add_trace_arguments(trace_parser)
+        return trace(parse_serve_args(trace_parser, argv[1:]))
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
         module = importlib.import_module(f"minivllm.benchmarks.{argv[1]}")
         bench_parser = argparse.ArgumentParser(

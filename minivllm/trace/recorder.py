@@ -1,0 +1,287 @@
+"""The step trace: what the engine did to the KV cache at every step, as plain data.
+
+The PagedAttention paper's idea is a picture: logical blocks mapped to physical blocks, shared,
+copied on write, freed and reused (§4.2–4.4), and a scheduler that admits, chunks and preempts
+(§4.5). `StepRecorder` records that picture, one immutable dict per engine step, so that a page
+(minivllm/trace/page.py) can draw it and a test can check it.
+
+It subscribes to the step the way the docs' architecture page describes ("the step as a
+message"): the engine calls `record_step` at the end of every `step()` that ran, with the step's
+`SchedulerOutput`; everything else is read from the block manager and the scheduler *after* the
+step — after its commit (new prefix-cache names), its forks and its frees. So a step's record
+reads "this batch ran, these events happened, and this is the pool now". Events that leave no
+field in the `SchedulerOutput` (cache hits at admission, evictions, forks, finishes) are found by
+comparing the pool with the previous record, which keeps the engine's own code free of tracing.
+With no recorder attached the engine pays one `is None` check per step.
+
+A step's record, as `trace.json` stores it (docs/trace.md documents every field; JSON object
+keys are strings, so seq ids and block ids are strings as keys):
+
+    {"step", "scheduled": [{"seq_id", "request_id", "num_computed_tokens", "num_new_tokens",
+     "block_table"}], "num_batched_tokens", "block_tables": {seq_id: [block ids]},
+     "num_computed_tokens": {seq_id: n}, "ref_counts": {block id: n > 0}, "cached_blocks",
+     "copies": [[src, dst]], "preempted", "forked", "finished", "finish_reasons",
+     "cache_hits": [{"seq_id", "num_cached_tokens", "blocks"}], "evicted", "num_free_blocks",
+     "num_running", "num_waiting"}
+
+Thread safety (the live dashboard reads from the server's thread while the engine thread
+records): records are built outside the lock and never changed afterwards; the lock only guards
+appending them and copying the list, and the per-sequence token lists the recorder owns.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from minivllm.block_pool import BlockHash
+
+if TYPE_CHECKING:
+    from minivllm.engine import LLMEngine
+    from minivllm.scheduler import SchedulerOutput
+    from minivllm.sequence import Sequence as EngineSequence
+
+TRACE_FORMAT_VERSION = 1
+StepRecord = dict[str, Any]  # one step, exactly as trace.json stores it
+
+
+@dataclass
+class _SeqRecord:
+    """What the page needs to label a sequence and the tokens in its blocks."""
+
+    request_id: str
+    index: int  # which of the request's n samples
+    num_prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # the recorder's own copy; grows only
+    last_step: int = 0  # the newest step that mentions it (the live window forgets older ones)
+
+
+class StepRecorder:
+    """Records every engine step it is attached to; `max_steps` keeps only the newest steps.
+
+    Offline: `with llm.trace() as trace: llm.generate(...)`, then `trace.save(dir)`. Live:
+    `minivllm serve --enable-dashboard` attaches one with a window of recent steps.
+    """
+
+    def __init__(self, max_steps: int | None = None) -> None:
+        if max_steps is not None and max_steps < 1:
+            raise ValueError(f"max_steps must be a positive integer or None, got {max_steps!r}")
+        self.max_steps = max_steps
+        self.meta: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._steps: deque[StepRecord] = deque(maxlen=max_steps)
+        self._seqs: dict[int, _SeqRecord] = {}
+        self._num_recorded = 0
+        self._tokenizer: Any = None
+        self._token_text: dict[int, str] = {}  # decoded once per token id
+        # What the previous record saw, to find this step's events by comparison. Engine thread only.
+        self._following: dict[int, EngineSequence] = {}  # unfinished sequences seen so far
+        self._prev_holders: set[int] = set()
+        self._prev_cached: dict[int, BlockHash] = {}  # block id -> the name it carried
+
+    # ------------------------------------------------------------------ attaching
+    def attach(self, engine: LLMEngine) -> None:
+        """Start recording `engine`'s steps. Attach before its engine thread runs (the server does),
+        or between steps: the pool as it is now is the baseline the first record compares with."""
+        if engine.step_recorder is not None and engine.step_recorder is not self:
+            raise RuntimeError("the engine already has a step recorder attached")
+        bm = engine.block_manager
+        cfg = engine.config
+        self.meta = {
+            "model": engine.source.name,
+            "block_size": bm.block_size,
+            "num_blocks": bm.num_blocks,
+            "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+            "max_num_seqs": cfg.scheduler.max_num_seqs,
+            "enable_prefix_caching": bm.enable_prefix_caching,
+        }
+        self._tokenizer = engine.tokenizer
+        self._following = dict(engine.scheduler.seqs)
+        self._prev_holders = {s for s in self._following if bm.has_seq(s)}
+        self._prev_cached = {
+            b.block_id: b.block_hash
+            for b in bm.cached_block_hash_to_block.values()
+            if b.block_hash is not None
+        }
+        engine.step_recorder = self
+
+    def detach(self, engine: LLMEngine) -> None:
+        if engine.step_recorder is self:
+            engine.step_recorder = None
+
+    # ------------------------------------------------------------------ recording (engine thread)
+    def record_step(
+        self,
+        engine: LLMEngine,
+        sched: SchedulerOutput,
+        sampled: Sequence[EngineSequence] = (),
+    ) -> None:
+        """Record one completed step. `sampled`: the sequences the step sampled for, so that a
+        sequence admitted and finished within this one step is known by its request too."""
+        bm = engine.block_manager
+        scheduler = engine.scheduler
+        seqs = self._following
+        for seq in sampled:
+            seqs.setdefault(seq.seq_id, seq)
+        seqs.update(scheduler.seqs)
+        step_no = self._num_recorded + 1
+
+        holders = sorted(s for s in scheduler.seqs if bm.has_seq(s))
+        tables = {s: list(bm.get_block_table(s)) for s in holders}
+        ref_counts: dict[int, int] = {}
+        for table in tables.values():
+            for b in table:
+                ref_counts.setdefault(b, bm.blocks[b].ref_cnt)
+        cached = {
+            b.block_id: b.block_hash
+            for b in bm.cached_block_hash_to_block.values()
+            if b.block_hash is not None
+        }
+        evicted = sorted(b for b, h in self._prev_cached.items() if cached.get(b) is not h)
+        finished = sorted(s for s, seq in seqs.items() if seq.status.is_finished)
+        scheduled_ids = {item.seq_id for item in sched.scheduled}
+        forked = sorted(
+            s for s in holders if s not in self._prev_holders and s not in scheduled_ids
+        )
+        cache_hits = [
+            {
+                "seq_id": item.seq_id,
+                "num_cached_tokens": item.num_computed_tokens,
+                "blocks": item.block_table[: item.num_computed_tokens // bm.block_size],
+            }
+            for item in sched.scheduled
+            if item.seq_id not in self._prev_holders and item.num_computed_tokens > 0
+        ]
+        record: StepRecord = {
+            "step": step_no,
+            "scheduled": [
+                {
+                    "seq_id": item.seq_id,
+                    "request_id": seqs[item.seq_id].request.request_id,
+                    "num_computed_tokens": item.num_computed_tokens,
+                    "num_new_tokens": item.num_new_tokens,
+                    "block_table": list(item.block_table),
+                }
+                for item in sched.scheduled
+            ],
+            "num_batched_tokens": sched.num_batched_tokens,
+            "block_tables": {str(s): t for s, t in tables.items()},
+            "num_computed_tokens": {str(s): seqs[s].num_computed_tokens for s in holders},
+            "ref_counts": {str(b): n for b, n in sorted(ref_counts.items())},
+            "cached_blocks": sorted(cached),
+            "copies": [list(c) for c in sched.block_copies],
+            "preempted": list(sched.preempted_seq_ids),
+            "forked": forked,
+            "finished": finished,
+            "finish_reasons": {str(s): seqs[s].status.value for s in finished},
+            "cache_hits": cache_hits,
+            "evicted": evicted,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
+        }
+        mentioned = scheduled_ids | set(holders) | set(finished) | set(sched.preempted_seq_ids)
+        with self._lock:
+            for s in mentioned:
+                self._update_seq(seqs[s], step_no)
+            self._steps.append(record)
+            self._num_recorded = step_no
+            if self.max_steps is not None and len(self._steps) == self.max_steps:
+                oldest = self._steps[0]["step"]
+                for s in [s for s, r in self._seqs.items() if r.last_step < oldest]:
+                    del self._seqs[s]
+        for s in finished:
+            del seqs[s]
+        self._prev_holders = set(holders)
+        self._prev_cached = cached
+
+    def _update_seq(self, seq: EngineSequence, step_no: int) -> None:
+        rec = self._seqs.get(seq.seq_id)
+        if rec is None:
+            req = seq.request
+            rec = self._seqs[seq.seq_id] = _SeqRecord(
+                req.request_id, seq.index, seq.num_prompt_tokens
+            )
+        rec.token_ids.extend(seq.token_ids[len(rec.token_ids) :])  # tokens are only appended
+        rec.last_step = step_no
+
+    # ------------------------------------------------------------------ reading (any thread)
+    @property
+    def steps(self) -> list[StepRecord]:
+        """The recorded steps, oldest first (a copy of the list; the records are never changed)."""
+        with self._lock:
+            return list(self._steps)
+
+    @property
+    def num_recorded(self) -> int:
+        """Steps recorded since attaching, including those the window has dropped."""
+        return self._num_recorded
+
+    def snapshot(self, after_step: int = 0) -> dict[str, Any]:
+        """The trace of the steps newer than `after_step`, with the sequences they mention: what
+        trace.json holds, restricted to a window (the live dashboard polls with it)."""
+        with self._lock:
+            steps = [s for s in self._steps if s["step"] > after_step]
+            seqs = {
+                s: (r.request_id, r.index, r.num_prompt_tokens, list(r.token_ids))
+                for s, r in self._seqs.items()
+                if steps and r.last_step >= steps[0]["step"]
+            }
+            meta = dict(self.meta)
+        sequences = {}
+        for s, (request_id, index, num_prompt, token_ids) in sorted(seqs.items()):
+            entry: dict[str, Any] = {
+                "request_id": request_id,
+                "index": index,
+                "num_prompt_tokens": num_prompt,
+                "token_ids": token_ids,
+            }
+            if self._tokenizer is not None:
+                entry["tokens"] = [self._text(t) for t in token_ids]
+            sequences[str(s)] = entry
+        return {
+            "version": TRACE_FORMAT_VERSION,
+            **meta,
+            "max_steps": self.max_steps,
+            "num_recorded": self._num_recorded,
+            "sequences": sequences,
+            "steps": steps,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole trace, as trace.json stores it."""
+        return self.snapshot(after_step=0)
+
+    def save(self, out_dir: str | Path) -> Path:
+        """Write `out_dir/trace.json` and `out_dir/index.html` (the page, self-contained: open it
+        from the file system); returns the page's path."""
+        from minivllm.trace.page import write_page
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        trace = self.to_dict()
+        (out / "trace.json").write_text(json.dumps(trace, separators=(",", ":")))
+        return write_page(trace, out / "index.html")
+
+    def _text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+@contextmanager
+def record(engine: LLMEngine, max_steps: int | None = None) -> Iterator[StepRecorder]:
+    """Record `engine`'s steps inside the `with` block (what `LLM.trace()` does)."""
+    recorder = StepRecorder(max_steps)
+    recorder.attach(engine)
+    try:
+        yield recorder
+    finally:
+        recorder.detach(engine)
