@@ -39,7 +39,9 @@ test: lint unit docs
 serve: install
 	$(VENV)/bin/minivllm serve $(MODEL) $(SERVE_ARGS)
 
-# On a machine with a CUDA GPU: the kernel parity suite compiled for real, then the kernel benchmark.
+# On a machine with a CUDA GPU: the kernel parity suite compiled for real, the tensor-parallel
+# tests over NCCL (tests/test_tensor_parallel_gpu.py: they run with 2+ GPUs and skip with fewer),
+# then the kernel benchmark.
 test-gpu: install
 	$(PY) -m pytest -q -m gpu tests
 	$(PY) -m minivllm.benchmarks.kernels
