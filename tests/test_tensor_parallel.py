@@ -157,3 +157,38 @@ def test_smollm2_at_three_ranks_gives_transformers_greedy_tokens(smollm2_hf_mode
         prompts = [tok.encode(t) for t in texts]
         got = greedy(llm, prompts)
     assert got == [hf_greedy(smollm2_hf_model, p, MAX_TOKENS, None) for p in prompts]
+
+
+def test_throughput_bench_reports_each_rank_s_memory_and_communication_per_token(
+    tmp_path: Path,
+) -> None:
+    """`minivllm bench throughput --tensor-parallel-size 2`: every rank holds half the layers'
+    weights and half the vocabulary, and puts exactly (2 x layers + 1) x hidden x 4 bytes per
+    token into all-reduces (no preemption here, so no recomputation) and its vocabulary slice of
+    float32 logits per sampled token into the gather."""
+    import argparse
+    import json
+
+    from minivllm.benchmarks import throughput
+
+    model = save_tiny_llama(tmp_path / "model", tie_word_embeddings=False)
+    out = tmp_path / "throughput.json"
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    argv = ["--model", str(model), "--num-prompts", "4", "--input-len", "8-24"]
+    argv += ["--output-len", "3-6", "--peers", "none", "--matmul-size", "256"]
+    argv += ["--num-gpu-blocks-override", "64", "--tensor-parallel-size", "2", "--json", str(out)]
+    assert throughput.main(parser.parse_args(argv)) == 0
+    ranks = json.loads(out.read_text())["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    hidden, layers, vocab = 64, 2, 49152
+    for r in ranks:
+        assert r["heads"] == 2 and r["kv_heads"] == 1 and r["kv_blocks"] == 64
+        assert r["all_reduce_bytes_per_token"] == (2 * layers + 1) * hidden * 4
+        assert r["gather_bytes_per_sampled_token"] == vocab // 2 * 4
+    # Untied: embedding and LM head, vocab/2 rows each; per layer 2 of 4 query heads and 1 of 2
+    # KV heads (head_dim 16), half the MLP's width (64 of 128); norms whole.
+    q, kv = 2 * 16, 16
+    per_layer = (q + 2 * kv) * hidden + hidden * q + 3 * hidden * 64 + 2 * hidden
+    expected = (2 * vocab // 2 * hidden + layers * per_layer + hidden) * 4
+    assert all(r["weight_bytes"] == expected for r in ranks)
