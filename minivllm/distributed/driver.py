@@ -59,6 +59,10 @@ class EngineDeadError(BaseException):
     engine thread stops and /health turns unhealthy."""
 
 
+class WorkerStartError(RuntimeError):
+    """A tensor-parallel worker failed before the engine was built (no worker is left running)."""
+
+
 class DistributedExecutor:
     """Rank 0 of N: send each message to every rank on the control group, do rank 0's share.
 
@@ -86,13 +90,16 @@ class DistributedExecutor:
             self.send_worker_config(wc)
             self.driver_runner = build_runner(wc, self.tp, self.control, device, backend)
         except BaseException as exc:
-            reason = None if isinstance(exc, KeyboardInterrupt) else self.worker_failure()
+            known = isinstance(exc, KeyboardInterrupt | WorkerStartError)
+            reason = None if known else self.worker_failure()
             self.closed = True
             atexit.unregister(self.shutdown)
             self.stop_workers(graceful=False)
             if reason is None:
                 raise
-            raise RuntimeError(f"a tensor-parallel worker failed while starting: {reason}") from exc
+            raise WorkerStartError(
+                f"a tensor-parallel worker failed while starting: {reason}"
+            ) from exc
         self.num_blocks = self.driver_runner.kv_cache.shape[2]
 
     # ------------------------------------------------------------------ the ranks (subclasses)

@@ -23,9 +23,17 @@ import torch
 
 from minivllm.attention import AttentionBackend
 from minivllm.config import EngineConfig
-from minivllm.distributed.driver import EngineDeadError, ExecutorWithExternalLauncher
+from minivllm.distributed.driver import (
+    EngineDeadError,
+    ExecutorWithExternalLauncher,
+    WorkerStartError,
+)
 from minivllm.distributed.multiproc import MultiprocExecutor
-from minivllm.distributed.parallel_state import SINGLE_DEVICE, launched_by_torchrun
+from minivllm.distributed.parallel_state import (
+    SINGLE_DEVICE,
+    check_no_process_group,
+    launched_by_torchrun,
+)
 from minivllm.distributed.worker import WorkerConfig, build_runner, run_torchrun_worker
 from minivllm.model.config import LlamaConfig
 from minivllm.model.loader import ModelSource
@@ -33,7 +41,7 @@ from minivllm.model.parallel_layers import check_tensor_parallel_size
 from minivllm.model_runner import ModelRunner
 from minivllm.scheduler import SchedulerOutput
 
-__all__ = ["EngineDeadError", "Executor", "UniProcExecutor", "make_executor"]
+__all__ = ["EngineDeadError", "Executor", "UniProcExecutor", "WorkerStartError", "make_executor"]
 
 T = TypeVar("T")
 
@@ -93,6 +101,7 @@ def make_executor(
     if n == 1:
         return UniProcExecutor(build_runner(wc, SINGLE_DEVICE, None, device, backend))
     check_tensor_parallel_size(model_config, n)
+    check_no_process_group()  # before any worker starts
     if device.type == "cuda":
         if device.index not in (None, 0):
             raise ValueError(

@@ -29,7 +29,7 @@ from multiprocessing.process import BaseProcess
 
 import torch.multiprocessing as mp
 
-from minivllm.distributed.driver import DistributedExecutor
+from minivllm.distributed.driver import DistributedExecutor, WorkerStartError
 from minivllm.distributed.parallel_state import free_loopback_port
 from minivllm.distributed.worker import WorkerConfig, spawned_worker_main
 
@@ -90,20 +90,21 @@ class MultiprocExecutor(DistributedExecutor):
         (spawn re-imports the main module in each worker)."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for w in self.workers:
-            while not w.report.poll(0.1):
-                if not w.process.is_alive():
-                    raise RuntimeError(
-                        f"tensor-parallel worker rank {w.rank} exited ({w.process.exitcode}) "
-                        "before it started; see its traceback above. A script that builds an LLM "
-                        "with tensor_parallel_size > 1 must do so under "
-                        '`if __name__ == "__main__":` (workers are spawned, which re-imports '
-                        "the main module)"
-                    )
+            while not w.report.poll(0.1):  # True on a message, and on EOF when the worker died
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel worker rank {w.rank} did not start")
-            message = w.report.recv()
+                    raise WorkerStartError(f"tensor-parallel worker rank {w.rank} did not start")
+            try:
+                message = w.report.recv()
+            except EOFError:
+                w.process.join(5.0)
+                raise WorkerStartError(
+                    f"tensor-parallel worker rank {w.rank} exited ({w.process.exitcode}) before "
+                    "it started; see its traceback above. A script that builds an LLM with "
+                    'tensor_parallel_size > 1 must do so under `if __name__ == "__main__":` '
+                    "(the workers are spawned, and a spawned process re-imports the main module)"
+                ) from None
             if message != "started":
-                raise RuntimeError(f"tensor-parallel worker rank {w.rank} failed:\n{message}")
+                raise WorkerStartError(f"tensor-parallel worker rank {w.rank} failed:\n{message}")
 
     def workers_alive(self) -> bool:
         return all(w.process.is_alive() for w in self.workers)

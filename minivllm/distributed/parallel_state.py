@@ -96,16 +96,21 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
-def init_distributed(
-    rank: int, world_size: int, init_method: str, device: torch.device
-) -> tuple[TensorParallelGroup, dist.ProcessGroup]:
-    """Join the group: the device group (torch's default) and the control group. Every rank calls
-    this; it returns when all `world_size` ranks have met at `init_method`."""
+def check_no_process_group() -> None:
+    """torch.distributed has one default group per process, so one tensor-parallel engine."""
     if dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is already initialized in this process: one tensor-parallel "
             "engine per process (shut the other one down first: LLM.shutdown())"
         )
+
+
+def init_distributed(
+    rank: int, world_size: int, init_method: str, device: torch.device
+) -> tuple[TensorParallelGroup, dist.ProcessGroup]:
+    """Join the group: the device group (torch's default) and the control group. Every rank calls
+    this; it returns when all `world_size` ranks have met at `init_method`."""
+    check_no_process_group()
     dist.init_process_group(
         device_backend(device),
         init_method=init_method,
