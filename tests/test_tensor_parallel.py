@@ -37,6 +37,9 @@ MODELS = {
     "kv-heads-fewer-than-ranks-tied-4-ranks": (4, dict()),
 }
 
+# A hang guard (a broken collective would otherwise wait COLLECTIVE_TIMEOUT); no timing.
+pytestmark = pytest.mark.timeout(600)
+
 
 @pytest.fixture(autouse=True)
 def _no_leftover_processes() -> Iterator[None]:

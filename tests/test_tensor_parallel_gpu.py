@@ -20,7 +20,8 @@ from tp_utils import no_leftover_processes
 
 from minivllm import LLM, SamplingParams
 
-pytestmark = pytest.mark.gpu
+# A hang guard (a broken collective would otherwise wait COLLECTIVE_TIMEOUT); no timing.
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 PROMPTS = [[11 + i, 300 + 7 * i, 77, 5000 + i, *range(100, 100 + 9 * i)] for i in range(6)]
 
 

@@ -31,6 +31,9 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 PROMPTS = [{"prompt_token_ids": [11 + i, 300 + 7 * i, 77, 5000 + i]} for i in range(4)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
+# A hang guard (a broken collective would otherwise wait COLLECTIVE_TIMEOUT); no timing.
+pytestmark = pytest.mark.timeout(600)
+
 
 @pytest.fixture(autouse=True)
 def _no_leftover_processes() -> Iterator[None]:

@@ -23,6 +23,9 @@ from minivllm import LLM, SamplingParams
 
 PROMPT = "The tensor-parallel server says"
 
+# A hang guard (a broken collective would otherwise wait COLLECTIVE_TIMEOUT); no timing.
+pytestmark = pytest.mark.timeout(600)
+
 
 @pytest.fixture(autouse=True)
 def _no_leftover_processes() -> Iterator[None]:
