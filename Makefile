@@ -53,7 +53,9 @@ serve: install
 	$(VENV)/bin/minivllm serve $(MODEL) $(SERVE_ARGS)
 
 # On a machine with a CUDA GPU: the GPU suite compiled for real (kernel parity, the engine end to
-# end, resources as loaded), then the kernel benchmark, which fails when it misses its target.
+# end, resources as loaded), the tensor-parallel tests over NCCL (tests/test_tensor_parallel_gpu.py:
+# they run with 2+ GPUs and skip with fewer), then the kernel benchmark, which fails when it misses
+# its target.
 test-gpu: install
 	env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu tests -rA
 	env -u TRITON_INTERPRET $(PY) -m minivllm.benchmarks.kernels

@@ -88,16 +88,13 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int  # devices each layer is split across (Megatron-style)
+    # Ranks each layer is split across (Megatron-style, paper §4.6): one device each. Whether the
+    # model's heads split this way is checked when the model's config is read
+    # (`check_tensor_parallel_size`), before any process starts.
+    tensor_parallel_size: int
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        # Not implemented yet: the issue that adds tensor parallelism deletes this check.
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size must be 1, got {self.tensor_parallel_size}: tensor "
-                "parallelism is not available in minivllm yet"
-            )
 
 
 @dataclass

@@ -30,17 +30,15 @@ from minivllm.attention import get_attention_backend, resolve_backend_name
 from minivllm.beam_search import BeamSearchParams, BeamSearchProcessor, BeamState
 from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
+from minivllm.distributed.executor import make_executor
 from minivllm.inputs import PromptType, process_prompt
 from minivllm.model.loader import (
-    build_model,
     load_config,
     load_generation_defaults,
-    load_state_dict,
     load_tokenizer,
     resolve_dtype,
     resolve_model,
 )
-from minivllm.model_runner import ModelRunner, determine_num_blocks
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput, make_request_output
 from minivllm.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
@@ -87,15 +85,20 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len must be at most the model's {model_max} positions, got {self.max_model_len}"
             )
-        state = load_state_dict(self.source, model_config)
-        self.model = build_model(
-            model_config, state, backend, self.dtype, self.device, self.max_model_len
+        generation = load_generation_defaults(self.source)  # read before any worker starts
+        # The model runner in this process (tensor_parallel_size 1), or rank 0's of N ranks that
+        # each hold 1/N of the model and get every step (paper §4.6; minivllm/distributed/).
+        self.executor = make_executor(
+            config, self.source, model_config, backend, self.dtype, self.device, self.max_model_len
         )
+        self.runner = self.executor.driver_runner
+        self.model = self.runner.model  # rank 0's shard when tensor_parallel_size > 1
         cc = config.cache
-        num_blocks = determine_num_blocks(self.model, cc, self.dtype, self.device)
+        num_blocks = self.executor.num_blocks  # the same on every rank: the smallest any can hold
         capacity = num_blocks * cc.block_size
         if self.max_model_len > capacity:
             if mc.max_model_len is not None:
+                self.executor.shutdown()  # no worker outlives a refused engine
                 raise ValueError(
                     f"max_model_len ({self.max_model_len}) is larger than the KV cache holds "
                     f"({num_blocks} blocks x {cc.block_size} = {capacity} tokens)"
@@ -104,9 +107,6 @@ class LLMEngine:
             self.max_model_len = capacity
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(
-            self.model, backend, num_blocks, cc.block_size, self.dtype, self.device
-        )
         # Unseeded random sampling draws from the engine's own generator, seeded by `seed`: a
         # whole offline run is reproducible, and torch's global RNG stays the user's.
         self.generator = torch.Generator(device=self.device).manual_seed(mc.seed)
@@ -119,7 +119,6 @@ class LLMEngine:
         # generation_config.json, as vLLM reads it by default: its sampling defaults fill the fields
         # a request leaves unset, and each of its EOS ids stops generation (models whose
         # end-of-turn token is not the tokenizer's eos_token).
-        generation = load_generation_defaults(self.source)
         self._diff_sampling_param: dict[str, Any] = dict(generation.sampling_defaults)
         self._extra_eos_token_ids = set(generation.eos_token_ids) - {self.eos_token_id}
         self.output_processor = OutputProcessor(
@@ -143,7 +142,7 @@ class LLMEngine:
         self.peak_slot_utilization = 1.0
         logger.info(
             "minivllm engine: model=%s dtype=%s device=%s backend=%s kv_blocks=%d (block_size=%d) "
-            "max_model_len=%d",
+            "max_model_len=%d tensor_parallel_size=%d",
             self.source.name,
             str(self.dtype).removeprefix("torch."),
             self.device,
@@ -151,6 +150,7 @@ class LLMEngine:
             num_blocks,
             cc.block_size,
             self.max_model_len,
+            config.parallel.tensor_parallel_size,
         )
 
     # ------------------------------------------------------------------ requests in
@@ -253,6 +253,11 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also done at interpreter exit);
+        an engine with workers cannot step afterwards."""
+        self.executor.shutdown()
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """One iteration (paper §4.5): schedule, run the model, sample, commit, process outputs.
@@ -264,7 +269,7 @@ class LLMEngine:
             return outputs
         self.num_steps += 1
         try:
-            logits = self.runner.execute_model(sched)
+            logits = self.executor.execute_model(sched)
             seqs, forks, sampled = self._sample(sched, logits)
             self.scheduler.update_after_step(sched)  # the commit: progress, final cache names
             outputs += self._process_outputs(seqs, forks, sampled)

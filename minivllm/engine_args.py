@@ -95,7 +95,12 @@ class EngineArgs:
         "at least max_num_seqs",
     )
     # ---------------------------------------------------------------------- parallelism
-    tensor_parallel_size: int = _arg(1, "devices each layer is split across; only 1 for now")
+    tensor_parallel_size: int = _arg(
+        1,
+        "devices (ranks) each layer is split across, Megatron-style; above 1 the engine spawns "
+        "the other ranks itself (gloo on CPU, NCCL on CUDA, rank r on cuda:r), or joins the "
+        "ranks torchrun started; it must divide the model's attention heads",
+    )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

@@ -49,6 +49,16 @@ class LLM:
         self.llm_engine = LLMEngine(config)
         self._counter = 0
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes, if it has any (vLLM's name). Also
+        done when the LLM is deleted and at interpreter exit; idempotent."""
+        engine = getattr(self, "llm_engine", None)  # None: __init__ failed before the engine
+        if engine is not None:
+            engine.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

@@ -8,7 +8,10 @@ engine step" on the docs' architecture page):
     input_ids[T], positions[T]            every new token of every scheduled sequence, end to end
     AttentionMetadata                     where each sequence's tokens are and where its K/V lives
 
-It reads nothing but that message, so the same runner can serve a worker in another process.
+It reads nothing but that message, so the same runner serves a worker in another process: with
+tensor parallelism every rank runs this runner on the same message, over its own shard of the
+model and its own KV cache (the same blocks, its own KV heads); rank 0's runner returns the
+logits, the others None (paper §4.6; `minivllm/distributed/`).
 The attention backend's per-step plan is built here, once, and handed to every layer in the
 metadata.
 
@@ -29,8 +32,9 @@ from minivllm.scheduler import SchedulerOutput
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block on this rank: its KV heads only (all of them on one device)."""
     cfg = model.config
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+    per_token = 2 * cfg.num_hidden_layers * model.num_kv_heads * cfg.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
@@ -86,12 +90,12 @@ class ModelRunner:
                 2,
                 num_blocks,
                 block_size,
-                cfg.num_key_value_heads,
+                model.num_kv_heads,
                 cfg.head_dim,
             ),
             dtype=dtype,
             device=device,
-        )  # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+        )  # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], this rank's heads
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give the writer its own copy of a shared block, in every layer."""
@@ -145,7 +149,8 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> torch.Tensor | None:
         """Run one step: copy-on-write copies first, then the model over every new token. Returns
         float32 [S, vocab] logits for the scheduled sequences that sample (in schedule order), or
-        None when none does (every sequence computed a non-final prompt chunk)."""
+        None when none does (every sequence computed a non-final prompt chunk) or when this runner
+        is not rank 0 of a tensor-parallel group."""
         self.copy_blocks(sched.block_copies)
         inp = self.prepare_inputs(sched)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)  # [T, hidden]

@@ -99,8 +99,8 @@ def test_unknown_llm_keyword_is_a_type_error_naming_it_and_the_valid_ones() -> N
 
 def test_invalid_llm_arguments_fail_before_any_model_is_loaded() -> None:
     # "no-such-model" is never resolved: the configs refuse the arguments first.
-    with pytest.raises(ValueError, match="tensor parallelism is not available"):
-        LLM("no-such-model", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM("no-such-model", tensor_parallel_size=0)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be greater"):
         LLM("no-such-model", max_num_seqs=16, max_num_batched_tokens=8)
 
@@ -164,10 +164,12 @@ def test_every_checked_engine_argument_has_an_invalid_case() -> None:
     assert {name for kwargs, _ in INVALID for name in kwargs} == set(FIELDS) - UNCHECKED
 
 
-def test_tensor_parallel_size_other_than_one_is_refused_until_it_is_implemented() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size must be 1, got 2: tensor paral"):
-        EngineArgs(tensor_parallel_size=2).create_engine_config()
+def test_tensor_parallel_size_defaults_to_one_and_any_positive_size_reaches_the_config() -> None:
+    # Whether a size splits the model's heads is checked against the model, when it is read.
     assert EngineArgs().create_engine_config().parallel.tensor_parallel_size == 1
+    assert (
+        EngineArgs(tensor_parallel_size=3).create_engine_config().parallel.tensor_parallel_size == 3
+    )
 
 
 def test_scheduler_refuses_a_token_budget_below_max_num_seqs_with_vllms_message() -> None:

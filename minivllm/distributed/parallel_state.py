@@ -1,0 +1,137 @@
+"""Process groups for tensor parallelism, and the one handle the model's layers talk through.
+
+Megatron-LM's tensor parallelism as vLLM runs it (paper §4.6): N ranks, one per device, each hold
+1/N of every layer. Inside a step they meet twice per layer in an all-reduce (after the attention
+output projection and after the MLP's down projection), once in the embedding's all-reduce and
+once at the end in a gather of the logits to rank 0; between steps the driver (rank 0) sends the
+step's `SchedulerOutput` to the others. See "Distributed execution" in the docs
+(docs/distributed.md) and the architecture page (docs/architecture.md).
+
+Two process groups carry two kinds of traffic:
+
+- the *device group* (torch's default group) carries the model's collectives, on the tensors'
+  device: NCCL on CUDA, gloo on CPU. Its timeout bounds how long a rank waits for the others
+  inside a step.
+- the *control group* (always gloo, on CPU) carries the driver's pickled messages: steps, RPCs,
+  shutdown. A worker waits there between steps for as long as the engine is idle, so on a worker's
+  side it has no practical deadline; on the driver's side it has the bounded one.
+
+`TensorParallelGroup` is all the layers see: the rank, the size, and `all_reduce` / `gather`,
+which return at once when the size is 1. The single-device model is the same code with no
+collective call. The group is handed to the model explicitly (not read from a global, as
+nano-vllm's layers read `dist.get_rank()`), so a rank's shard can also be built, for a test or a
+memory estimate, without any process group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# How long a rank waits for the others in one collective before giving up with an error. A dead
+# peer is noticed at once (its sockets close); this only bounds a peer that is alive but stuck.
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+# A worker waits for the driver's next step this long: an idle server is not an error.
+IDLE_TIMEOUT = timedelta(days=365)
+
+
+@dataclass
+class TensorParallelGroup:
+    """A rank's place in the tensor-parallel group, and the collectives of the model's layers."""
+
+    rank: int = 0
+    world_size: int = 1
+    # Payload bytes this rank put into collectives (what the tutorial and the bench report as the
+    # communication per token). Counted only when world_size > 1.
+    all_reduce_bytes: int = 0
+    gather_bytes: int = 0
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x`, on every rank (in place when the size is above 1)."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()  # a CPU `linear` returns a transposed view; collectives need rows
+        dist.all_reduce(x)
+        self.all_reduce_bytes += x.numel() * x.element_size()
+        return x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:  # [N, n] -> [N, n * world_size]
+        """Every rank's `x`, side by side along the last axis, on rank 0; None on the others."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_driver else None
+        dist.gather(x, parts, dst=0)
+        self.gather_bytes += x.numel() * x.element_size()
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+SINGLE_DEVICE = TensorParallelGroup()
+
+
+# ---------------------------------------------------------------------------------- set-up
+def device_backend(device: torch.device) -> str:
+    """The collective library for the model's tensors: NCCL between GPUs, gloo between CPUs."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def free_loopback_port() -> int:
+    """A TCP port nobody listens on, for the spawned workers' rendezvous with the driver."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launched_by_torchrun() -> bool:
+    """Did `torchrun` (or another env:// launcher) start this process as one of several ranks?"""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def check_no_process_group() -> None:
+    """torch.distributed has one default group per process, so one tensor-parallel engine."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is already initialized in this process: one tensor-parallel "
+            "engine per process (shut the other one down first: LLM.shutdown())"
+        )
+
+
+def init_distributed(
+    rank: int, world_size: int, init_method: str, device: torch.device
+) -> tuple[TensorParallelGroup, dist.ProcessGroup]:
+    """Join the group: the device group (torch's default) and the control group. Every rank calls
+    this; it returns when all `world_size` ranks have met at `init_method`."""
+    check_no_process_group()
+    dist.init_process_group(
+        device_backend(device),
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    # The timeout is each process's own: the driver never waits long, a worker waits for work.
+    control = dist.new_group(
+        backend="gloo", timeout=COLLECTIVE_TIMEOUT if rank == 0 else IDLE_TIMEOUT
+    )
+    return TensorParallelGroup(rank, world_size), control
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def min_over_ranks(value: int, control: dist.ProcessGroup) -> int:
+    """The smallest `value` any rank holds (the KV blocks every rank can afford)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
+    return int(t.item())
