@@ -12,9 +12,8 @@ A step that raises (an exception, or Ctrl-C inside the model) fails the requests
 frees their blocks; the prefix-cache names it gave are withdrawn (they become final only when a
 step commits, last), so nothing it half-did is visible to any later request.
 
-Parallel sampling (`n > 1`) follows the paper's §4.4: the prompt is computed once by the first
-sequence; when its first token is sampled, it is forked into n sequences that share every prompt
-block, and the block manager copies a shared block only when one of them writes into it.
+Parallel sampling (`n > 1`, paper §4.4): the prompt is computed once; at its first sample the
+sequence is forked into n that share every prompt block until one of them writes into it.
 """
 
 from __future__ import annotations
@@ -132,8 +131,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self._aborted_outputs: list[RequestOutput] = []
-        # The step trace (minivllm/trace/): None unless a recorder is attached, and then it sees
-        # every step that ran, after its commit, forks and frees.
+        # The step trace (minivllm/trace/): when attached, it sees every step after its commit.
         self.step_recorder: StepRecorder | None = None
         # Counters behind get_stats().
         self.num_steps = 0
