@@ -20,8 +20,9 @@ Two phases, both in the bench's own process:
 Replaying every step would take about as long as the run. The body's cost depends on T only and
 the head's on S only, so each distinct T (and each distinct S) is timed min(count, 3) times; its
 median × its count is its share of the floor. A shape seen once costs one replay, as in the run.
-Inputs are random rows in the model's dtype, row-major (the model's inputs to these matmuls are
-row-major or transposed views, which MKL reads without a copy either way).
+Inputs are random rows in the model's dtype, row-major. The model hands some of its inputs over
+as transposed views (the output of `linear`), which BLAS also reads without a copy; the replay
+does not tell the two layouts apart.
 
 Only at tensor_parallel_size 1: at N > 1 the ranks' matmuls run at the same time in other
 processes, and rank 0's alone in this one would not be the same floor.
@@ -141,7 +142,6 @@ def replay(model: LlamaForCausalLM, shapes: StepShapes) -> dict[str, Any]:
     body_seconds = 0.0
     for t, count in sorted(Counter(shapes.tokens).items()):
         x_hidden, x_attn, x_mlp = rows(t, qkv.shape[1]), rows(t, o.shape[1]), rows(t, down.shape[1])
-
         times = min(count, REPLAYS_PER_SHAPE)
         seconds = _median_seconds(device, times, body_matmuls, layers, x_hidden, x_attn, x_mlp)
         body_seconds += count * seconds
