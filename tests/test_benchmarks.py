@@ -64,6 +64,31 @@ def test_throughput_reports_every_system_and_the_flops_fraction(
     assert report["decode_roofline"]["decode_steps"] > 0
 
 
+def test_throughput_reports_the_matmul_floor_of_the_shapes_the_run_computed_and_each_peak_rss(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "throughput.json"
+    argv = ["--model", str(tiny_llama), "--num-prompts", "5", "--input-len", "8-40"]
+    argv += ["--output-len", "3-9", "--peers", "hf-static,hf-cb", "--hf-batch-sizes", "2"]
+    argv += ["--matmul-size", "256", "--num-gpu-blocks-override", "64", "--json", str(out)]
+    assert throughput.main(parse(throughput, argv)) == 0
+    report = json.loads(out.read_text())
+    work, floor = report["workload"], report["matmul_floor"]
+    mini = report["systems"][0]
+    # Every prompt token and every output token but each request's last passed the layers once
+    # (64 blocks hold the whole workload: no preemption, no recomputation); each output token
+    # was one row through the LM head.
+    assert floor["tokens"] == work["prompt_tokens"] + work["output_tokens"] - work["num_prompts"]
+    assert floor["sampled_rows"] == work["output_tokens"]
+    assert floor["steps"] == mini["steps"]
+    assert floor["weight_shapes"]["layers"] == 2
+    assert 0 < floor["lm_head_seconds"] < floor["seconds"] < mini["seconds"]
+    assert floor["minivllm_over_floor"] == pytest.approx(mini["seconds"] / floor["seconds"])
+    assert [s["system"] for s in report["systems"]] == ["minivllm", "hf-static (batch 2)", "hf-cb"]
+    for system in report["systems"]:
+        assert system["peak_rss_bytes"] >= system["start_rss_bytes"] > 0
+
+
 def test_naive_allocator_never_exceeds_its_budget_and_wastes_the_over_reservation() -> None:
     requests = [BenchRequest([0] * 10, 5), BenchRequest([0] * 30, 3), BenchRequest([0] * 5, 1)]
     steps = memory.simulate_naive(requests, 128, 64, 8, 32)

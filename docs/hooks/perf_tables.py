@@ -43,7 +43,14 @@ def render(path: Path) -> str:
     )
     if kind == "throughput":
         body = _table(
-            ["system", "output tokens", "seconds", "output tok/s", "minivllm is x faster"],
+            [
+                "system",
+                "output tokens",
+                "seconds",
+                "output tok/s",
+                "minivllm is x faster",
+                "peak RSS MiB",
+            ],
             [
                 [
                     r["system"],
@@ -51,10 +58,19 @@ def render(path: Path) -> str:
                     r["seconds"],
                     r["output_tokens_per_s"],
                     r.get("minivllm_speedup"),
+                    _mib(r.get("peak_rss_bytes")),
                 ]
                 for r in data["systems"]
             ],
         )
+        floor = data.get("matmul_floor") or {}
+        if floor:  # the run's matmuls alone, replayed at its steps' shapes
+            body += (
+                f"\n\nMatmul floor: the run's {_fmt(floor['steps'])} steps' matmuls alone "
+                f"({_fmt(floor['tokens'])} rows through the layers, {_fmt(floor['sampled_rows'])} "
+                f"through the LM head) take {_fmt(floor['seconds'])} s; minivllm takes "
+                f"**{_fmt(floor['minivllm_over_floor'])}x** its floor (issue 16's target: 1.25x)."
+            )
         flops = data.get("flops") or {}
         if flops:
             body += (
@@ -162,6 +178,11 @@ def _fmt(v: Any) -> str:
     if isinstance(v, int):
         return f"{v:,}"
     return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
+
+
+def _mib(v: int | None) -> float | None:
+    """Bytes as MiB; None (an older JSON without the field) stays an empty cell."""
+    return None if v is None else v / 2**20
 
 
 def _pct(v: float) -> str:

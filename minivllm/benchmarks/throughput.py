@@ -14,18 +14,21 @@ bound, so minivllm's useful model FLOP/s (2 x parameters per computed token) is 
 best dense matmul FLOP/s the machine reaches in the model's dtype. On a GPU the decode phase is
 memory-bound, so decode steps are also timed one by one and their bytes (weights + the KV they
 read) per second are set against a measured device-to-device copy bandwidth.
+
+Beside it, the run's **matmul floor** (floor.py): the same steps' matmuls alone, replayed at their
+exact shapes with the model's own weights; minivllm's time ÷ the floor is what everything that is
+not a matmul costs. And each system's **peak memory**: every system runs in a fresh process of its
+own, one after the other (isolated.py), and reports its peak resident set.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from minivllm.benchmarks.common import (
     GPU_EPILOG,
@@ -36,7 +39,6 @@ from minivllm.benchmarks.common import (
     build_llm,
     drive_engine,
     fixed_params,
-    load_hf_model,
     machine_load,
     measure_copy_bandwidth,
     measure_matmul_flops,
@@ -53,6 +55,9 @@ from minivllm.benchmarks.common import (
     workload_for,
     write_json,
 )
+from minivllm.benchmarks.floor import record_shapes, replay
+from minivllm.benchmarks.hf_peers import peer_process
+from minivllm.benchmarks.isolated import current_rss_bytes, peak_rss_bytes, run_isolated
 from minivllm.engine_args import EngineArgs
 from minivllm.llm import LLM
 
@@ -170,109 +175,52 @@ def run_decode_roofline(
     }
 
 
-# ---------------------------------------------------------------------------------- peers
-def run_hf_static(
-    model: Any, requests: Sequence[BenchRequest], batch_size: int, pad_id: int
-) -> dict[str, Any]:
-    """Fixed batches in arrival order, left-padded; each batch generates its longest output."""
-    device = model.device
-    useful = 0
-    generated = 0
-    t: dict[str, float] = {}
-    bar = tqdm(total=len(requests), desc=f"hf-static (batch {batch_size})", unit="req")
-    with timed(device, t), torch.no_grad():
-        for i in range(0, len(requests), batch_size):
-            batch = requests[i : i + batch_size]
-            width = max(len(r.prompt_token_ids) for r in batch)
-            ids = [[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch]
-            mask = [
-                [0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
-                for r in batch
-            ]
-            longest = max(r.output_len for r in batch)
-            out = model.generate(
-                torch.tensor(ids, device=device),
-                attention_mask=torch.tensor(mask, device=device),
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                do_sample=False,
-                pad_token_id=pad_id,
-            )
-            generated += (out.shape[1] - width) * len(batch)
-            useful += sum(r.output_len for r in batch)
-            bar.update(len(batch))
-    bar.close()
-    return {
-        "system": f"hf-static (batch {batch_size})",
-        "seconds": t["seconds"],
-        "output_tokens": useful,
-        "output_tokens_per_s": useful / t["seconds"],
-        "generated_tokens_incl_padding": generated,
-    }
-
-
-def run_hf_cb(
-    model: Any, requests: Sequence[BenchRequest], max_batch_tokens: int, pad_id: int
-) -> dict[str, Any]:
-    """transformers' continuous batching manager, one `add_request` per request with its own
-    `max_new_tokens`; `eos_token_id=-1` turns EOS off (the peers' `ignore_eos`)."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    page = 256  # transformers' default page size
-    longest = max(r.output_len for r in requests)
-    gen_config = GenerationConfig(
-        do_sample=False, max_new_tokens=longest, eos_token_id=-1, pad_token_id=pad_id
-    )
-    # Sized to hold the whole workload at once: on CPU the manager would otherwise size its cache
-    # from the machine's free RAM.
-    num_blocks = sum(-(-(len(r.prompt_token_ids) + r.output_len) // page) for r in requests)
-    cb_config = ContinuousBatchingConfig(
-        num_blocks=num_blocks + len(requests), max_batch_tokens=max_batch_tokens
-    )
-    results: dict[str, Any] = {}
-    t: dict[str, float] = {}
-    bar = tqdm(total=len(requests), desc="hf-cb", unit="req")
-    with (
-        model.continuous_batching_context_manager(
-            generation_config=gen_config, continuous_batching_config=cb_config, warmup=False
-        ) as manager,
-        timed(model.device, t),
-    ):
-        for i, r in enumerate(requests):
-            manager.add_request(
-                r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.output_len, eos_token_id=-1
-            )
-        while len(results) < len(requests):
-            result = manager.get_result(timeout=1)
-            if result is None:
-                if not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching loop stopped early")
-                continue
-            if result.is_finished():
-                results[result.request_id] = result
-                bar.update(1)
-    bar.close()
-    tokens = sum(len(r.generated_tokens) for r in results.values())
-    return {
-        "system": "hf-cb",
-        "seconds": t["seconds"],
-        "output_tokens": tokens,
-        "output_tokens_per_s": tokens / t["seconds"],
-    }
-
-
-def warm_up_hf(model: Any, pad_id: int) -> None:
-    with torch.no_grad():
-        model.generate(
-            torch.tensor([[1, 2, 3, 4]], device=model.device),
-            max_new_tokens=2,
-            do_sample=False,
-            pad_token_id=pad_id,
-        )
-
-
 # ---------------------------------------------------------------------------------- main
+def minivllm_process(args: argparse.Namespace) -> dict[str, Any]:
+    """minivllm's side of the bench, in a fresh process: the workload (drawn with the engine's
+    tokenizer, for the peers too), the timed run and its peak RSS, then the floor's replay, the
+    matmul peak and the decode roofline (after the RSS is read: they are not minivllm's memory)."""
+    start_rss = current_rss_bytes()
+    llm = build_llm(args)
+    engine = llm.llm_engine
+    device, dtype = engine.device, engine.dtype
+    requests = workload_for(llm, args)
+    cost = ModelCost.of(llm)
+    config = engine.model.config
+    header = (
+        f"model {engine.source.name}, {str(dtype).removeprefix('torch.')}, {device}, "
+        f"{engine.attention_backend} attention"
+    )
+    warm_up(llm)
+    before = rank_reports(llm)
+    with record_shapes(llm) as shapes:
+        row = run_minivllm(llm, requests)
+    row.update(peak_rss_bytes=peak_rss_bytes(), start_rss_bytes=start_rss)
+    ranks = tensor_parallel_rows(before, rank_reports(llm), requests)
+    floor = None
+    if engine.config.parallel.tensor_parallel_size == 1:
+        floor = replay(engine.model, shapes)
+    peak_flops = measure_matmul_flops(dtype, device, size=args.matmul_size)
+    roofline = None
+    if device.type == "cuda" or args.decode_roofline:
+        roofline = run_decode_roofline(llm, requests, cost)
+    llm.shutdown()  # tensor parallelism: the workers end with this process
+    return {
+        "requests": requests,
+        "header": header,
+        "dtype": dtype,
+        "device": device,
+        "row": row,
+        "floor": floor,
+        "peak_flops": peak_flops,
+        "useful_flops": cost.useful_flops(requests),
+        "cost": cost,
+        "roofline": roofline,
+        "ranks": ranks,
+        "layers_hidden": (config.num_hidden_layers, config.hidden_size),
+    }
+
+
 def main(args: argparse.Namespace) -> int:
     if args.quick:
         args.num_prompts, args.input_len, args.output_len = 16, (16, 128), (16, 128)
@@ -282,57 +230,41 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"--peers must be from {PEERS} (or 'none'), got {sorted(unknown)}")
     batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
+    if args.threads:
+        torch.set_num_threads(args.threads)  # as every system's process does: machine_load says so
 
-    llm = build_llm(args)
-    engine = llm.llm_engine
-    device, dtype = engine.device, engine.dtype
-    requests = workload_for(llm, args)
-    cost = ModelCost.of(llm)
-    cost_shape = (engine.model.config.num_hidden_layers, engine.model.config.hidden_size)
+    mini = run_isolated(minivllm_process, args)
+    requests: list[BenchRequest] = mini["requests"]
+    dtype, device, cost = mini["dtype"], mini["device"], mini["cost"]
     num_in = sum(len(r.prompt_token_ids) for r in requests)
     num_out = sum(r.output_len for r in requests)
     print(
         f"workload: {len(requests)} prompts, {num_in:,} prompt + {num_out:,} output tokens "
         f"(input {args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-"
-        f"{args.output_len[1]}, seed {args.seed}); model {engine.source.name}, "
-        f"{str(dtype).removeprefix('torch.')}, {device}, {engine.attention_backend} attention; "
-        f"{machine_load()}"
+        f"{args.output_len[1]}, seed {args.seed}); {mini['header']}; {machine_load()}"
     )
+    rows = [mini["row"]]
+    runs = [("hf-static", b) for b in batch_sizes if "hf-static" in peers]
+    runs += [("hf-cb", 0)] if "hf-cb" in peers else []
+    for peer, batch_size in runs:
+        rows.append(run_isolated(peer_process, args, requests, peer, batch_size, dtype, device))
 
-    peak_flops = measure_matmul_flops(dtype, device, size=args.matmul_size)
-    warm_up(llm)
-    before = rank_reports(llm)
-    rows = [run_minivllm(llm, requests)]
-    ranks = tensor_parallel_rows(before, rank_reports(llm), requests)
-    roofline = None
-    if device.type == "cuda" or args.decode_roofline:
-        roofline = run_decode_roofline(llm, requests, cost)
-    hf_dtype = dtype
-    llm.shutdown()  # tensor parallelism: the workers go before the peers load
-    del llm, engine
-    gc.collect()
-
-    if peers:
-        model = load_hf_model(args.model, hf_dtype, device)
-        pad_id = model.generation_config.pad_token_id
-        if pad_id is None:
-            pad_id = model.config.eos_token_id if model.config.eos_token_id is not None else 0
-        if isinstance(pad_id, list):
-            pad_id = pad_id[0]
-        warm_up_hf(model, pad_id)
-        if "hf-static" in peers:
-            rows += [run_hf_static(model, requests, b, pad_id) for b in batch_sizes]
-        if "hf-cb" in peers:
-            rows.append(run_hf_cb(model, requests, args.max_num_batched_tokens, pad_id))
-        del model
-        gc.collect()
-
-    mini = rows[0]["output_tokens_per_s"]
+    floor = mini["floor"]
+    if floor is not None:
+        floor["minivllm_over_floor"] = rows[0]["seconds"] / floor["seconds"]
+    speed = rows[0]["output_tokens_per_s"]
     for row in rows:
-        row["minivllm_speedup"] = mini / row["output_tokens_per_s"]
+        row["minivllm_speedup"] = speed / row["output_tokens_per_s"]
     print()
     print_table(
-        ["system", "output tokens", "seconds", "output tok/s", "minivllm is x faster"],
+        [
+            "system",
+            "output tokens",
+            "seconds",
+            "output tok/s",
+            "minivllm is x faster",
+            "peak RSS MiB",
+        ],
         [
             [
                 r["system"],
@@ -340,12 +272,27 @@ def main(args: argparse.Namespace) -> int:
                 r["seconds"],
                 r["output_tokens_per_s"],
                 r["minivllm_speedup"],
+                r["peak_rss_bytes"] / 2**20,
             ]
             for r in rows
         ],
     )
+    print(
+        "(each system in a fresh process of its own, one after the other; peak RSS includes "
+        f"python and torch, {rows[0]['start_rss_bytes'] / 2**20:,.0f} MiB before the model loads)"
+    )
+    if floor is not None:
+        print(
+            f"\nmatmul floor: {floor['seconds']:.2f} s for the run's {floor['steps']} steps "
+            f"({floor['tokens']:,} rows through the layers, {floor['sampled_rows']:,} through the LM "
+            f"head; {floor['lm_head_seconds']:.2f} s of it the LM head), replayed alone with the "
+            f"model's weights; minivllm takes {floor['minivllm_over_floor']:.2f}x its floor"
+        )
+    else:
+        print("\nmatmul floor: measured at tensor_parallel_size 1 only")
 
-    useful = cost.useful_flops(requests)
+    useful = mini["useful_flops"]
+    peak_flops = mini["peak_flops"]
     achieved = useful / rows[0]["seconds"]
     roofline_tps = num_out / (useful / peak_flops)
     flops = {
@@ -362,6 +309,7 @@ def main(args: argparse.Namespace) -> int:
         f"{str(dtype).removeprefix('torch.')} matmul peak {peak_flops / 1e9:.1f} GFLOP/s "
         f"(roofline {roofline_tps:.0f} output tok/s)"
     )
+    roofline = mini["roofline"]
     if roofline is not None:
         print(
             f"decode phase: {roofline['decode_steps']} steps, "
@@ -370,9 +318,10 @@ def main(args: argparse.Namespace) -> int:
             f"{roofline['fraction_of_copy_bandwidth']:.1%} of the measured copy bandwidth "
             f"{roofline['copy_bytes_per_s'] / 1e9:.1f} GB/s"
         )
+    ranks = mini["ranks"]
     tp = len(ranks)
     elem = torch.empty((), dtype=dtype).element_size()
-    cfg_layers, cfg_hidden = cost_shape
+    cfg_layers, cfg_hidden = mini["layers_hidden"]
     print(
         f"\ntensor_parallel_size {tp}: each rank's share of the model and of the KV cache, and the "
         f"payload it put into collectives (an all-reduce of [tokens, hidden] in the embedding and "
@@ -395,6 +344,7 @@ def main(args: argparse.Namespace) -> int:
             },
             "systems": rows,
             "flops": flops,
+            "matmul_floor": floor,
             "decode_roofline": roofline,
             "ranks": ranks,
         },
