@@ -165,6 +165,8 @@ def _args(args: dict[str, Any]) -> str:
         flag = k.replace("_", "-")
         if isinstance(v, bool):
             words.append(f"--{flag}" if v else f"--no-{flag}")
+        elif isinstance(v, list | tuple) and len(v) == 2:  # a length range: MIN-MAX
+            words.append(f"--{flag} {v[0]}-{v[1]}")
         else:
             words.append(f"--{flag} {v}")
     return " ".join(words)
