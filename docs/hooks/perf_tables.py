@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from minivllm.benchmarks.common import RANK_HEADERS, rank_row
+
 MARKER = "<!-- perf-tables -->"
 
 
@@ -79,31 +81,7 @@ def render(path: Path) -> str:
             )
         ranks = data.get("ranks") or []
         if ranks:  # what each tensor-parallel rank holds and sends (one row at N = 1)
-            body += "\n\n" + _table(
-                [
-                    "rank",
-                    "weights MiB",
-                    "KV cache MiB",
-                    "KV blocks",
-                    "heads",
-                    "KV heads",
-                    "all-reduce B/token",
-                    "gather B/sampled token",
-                ],
-                [
-                    [
-                        r["rank"],
-                        r["weight_bytes"] / 2**20,
-                        r["kv_cache_bytes"] / 2**20,
-                        r["kv_blocks"],
-                        r["heads"],
-                        r["kv_heads"],
-                        r["all_reduce_bytes_per_token"],
-                        r["gather_bytes_per_sampled_token"],
-                    ]
-                    for r in ranks
-                ],
-            )
+            body += "\n\n" + _table(RANK_HEADERS, [rank_row(r) for r in ranks])
     elif kind == "memory":
         rows = []
         for name, r in data["results"].items():

@@ -247,32 +247,34 @@ def tensor_parallel_rows(
     ]
 
 
+RANK_HEADERS = [
+    "rank",
+    "weights MiB",
+    "KV cache MiB",
+    "KV blocks",
+    "heads",
+    "KV heads",
+    "all-reduce B/token",
+    "gather B/sampled token",
+]
+
+
+def rank_row(r: dict[str, Any]) -> list[Any]:
+    """One rank's report as a table row, under RANK_HEADERS (the bench's table and the docs')."""
+    return [
+        r["rank"],
+        r["weight_bytes"] / 2**20,
+        r["kv_cache_bytes"] / 2**20,
+        r["kv_blocks"],
+        r["heads"],
+        r["kv_heads"],
+        r["all_reduce_bytes_per_token"],
+        r["gather_bytes_per_sampled_token"],
+    ]
+
+
 def print_rank_rows(rows: Sequence[dict[str, Any]]) -> None:
-    print_table(
-        [
-            "rank",
-            "weights MiB",
-            "KV cache MiB",
-            "KV blocks",
-            "heads",
-            "KV heads",
-            "all-reduce B/token",
-            "gather B/sampled token",
-        ],
-        [
-            [
-                r["rank"],
-                r["weight_bytes"] / 2**20,
-                r["kv_cache_bytes"] / 2**20,
-                r["kv_blocks"],
-                r["heads"],
-                r["kv_heads"],
-                r["all_reduce_bytes_per_token"],
-                r["gather_bytes_per_sampled_token"],
-            ]
-            for r in rows
-        ],
-    )
+    print_table(RANK_HEADERS, [rank_row(r) for r in rows])
 
 
 # ---------------------------------------------------------------------------------- machine limits

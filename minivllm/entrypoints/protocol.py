@@ -210,21 +210,11 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
+# Fields that shape sampling, meaningless for beam search (which ranks whole beams): refused there.
 BEAM_SEARCH_REFUSED = (
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "min_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logprobs",
-    "top_logprobs",
-    "echo",
-)
+    "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "echo",
+)  # fmt: skip
 
 
 def unsupported_fields(req: _SamplingFields) -> None:
@@ -239,7 +229,6 @@ def unsupported_fields(req: _SamplingFields) -> None:
             param="best_of",
         )
     if req.use_beam_search:
-        # Beam search ranks whole beams by their log-probability; these shape sampling instead.
         fields = type(req).model_fields
         for name in BEAM_SEARCH_REFUSED:
             if name in fields and getattr(req, name) != fields[name].default:
