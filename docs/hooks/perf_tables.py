@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from minivllm.benchmarks.common import RANK_HEADERS, rank_row
+from minivllm.benchmarks.common import RANK_HEADERS, SYSTEM_HEADERS, rank_row, system_row
 
 MARKER = "<!-- perf-tables -->"
 
@@ -44,27 +44,7 @@ def render(path: Path) -> str:
         + "\n"
     )
     if kind == "throughput":
-        body = _table(
-            [
-                "system",
-                "output tokens",
-                "seconds",
-                "output tok/s",
-                "minivllm is x faster",
-                "peak RSS MiB",
-            ],
-            [
-                [
-                    r["system"],
-                    r["output_tokens"],
-                    r["seconds"],
-                    r["output_tokens_per_s"],
-                    r.get("minivllm_speedup"),
-                    _mib(r.get("peak_rss_bytes")),
-                ]
-                for r in data["systems"]
-            ],
-        )
+        body = _table(SYSTEM_HEADERS, [system_row(r) for r in data["systems"]])
         floor = data.get("matmul_floor") or {}
         if floor:  # the run's matmuls alone, replayed at its steps' shapes
             body += (
@@ -158,11 +138,6 @@ def _fmt(v: Any) -> str:
     if isinstance(v, int):
         return f"{v:,}"
     return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.1f}"
-
-
-def _mib(v: int | None) -> float | None:
-    """Bytes as MiB; None (an older JSON without the field) stays an empty cell."""
-    return None if v is None else v / 2**20
 
 
 def _pct(v: float) -> str:

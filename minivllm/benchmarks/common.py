@@ -247,6 +247,30 @@ def tensor_parallel_rows(
     ]
 
 
+SYSTEM_HEADERS = [
+    "system",
+    "output tokens",
+    "seconds",
+    "output tok/s",
+    "minivllm is x faster",
+    "peak RSS MiB",
+]
+
+
+def system_row(r: dict[str, Any]) -> list[Any]:
+    """One system's throughput result as a table row, under SYSTEM_HEADERS (the bench's table
+    and the docs'; a report from before RSS was measured shows an empty cell)."""
+    rss = r.get("peak_rss_bytes")
+    return [
+        r["system"],
+        r["output_tokens"],
+        r["seconds"],
+        r["output_tokens_per_s"],
+        r.get("minivllm_speedup"),
+        None if rss is None else rss / 2**20,
+    ]
+
+
 RANK_HEADERS = [
     "rank",
     "weights MiB",

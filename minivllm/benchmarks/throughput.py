@@ -32,6 +32,7 @@ import torch
 
 from minivllm.benchmarks.common import (
     GPU_EPILOG,
+    SYSTEM_HEADERS,
     BenchRequest,
     ModelCost,
     add_run_arguments,
@@ -49,6 +50,7 @@ from minivllm.benchmarks.common import (
     run_main,
     set_epilog,
     synchronize,
+    system_row,
     tensor_parallel_rows,
     timed,
     warm_up,
@@ -256,27 +258,7 @@ def main(args: argparse.Namespace) -> int:
     for row in rows:
         row["minivllm_speedup"] = speed / row["output_tokens_per_s"]
     print()
-    print_table(
-        [
-            "system",
-            "output tokens",
-            "seconds",
-            "output tok/s",
-            "minivllm is x faster",
-            "peak RSS MiB",
-        ],
-        [
-            [
-                r["system"],
-                r["output_tokens"],
-                r["seconds"],
-                r["output_tokens_per_s"],
-                r["minivllm_speedup"],
-                r["peak_rss_bytes"] / 2**20,
-            ]
-            for r in rows
-        ],
-    )
+    print_table(SYSTEM_HEADERS, [system_row(r) for r in rows])
     print(
         "(each system in a fresh process of its own, one after the other; peak RSS includes "
         f"python and torch, {rows[0]['start_rss_bytes'] / 2**20:,.0f} MiB before the model loads)"
