@@ -123,6 +123,12 @@ void rms_norm(const at::Tensor& out,     // [T, hidden] contiguous
   });
 }
 
+// r += x, rounded to scalar_t as the decoder layer's `hidden + attn` is.
+template <typename scalar_t>
+inline void add_row(scalar_t* __restrict__ r, const scalar_t* __restrict__ x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) r[i] = scalar_t(float(x[i]) + float(r[i]));  // r, x: [n]
+}
+
 template <typename scalar_t>
 void fused_add_rms_norm_kernel(scalar_t* __restrict__ input,     // [T, hidden] in: x, out: normed
                                scalar_t* __restrict__ residual,  // [T, hidden] in: r, out: x + r
@@ -130,17 +136,13 @@ void fused_add_rms_norm_kernel(scalar_t* __restrict__ input,     // [T, hidden] 
                                int64_t num_tokens, int64_t hidden, float eps) {
   at::parallel_for(0, num_tokens, rows_per_task(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      scalar_t* __restrict__ x = input + t * hidden;
-      scalar_t* __restrict__ r = residual + t * hidden;
-      // The sum (rounded to scalar_t, as `hidden + attn` is) and its squares in the same pass;
-      // the second pass reads the row back from L1, not from memory.
-      float sum_sq = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) {
-        const scalar_t s = scalar_t(float(x[i]) + float(r[i]));
-        r[i] = s;
-        sum_sq += float(s) * float(s);
-      }
-      normalize_row(x, r, weight, inverse_rms(sum_sq, hidden, eps), hidden);
+      scalar_t* x = input + t * hidden;
+      scalar_t* r = residual + t * hidden;
+      // Three loops over the row, but one pass over memory: the row (a few KiB) is still in L1
+      // for the second and third. Separate loops vectorize where one fused loop did not (storing
+      // the rounded sum and squaring it in one statement defeats GCC for bfloat16).
+      add_row(r, x, hidden);
+      normalize_row(x, r, weight, inverse_rms(sum_of_squares(r, hidden), hidden, eps), hidden);
     }
   });
 }
