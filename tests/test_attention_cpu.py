@@ -74,6 +74,53 @@ def test_decode_never_reads_outside_the_request_s_blocks() -> None:
     torch.testing.assert_close(out, expected, **TOLERANCES[F32])
 
 
+def test_decode_kernel_reads_a_query_with_any_row_stride() -> None:
+    """The queries as the model hands them over: a view of the fused qkv output, each row longer
+    than the query heads. NaN fills the rest of every row, so a kernel that stepped from row to
+    row by num_heads * head_dim would read it."""
+    b = make_paged_batch([1, 17, 70], [1, 1, 1], 6, 2, 64, 16, seed=5)
+    wide = torch.full((b.query.shape[0], 6 + 2 * 2, 64), float("nan"))
+    wide[:, :6] = b.query
+    query = wide[:, :6]  # [T, 6, 64], rows 10 * 64 apart
+    out = torch.full(b.query.shape, float("nan"))
+    rows = b.meta.query_start_loc[:-1].long()
+    cpu_module.load_cpu_kernels()
+    torch.ops.minivllm_cpu.paged_decode(
+        out, query, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.seq_lens, rows, b.scale
+    )
+    expected = ReferenceBackend().attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out, expected, **TOLERANCES[F32])
+
+
+@pytest.mark.parametrize("layout", ["qkv-view", "heads-apart"])
+def test_the_kernel_gets_a_qkv_view_as_is_and_other_layouts_as_a_copy(
+    monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    b = make_paged_batch([5, 40], [1, 1], 4, 2, 32, 16, seed=9)
+    if layout == "qkv-view":  # rows longer than the queries: read in place
+        query = torch.cat([b.query, b.query[:, :4]], dim=1)[:, :4]
+    else:  # [T, head_dim, heads] transposed: a head's values are not adjacent, so it is copied
+        query = b.query.transpose(1, 2).contiguous().transpose(1, 2)
+    cpu_module.load_cpu_kernels()
+    kernel = torch.ops.minivllm_cpu.paged_decode
+    handed: list[torch.Tensor] = []
+
+    def spy(out: torch.Tensor, q: torch.Tensor, *args: object) -> None:
+        handed.append(q)
+        kernel(out, q, *args)
+
+    monkeypatch.setattr(torch.ops.minivllm_cpu, "paged_decode", spy)
+    out = torch.empty(b.query.shape)
+    rows = b.meta.query_start_loc[:-1].long()
+    paged_decode(
+        query, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.seq_lens, rows, b.scale, out
+    )
+    [q] = handed
+    assert (q.data_ptr() == query.data_ptr()) == (layout == "qkv-view")
+    expected = ReferenceBackend().attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out, expected, **TOLERANCES[F32])
+
+
 def test_decode_of_one_long_request_spans_many_blocks() -> None:
     b = make_paged_batch([2000], [1], 9, 3, 64, 16, seed=11)
     expected = ReferenceBackend().attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale)

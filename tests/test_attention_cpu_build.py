@@ -1,7 +1,7 @@
 """Building the CPU kernel: one line when it compiles, one when it fails, a failure remembered,
 no wait on a lock a killed build left behind, and no lasting change to the process's PATH.
 
-No test here runs the compiler (a real build takes ~15 s): `compile_kernel`, or torch's `load`
+No test here runs the compiler (a real build takes ~20 s): `compile_kernel`, or torch's `load`
 under it, is replaced by a recorder, and every test builds into a cache folder of its own, so the
 shared cache (and the real kernel in it) is never touched. Each call of
 `load_cpu_kernels.__wrapped__` behaves as a new process's first call (the cached wrapper is what
@@ -256,3 +256,46 @@ def test_torch_s_build_log_goes_to_the_marker_not_the_terminal(
     [marker] = cpu_build.kernel_build_dir().glob("build-failed-*.txt")
     assert "Your compiler is not compatible" in marker.read_text()
     assert logging.getLogger("torch.utils.cpp_extension").propagate  # given back
+
+
+def test_every_source_is_compiled_and_a_change_to_any_moves_the_build_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The attention kernel and the layer ops are one library: an edit to either file must
+    rebuild it, not load a library built from the old source."""
+    sources = (tmp_path / "a.cpp", tmp_path / "b.cpp")
+    for source in sources:
+        source.write_text("// v1\n")
+    monkeypatch.setattr(cpu_build, "SOURCES", sources)
+    compiled: list[list[str]] = []
+
+    def torch_load(build_directory: str, sources: list[str], **kwargs: object) -> str:
+        compiled.append(sources)
+        return str(Path(build_directory) / LIBRARY)
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", torch_load)
+    monkeypatch.setattr(cpu_build, "_load_library", lambda path: None)
+    load_in_a_new_process()
+    assert compiled == [[str(source) for source in sources]]
+    folders = {cpu_build.kernel_build_dir()}
+    for source in sources:
+        source.write_text(source.read_text() + "// v2\n")
+        folders.add(cpu_build.kernel_build_dir())
+    assert len(folders) == 3
+
+
+def test_torch_s_build_leaves_the_build_folder_s_name_unchanged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch appends its own libraries to the `extra_ldflags` list it is given: were that the
+    module's list, the folder's digest would change once a process has built."""
+
+    def torch_load(build_directory: str, extra_ldflags: list[str], **kwargs: object) -> str:
+        extra_ldflags.append("-ltorch")
+        return str(Path(build_directory) / LIBRARY)
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", torch_load)
+    monkeypatch.setattr(cpu_build, "_load_library", lambda path: None)
+    before = cpu_build.kernel_build_dir()
+    load_in_a_new_process()
+    assert cpu_build.kernel_build_dir() == before

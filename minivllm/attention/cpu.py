@@ -11,8 +11,8 @@ Everything else is the reference backend's: the cache write (`index_copy_`) and 
 (gather + SDPA, where the gather is paid once for many query rows and SDPA runs as matmuls). vLLM's
 CPU backend splits the work the same way.
 
-The kernel is compiled on first use (about 15 s, once per machine; `cpu_build.py` says how, and
-what a user sees). Where it cannot be built, `get_attention_backend("auto")` says why in one line
+The kernel is compiled on first use, into one library with the layer ops (about 20 s, once per
+machine; `cpu_build.py` says how, and what a user sees). Where it cannot be built, `get_attention_backend("auto")` says why in one line
 and falls back to the reference backend.
 """
 
@@ -35,6 +35,13 @@ from minivllm.attention.reference import (
 __all__ = ["CpuBackend", "CpuKernelUnavailable", "load_cpu_kernels", "paged_decode"]
 
 
+def heads_are_one_run(x: torch.Tensor) -> bool:  # x: [T, heads, head_dim]
+    """Whether each row's heads lie side by side in memory, whatever the distance between rows:
+    the layout the decode kernel reads in place (a slice of the fused qkv output has it)."""
+    heads, head_dim = x.shape[1], x.shape[2]
+    return (head_dim <= 1 or x.stride(2) == 1) and (heads <= 1 or x.stride(1) == head_dim)
+
+
 def paged_decode(
     query: torch.Tensor,  # [T, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -47,8 +54,12 @@ def paged_decode(
 ) -> None:
     """Decode attention of one query row per request over its paged context (the C++ kernel)."""
     load_cpu_kernels()
+    # The model's queries are a view of the fused qkv output: the kernel takes their row stride,
+    # so they are read where they are rather than copied out first.
+    if not heads_are_one_run(query):
+        query = query.contiguous()
     torch.ops.minivllm_cpu.paged_decode(
-        out, query.contiguous(), k_cache, v_cache, block_tables, seq_lens, token_rows, scale
+        out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale
     )
 
 

@@ -1,17 +1,20 @@
-"""Building the CPU attention kernel (`cpu_kernels.cpp`) once per machine, quietly and safely.
+"""Building the CPU kernels (`SOURCES`) into one library once per machine, quietly and safely.
 
-`torch.utils.cpp_extension.load` compiles a C++ file with the system compiler and `ninja`, the
-way vLLM builds its CPU kernels ahead of time. Doing it at first use keeps `pip install` free of a
-compiler step, at the price of three things this module takes care of:
+Two C++ files make the library: the paged decode attention kernel (`cpu_kernels.cpp`, next to
+this module) and the fused layer ops (`minivllm/model/cpu_layer_kernels.cpp`: RMSNorm,
+SiLU-and-mul, RoPE); both register under `torch.ops.minivllm_cpu`, so one build and one load
+serve both. `torch.utils.cpp_extension.load` compiles them with the system compiler and `ninja`,
+the way vLLM builds its CPU kernels ahead of time. Doing it at first use keeps `pip install` free
+of a compiler step, at the price of three things this module takes care of:
 
-- **A user sees what happens.** One line when a compile really starts (it takes ~15 s), and on
+- **A user sees what happens.** One line when a compile really starts (it takes ~20 s), and on
   failure one line saying why; `get_attention_backend("auto")` then adds that the pure-PyTorch
   reference backend is used instead. Later processes load the built library directly: no
   compiler, no ninja, no lock.
 - **A failure is remembered.** The reason and the compiler's whole output go to a marker file in
-  the build folder, keyed by the compiler and ninja found (torch's version and the kernel's source
-  are in the folder's name). Later processes read the marker instead of failing again at length;
-  deleting it retries, and so does a new compiler.
+  the build folder, keyed by the compiler and ninja found (torch's version and a digest of the
+  sources are in the folder's name). Later processes read the marker instead of failing again at
+  length; deleting it retries, and so does a new compiler.
 - **A killed build holds nothing.** torch's own lock is a plain `lock` file it waits on forever, so
   a build killed half-way (SIGKILL, the OOM killer) would make every later process hang. Builds
   here run under an `flock`, which the kernel releases when its process dies: whoever holds it
@@ -19,7 +22,8 @@ compiler step, at the price of three things this module takes care of:
   bounded by `LOCK_TIMEOUT_S`.
 
 Where it all lives: `$MINIVLLM_CACHE/torch_extensions/` (see `minivllm/envs.py`). The backend that
-uses the kernel is `minivllm/attention/cpu.py`; docs/concepts/attention-kernels.md explains it.
+uses the attention kernel is `minivllm/attention/cpu.py`, and the layer ops' wrappers are in
+`minivllm/model/cpu_layer_ops.py`; docs/concepts/attention-kernels.md explains the build.
 """
 
 from __future__ import annotations
@@ -43,22 +47,27 @@ from minivllm.envs import cache_root
 logger = logging.getLogger("minivllm")
 
 EXTENSION_NAME = "minivllm_cpu_kernels"  # the library; its ops register as torch.ops.minivllm_cpu
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-# Compiler flags per SIMD level PyTorch detected on this CPU: the kernel's loops are vectorized by
+# The library's sources: cpu_kernels.cpp defines the op namespace (TORCH_LIBRARY), the layer ops
+# add to it (TORCH_LIBRARY_FRAGMENT).
+SOURCES = (
+    Path(__file__).with_name("cpu_kernels.cpp"),
+    Path(__file__).parent.parent / "model" / "cpu_layer_kernels.cpp",
+)
+# Compiler flags per SIMD level PyTorch detected on this CPU: the kernels' loops are vectorized by
 # the compiler, so it must be told which instructions it may use (and no more than the CPU has).
 SIMD_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
-LDFLAGS = ["-lm", "-fopenmp"]
-# How long a process waits for another one to finish compiling (a build takes ~15 s on 2 cores,
+LDFLAGS = ("-lm", "-fopenmp")
+# How long a process waits for another one to finish compiling (a build takes ~20 s on 2 cores,
 # more on a loaded machine). A process that died while building holds nothing to wait for.
 LOCK_TIMEOUT_S = 600.0
 BUILT_STAMP = "built.txt"  # holds the library's file name; written once it has built and loaded
 
 
 class CpuKernelUnavailable(RuntimeError):
-    """The C++ decode kernel could not be built or loaded on this machine."""
+    """The C++ kernels (decode attention, layer ops) could not be built or loaded here."""
 
 
 def cflags(simd: str) -> list[str]:
@@ -66,14 +75,17 @@ def cflags(simd: str) -> list[str]:
 
 
 def kernel_build_dir() -> Path:
-    """The build folder: one per SIMD level, torch version, and kernel source with its flags.
+    """The build folder: one per SIMD level, torch version, and set of sources with their flags.
 
     A home folder shared by several machines never hands an AVX-512 build to an AVX2 CPU, and a
-    new minivllm (a changed `cpu_kernels.cpp`) builds into a folder of its own, with no remembered
-    failure of the old source.
+    new minivllm (a change to any of `SOURCES`) builds into a folder of its own, with no
+    remembered failure of the old sources.
     """
     simd = torch.backends.cpu.get_cpu_capability()
-    digest = hashlib.sha256(SOURCE.read_bytes() + repr((cflags(simd), LDFLAGS)).encode())
+    digest = hashlib.sha256()
+    for source in SOURCES:  # each file's name too: moving code between the files is a change
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    digest.update(repr((cflags(simd), LDFLAGS)).encode())
     name = f"cpu_kernels-{simd}-torch{torch.__version__}-{digest.hexdigest()[:10]}"
     return cache_root() / "torch_extensions" / name
 
@@ -159,7 +171,7 @@ def _remembered_failure(marker: Path) -> CpuKernelUnavailable | None:
         return None
     reason = marker.read_text().partition("\n")[0]
     return CpuKernelUnavailable(
-        f"the CPU attention kernel failed to build before with this compiler and torch ({reason}); "
+        f"the CPU kernels failed to build before with this compiler and torch ({reason}); "
         f"not retrying: delete {marker} to retry"
     )
 
@@ -174,8 +186,8 @@ def build_lock(build_dir: Path, timeout_s: float) -> Iterator[None]:
     """
     try:  # POSIX only; imported here so that importing this module works everywhere
         import fcntl
-    except ImportError as exc:  # Windows: the kernel's flags are GCC/Clang ones anyway
-        raise CpuKernelUnavailable("the CPU attention kernel builds on Linux and macOS") from exc
+    except ImportError as exc:  # Windows: the kernels' flags are GCC/Clang ones anyway
+        raise CpuKernelUnavailable("the CPU kernels build on Linux and macOS") from exc
 
     with open(build_dir / "build.lock", "a") as handle:  # closing it releases the lock
         deadline = time.monotonic() + timeout_s
@@ -186,13 +198,12 @@ def build_lock(build_dir: Path, timeout_s: float) -> Iterator[None]:
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     raise CpuKernelUnavailable(
-                        f"another process has been compiling the CPU attention kernel for over "
+                        f"another process has been compiling the CPU kernels for over "
                         f"{timeout_s:.0f} s (it holds {handle.name}); not waiting longer"
                     ) from None
             if attempt == 0:
                 logger.warning(
-                    "another process is compiling the CPU attention kernel; waiting for it "
-                    "(at most %.0f s)",
+                    "another process is compiling the CPU kernels; waiting for it (at most %.0f s)",
                     timeout_s,
                 )
             time.sleep(0.25)
@@ -232,9 +243,9 @@ def compile_kernel(build_dir: Path) -> str:
     with ninja_on_path():
         library = load(
             name=EXTENSION_NAME,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=cflags(torch.backends.cpu.get_cpu_capability()),
-            extra_ldflags=LDFLAGS,
+            extra_ldflags=list(LDFLAGS),  # a copy: torch appends its own libraries to it
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
@@ -243,8 +254,8 @@ def compile_kernel(build_dir: Path) -> str:
 
 
 def _build(build_dir: Path) -> None:
-    """Compile the kernel into `build_dir` unless it is built or failed before; at most one process
-    of the machine compiles at a time."""
+    """Compile the library into `build_dir` unless it is built or failed before; at most one
+    process of the machine compiles at a time."""
     marker = failure_marker(build_dir)
     if failure := _remembered_failure(marker):
         raise failure
@@ -252,7 +263,7 @@ def _build(build_dir: Path) -> None:
         build_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CpuKernelUnavailable(
-            f"cannot create {build_dir} to build the CPU attention kernel ({exc}); "
+            f"cannot create {build_dir} to build the CPU kernels ({exc}); "
             "set MINIVLLM_CACHE to a writable folder"
         ) from exc
     with build_lock(build_dir, LOCK_TIMEOUT_S):
@@ -261,7 +272,7 @@ def _build(build_dir: Path) -> None:
         if failure := _remembered_failure(marker):
             raise failure
         logger.warning(
-            "compiling minivllm's CPU attention kernel (once per machine, ~15 s) into %s",
+            "compiling minivllm's CPU kernels (once per machine, ~20 s) into %s",
             build_dir,
         )
         try:
@@ -271,7 +282,7 @@ def _build(build_dir: Path) -> None:
             reason = _summary(exc)
             _write_atomically(marker, "\n\n".join([reason, str(exc), *torch_lines]) + "\n")
             raise CpuKernelUnavailable(
-                f"could not build the CPU attention kernel ({reason}); it needs a C++ compiler "
+                f"could not build the CPU kernels ({reason}); it needs a C++ compiler "
                 f"and ninja. Full compiler output: {marker} (delete it to retry)"
             ) from exc
         _write_atomically(build_dir / BUILT_STAMP, library)
@@ -282,15 +293,16 @@ def _load_library(path: Path) -> None:
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as exc:
         raise CpuKernelUnavailable(
-            f"cannot load the compiled CPU attention kernel {path} ({exc}); delete {path.parent} "
+            f"cannot load the compiled CPU kernels {path} ({exc}); delete {path.parent} "
             "to rebuild it"
         ) from exc
 
 
 @functools.cache
 def load_cpu_kernels() -> None:
-    """Load `cpu_kernels.cpp`'s library, building it first if this machine never has; registers
-    `torch.ops.minivllm_cpu`. Raises `CpuKernelUnavailable` (one line) where it cannot."""
+    """Load the library of `SOURCES`, building it first if this machine never has; registers
+    `torch.ops.minivllm_cpu` (paged_decode and the layer ops). Raises `CpuKernelUnavailable`
+    (one line) where it cannot."""
     build_dir = kernel_build_dir()
     stamp = build_dir / BUILT_STAMP
     if not stamp.is_file():

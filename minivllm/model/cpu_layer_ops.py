@@ -1,0 +1,75 @@
+"""Fused CPU layer ops: RMSNorm, residual add + RMSNorm, SiLU-and-mul and RoPE in one pass each.
+
+Between a decoder layer's matmuls, plain PyTorch runs each formula as a chain of elementwise ops,
+each one a full pass over the activation (RMSNorm alone is eight). These wrappers call the C++ ops
+of `minivllm/model/cpu_layer_kernels.cpp`, which read each input once and write each output once,
+the way vLLM's CPU backend does (`csrc/cpu/layernorm.cpp`, `activation.cpp`, `pos_encoding.cpp`;
+the names and semantics here are vLLM's custom ops'). They run on float32, bfloat16 and float16
+CPU tensors and compute in float32.
+
+The plain-PyTorch forms are their specification: `RMSNorm` and `LlamaMLP` in
+`minivllm/model/llama.py`, `RotaryEmbedding.rotate` in `minivllm/model/rope.py`;
+`tests/test_cpu_layer_kernels.py` holds each op equal to its formula. The library is built on
+first use by `minivllm/attention/cpu_build.py` (together with the paged decode kernel); where it
+cannot be built, `load_cpu_kernels` raises `CpuKernelUnavailable` and the caller keeps the plain
+forms. See docs/architecture.md for where the layer sits in a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.attention.cpu_build import load_cpu_kernels
+
+__all__ = ["fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, hidden]  last dim contiguous, any row stride
+    weight: torch.Tensor,  # [hidden]  x's dtype
+    eps: float,
+) -> torch.Tensor:  # [T, hidden]  new, contiguous
+    """weight * (x * rsqrt(mean(x^2, -1) + eps)), rounded to x's dtype before the weight."""
+    load_cpu_kernels()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.minivllm_cpu.rms_norm(out, x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [T, hidden]  contiguous; becomes rms_norm(x + residual)
+    residual: torch.Tensor,  # [T, hidden]  contiguous; becomes x + residual
+    weight: torch.Tensor,  # [hidden]  x's dtype
+    eps: float,
+) -> None:
+    """In place: residual = x + residual, then x = rms_norm(residual, weight, eps).
+
+    A decoder layer's `hidden + attn` followed by the next norm, in one pass over memory: `x` is
+    the sublayer's output, `residual` the stream that runs through the layers.
+    """
+    load_cpu_kernels()
+    torch.ops.minivllm_cpu.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(
+    x: torch.Tensor,  # [T, 2 * d]  gate then up; last dim contiguous, any row stride
+) -> torch.Tensor:  # [T, d]  new, contiguous
+    """silu(x[:, :d]) * x[:, d:]: the SwiGLU MLP's activation on the fused gate-up output."""
+    load_cpu_kernels()
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    torch.ops.minivllm_cpu.silu_and_mul(out, x)
+    return out
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # int64 [T]
+    x: torch.Tensor,  # [T, heads, head_dim]  stride(2) == 1, stride(1) == head_dim, any stride(0)
+    cos_sin: torch.Tensor,  # float32 [2, max_positions, head_dim]  RotaryEmbedding.cos_sin
+) -> None:
+    """In place: x = x * cos + rotate_half(x) * sin at each token's position (NeoX-style RoPE).
+
+    `x` may be the query-and-key part of the fused qkv output (a view whose rows are longer than
+    heads * head_dim), so queries and keys turn in one call and nothing is copied.
+    """
+    load_cpu_kernels()
+    torch.ops.minivllm_cpu.rotary_embedding(positions, x, cos_sin)
