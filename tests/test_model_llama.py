@@ -15,6 +15,7 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from minivllm.attention import get_attention_backend
+from minivllm.model.custom_op import CustomOp
 from minivllm.model.loader import load_model, resolve_model
 
 BASE = dict(
@@ -62,6 +63,12 @@ CONFIGS = {
 }
 
 
+def all_custom_ops_use_cpu_kernels(model: torch.nn.Module) -> bool | None:
+    """True if every fused-capable layer runs its CPU kernel, False if none does, else None."""
+    flags = {m.use_cpu_kernels for m in model.modules() if isinstance(m, CustomOp)}
+    return flags.pop() if len(flags) == 1 else None
+
+
 def save_tiny_llama(tmp: Path, overrides: dict, seed: int = 0) -> tuple[HFLlama, Path]:
     torch.manual_seed(seed)
     hf = HFLlama(HFLlamaConfig(**(BASE | overrides))).float().eval()
@@ -74,12 +81,16 @@ def save_tiny_llama(tmp: Path, overrides: dict, seed: int = 0) -> tuple[HFLlama,
     return hf, tmp
 
 
+# "reference" is plain PyTorch throughout; "cpu" runs the compiled CPU library: paged decode
+# attention, the fused RMSNorm / SiLU-mul / RoPE kernels and the prepacked LM head.
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logits_match_transformers(tmp_path: Path, name: str) -> None:
+def test_logits_match_transformers(tmp_path: Path, name: str, backend: str) -> None:
     hf, path = save_tiny_llama(tmp_path, CONFIGS[name])
     model = load_model(
-        resolve_model(path), get_attention_backend("reference"), torch.float32, torch.device("cpu")
+        resolve_model(path), get_attention_backend(backend), torch.float32, torch.device("cpu")
     )
+    assert all_custom_ops_use_cpu_kernels(model) is (backend == "cpu")
     rope = (CONFIGS[name].get("rope_scaling") or {}).get("rope_type")
     assert (model.config.rope_scaling or {}).get("rope_type") == rope  # the scaling was read
     ids = torch.randint(0, hf.config.vocab_size, (100,), generator=torch.Generator().manual_seed(1))
@@ -120,10 +131,11 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
     assert (paged_logits(model, ids) - expected).abs().max().item() <= 1e-4
 
 
-def test_bfloat16_model_tracks_float32(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend_name", ["reference", "cpu"])
+def test_bfloat16_model_tracks_float32(tmp_path: Path, backend_name: str) -> None:
     """An explicit dtype is honoured, and a low-precision model stays close to float32."""
     _, path = save_tiny_llama(tmp_path, CONFIGS["mha-hd32"])
-    backend = get_attention_backend("reference")
+    backend = get_attention_backend(backend_name)
     src = resolve_model(path)
     m32 = load_model(src, backend, torch.float32, torch.device("cpu"))
     m16 = load_model(src, backend, torch.bfloat16, torch.device("cpu"))
@@ -131,3 +143,19 @@ def test_bfloat16_model_tracks_float32(tmp_path: Path) -> None:
     ids = list(range(5, 45))
     a, b = paged_logits(m32, ids), paged_logits(m16, ids)
     assert (a - b).abs().max().item() < 0.1
+
+
+def test_cpu_fast_path_prepacks_the_lm_head_and_keeps_its_logits(tmp_path: Path) -> None:
+    """The CPU backend's LM head runs on a oneDNN-prepacked copy of its weight: the same logits as
+    the plain sliced matmul up to summation order."""
+    _, path = save_tiny_llama(tmp_path, CONFIGS["tinyllama-shape"])
+    src = resolve_model(path)
+    fast = load_model(src, get_attention_backend("cpu"), torch.float32, torch.device("cpu"))
+    plain = load_model(src, get_attention_backend("reference"), torch.float32, torch.device("cpu"))
+    assert fast.lm_head.packed_weight is not None and plain.lm_head.packed_weight is None
+    for rows in (1, 7, 64, 130):  # the packing is planned for 64 rows; any count must work
+        hidden = torch.randn(rows, fast.config.hidden_size)
+        with torch.no_grad():
+            a, b = fast.compute_logits(hidden), plain.compute_logits(hidden)
+        assert a is not None and b is not None and a.shape == (rows, fast.config.vocab_size)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -13,9 +13,10 @@ Two phases, both in the bench's own process:
    `SchedulerOutput` the step already carries; nothing is timed inside the engine.
 2. `replay` times, with the model's own weight tensors, what the model does with those rows: per
    layer `linear` (minivllm/model/parallel_layers.py, the model's own function) on qkv, o,
-   gate_up and down, and the LM head's matmul as `ParallelLMHead.compute_logits` runs it (slices
-   of `LM_HEAD_ROWS` vocabulary rows on a CPU). The elementwise work between them, the float32
-   cast of the logits and the attention are left out: they are what the floor is a floor to.
+   gate_up and down, and the LM head's own matmul, `ParallelLMHead.local_logits` (on the CPU
+   fast path its oneDNN-prepacked weight; otherwise slices of `LM_HEAD_ROWS` vocabulary rows).
+   The elementwise work between them, the float32 cast of the logits and the attention are left
+   out: they are what the floor is a floor to.
 
 Replaying every step would take about as long as the run. The body's cost depends on T only and
 the head's on S only, so each distinct T (and each distinct S) is timed min(count, 3) times; its
@@ -39,11 +40,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 
 from minivllm.llm import LLM
 from minivllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
-from minivllm.model.parallel_layers import LM_HEAD_ROWS, linear
+from minivllm.model.parallel_layers import linear
 from minivllm.scheduler import SchedulerOutput
 
 REPLAYS_PER_SHAPE = 3  # at most this many timings of one distinct T or S; the median counts
@@ -74,17 +74,6 @@ def record_shapes(llm: LLM) -> Iterator[StepShapes]:
         yield shapes
     finally:
         del executor.execute_model  # the class's method again
-
-
-def lm_head_matmul(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [S, h] -> [V, S]
-    """The matmul of `ParallelLMHead.compute_logits`, as it runs it, without the float32 cast."""
-    if not hidden.is_cpu:
-        return F.linear(hidden, weight)
-    out = torch.empty(weight.shape[0], hidden.shape[0], dtype=weight.dtype)  # [V, S]
-    for start in range(0, weight.shape[0], LM_HEAD_ROWS):
-        rows = slice(start, start + LM_HEAD_ROWS)
-        torch.mm(weight[rows], hidden.t(), out=out[rows])
-    return out
 
 
 def _synchronize(device: torch.device) -> None:
@@ -132,7 +121,8 @@ def replay(model: LlamaForCausalLM, shapes: StepShapes) -> dict[str, Any]:
         )
         for layer in cast(list[LlamaDecoderLayer], list(model.model.layers))
     ]
-    head = model.lm_head.weight  # [vocab, hidden]
+    lm_head = model.lm_head
+    head = lm_head.weight  # [vocab, hidden]
     qkv, o, gate_up, down = layers[0]
     device, dtype = head.device, head.dtype
 
@@ -150,7 +140,7 @@ def replay(model: LlamaForCausalLM, shapes: StepShapes) -> dict[str, Any]:
     for s, count in sorted(Counter(n for n in shapes.sampled if n).items()):
         x = rows(s, head.shape[1])
         times = min(count, REPLAYS_PER_SHAPE)
-        seconds = _median_seconds(device, times, lm_head_matmul, x, head)
+        seconds = _median_seconds(device, times, lm_head.local_logits, x)
         head_seconds += count * seconds
     return {
         "seconds": body_seconds + head_seconds,

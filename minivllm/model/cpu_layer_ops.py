@@ -8,7 +8,7 @@ the names and semantics here are vLLM's custom ops'). They run on float32, bfloa
 CPU tensors and compute in float32.
 
 The plain-PyTorch forms are their specification: `RMSNorm` and `LlamaMLP` in
-`minivllm/model/llama.py`, `RotaryEmbedding.rotate` in `minivllm/model/rope.py`;
+`minivllm/model/llama.py`, `RotaryEmbedding.forward_native` in `minivllm/model/rope.py`;
 `tests/test_cpu_layer_kernels.py` holds each op equal to its formula. The library is built on
 first use by `minivllm/attention/cpu_build.py` (together with the paged decode kernel); where it
 cannot be built, `load_cpu_kernels` raises `CpuKernelUnavailable` and the caller keeps the plain

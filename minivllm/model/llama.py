@@ -26,7 +26,9 @@ from torch import nn
 
 from minivllm.attention import AttentionBackend, AttentionMetadata
 from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
+from minivllm.model import cpu_layer_ops
 from minivllm.model.config import LlamaConfig
+from minivllm.model.custom_op import CustomOp
 from minivllm.model.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -38,19 +40,52 @@ from minivllm.model.parallel_layers import (
 from minivllm.model.rope import RotaryEmbedding
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 like the reference implementation."""
+class RMSNorm(CustomOp):
+    """x / rms(x) * weight, computed in float32 like the reference implementation.
+
+    Given a `residual`, it first adds it to x and returns the sum as the new residual too (vLLM's
+    fused add + norm): the decoder adds each sublayer's output to the residual stream right
+    before normalising it, so the fused kernel does both in one pass over the rows."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_native(
+        self,
+        x: torch.Tensor,  # [T, hidden_size]
+        residual: torch.Tensor | None = None,  # [T, hidden_size]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        out = self.weight * x32.to(dtype)
+        return out if residual is None else (out, residual)
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return cpu_layer_ops.rms_norm(x, self.weight, self.eps)
+        # In place: x (a sublayer's fresh output) becomes the normalised rows, residual the sum.
+        x = x.contiguous()
+        cpu_layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual
+
+
+class SiluAndMul(CustomOp):
+    """SwiGLU's gate: silu(gate) * up, for the fused gate_up projection's [T, 2 * I] output."""
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
+        return cpu_layer_ops.silu_and_mul(x.contiguous())
 
 
 class LlamaAttention(nn.Module):
@@ -92,7 +127,7 @@ class LlamaAttention(nn.Module):
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden).contiguous()  # [T, (num_heads + 2 * num_kv_heads) * head_dim]
         # Queries and keys sit side by side in each row, so RoPE rotates both in one pass.
-        qk = rope.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim))
+        qk = rope(positions, qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         # Write first, then attend: the new tokens must see themselves, and another request
@@ -112,10 +147,10 @@ class LlamaMLP(nn.Module):
             config.hidden_size, [size, size], config.mlp_bias, tp
         )
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, tp)
+        self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.local_sizes, dim=-1)
-        return self.down_proj(F.silu(gate) * up)  # the layer's second all-reduce
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # the layer's second all-reduce
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -130,17 +165,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [T, hidden_size]
+        hidden: torch.Tensor,  # [T, hidden_size]  the previous layer's MLP output (or embeddings)
+        residual: torch.Tensor | None,  # [T, hidden_size]  the residual stream up to that output
         positions: torch.Tensor,
         rope: RotaryEmbedding,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        attn = self.self_attn(
-            self.input_layernorm(hidden), positions, rope, kv_cache[0], kv_cache[1], meta
-        )
-        hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's MLP output, the residual before it
+        # The residual add of each sublayer is left to the norm that follows it (vLLM's layout):
+        # RMSNorm(x, residual) adds and normalises in one pass where its fused kernel runs.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, rope, kv_cache[0], kv_cache[1], meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -167,9 +208,11 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         hidden = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, positions, self.rotary_emb, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, self.rotary_emb, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):

@@ -27,6 +27,7 @@ import torch
 from minivllm.attention import AttentionBackend
 from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
 from minivllm.model.config import LlamaConfig, UnsupportedModelError
+from minivllm.model.custom_op import use_cpu_kernels
 from minivllm.model.errors import (
     CorruptCheckpointError,
     HubUnavailableError,
@@ -244,6 +245,8 @@ def build_model(
     model.model.rotary_emb = RotaryEmbedding(
         config, max_positions or config.max_position_embeddings
     ).to(device)
+    if backend.name == "cpu":  # the compiled CPU library: its fused layer ops too (custom_op.py)
+        use_cpu_kernels(model)
     return model.eval()
 
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
+from minivllm.model import cpu_layer_ops
 from minivllm.model.config import LlamaConfig
+from minivllm.model.custom_op import CustomOp
 
 
 def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:  # float32 [head_dim // 2]
@@ -55,8 +56,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class RotaryEmbedding(nn.Module):
-    """Applies RoPE to queries and keys at arbitrary (flat) positions."""
+class RotaryEmbedding(CustomOp):
+    """Applies RoPE to queries and keys at arbitrary (flat) positions.
+
+    `forward_native` is the specification; `forward_cpu` rotates in place, in one pass, with the
+    fused kernel of `cpu_layer_kernels.cpp` (see `custom_op.py`)."""
 
     cos_sin: torch.Tensor
 
@@ -73,7 +77,7 @@ class RotaryEmbedding(nn.Module):
         self._step_positions: torch.Tensor | None = None
         self._step_cos_sin: torch.Tensor | None = None
 
-    def rotate(
+    def forward_native(
         self,
         positions: torch.Tensor,  # int64 [T]
         x: torch.Tensor,  # [T, heads, head_dim]  queries, keys, or both side by side
@@ -84,10 +88,10 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._step_cos_sin  # each [T, 1, head_dim]
         return x * cos + rotate_half(x) * sin
 
-    def forward(
+    def forward_cpu(
         self,
         positions: torch.Tensor,  # int64 [T]
-        q: torch.Tensor,  # [T, num_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotate(positions, q), self.rotate(positions, k)
+        x: torch.Tensor,  # [T, heads, head_dim]  rows may be views into a wider tensor
+    ) -> torch.Tensor:  # x itself, rotated in place
+        cpu_layer_ops.rotary_embedding(positions, x, self.cos_sin)
+        return x
