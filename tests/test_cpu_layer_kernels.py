@@ -153,11 +153,15 @@ def test_fused_add_rms_norm_takes_a_feature_major_sublayer_output_and_keeps_its_
     weight = randn(hidden, dtype=dtype, seed=2)
     expected_residual = hidden_states + x
     expected = rms_norm_formula(expected_residual, weight, EPS)
+    rows = x.clone(memory_format=torch.contiguous_format)  # the same op on rows (a copy)
+    rows_residual = hidden_states.clone()
+    fused_add_rms_norm(rows, rows_residual, weight, EPS)
     residual, strides = hidden_states.clone(), x.stride()
     fused_add_rms_norm(x, residual, weight, EPS)
     assert x.stride() == strides and residual.is_contiguous()
     assert torch.equal(residual, expected_residual)
     assert_close_to_scale(x, expected)
+    assert torch.equal(x, rows)  # the row path's arithmetic, bit for bit
 
 
 def test_rms_norm_of_a_zero_row_is_zero_not_nan() -> None:
@@ -261,12 +265,15 @@ def test_rotary_embedding_rotates_the_qk_part_of_a_feature_major_qkv_in_place(
     assert torch.equal(qkv[:, qk_width:], values)
 
 
-def test_rotary_embedding_uses_both_halves_of_the_table_as_given() -> None:
+@pytest.mark.parametrize("layout", ["token-major", "feature-major"])
+def test_rotary_embedding_uses_both_halves_of_the_table_as_given(layout: str) -> None:
     """The formula reads cos[i + half] and sin[i + half] for the second half; a table whose
     halves differ (none that RotaryEmbedding builds) shows the kernel does the same."""
     gen = torch.Generator().manual_seed(7)
     cos_sin = torch.randn(2, 10, 16, generator=gen)
-    x = torch.randn(5, 3, 16, generator=gen)
+    x = torch.randn(5, 3, 16, generator=gen)  # [T, heads, head_dim]
+    if layout == "feature-major":  # strides (1, head_dim * T, T)
+        x = x.permute(1, 2, 0).contiguous().permute(2, 0, 1)
     positions = torch.tensor([9, 0, 4, 4, 2])
     expected = rope_formula(positions, x, cos_sin)
     rotary_embedding(positions, x, cos_sin)

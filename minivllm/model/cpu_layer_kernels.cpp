@@ -18,6 +18,9 @@
 // ops take that layout as it is and keep it (the next linear reads it at the same speed), since
 // transposing the qkv, gate_up and down outputs to rows first cost more than the fusion saved.
 // They also take token-major rows (stride(1) == 1), as vLLM's do; a single token is both.
+// Measured at SmolLM2's sizes, 32 and 300 tokens, 2 cores (scripts/bench_cpu_layer_layouts.py):
+// against `.contiguous()` and the token-major op, SiLU-and-mul on the layout as it is runs 5-7x
+// faster, RoPE 2-3.5x, and the residual add + norm up to 1.9x (float32; bfloat16 at par).
 //
 // The specification of each op is its plain-PyTorch form (RMSNorm and the MLP in
 // minivllm/model/llama.py, RotaryEmbedding in minivllm/model/rope.py), and
@@ -179,9 +182,11 @@ void rotary_embedding_kernel(const int64_t* __restrict__ positions,  // [T]
   });
 }
 
-// Tokens per tile of the feature-major path: the tile's angles (cos and sin, [head_dim, 64]
-// each, 32 KiB at head_dim 64) stay in L1 while every head of those tokens turns by them.
-constexpr int64_t kRopeTileTokens = 64;
+// Tokens per tile of the feature-major path: the tile's angles (cos and sin, [head_dim, 32]
+// each, 16 KiB at head_dim 64) stay in L1 while every head of those tokens turns by them. 32
+// rather than 64: measured 1.5x faster in float32 at 300 tokens (more tiles share out evenly
+// between the threads), within 10% in bfloat16.
+constexpr int64_t kRopeTileTokens = 32;
 
 template <typename scalar_t>
 void rotary_embedding_feature_major_kernel(
