@@ -1,4 +1,4 @@
-"""The fused CPU layer ops (minivllm/model/cpu_layer_kernels.cpp) against their plain-PyTorch forms.
+"""The fused CPU layer ops (minivllm/model/cpu_*_kernels.cpp) against their plain-PyTorch forms.
 
 Each formula is written out here as the model computes it: RMSNorm as in `llama.py` (float32,
 cast back to the input dtype before the weight), the decoder layer's `hidden + attn` before its
@@ -9,6 +9,10 @@ squares in vector-wide partial sums and contracts `a * b + c` into one FMA (-ffa
 sums and rounds in its own order, and the last bits differ. In bfloat16 and float16 the kernel
 rounds each output once from float32 where the formula rounds after every op (RoPE's cos and sin
 too), so they may differ by an ulp or two of the output's largest value.
+
+Each op is held to its formula in both layouts it takes: token-major rows, and the feature-major
+views that the model's CPU linears return ((W · xᵀ)ᵀ, a [T, N] view of a contiguous [N, T]), made
+here the way the model makes them, with `torch.mm(w, x.t()).t()`.
 
 Like tests/test_attention_cpu.py, these build the library (once per machine, ~20 s) and fail
 rather than skip where it cannot be built: a skipped kernel test would pass on a broken build.
@@ -22,6 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minivllm.attention.cpu_build import load_cpu_kernels
 from minivllm.model.cpu_layer_ops import (
     fused_add_rms_norm,
     rms_norm,
@@ -53,6 +58,23 @@ def assert_close_to_scale(out: torch.Tensor, expected: torch.Tensor) -> None:
 def randn(*shape: int, dtype: torch.dtype, seed: int, std: float = 1.0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=gen) * std).to(dtype)
+
+
+def linear_output(
+    tokens: int, features: int, dtype: torch.dtype, seed: int, std: float = 1.0
+) -> torch.Tensor:  # [T, features]
+    """A CPU linear's [T, features] output as `parallel_layers.linear` computes it, (W · xᵀ)ᵀ:
+    feature-major, a view of a contiguous [features, T]. Entries have standard deviation `std`
+    (16 inputs of std 1, weights of std std / 4)."""
+    x = randn(tokens, 16, dtype=dtype, seed=seed)
+    w = randn(features, 16, dtype=dtype, seed=seed + 1, std=std / 4)
+    y = torch.mm(w, x.t()).t()  # [T, features]
+    assert y.stride() == (1, tokens) or tokens == 1  # a single token is both layouts
+    return y
+
+
+def assert_feature_major(y: torch.Tensor) -> None:  # y: [T, N]
+    assert y.t().is_contiguous(), f"not feature-major: strides {y.stride()}"
 
 
 # ------------------------------------------------------------------------ the specifications
@@ -118,6 +140,30 @@ def test_fused_add_rms_norm_leaves_the_sum_in_residual_and_its_norm_in_input(
     assert_close_to_scale(x, expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_fused_add_rms_norm_takes_a_feature_major_sublayer_output_and_keeps_its_layout(
+    tokens: int, hidden: int, dtype: torch.dtype
+) -> None:
+    """The o_proj or down_proj output as the linear returns it, normalized where it lies; the
+    residual stream stays token-major."""
+    x = linear_output(tokens, hidden, dtype, seed=tokens + hidden)  # [T, hidden]
+    hidden_states = randn(tokens, hidden, dtype=dtype, seed=tokens + hidden + 1, std=4)
+    weight = randn(hidden, dtype=dtype, seed=2)
+    expected_residual = hidden_states + x
+    expected = rms_norm_formula(expected_residual, weight, EPS)
+    rows = x.clone(memory_format=torch.contiguous_format)  # the same op on rows (a copy)
+    rows_residual = hidden_states.clone()
+    fused_add_rms_norm(rows, rows_residual, weight, EPS)
+    residual, strides = hidden_states.clone(), x.stride()
+    fused_add_rms_norm(x, residual, weight, EPS)
+    assert x.stride() == strides and residual.is_contiguous()
+    assert torch.equal(residual, expected_residual)
+    assert_close_to_scale(x, expected)
+    assert torch.equal(x, rows)  # the row path's arithmetic, bit for bit
+
+
 def test_rms_norm_of_a_zero_row_is_zero_not_nan() -> None:
     """eps keeps the root positive: an all-zero row (padding, a dead token) normalizes to 0."""
     x = torch.zeros(3, 576)
@@ -143,6 +189,21 @@ def test_silu_and_mul_matches_silu_of_gate_times_up(
     assert out.is_contiguous()
     assert_close_to_scale(out, F.silu(x[:, :d]) * x[:, d:])
     assert torch.equal(wide, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("d", [1536, 72])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_silu_and_mul_of_a_feature_major_gate_up_is_feature_major(
+    tokens: int, d: int, dtype: torch.dtype
+) -> None:
+    """The MLP's gate_up linear output as it comes, and an output the down linear reads as is."""
+    x = linear_output(tokens, 2 * d, dtype, seed=tokens * d, std=4)  # [T, 2 * d]
+    before = x.clone()
+    out = silu_and_mul(x)
+    assert_feature_major(out)
+    assert_close_to_scale(out, F.silu(x[:, :d]) * x[:, d:])
+    assert torch.equal(x, before)
 
 
 def test_silu_and_mul_saturates_instead_of_overflowing_for_huge_gates() -> None:
@@ -179,12 +240,40 @@ def test_rotary_embedding_rotates_the_qk_part_of_a_qkv_row_in_place(
     assert torch.equal(qkv[:, qk_width:], values)
 
 
-def test_rotary_embedding_uses_both_halves_of_the_table_as_given() -> None:
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=["9q3kv", "4q4kv"])
+@pytest.mark.parametrize("head_dim", [64, 32])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rotary_embedding_rotates_the_qk_part_of_a_feature_major_qkv_in_place(
+    tokens: int, head_dim: int, heads: tuple[int, int], dtype: torch.dtype
+) -> None:
+    """The qkv linear's output as it comes, (W · xᵀ)ᵀ: the query-and-key view has strides
+    (1, head_dim * T, T). The values after it, the v columns, must not move."""
+    num_heads, num_kv_heads = heads
+    qk_width = (num_heads + num_kv_heads) * head_dim
+    qkv = linear_output(tokens, qk_width + num_kv_heads * head_dim, dtype, seed=tokens + head_dim)
+    x = qkv[:, :qk_width].view(tokens, num_heads + num_kv_heads, head_dim)
+    assert tokens == 1 or x.stride() == (1, head_dim * tokens, tokens)
+    gen = torch.Generator().manual_seed(tokens)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)  # any order, repeats
+    cos_sin = rope_table(head_dim, 4096)
+    expected = rope_formula(positions, x, cos_sin)
+    values = qkv[:, qk_width:].clone()
+    rotary_embedding(positions, x, cos_sin)
+    assert_feature_major(qkv)
+    assert_close_to_scale(x, expected)
+    assert torch.equal(qkv[:, qk_width:], values)
+
+
+@pytest.mark.parametrize("layout", ["token-major", "feature-major"])
+def test_rotary_embedding_uses_both_halves_of_the_table_as_given(layout: str) -> None:
     """The formula reads cos[i + half] and sin[i + half] for the second half; a table whose
     halves differ (none that RotaryEmbedding builds) shows the kernel does the same."""
     gen = torch.Generator().manual_seed(7)
     cos_sin = torch.randn(2, 10, 16, generator=gen)
-    x = torch.randn(5, 3, 16, generator=gen)
+    x = torch.randn(5, 3, 16, generator=gen)  # [T, heads, head_dim]
+    if layout == "feature-major":  # strides (1, head_dim * T, T)
+        x = x.permute(1, 2, 0).contiguous().permute(2, 0, 1)
     positions = torch.tensor([9, 0, 4, 4, 2])
     expected = rope_formula(positions, x, cos_sin)
     rotary_embedding(positions, x, cos_sin)
@@ -202,6 +291,11 @@ def _rotary_negative_position() -> None:
 
 def _rotary_heads_apart() -> None:
     x = torch.zeros(2, 3, 64)[..., :32]  # each head's 32 values, then 32 others: stride(1) 64
+    rotary_embedding(torch.tensor([0, 1]), x, rope_table(32, 64))
+
+
+def _rotary_feature_major_with_gaps() -> None:
+    x = torch.zeros(3, 32, 4)[..., :2].permute(2, 0, 1)  # [2, 3, 32], tokens 4 apart, not 2
     rotary_embedding(torch.tensor([0, 1]), x, rope_table(32, 64))
 
 
@@ -229,14 +323,37 @@ def _fused_add_strided_residual() -> None:
     fused_add_rms_norm(torch.zeros(2, 576), torch.zeros(2, 600)[:, :576], torch.ones(576), EPS)
 
 
+def _fused_add_strided_input() -> None:
+    fused_add_rms_norm(torch.zeros(2, 600)[:, :576], torch.zeros(2, 576), torch.ones(576), EPS)
+
+
 def _silu_odd_width() -> None:
     silu_and_mul(torch.zeros(2, 7))
+
+
+def _silu_neither_layout() -> None:
+    silu_and_mul(torch.zeros(4, 8, 2)[:, :, 0])  # [4, 8], strides (16, 2)
+
+
+def _silu_out_not_in_the_input_s_layout() -> None:
+    x = torch.zeros(8, 3).t()  # [3, 8] feature-major
+    load_cpu_kernels()
+    torch.ops.minivllm_cpu.silu_and_mul(torch.zeros(3, 4), x)
 
 
 BAD_CALLS: list[tuple[Callable[[], None], str]] = [
     (_rotary_out_of_range, r"rotary_embedding: positions must be in \[0, 64\), got 64 at index 1"),
     (_rotary_negative_position, r"positions must be in \[0, 64\), got -1 at index 0"),
-    (_rotary_heads_apart, r"rotary_embedding: x's heads must be adjacent .*got 64"),
+    (
+        _rotary_heads_apart,
+        r"rotary_embedding: x must be token-major \(strides \(>= heads \* head_dim, head_dim, 1\)"
+        r" = \(>= 96, 32, 1\)\) or feature-major .* got strides \[192, 64, 1\]",
+    ),
+    (
+        _rotary_feature_major_with_gaps,
+        r"x must be .* or feature-major \(strides \(1, head_dim \* T, T\) = \(1, 64, 2\)\), "
+        r"got strides \[1, 128, 4\]",
+    ),
     (_rotary_int32_positions, r"rotary_embedding: positions must be int64 \[T\]"),
     (
         _rotary_wrong_table,
@@ -246,7 +363,22 @@ BAD_CALLS: list[tuple[Callable[[], None], str]] = [
     (_rms_norm_weight_dtype, r"rms_norm: weight must have the input's dtype BFloat16, got Float"),
     (_rms_norm_3d, r"rms_norm: input must be 2-D \[T, hidden\], got 3-D"),
     (_fused_add_strided_residual, r"fused_add_rms_norm: residual must be a contiguous tensor"),
+    (
+        _fused_add_strided_input,
+        r"fused_add_rms_norm: input must be contiguous \(token-major\) or .*feature-major.*"
+        r"got strides \[600, 1\]",
+    ),
     (_silu_odd_width, r"silu_and_mul: input's last dim must be even .*got 7"),
+    (
+        _silu_neither_layout,
+        r"silu_and_mul: input must be token-major \(stride\(1\) == 1\) or feature-major "
+        r"\(input.t\(\) contiguous, strides \(1, T\) = \(1, 4\)\), got strides \[16, 2\]",
+    ),
+    (
+        _silu_out_not_in_the_input_s_layout,
+        r"silu_and_mul: out must be a \[T, d\] = \[3, 4\] tensor in the input's feature-major "
+        r"layout",
+    ),
 ]
 
 

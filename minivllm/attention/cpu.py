@@ -35,15 +35,8 @@ from minivllm.attention.reference import (
 __all__ = ["CpuBackend", "CpuKernelUnavailable", "load_cpu_kernels", "paged_decode"]
 
 
-def heads_are_one_run(x: torch.Tensor) -> bool:  # x: [T, heads, head_dim]
-    """Whether each row's heads lie side by side in memory, whatever the distance between rows:
-    the layout the decode kernel reads in place (a slice of the fused qkv output has it)."""
-    heads, head_dim = x.shape[1], x.shape[2]
-    return (head_dim <= 1 or x.stride(2) == 1) and (heads <= 1 or x.stride(1) == head_dim)
-
-
 def paged_decode(
-    query: torch.Tensor,  # [T, num_heads, head_dim]
+    query: torch.Tensor,  # [T, num_heads, head_dim]  any strides
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # int32 [B, max_blocks]
@@ -54,10 +47,9 @@ def paged_decode(
 ) -> None:
     """Decode attention of one query row per request over its paged context (the C++ kernel)."""
     load_cpu_kernels()
-    # The model's queries are a view of the fused qkv output: the kernel takes their row stride,
-    # so they are read where they are rather than copied out first.
-    if not heads_are_one_run(query):
-        query = query.contiguous()
+    # The model's queries are a view of the fused qkv output, token-major or (a CPU linear's
+    # transposed output) feature-major: the kernel takes their strides and reads them where they
+    # are, one request's query at a time, rather than have them copied out first.
     torch.ops.minivllm_cpu.paged_decode(
         out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale
     )

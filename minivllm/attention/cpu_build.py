@@ -1,11 +1,12 @@
 """Building the CPU kernels (`SOURCES`) into one library once per machine, quietly and safely.
 
-Two C++ files make the library: the paged decode attention kernel (`cpu_kernels.cpp`, next to
-this module) and the fused layer ops (`minivllm/model/cpu_layer_kernels.cpp`: RMSNorm,
-SiLU-and-mul, RoPE); both register under `torch.ops.minivllm_cpu`, so one build and one load
-serve both. `torch.utils.cpp_extension.load` compiles them with the system compiler and `ninja`,
-the way vLLM builds its CPU kernels ahead of time. Doing it at first use keeps `pip install` free
-of a compiler step, at the price of three things this module takes care of:
+Three C++ files make the library: the paged decode attention kernel (`cpu_kernels.cpp`, next to
+this module) and the fused layer ops (`minivllm/model/cpu_norm_kernels.cpp`: RMSNorm;
+`minivllm/model/cpu_layer_kernels.cpp`: SiLU-and-mul, RoPE); all register under
+`torch.ops.minivllm_cpu`, so one build and one load serve them all.
+`torch.utils.cpp_extension.load` compiles them with the system compiler and `ninja`, the way vLLM
+builds its CPU kernels ahead of time. Doing it at first use keeps `pip install` free of a compiler
+step, at the price of three things this module takes care of:
 
 - **A user sees what happens.** One line when a compile really starts (it takes ~20 s), and on
   failure one line saying why; `get_attention_backend("auto")` then adds that the pure-PyTorch
@@ -51,6 +52,7 @@ EXTENSION_NAME = "minivllm_cpu_kernels"  # the library; its ops register as torc
 # add to it (TORCH_LIBRARY_FRAGMENT).
 SOURCES = (
     Path(__file__).with_name("cpu_kernels.cpp"),
+    Path(__file__).parent.parent / "model" / "cpu_norm_kernels.cpp",
     Path(__file__).parent.parent / "model" / "cpu_layer_kernels.cpp",
 )
 # Compiler flags per SIMD level PyTorch detected on this CPU: the kernels' loops are vectorized by

@@ -64,14 +64,14 @@ inline void for_each_cached_token(
 template <typename scalar_t>
 void paged_decode_kernel(
     float* __restrict__ out,              // [T, num_heads, head_dim] float32 output rows
-    const scalar_t* __restrict__ query,   // [T, num_heads, head_dim], rows q_row_stride apart
+    const scalar_t* __restrict__ query,   // [T, num_heads, head_dim] at strides q_stride
     const scalar_t* __restrict__ k_cache, // [num_blocks, block_size, num_kv_heads, head_dim]
     const scalar_t* __restrict__ v_cache, // [num_blocks, block_size, num_kv_heads, head_dim]
     const int32_t* __restrict__ block_tables, // [B, max_blocks]
     const int32_t* __restrict__ seq_lens,     // [B]
     const int64_t* __restrict__ token_rows,   // [B] row of request b's query in query/out
     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, int64_t q_row_stride, float scale) {
+    int64_t head_dim, int64_t block_size, const int64_t* q_stride, float scale) {
   const int64_t group = num_heads / num_kv_heads;        // query heads per KV head
   const int64_t row_elems = num_kv_heads * head_dim;     // one token's K (or V), all KV heads
   // Where query head h's KV head starts in a token's row; computed once, since an integer
@@ -86,8 +86,12 @@ void paged_decode_kernel(
     for (int64_t b = begin; b < end; ++b) {
       const int64_t seq_len = seq_lens[b];
       const int32_t* table = block_tables + b * max_blocks;
-      const scalar_t* src = query + token_rows[b] * q_row_stride;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = float(src[i]) * scale;
+      // The query is read once per request (num_heads * head_dim values), so its strides cost
+      // nothing here and any layout the model hands over is read where it lies.
+      const scalar_t* src = query + token_rows[b] * q_stride[0];  // [num_heads, head_dim]
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int64_t d = 0; d < head_dim; ++d)
+          q[h * head_dim + d] = float(src[h * q_stride[1] + d * q_stride[2]]) * scale;
       scores.resize(num_heads * seq_len);
 
       // --8<-- [start:scores]
@@ -138,7 +142,7 @@ void paged_decode_kernel(
 // out[token_rows[b]] = softmax(q · Kᵀ · scale) · V over request b's seq_lens[b] cached tokens.
 void paged_decode(
     const at::Tensor& out,           // float32 [T, num_heads, head_dim]
-    const at::Tensor& query,         // [T, num_heads, head_dim], heads adjacent, any row stride
+    const at::Tensor& query,         // [T, num_heads, head_dim], any strides
     const at::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
     const at::Tensor& v_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
     const at::Tensor& block_tables,  // int32 [B, max_blocks]
@@ -148,14 +152,11 @@ void paged_decode(
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat, "out: contiguous float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  // The query may be a view of the fused qkv output, whose rows are longer than one token's
-  // query: the row stride is passed to the kernel instead of copying the queries out.
+  // The query is a view of the fused qkv output, token-major (rows longer than one token's
+  // query) or feature-major (strides (1, head_dim * T, T), the CPU linears' transposed output):
+  // its strides are passed to the kernel instead of copying the queries out.
   TORCH_CHECK(query.dim() == 3, "query must be 3-D [T, num_heads, head_dim], got ", query.dim(),
               "-D");
-  TORCH_CHECK((query.size(2) <= 1 || query.stride(2) == 1) &&
-                  (query.size(1) <= 1 || query.stride(1) == query.size(2)),
-              "query: each row's heads must be one contiguous run (stride(2) == 1, stride(1) == "
-              "head_dim), got strides ", query.strides());
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
                   k_cache.scalar_type() == v_cache.scalar_type(),
               "query and caches must share a dtype");
@@ -174,7 +175,7 @@ void paged_decode(
             k_cache.const_data_ptr<scalar_t>(), v_cache.const_data_ptr<scalar_t>(),
             block_tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
             rows.const_data_ptr<int64_t>(), block_tables.size(0), block_tables.size(1),
-            num_heads, num_kv_heads, head_dim, block_size, query.stride(0),
+            num_heads, num_kv_heads, head_dim, block_size, query.strides().data(),
             static_cast<float>(scale));
       });
 }

@@ -2,10 +2,17 @@
 
 Between a decoder layer's matmuls, plain PyTorch runs each formula as a chain of elementwise ops,
 each one a full pass over the activation (RMSNorm alone is eight). These wrappers call the C++ ops
-of `minivllm/model/cpu_layer_kernels.cpp`, which read each input once and write each output once,
-the way vLLM's CPU backend does (`csrc/cpu/layernorm.cpp`, `activation.cpp`, `pos_encoding.cpp`;
-the names and semantics here are vLLM's custom ops'). They run on float32, bfloat16 and float16
-CPU tensors and compute in float32.
+of `minivllm/model/cpu_norm_kernels.cpp` and `cpu_layer_kernels.cpp`, which read each input once
+and write each output once, the way vLLM's CPU backend does (`csrc/cpu/layernorm.cpp`,
+`activation.cpp`, `pos_encoding.cpp`; the names and semantics here are vLLM's custom ops'). They
+run on float32, bfloat16 and float16 CPU tensors and compute in float32.
+
+Two layouts. On a CPU the model's linears return (W · xᵀ)ᵀ, a transposed view ("feature-major":
+logically [T, N], stored as a contiguous [N, T], so `x.stride() == (1, T)`), because MKL runs it
+faster (`minivllm/model/parallel_layers.py`). `silu_and_mul`, `fused_add_rms_norm` and
+`rotary_embedding` take that layout as it is and keep it, as well as token-major rows: copying
+the linears' outputs to rows first cost more than the fusion saved. `is_feature_major` says
+which one a tensor has.
 
 The plain-PyTorch forms are their specification: `RMSNorm` and `LlamaMLP` in
 `minivllm/model/llama.py`, `RotaryEmbedding.forward_native` in `minivllm/model/rope.py`;
@@ -21,7 +28,13 @@ import torch
 
 from minivllm.attention.cpu_build import load_cpu_kernels
 
-__all__ = ["fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = ["fused_add_rms_norm", "is_feature_major", "rms_norm", "rotary_embedding", "silu_and_mul"]
+
+
+def is_feature_major(x: torch.Tensor) -> bool:  # x: [T, N]
+    """Whether x is the transpose of a contiguous [N, T], as a CPU linear's output is, and not
+    also token-major: a single token (or feature) is both, and counts as token-major."""
+    return x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous()
 
 
 def rms_norm(
@@ -37,7 +50,7 @@ def rms_norm(
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor,  # [T, hidden]  contiguous; becomes rms_norm(x + residual)
+    x: torch.Tensor,  # [T, hidden]  contiguous or feature-major; becomes rms_norm(x + residual)
     residual: torch.Tensor,  # [T, hidden]  contiguous; becomes x + residual
     weight: torch.Tensor,  # [hidden]  x's dtype
     eps: float,
@@ -45,31 +58,38 @@ def fused_add_rms_norm(
     """In place: residual = x + residual, then x = rms_norm(residual, weight, eps).
 
     A decoder layer's `hidden + attn` followed by the next norm, in one pass over memory: `x` is
-    the sublayer's output, `residual` the stream that runs through the layers.
+    the sublayer's output (a linear's, so feature-major on a CPU) and keeps its layout;
+    `residual` is the stream that runs through the layers, always token-major.
     """
     load_cpu_kernels()
     torch.ops.minivllm_cpu.fused_add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(
-    x: torch.Tensor,  # [T, 2 * d]  gate then up; last dim contiguous, any row stride
-) -> torch.Tensor:  # [T, d]  new, contiguous
+    x: torch.Tensor,  # [T, 2 * d]  gate then up; token-major (any row stride) or feature-major
+) -> torch.Tensor:  # [T, d]  new, in x's layout
     """silu(x[:, :d]) * x[:, d:]: the SwiGLU MLP's activation on the fused gate-up output."""
     load_cpu_kernels()
-    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    t, d = x.shape[0], x.shape[1] // 2
+    if is_feature_major(x):  # the output in the input's layout: a [T, d] view of a [d, T]
+        out = torch.empty((d, t), dtype=x.dtype).t()
+    else:
+        out = torch.empty((t, d), dtype=x.dtype)
     torch.ops.minivllm_cpu.silu_and_mul(out, x)
     return out
 
 
 def rotary_embedding(
     positions: torch.Tensor,  # int64 [T]
-    x: torch.Tensor,  # [T, heads, head_dim]  stride(2) == 1, stride(1) == head_dim, any stride(0)
+    x: torch.Tensor,  # [T, heads, head_dim]  strides (>= heads * head_dim, head_dim, 1), or
+    # feature-major (1, head_dim * T, T): a view of a CPU linear's transposed qkv output
     cos_sin: torch.Tensor,  # float32 [2, max_positions, head_dim]  RotaryEmbedding.cos_sin
 ) -> None:
     """In place: x = x * cos + rotate_half(x) * sin at each token's position (NeoX-style RoPE).
 
     `x` may be the query-and-key part of the fused qkv output (a view whose rows are longer than
-    heads * head_dim), so queries and keys turn in one call and nothing is copied.
+    heads * head_dim, or `qkv[:, :n].view(T, heads, head_dim)` of a feature-major qkv), so queries
+    and keys turn in one call and nothing is copied.
     """
     load_cpu_kernels()
     torch.ops.minivllm_cpu.rotary_embedding(positions, x, cos_sin)
