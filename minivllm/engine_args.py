@@ -65,7 +65,8 @@ class EngineArgs:
     )
     attention_backend: str = _arg(
         "auto",
-        "reference (PyTorch, the specification), cpu (compiled CPU kernel for decodes), triton "
+        "reference (plain PyTorch throughout, the specification), cpu (compiled CPU kernels: "
+        "paged decode attention, fused RMSNorm / SiLU-mul / RoPE, a prepacked LM head), triton "
         "(CUDA kernels); auto: cpu on a CPU, triton on CUDA",
         choices=BACKEND_NAMES,
     )

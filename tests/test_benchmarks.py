@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from engine_utils import save_tiny_llama
 
-from minivllm.benchmarks import memory, prefix, sharing, throughput
+from minivllm.benchmarks import memory, op_profile, prefix, sharing, threads, throughput
 from minivllm.benchmarks.common import BenchRequest, length_range, random_requests
 
 
@@ -87,6 +87,38 @@ def test_throughput_reports_the_matmul_floor_of_the_shapes_the_run_computed_and_
     assert [s["system"] for s in report["systems"]] == ["minivllm", "hf-static (batch 2)", "hf-cb"]
     for system in report["systems"]:
         assert system["peak_rss_bytes"] >= system["start_rss_bytes"] > 0
+
+
+def test_throughput_profile_puts_every_op_in_a_group_and_finds_the_matmuls(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "throughput.json"
+    argv = ["--model", str(tiny_llama), "--num-prompts", "3", "--input-len", "8-24"]
+    argv += ["--output-len", "3-6", "--peers", "none", "--matmul-size", "128", "--profile"]
+    argv += ["--num-gpu-blocks-override", "64", "--json", str(out)]
+    assert throughput.main(parse(throughput, argv)) == 0
+    profile = json.loads(out.read_text())["profile"]
+    groups = {g["group"]: g for g in profile["groups"]}
+    assert set(groups) <= set(op_profile.GROUP_ORDER)
+    assert sum(g["share"] for g in groups.values()) == pytest.approx(1.0)
+    assert sum(g["seconds"] for g in groups.values()) == pytest.approx(profile["self_seconds"])
+    # The default CPU backend: its decode kernel and the fused layer ops ran, and so did matmuls.
+    assert {"matmul", "attention", "fused layer ops"} <= set(groups)
+    ops = {o["op"] for o in profile["ops"]}
+    assert "minivllm_cpu::paged_decode" in ops or "minivllm_cpu::fused_add_rms_norm" in ops
+    assert [o["seconds"] for o in profile["ops"]] == sorted(
+        (o["seconds"] for o in profile["ops"]), reverse=True
+    )
+
+
+def test_op_groups_follow_the_model() -> None:
+    assert op_profile.group_of("aten::mm") == "matmul"
+    assert op_profile.group_of("mkldnn::_linear_pointwise") == "matmul"
+    assert op_profile.group_of("minivllm_cpu::paged_decode") == "attention"
+    assert op_profile.group_of("minivllm_cpu::silu_and_mul") == "fused layer ops"
+    assert op_profile.group_of("aten::copy_") == "copies"
+    assert op_profile.group_of("aten::as_strided") == "bookkeeping"
+    assert op_profile.group_of("aten::silu") == "elementwise"
 
 
 def test_naive_allocator_never_exceeds_its_budget_and_wastes_the_over_reservation() -> None:
@@ -167,3 +199,15 @@ def test_sharing_saves_memory_in_beam_search_and_parallel_sampling(
     by = {(r["method"], r["width"]): r["saving"] for r in results}
     assert by[("beam", 4)] > by[("beam", 2)]  # more beams, more of the history shared
     assert (tmp_path / "sharing.png").stat().st_size > 0
+
+
+def test_threads_bench_times_every_setting_idle_and_beside_a_busy_core(tmp_path: Path) -> None:
+    out = tmp_path / "threads.json"
+    assert threads.main(["--rows", "4", "--repeats", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "threads" and "load" in report["machine"]
+    for machine in ("idle", "one core busy"):
+        for setting in threads.SETTINGS:
+            median = report[f"{machine}, {setting}: median ms"]
+            mean = report[f"{machine}, {setting}: mean ms"]
+            assert median > 0 and mean > 0

@@ -59,6 +59,25 @@ def render(path: Path) -> str:
                 f"\n\nminivllm reached {_fmt(flops['fraction_of_matmul_peak'] * 100)} % of the "
                 f"measured matmul peak ({_fmt(flops['matmul_peak_flops_per_s'] / 1e9)} GFLOP/s)."
             )
+        profile = data.get("profile") or {}
+        if profile:  # `--profile`: where minivllm's time went, by op group and op
+            body += (
+                f"\n\nWhere minivllm's time goes (a second run under the profiler: "
+                f"{_fmt(profile['wall_seconds'])} s wall, {_fmt(profile['self_seconds'])} s in "
+                "ops):\n\n"
+                + _table(
+                    ["group", "seconds", "share of op time"],
+                    [[g["group"], g["seconds"], _pct(g["share"])] for g in profile["groups"]],
+                )
+                + "\n\n"
+                + _table(
+                    ["op", "group", "seconds", "share", "calls"],
+                    [
+                        [f"`{o['op']}`", o["group"], o["seconds"], _pct(o["share"]), o["calls"]]
+                        for o in profile["ops"]
+                    ],
+                )
+            )
         ranks = data.get("ranks") or []
         if ranks:  # what each tensor-parallel rank holds and sends (one row at N = 1)
             body += "\n\n" + _table(RANK_HEADERS, [rank_row(r) for r in ranks])

@@ -18,7 +18,8 @@ read) per second are set against a measured device-to-device copy bandwidth.
 Beside it, the run's **matmul floor** (floor.py): the same steps' matmuls alone, replayed at their
 exact shapes with the model's own weights; minivllm's time ÷ the floor is what everything that is
 not a matmul costs. And each system's **peak memory**: every system runs in a fresh process of its
-own, one after the other (isolated.py), and reports its peak resident set.
+own, one after the other (isolated.py), and reports its peak resident set. With `--profile`,
+where minivllm's time goes: its ops by self time, in groups (op_profile.py).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from minivllm.benchmarks.common import (
 from minivllm.benchmarks.floor import record_shapes, replay
 from minivllm.benchmarks.hf_peers import peer_process
 from minivllm.benchmarks.isolated import current_rss_bytes, peak_rss_bytes, run_isolated
+from minivllm.benchmarks.op_profile import print_profile, profile_run
 from minivllm.engine_args import EngineArgs
 from minivllm.llm import LLM
 
@@ -107,6 +109,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-roofline",
         action="store_true",
         help="also time decode steps against copy bandwidth (always on for CUDA)",
+    )
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="also run minivllm's workload once more under torch.profiler and report where its "
+        "time goes: ops by self time, in groups (matmul, attention, ...)",
     )
     set_epilog(parser, EPILOG)
 
@@ -206,6 +214,7 @@ def minivllm_process(args: argparse.Namespace) -> dict[str, Any]:
     roofline = None
     if device.type == "cuda" or args.decode_roofline:
         roofline = run_decode_roofline(llm, requests, cost)
+    profile = profile_run(run_minivllm, llm, requests) if args.profile else None
     llm.shutdown()  # tensor parallelism: the workers end with this process
     return {
         "requests": requests,
@@ -218,6 +227,7 @@ def minivllm_process(args: argparse.Namespace) -> dict[str, Any]:
         "useful_flops": cost.useful_flops(requests),
         "cost": cost,
         "roofline": roofline,
+        "profile": profile,
         "ranks": ranks,
         "layers_hidden": (config.num_hidden_layers, config.hidden_size),
     }
@@ -300,6 +310,8 @@ def main(args: argparse.Namespace) -> int:
             f"{roofline['fraction_of_copy_bandwidth']:.1%} of the measured copy bandwidth "
             f"{roofline['copy_bytes_per_s'] / 1e9:.1f} GB/s"
         )
+    if mini["profile"] is not None:
+        print_profile(mini["profile"])
     ranks = mini["ranks"]
     tp = len(ranks)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -328,6 +340,7 @@ def main(args: argparse.Namespace) -> int:
             "flops": flops,
             "matmul_floor": floor,
             "decode_roofline": roofline,
+            "profile": mini["profile"],
             "ranks": ranks,
         },
     )

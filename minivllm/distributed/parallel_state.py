@@ -59,8 +59,13 @@ class TensorParallelGroup:
         """The sum of every rank's `x`, on every rank (in place when the size is above 1)."""
         if self.world_size == 1:
             return x
-        x = x.contiguous()  # a CPU `linear` returns a transposed view; collectives need rows
-        dist.all_reduce(x)
+        if x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous():
+            # A CPU `linear` returns a transposed view of a contiguous tensor. A sum does not
+            # care how the elements lie, so reduce that tensor in place instead of copying rows.
+            dist.all_reduce(x.t())
+        else:
+            x = x.contiguous()  # collectives need one contiguous run
+            dist.all_reduce(x)
         self.all_reduce_bytes += x.numel() * x.element_size()
         return x
 

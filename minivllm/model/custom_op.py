@@ -10,9 +10,9 @@ kernel.
 
 Here a layer runs `forward_native` unless `use_cpu_kernels(model)` switched it to `forward_cpu`.
 The loader does that when the attention backend is "cpu" (the CPU default), whose compiled
-library holds the fused ops beside the paged decode kernel (`cpu_layer_kernels.cpp`); the
-"reference" backend keeps the whole model in plain PyTorch. The parity tests run both, greedy
-token-exact against transformers.
+library holds the fused ops beside the paged decode kernel (`cpu_norm_kernels.cpp`,
+`cpu_layer_kernels.cpp`); the "reference" backend keeps the whole model in plain PyTorch. The
+parity tests run both, greedy token-exact against transformers.
 """
 
 from __future__ import annotations

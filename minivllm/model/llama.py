@@ -71,8 +71,8 @@ class RMSNorm(CustomOp):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return cpu_layer_ops.rms_norm(x, self.weight, self.eps)
-        # In place: x (a sublayer's fresh output) becomes the normalised rows, residual the sum.
-        x = x.contiguous()
+        # In place: x (a sublayer's fresh output, in the layout `linear` gave it) becomes the
+        # normalised rows, residual the sum.
         cpu_layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return x, residual
 
@@ -85,7 +85,7 @@ class SiluAndMul(CustomOp):
         return F.silu(gate) * up
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
-        return cpu_layer_ops.silu_and_mul(x.contiguous())
+        return cpu_layer_ops.silu_and_mul(x)
 
 
 class LlamaAttention(nn.Module):
@@ -125,7 +125,9 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden).contiguous()  # [T, (num_heads + 2 * num_kv_heads) * head_dim]
+        # [T, (num_heads + 2 * num_kv_heads) * head_dim]; on a CPU a transposed view (see
+        # `linear`), which the views below, RoPE and the attention backends all read as it is.
+        qkv = self.qkv_proj(hidden)
         # Queries and keys sit side by side in each row, so RoPE rotates both in one pass.
         qk = rope(positions, qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]

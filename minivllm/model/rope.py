@@ -91,7 +91,7 @@ class RotaryEmbedding(CustomOp):
     def forward_cpu(
         self,
         positions: torch.Tensor,  # int64 [T]
-        x: torch.Tensor,  # [T, heads, head_dim]  rows may be views into a wider tensor
+        x: torch.Tensor,  # [T, heads, head_dim]  a view of the qkv output, either layout
     ) -> torch.Tensor:  # x itself, rotated in place
         cpu_layer_ops.rotary_embedding(positions, x, self.cos_sin)
         return x
