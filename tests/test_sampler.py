@@ -221,6 +221,17 @@ def test_greedy_is_argmax_of_the_penalized_logits():
     assert Sampler()(logits, meta_for([penalized], 4)).sampled_token_ids.tolist() == [1]
 
 
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_and_transformers_do():
+    # Ties at the maximum, at the front, middle and end of a long row (the vectorised kernel's
+    # chunks), so the first index must win wherever the copies lie.
+    logits = torch.zeros(3, 49152)
+    for i, positions in enumerate([(0, 7, 49151), (4095, 4096, 30000), (17, 49150, 49151)]):
+        logits[i, list(positions)] = 5.0
+    rows = [row(SamplingParams(temperature=0.0)) for _ in range(3)]
+    sampled = Sampler()(logits, meta_for(rows, 49152)).sampled_token_ids
+    assert sampled.tolist() == [0, 4095, 17] == logits.argmax(dim=-1).tolist()
+
+
 def test_greedy_rows_in_a_mixed_batch_take_the_argmax():
     logits, _ = random_batch(4, batch=8)
     rows = [
