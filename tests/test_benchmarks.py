@@ -87,6 +87,8 @@ def test_throughput_reports_the_matmul_floor_of_the_shapes_the_run_computed_and_
     assert [s["system"] for s in report["systems"]] == ["minivllm", "hf-static (batch 2)", "hf-cb"]
     for system in report["systems"]:
         assert system["peak_rss_bytes"] >= system["start_rss_bytes"] > 0
+        # The ceiling: how much faster than this system minivllm would be at its floor.
+        assert system["speedup_at_floor"] == pytest.approx(system["seconds"] / floor["seconds"])
 
 
 def test_throughput_profile_puts_every_op_in_a_group_and_finds_the_matmuls(
