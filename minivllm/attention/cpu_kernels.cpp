@@ -22,6 +22,9 @@
 // version, which rescales its sums and runs the softmax on one block's 16 scores at a time,
 // measured 1.2x slower per core on cached data and no faster from memory
 // (scripts/bench_paged_decode_cpu.py, SmolLM2 shapes).
+//
+// The file's second op, reshape_and_cache (vLLM's name), is the cache write that comes before
+// the read: the new tokens' K and V into their slots, both caches in one call.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -209,6 +212,96 @@ void paged_decode(
       });
 }
 
+// ---------------------------------------------------------------------------------- cache write
+// vLLM's reshape_and_cache: each new token's K and V rows go into their slot of the paged cache,
+// both caches in one call. The reference backend does it with index_copy_ after a host-side
+// check for skipped slots, a sync per layer; here a slot of -1 is skipped inside the loop.
+template <typename scalar_t>
+void reshape_and_cache_kernel(
+    const scalar_t* __restrict__ key,    // [T, num_kv_heads, head_dim] at strides k_stride
+    const scalar_t* __restrict__ value,  // [T, num_kv_heads, head_dim] at strides v_stride
+    scalar_t* __restrict__ k_cache,      // [num_slots, num_kv_heads, head_dim]
+    scalar_t* __restrict__ v_cache,      // [num_slots, num_kv_heads, head_dim]
+    const int64_t* __restrict__ slots,   // [T] slot of token t, -1: skip
+    int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, const int64_t* k_stride,
+    const int64_t* v_stride) {
+  const int64_t row_elems = num_kv_heads * head_dim;
+  // One row is 192 values on SmolLM2: a decode step's few dozen tokens are copied faster by one
+  // thread than the pool could be woken; long prompts share out in runs of 64 tokens.
+  // Token t's row of src (at strides stride) into its slot's row of cache.
+  auto copy_row = [&](const scalar_t* src, const int64_t* stride, scalar_t* cache, int64_t t,
+                      int64_t slot) {
+    const scalar_t* row = src + t * stride[0];    // [num_kv_heads, head_dim] at stride[1:]
+    scalar_t* cached = cache + slot * row_elems;  // [num_kv_heads, head_dim]
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const scalar_t* in = row + h * stride[1];
+      scalar_t* o = cached + h * head_dim;
+      // A token-major row is contiguous: a plain copy the compiler vectorizes. A feature-major
+      // one (the CPU linears' transposed output, strides (1, head_dim * T, T)) has its values
+      // T apart; consecutive tokens read the next value of the same lines of memory, so these
+      // lines stay in L1 from one token to the next.
+      if (stride[2] == 1) {
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = in[d];
+      } else {
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = in[d * stride[2]];
+      }
+    }
+  };
+  // One row is 192 values on SmolLM2: a decode step's few dozen tokens are copied faster by one
+  // thread than the pool could be woken; long prompts share out in runs of 64 tokens.
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;  // K/V already in cache (a prefix hit) or padding
+      copy_row(key, k_stride, k_cache, t, slot);
+      copy_row(value, v_stride, v_cache, t, slot);
+    }
+  });
+}
+
+// k_cache[slot_mapping[t]] = key[t], v_cache[slot_mapping[t]] = value[t] where slot_mapping[t] >= 0.
+void reshape_and_cache(
+    const at::Tensor& key,           // [T, num_kv_heads, head_dim], any strides
+    const at::Tensor& value,         // [T, num_kv_heads, head_dim], any strides
+    const at::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
+    const at::Tensor& v_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
+    const at::Tensor& slot_mapping)  // int64 [T]; slot = block * block_size + offset, -1: skip
+{
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && k_cache.device().is_cpu() &&
+                  v_cache.device().is_cpu() && slot_mapping.device().is_cpu(),
+              "reshape_and_cache: CPU tensors only");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "reshape_and_cache: k_cache and v_cache must be contiguous "
+              "[num_blocks, block_size, num_kv_heads, head_dim] of one shape");
+  const int64_t num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == num_kv_heads &&
+                  key.size(2) == head_dim,
+              "reshape_and_cache: key and value must be [T, ", num_kv_heads, ", ", head_dim,
+              "], got ", key.sizes(), " and ", value.sizes());
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() &&
+                  value.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "reshape_and_cache: key, value and the caches must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == key.size(0),
+              "reshape_and_cache: slot_mapping must be int64 [T] with T = ", key.size(0));
+  const auto slots = slot_mapping.contiguous();
+  const int64_t* s = slots.const_data_ptr<int64_t>();
+  // Checked before anything is written, so a bad slot leaves the cache as it was.
+  for (int64_t t = 0; t < slots.size(0); ++t)
+    TORCH_CHECK_INDEX(s[t] >= -1 && s[t] < num_slots, "reshape_and_cache: slot_mapping[", t,
+                      "] = ", s[t], " is not in [-1, ", num_slots, ")");
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, key.scalar_type(), "reshape_and_cache", [&] {
+        reshape_and_cache_kernel<scalar_t>(
+            key.const_data_ptr<scalar_t>(), value.const_data_ptr<scalar_t>(),
+            k_cache.mutable_data_ptr<scalar_t>(), v_cache.mutable_data_ptr<scalar_t>(), s,
+            key.size(0), num_kv_heads, head_dim, key.strides().data(), value.strides().data());
+      });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(minivllm_cpu, m) {
@@ -216,4 +309,8 @@ TORCH_LIBRARY(minivllm_cpu, m) {
       "paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor token_rows, float scale) -> ()",
       &paged_decode);
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping) -> ()",
+      &reshape_and_cache);
 }
