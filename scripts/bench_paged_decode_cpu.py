@@ -116,8 +116,12 @@ def bench_write_kv(tokens: int, dtype: torch.dtype) -> dict[str, float]:
     slots = torch.randperm(4096 * BLOCK_SIZE)[:tokens]  # int64 [T]
     ref, cpu = ReferenceBackend(), CpuBackend()
     return {  # best runs
-        "reference index_copy_": timed_us(lambda: ref.write_kv(key, value, k_cache, v_cache, slots))[1],
-        "cpu reshape_and_cache": timed_us(lambda: cpu.write_kv(key, value, k_cache, v_cache, slots))[1],
+        "reference index_copy_": timed_us(
+            lambda: ref.write_kv(key, value, k_cache, v_cache, slots)
+        )[1],
+        "cpu reshape_and_cache": timed_us(
+            lambda: cpu.write_kv(key, value, k_cache, v_cache, slots)
+        )[1],
     }
 
 
