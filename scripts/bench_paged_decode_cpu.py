@@ -20,6 +20,11 @@ host-side check for skipped slots) against the fused `reshape_and_cache` op.
 Not a test (no timing is asserted anywhere); run it as
 
     PYTHONPATH=$PWD python scripts/bench_paged_decode_cpu.py [--threads 2] [--dtype float32]
+
+It times the kernels of the tree it runs in (they are built on first use, one build per version
+of the sources), so a before/after is the same command on the two commits. On a machine shared
+with other work, compare the "best" columns: a thread that loses its core for a time slice
+makes a 1 ms call take several.
 """
 
 from __future__ import annotations
