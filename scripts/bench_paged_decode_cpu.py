@@ -143,6 +143,9 @@ def main() -> None:
     workloads = {
         "32 req, 16..512": torch.randint(16, 513, (32,), generator=gen).tolist(),
         "64 req, 16..512": torch.randint(16, 513, (64,), generator=gen).tolist(),
+        # The scheduler's running list is in arrival order, oldest (longest context) first:
+        # one contiguous half of the batch holds most of the work.
+        "32 req, sorted": sorted(torch.randint(16, 513, (32,), generator=gen).tolist())[::-1],
         "64 req, all 256": [256] * 64,
         "8 req, 16..512": torch.randint(16, 513, (8,), generator=gen).tolist(),
     }
