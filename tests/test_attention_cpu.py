@@ -18,7 +18,12 @@ from test_attention_reference import TOLERANCES, batch_shape, make_paged_batch
 
 from minivllm.attention import cpu as cpu_module
 from minivllm.attention import get_attention_backend, resolve_backend_name
-from minivllm.attention.cpu import CpuBackend, CpuKernelUnavailable, paged_decode
+from minivllm.attention.cpu import (
+    CpuBackend,
+    CpuKernelUnavailable,
+    paged_decode,
+    reshape_and_cache,
+)
 from minivllm.attention.reference import ReferenceBackend
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -176,6 +181,62 @@ def test_the_kernel_reads_the_query_where_it_lies_in_any_layout(
     torch.testing.assert_close(out, expected, **TOLERANCES[F32])
 
 
+def mixed_lengths(block_size: int, seed: int) -> list[int]:
+    """A decode batch as the engine runs it: 1..600 tokens of context, every block edge
+    (1, bs - 1, bs, bs + 1, 2 * bs) among them, in no particular order."""
+    gen = torch.Generator().manual_seed(seed)
+    edges = [1, block_size - 1, block_size, block_size + 1, 2 * block_size, 600]
+    lens = edges + torch.randint(1, 601, (26,), generator=gen).tolist()
+    return [lens[i] for i in torch.randperm(len(lens), generator=gen).tolist()]
+
+
+DECODE_HEADS = {"gqa-9q3kv": (9, 3), "mha-4q4kv": (4, 4), "mqa-8q1kv": (8, 1)}
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])  # 32/64/128 compiled for; 80 is not
+@pytest.mark.parametrize("heads", DECODE_HEADS, ids=str)
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=lambda d: str(d).removeprefix("torch."))
+def test_decode_kernel_matches_reference_on_a_batch_of_mixed_lengths(
+    dtype: torch.dtype, heads: str, head_dim: int, block_size: int
+) -> None:
+    """32 requests of 1..600 tokens, shared out longest first between the threads: each gets
+    its own attention in its own output row."""
+    h, hkv = DECODE_HEADS[heads]
+    lens = mixed_lengths(block_size, seed=head_dim + block_size)
+    b = make_paged_batch(lens, [1] * len(lens), h, hkv, head_dim, block_size, dtype, seed=h * hkv)
+    query, _, _ = feature_major_qkv(b.query, b.key, b.value)  # the model's layout
+    out = torch.full(b.query.shape, float("nan"))
+    rows = b.meta.query_start_loc[:-1].long()
+    paged_decode(
+        query, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.seq_lens, rows, b.scale, out
+    )
+    expected = ReferenceBackend().attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out.to(dtype), expected, **TOLERANCES[dtype])
+
+
+def test_decode_is_bit_for_bit_the_same_on_one_thread_and_on_two() -> None:
+    """A request is computed whole by whichever thread takes it, so how requests are shared out
+    changes nothing in the result."""
+    lens = mixed_lengths(16, seed=7)
+    b = make_paged_batch(lens, [1] * len(lens), 9, 3, 64, 16, seed=7)
+    rows = b.meta.query_start_loc[:-1].long()
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.empty(b.query.shape)
+            paged_decode(
+                b.query, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.seq_lens, rows,
+                b.scale, out,
+            )  # fmt: skip
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_decode_of_one_long_request_spans_many_blocks() -> None:
     b = make_paged_batch([2000], [1], 9, 3, 64, 16, seed=11)
     expected = ReferenceBackend().attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale)
@@ -207,3 +268,75 @@ def test_auto_falls_back_to_reference_when_the_kernel_cannot_build(
     assert "no compiler" in caplog.text and "using the reference backend" in caplog.text
     with pytest.raises(CpuKernelUnavailable, match="no compiler"):
         get_attention_backend("cpu")
+
+
+# ---------------------------------------------------------------------------------- cache write
+def index_copy_write(
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # int64 [T]
+) -> None:
+    """The specification: index_copy_ of the tokens whose slot is not -1."""
+    keep = slot_mapping >= 0
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping[keep], src[keep])
+
+
+@pytest.mark.parametrize("layout", ["token-major", "qkv-view", "feature-major"])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("num_tokens", [1, 37, 300])  # 300: shared out between threads
+def test_reshape_and_cache_equals_index_copy_and_skips_slots_of_minus_one(
+    layout: str, dtype: torch.dtype, num_tokens: int
+) -> None:
+    gen = torch.Generator().manual_seed(num_tokens)
+    hkv, d, num_blocks, bs = 3, 64, 40, 16
+    query = torch.randn(num_tokens, 9, d, generator=gen).to(dtype)
+    key = torch.randn(num_tokens, hkv, d, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, hkv, d, generator=gen).to(dtype)
+    if layout == "qkv-view":  # rows of one fused token-major qkv
+        qkv = torch.cat([query, key, value], dim=1)
+        key, value = qkv[:, 9 : 9 + hkv], qkv[:, 9 + hkv :]
+    elif layout == "feature-major":  # a CPU linear's transposed output
+        _, key, value = feature_major_qkv(query, key, value)
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:num_tokens]  # int64 [T]
+    slots[::3] = -1  # prefix hits: K/V already in cache
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    index_copy_write(key, value, expected_k, expected_v, slots)
+    reshape_and_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_reshape_and_cache_refuses_a_slot_past_the_cache_and_writes_nothing() -> None:
+    k_cache, v_cache = torch.zeros(2, 16, 3, 64), torch.zeros(2, 16, 3, 64)
+    key = value = torch.ones(3, 3, 64)
+    slots = torch.tensor([0, 5, 32])  # 32 slots in all: 32 is one too far
+    with pytest.raises(IndexError, match=r"slot_mapping\[2\] = 32 is not in \[-1, 32\)"):
+        reshape_and_cache(key, value, k_cache, v_cache, slots)
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_cpu_write_kv_is_one_reshape_and_cache_call_on_the_views_as_they_are(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CPU backend's cache write: no host-side check of the slots, no copy of k and v."""
+    b = make_paged_batch([5, 40], [5, 1], 9, 3, 64, 16, seed=17)
+    _, key, value = feature_major_qkv(b.query, b.key, b.value)
+    cpu_module.load_cpu_kernels()
+    op = torch.ops.minivllm_cpu.reshape_and_cache
+    handed: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def spy(k: torch.Tensor, v: torch.Tensor, *args: torch.Tensor) -> None:
+        handed.append((k, v))
+        op(k, v, *args)
+
+    monkeypatch.setattr(torch.ops.minivllm_cpu, "reshape_and_cache", spy)
+    expected_k, expected_v = b.k_cache.clone(), b.v_cache.clone()
+    ReferenceBackend().write_kv(b.key, b.value, expected_k, expected_v, b.meta.slot_mapping)
+    CpuBackend().write_kv(key, value, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    [(k, v)] = handed
+    assert k is key and v is value
+    assert torch.equal(b.k_cache, expected_k) and torch.equal(b.v_cache, expected_v)

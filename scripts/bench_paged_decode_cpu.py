@@ -1,0 +1,173 @@
+"""Microbenchmark: the CPU paged decode kernel and the fused cache write, at SmolLM2's shapes.
+
+Decode attention reads each running request's whole context once per layer and step; the kernel
+cannot do better than the memory's speed, so this reports its *effective bandwidth* (bytes of K
+and V read / time) next to what the machine can copy (`torch.clone` of a 256 MB tensor, counted
+as bytes read + bytes written, the way STREAM's copy counts). The gap between the two is what is
+left to win.
+
+The batches are what the throughput bench's decode steps look like: 32 or 64 requests whose
+context lengths are drawn from 16..512 (the lengths differ a lot, which is what load balance
+between threads is about), plus one of equal lengths for comparison. Shapes are SmolLM2-135M's:
+9 query heads, 3 KV heads of 64, blocks of 16 tokens, a float32 cache; the queries are a view of a
+feature-major qkv, as the CPU linears return it. Each call reads another layer's cache (`--layers`
+of them, with shuffled block tables), as the model's 30 layers do, so a call does not find the
+previous call's context in the cache memory of the CPU.
+
+It also times the cache write of one decode step: the reference backend's `index_copy_` (with its
+host-side check for skipped slots) against the fused `reshape_and_cache` op.
+
+Not a test (no timing is asserted anywhere); run it as
+
+    PYTHONPATH=$PWD python scripts/bench_paged_decode_cpu.py [--threads 2] [--dtype float32]
+
+It times the kernels of the tree it runs in (they are built on first use, one build per version
+of the sources), so a before/after is the same command on the two commits. On a machine shared
+with other work, compare the "best" columns: a thread that loses its core for a time slice
+makes a 1 ms call take several.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from minivllm.attention.cpu import CpuBackend, paged_decode
+from minivllm.attention.reference import ReferenceBackend
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def timed_us(fn: Callable[[], object], repeats: int = 7, min_s: float = 0.1) -> tuple[float, float]:
+    """(median, best) over `repeats` runs of the mean time of one call, each run at least `min_s`
+    long. The best run is the one least disturbed by other processes on a shared machine."""
+    fn()
+    calls = 1
+    while True:  # calls per run, so that a run is long enough to time
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if time.perf_counter() - start >= min_s:
+            break
+        calls *= 2
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - start) / calls * 1e6)
+    return sorted(runs)[repeats // 2], min(runs)
+
+
+def copy_bandwidth_gbs(megabytes: int = 256) -> float:
+    """What the machine can move: a copy of `megabytes` reads and writes that much each. Into a
+    tensor allocated once: `clone()` would allocate fresh pages every call and time the kernel's
+    page faults rather than the memory (measured here: 4.8 GB/s against ~15)."""
+    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    _, best = timed_us(lambda: y.copy_(x), repeats=5)
+    return 2 * x.numel() * 4 / (best * 1e-6) / 1e9
+
+
+class DecodeBatch:
+    """One decode step of `len(seq_lens)` requests over `layers` layers' paged caches."""
+
+    def __init__(self, seq_lens: list[int], layers: int, dtype: torch.dtype, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        b = len(seq_lens)
+        blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
+        num_blocks = sum(blocks)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)  # [B]
+        self.caches = []  # per layer: (k_cache, v_cache, block_tables)
+        for _ in range(layers):
+            shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+            k = torch.randn(shape, generator=gen).to(dtype)
+            v = torch.randn(shape, generator=gen).to(dtype)
+            order = torch.randperm(num_blocks, generator=gen, dtype=torch.int32)
+            tables = torch.zeros(b, max(blocks), dtype=torch.int32)  # [B, max_blocks]
+            taken = 0
+            for i, n in enumerate(blocks):
+                tables[i, :n] = order[taken : taken + n]
+                taken += n
+            self.caches.append((k, v, tables))
+        # The model's queries: a view of a feature-major qkv ([N, T] stored, read as [T, N]).
+        qkv = torch.randn((HEADS + 2 * KV_HEADS) * HEAD_DIM, b, generator=gen).to(dtype).t()
+        self.query = qkv[:, : HEADS * HEAD_DIM].view(b, HEADS, HEAD_DIM)  # [B, 9, 64]
+        self.rows = torch.arange(b, dtype=torch.int64)  # [B]
+        self.out = torch.empty(b, HEADS, HEAD_DIM)  # float32 [B, 9, 64]
+        self.layer = 0
+        self.bytes_read = 2 * sum(seq_lens) * KV_HEADS * HEAD_DIM * k.element_size()
+
+    def step(self) -> None:
+        """One layer's decode attention; the next call reads the next layer's cache."""
+        k, v, tables = self.caches[self.layer]
+        self.layer = (self.layer + 1) % len(self.caches)
+        paged_decode(
+            self.query, k, v, tables, self.seq_lens, self.rows, HEAD_DIM**-0.5, self.out
+        )  # fmt: skip
+
+
+def bench_write_kv(tokens: int, dtype: torch.dtype) -> dict[str, float]:
+    """One layer's cache write of a decode step: `tokens` new K/V rows, token-major views of a
+    feature-major qkv (strides (1, head_dim * T, T)), scattered into 4096 blocks' worth of cache."""
+    k_cache = torch.zeros(4096, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn((HEADS + 2 * KV_HEADS) * HEAD_DIM, tokens).to(dtype).t()  # [T, N]
+    key = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
+    value = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(tokens, KV_HEADS, HEAD_DIM)
+    slots = torch.randperm(4096 * BLOCK_SIZE)[:tokens]  # int64 [T]
+    ref, cpu = ReferenceBackend(), CpuBackend()
+    return {  # best runs
+        "reference index_copy_": timed_us(
+            lambda: ref.write_kv(key, value, k_cache, v_cache, slots)
+        )[1],
+        "cpu reshape_and_cache": timed_us(
+            lambda: cpu.write_kv(key, value, k_cache, v_cache, slots)
+        )[1],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--layers", type=int, default=30, help="caches the calls rotate through")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+
+    gen = torch.Generator().manual_seed(0)
+    workloads = {
+        "32 req, 16..512": torch.randint(16, 513, (32,), generator=gen).tolist(),
+        "64 req, 16..512": torch.randint(16, 513, (64,), generator=gen).tolist(),
+        # The scheduler's running list is in arrival order, oldest (longest context) first:
+        # one contiguous half of the batch holds most of the work.
+        "32 req, sorted": sorted(torch.randint(16, 513, (32,), generator=gen).tolist())[::-1],
+        "64 req, all 256": [256] * 64,
+        "8 req, 16..512": torch.randint(16, 513, (8,), generator=gen).tolist(),
+    }
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"threads={args.threads} dtype={args.dtype}; copy of 256 MB: {copy_gbs:.1f} GB/s")
+    print(
+        f"{'paged_decode':<18} {'tokens':>7} {'MB read':>8} {'median us':>10} {'best us':>8} "
+        f"{'GB/s (best)':>12} {'of copy':>8}"
+    )
+    for name, lens in workloads.items():
+        batch = DecodeBatch(lens, args.layers, dtype, seed=1)
+        median, best = timed_us(batch.step)
+        gbs = batch.bytes_read / (best * 1e-6) / 1e9
+        print(
+            f"{name:<18} {sum(lens):>7} {batch.bytes_read / 1e6:>8.1f} {median:>10.1f} "
+            f"{best:>8.1f} {gbs:>12.1f} {gbs / copy_gbs:>7.0%}"
+        )
+    for tokens in (32, 64):
+        times = bench_write_kv(tokens, dtype)
+        cells = "  ".join(f"{name} {us:.1f} us" for name, us in times.items())
+        print(f"write_kv, {tokens} tokens: {cells}")
+
+
+if __name__ == "__main__":
+    main()
