@@ -19,7 +19,7 @@ host-side check for skipped slots) against the fused `reshape_and_cache` op.
 
 Not a test (no timing is asserted anywhere); run it as
 
-    PYTHONPATH=$PWD python scripts/bench_paged_decode_cpu.py [--threads 2] [--dtype float32]
+    python -m minivllm.benchmarks.cpu_decode [--threads 2] [--dtype float32]
 
 It times the kernels of the tree it runs in (they are built on first use, one build per version
 of the sources), so a before/after is the same command on the two commits. On a machine shared

@@ -10,7 +10,7 @@ contiguous [N, T]). For each op this times three ways of applying it to such an 
 Sizes are SmolLM2-135M's: hidden 576, intermediate 1536, 9 query + 3 KV heads of 64. Not a test
 (no timing is asserted anywhere); run it as
 
-    PYTHONPATH=$PWD python scripts/bench_cpu_layer_layouts.py [--tokens 32 300] [--dtype bfloat16]
+    python -m minivllm.benchmarks.cpu_layer_layouts [--tokens 32 300] [--dtype bfloat16]
 """
 
 from __future__ import annotations
