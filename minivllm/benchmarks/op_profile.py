@@ -8,7 +8,8 @@ of the model recognises:
 
   matmul            the linears and the LM head (aten::mm / addmm, oneDNN's prepacked linear)
   attention         paged decode attention and the prompt chunks' SDPA
-  fused layer ops   the CPU fast path's RMSNorm, SiLU·mul and RoPE kernels (custom_op.py)
+  fused layer ops   the CPU fast path's other C++ ops: the fused RMSNorm, SiLU·mul and RoPE
+                    kernels (custom_op.py) and the KV-cache write (reshape_and_cache)
   elementwise       everything else that computes: plain-PyTorch norms, activations, RoPE, sampling
   copies            moving bytes without arithmetic: copy_, cat, index_copy_ (the KV write), ...
   bookkeeping       creating tensors and views: empty, as_strided, view, slice, transpose, ...
