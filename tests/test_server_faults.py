@@ -14,6 +14,7 @@ so on every run.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import threading
 from typing import Any
@@ -45,8 +46,9 @@ class FaultOnce:
         self.fired = False
         self.waiting_at_fault = -1  # sequences in the scheduler's waiting queue when it raised
 
-    def __call__(self, _module: Any, args: tuple[Any, ...], _output: Any) -> None:
-        position = int(args[1][-1])  # args: (hidden [T, H], positions [T], ...)
+    def __call__(self, module: Any, args: tuple[Any, ...], _output: Any) -> None:
+        positions = inspect.signature(module.forward).bind(*args).arguments["positions"]  # [T]
+        position = int(positions[-1])
         if position == self.hold_at and not self.held.is_set():
             self.held.set()
             assert self.release.wait(timeout=60), "the test never released the engine thread"

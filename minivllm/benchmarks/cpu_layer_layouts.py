@@ -16,36 +16,21 @@ Sizes are SmolLM2-135M's: hidden 576, intermediate 1536, 9 query + 3 KV heads of
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from minivllm.benchmarks.cpu_decode import timed_us
 from minivllm.model import cpu_layer_ops
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
 EPS = 1e-5
 
 
-def median_us(fn: Callable[[], object], repeats: int = 7, min_s: float = 0.05) -> float:
-    """Median over `repeats` runs of the mean time of one call, each run at least `min_s` long."""
-    fn()
-    calls = 1
-    while True:  # calls per run, so that a run is long enough to time
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if time.perf_counter() - start >= min_s:
-            break
-        calls *= 2
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - start) / calls)
-    return sorted(runs)[repeats // 2] * 1e6
+def median_us(fn: Callable[[], object]) -> float:
+    """Median microseconds of one call (cpu_decode's timer: runs of at least 50 ms each)."""
+    return timed_us(fn, min_s=0.05)[0]
 
 
 def linear_output(tokens: int, features: int, dtype: torch.dtype) -> torch.Tensor:  # [T, N]
