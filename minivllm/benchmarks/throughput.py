@@ -33,7 +33,6 @@ import torch
 
 from minivllm.benchmarks.common import (
     GPU_EPILOG,
-    SYSTEM_HEADERS,
     BenchRequest,
     ModelCost,
     add_run_arguments,
@@ -44,14 +43,12 @@ from minivllm.benchmarks.common import (
     machine_load,
     measure_copy_bandwidth,
     measure_matmul_flops,
-    print_rank_rows,
     print_table,
     prompts_of,
     rank_reports,
     run_main,
     set_epilog,
     synchronize,
-    system_row,
     tensor_parallel_rows,
     timed,
     warm_up,
@@ -62,6 +59,7 @@ from minivllm.benchmarks.floor import record_shapes, replay
 from minivllm.benchmarks.hf_peers import peer_process
 from minivllm.benchmarks.isolated import current_rss_bytes, peak_rss_bytes, run_isolated
 from minivllm.benchmarks.op_profile import print_profile, profile_run
+from minivllm.benchmarks.report_rows import SYSTEM_HEADERS, print_rank_rows, system_row
 from minivllm.engine_args import EngineArgs
 from minivllm.llm import LLM
 
