@@ -3,10 +3,10 @@
 vLLM gives every layer whose work is elementwise (RMSNorm, SiLU·mul, RoPE) a `CustomOp` base: a
 `forward_native` in plain PyTorch, which is the specification, and a `forward_cuda` /
 `forward_cpu` that calls one fused kernel. Between two matmuls a Llama layer does little
-arithmetic but several passes over memory: plain PyTorch runs RMSNorm as six ops, each reading
+arithmetic but several passes over memory: plain PyTorch runs RMSNorm as eight ops, each reading
 and writing the whole [T, hidden] tensor, while the fused kernel reads each row once. On a CPU that
-work is a sixth of an engine step (the Performance page's profile), which is why it is worth a
-kernel.
+work was a sixth of an engine step before it was fused (issue 16's profile; `bench throughput
+--profile` shows today's), which is why it is worth a kernel.
 
 Here a layer runs `forward_native` unless `use_cpu_kernels(model)` switched it to `forward_cpu`.
 The loader does that when the attention backend is "cpu" (the CPU default), whose compiled
