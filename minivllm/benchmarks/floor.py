@@ -11,10 +11,11 @@ Two phases, both in the bench's own process:
    per step, T (the step's tokens: the rows every decoder layer's linears see) and S (the rows that
    reach the LM head: the scheduled sequences that sample). Two integers from the
    `SchedulerOutput` the step already carries; nothing is timed inside the engine.
-2. `replay` times, with the model's own weight tensors, what the model does with those rows: per
-   layer `linear` (minivllm/model/parallel_layers.py, the model's own function) on qkv, o,
-   gate_up and down, and the LM head's own matmul, `ParallelLMHead.local_logits` (on the CPU
-   fast path its oneDNN-prepacked weight; otherwise slices of `LM_HEAD_ROWS` vocabulary rows).
+2. `replay` times, with the model's own layers, what the model does with those rows: per layer
+   the qkv, o, gate_up and down projections' own `forward` (minivllm/model/parallel_layers.py:
+   on the CPU fast path the skinny GEMM at decode's row counts and MKL above them, otherwise MKL
+   throughout), and the LM head's own matmul, `ParallelLMHead.local_logits` (on the CPU fast path
+   its oneDNN-prepacked weight; otherwise slices of `LM_HEAD_ROWS` vocabulary rows).
    The elementwise work between them, the float32 cast of the logits and the attention are left
    out: they are what the floor is a floor to.
 
@@ -22,8 +23,8 @@ Replaying every step would take about as long as the run. The body's cost depend
 the head's on S only, so each distinct T (and each distinct S) is timed min(count, 3) times; its
 median × its count is its share of the floor. A shape seen once costs one replay, as in the run.
 Inputs are random rows in the model's dtype, row-major. The model hands some of its inputs over
-as transposed views (the output of `linear`), which BLAS also reads without a copy; the replay
-does not tell the two layouts apart.
+as transposed views (the output of MKL's `linear`), which BLAS reads at the same speed (measured:
+within ±6 % at 1-512 rows); the replay does not tell the two layouts apart.
 
 Only at tensor_parallel_size 1: at N > 1 the ranks' matmuls run at the same time in other
 processes, and rank 0's alone in this one would not be the same floor.
@@ -43,7 +44,6 @@ import torch
 
 from minivllm.llm import LLM
 from minivllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
-from minivllm.model.parallel_layers import linear
 from minivllm.scheduler import SchedulerOutput
 
 REPLAYS_PER_SHAPE = 3  # at most this many timings of one distinct T or S; the median counts
@@ -92,38 +92,40 @@ def _median_seconds(device: torch.device, times: int, fn: Any, *args: Any) -> fl
     return statistics.median(seconds)
 
 
-Weights = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+Projections = list[tuple[Any, Any, Any, Any]]  # per layer: the qkv, o, gate_up, down modules
 
 
 def body_matmuls(
-    layers: Weights,
+    layers: Projections,
     x_hidden: torch.Tensor,  # [T, hidden]: the rows qkv and gate_up read
     x_attn: torch.Tensor,  # [T, heads * head_dim]: the rows o reads
     x_mlp: torch.Tensor,  # [T, intermediate]: the rows down reads
 ) -> None:
     """Every decoder layer's four projections, as the model calls them."""
-    for w_qkv, w_o, w_gate_up, w_down in layers:
-        linear(x_hidden, w_qkv)
-        linear(x_attn, w_o)
-        linear(x_hidden, w_gate_up)
-        linear(x_mlp, w_down)
+    for qkv, o, gate_up, down in layers:
+        qkv(x_hidden)
+        o(x_attn)
+        gate_up(x_hidden)
+        down(x_mlp)
 
 
 @torch.inference_mode()
 def replay(model: LlamaForCausalLM, shapes: StepShapes) -> dict[str, Any]:
     """Time the recorded steps' matmuls alone (see the module docstring); seconds and shapes."""
-    layers: Weights = [
+    layers: Projections = [
         (
-            layer.self_attn.qkv_proj.weight,  # [(heads + 2 kv_heads) * head_dim, hidden]
-            layer.self_attn.o_proj.weight,  # [hidden, heads * head_dim]
-            layer.mlp.gate_up_proj.weight,  # [2 * intermediate, hidden]
-            layer.mlp.down_proj.weight,  # [hidden, intermediate]
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
         )
         for layer in cast(list[LlamaDecoderLayer], list(model.model.layers))
     ]
     lm_head = model.lm_head
     head = lm_head.weight  # [vocab, hidden]
-    qkv, o, gate_up, down = layers[0]
+    qkv, o, gate_up, down = (proj.weight for proj in layers[0])
+    # [(heads + 2 kv_heads) * head_dim, hidden], [hidden, heads * head_dim],
+    # [2 * intermediate, hidden], [hidden, intermediate]
     device, dtype = head.device, head.dtype
 
     def rows(n: int, width: int) -> torch.Tensor:  # [n, width]

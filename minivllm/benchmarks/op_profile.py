@@ -2,11 +2,13 @@
 
 The matmul floor (floor.py) says how much of a run is *not* matmul; this says what that is. The
 same workload runs once more under `torch.profiler`, after the timed run (the profiler slows every
-op down, so its run is never the one timed), and each op's *self* time, the time spent in the op
+op down, so its run is never the one timed) and with the prefix cache emptied first (so that it
+computes the same prompts again), and each op's *self* time, the time spent in the op
 itself and not in the ops it called, is summed by name. Ops are then put into the groups a reader
 of the model recognises:
 
-  matmul            the linears and the LM head (aten::mm / addmm, oneDNN's prepacked linear)
+  matmul            the linears and the LM head (aten::mm / addmm, oneDNN's prepacked linear,
+                    the skinny GEMM of decode's few rows)
   attention         paged decode attention and the prompt chunks' SDPA
   fused layer ops   the CPU fast path's other C++ ops: the fused RMSNorm, SiLU·mul and RoPE
                     kernels (custom_op.py) and the KV-cache write (reshape_and_cache)
@@ -28,7 +30,14 @@ import torch
 
 TOP_OPS = 15  # ops listed one by one; the groups cover every op
 GROUPS: dict[str, tuple[str, ...]] = {
-    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn::_linear_pointwise"),
+    "matmul": (
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::matmul",
+        "mkldnn::_linear_pointwise",
+        "minivllm_cpu::skinny_gemm",
+    ),
     "attention": (
         "minivllm_cpu::paged_decode",
         "aten::_scaled_dot_product_flash_attention_for_cpu",
