@@ -12,7 +12,9 @@ Here a layer runs `forward_native` unless `use_cpu_kernels(model)` switched it t
 The loader does that when the attention backend is "cpu" (the CPU default), whose compiled
 library holds the fused ops beside the paged decode kernel (`cpu_norm_kernels.cpp`,
 `cpu_layer_kernels.cpp`); the "reference" backend keeps the whole model in plain PyTorch. The
-parity tests run both, greedy token-exact against transformers.
+parallel linears are custom ops too: their `forward_cpu` sends decode's few rows to the skinny
+GEMM of `cpu_gemm_kernels.cpp` (see `parallel_layers.cpu_linear`). The parity tests run both,
+greedy token-exact against transformers.
 """
 
 from __future__ import annotations
@@ -47,13 +49,14 @@ def use_cpu_kernels(model: nn.Module) -> int:
     cannot build it fails here, at load time, with `CpuKernelUnavailable`, not mid-step.
     """
     from minivllm.attention.cpu_build import load_cpu_kernels
-    from minivllm.model.parallel_layers import ParallelLMHead
 
     load_cpu_kernels()
     ops = [m for m in model.modules() if isinstance(m, CustomOp)]
     for op in ops:
         op.use_cpu_kernels = True
     for m in model.modules():
-        if isinstance(m, ParallelLMHead):
-            m.prepack_for_cpu()
+        # Found by its method, not its class: parallel_layers builds on this module.
+        prepack = getattr(m, "prepack_for_cpu", None)
+        if prepack is not None:
+            prepack()
     return len(ops)

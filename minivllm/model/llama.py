@@ -12,7 +12,9 @@ As in vLLM, q/k/v and gate/up projections are fused into one matmul each (their 
 place the checkpoint's separate weights); that halves the matmul launches, which matters on a CPU.
 Also as in vLLM, RMSNorm, SiLU·mul and RoPE are custom ops (`custom_op.py`): plain PyTorch here,
 one fused C++ kernel each where the CPU backend runs, and each sublayer's residual add is done by
-the norm that follows it, so that the fused kernel adds and normalises in one pass.
+the norm that follows it, so that the fused kernel adds and normalises in one pass. There the
+projections send decode's few rows to a skinny GEMM that reads each weight once
+(`parallel_layers.cpu_linear`).
 
 The same code runs on one device and as one rank of N (tensor parallelism, paper §4.6): the
 projections are the parallel layers of `parallel_layers.py`, built for the `TensorParallelGroup`
