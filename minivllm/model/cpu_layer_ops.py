@@ -42,8 +42,8 @@ __all__ = [
 ]
 
 # The most token rows a linear sends to the skinny GEMM (`cpu_gemm_kernels.cpp`); above it MKL's
-# packed GEMM is as fast or faster (measured over SmolLM2's 30 layers on 2 cores: 1.1x at 32 rows,
-# even at 64; python -m minivllm.benchmarks.skinny_gemm).
+# packed GEMM is as fast or faster (measured over SmolLM2's 30 layers on 2 cores: the kernel is
+# 1.2x faster at 32 rows, 1.1x at 64, 0.96x at 96; python -m minivllm.benchmarks.skinny_gemm).
 SKINNY_GEMM_MAX_ROWS = 64
 
 

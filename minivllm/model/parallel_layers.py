@@ -67,7 +67,7 @@ def cpu_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:  # [M, in] -> [M, out]
     """`linear` on the CPU fast path: a decode step's few float32 rows go to the skinny GEMM of
-    `cpu_gemm_kernels.cpp`, which streams the weight once instead of packing it as MKL does (2-2.6x
+    `cpu_gemm_kernels.cpp`, which streams the weight once instead of packing it as MKL does (2.2-2.6x
     faster at 2-8 rows, 1.5x at 16) and returns token-major rows; more rows go to `linear`."""
     if x.is_cpu and cpu_layer_ops.skinny_gemm_applies(x, weight):
         y = cpu_layer_ops.skinny_gemm(x, weight)
