@@ -52,7 +52,9 @@ inline void step(const float* __restrict__ w, int64_t ldw, const float* __restri
   __m512 wv[R];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) wv[i] = _mm512_maskz_loadu_ps(m, w + i * ldw + k);
-  if (prefetch) {  // into L2: into L1 it would push out the token rows the tile rereads
+  // Into L2: into L1 it would push out the token rows the tile rereads. Near the weight's end the
+  // address may lie past it; a prefetch never faults, it is only a hint.
+  if (prefetch) {
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i)
       _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchTiles * R + i) * ldw + k),
