@@ -84,6 +84,16 @@ def test_writes_rows_with_a_longer_stride() -> None:
     assert (buffer[:, :2] == 7).all() and (buffer[:, 8:] == 7).all()  # nothing outside written
 
 
+def test_a_single_column_or_row_in_any_stride() -> None:
+    x = randn(1, 5, seed=13).t()  # [5, 1] with strides (1, 5): contiguous to PyTorch
+    w = randn(3, 1, seed=14)
+    assert_gemm_close(skinny_gemm(x, w), x, w)
+    out = torch.empty(1, 4).t()  # [4, 1] with strides (1, 4)
+    x, w = randn(4, 9, seed=15), randn(1, 9, seed=16)
+    torch.ops.minivllm_cpu.skinny_gemm(out, x, w)
+    assert_gemm_close(out, x, w)
+
+
 def test_zero_tokens() -> None:
     out = skinny_gemm(torch.empty(0, 16), randn(4, 16, seed=7))
     assert out.shape == (0, 4)

@@ -153,7 +153,8 @@ void skinny_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight)
   TORCH_CHECK(out.size(0) == T && out.size(1) == N, op, ": out must be [", T, ", ", N, "], got [",
               out.size(0), ", ", out.size(1), "]");
   TORCH_CHECK(weight.is_contiguous(), op, ": weight must be contiguous");
-  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, op,
+  // A dimension of size 1 may have any stride (PyTorch calls such a tensor contiguous).
+  TORCH_CHECK((x.stride(1) == 1 || K == 1) && (out.stride(1) == 1 || N == 1), op,
               ": x and out must be token-major (unit stride along their last dimension)");
   if (T == 0 || N == 0) return;
 #if defined(__AVX512F__)
