@@ -8,8 +8,9 @@ minivllm has three attention backends behind one interface (`write_kv`, then `at
 - "triton" (minivllm/attention/triton.py, triton_kernels.py): fused kernels that follow the block
   table key tile by key tile with an online softmax, never copying the context (paper §4.1), and
   a split-KV "flash-decoding" kernel for batches of decodes.
-- "cpu" (minivllm/attention/cpu.py, cpu_kernels.cpp): the reference, with decodes sent to a small
-  compiled C++ kernel that also reads each request's blocks in place. The default on a CPU.
+- "cpu" (minivllm/attention/cpu.py, cpu_kernels.cpp): a small compiled C++ kernel that reads each
+  request's blocks in place, for decodes and prompt rows alike (a prompt's token j is a decode
+  over the context up to its own position). The default on a CPU.
 
 Without a GPU the Triton kernels run in Triton's interpreter (numpy on the CPU: correct, slow);
 on a CUDA GPU the same script runs them compiled. Either way their output must match the reference.
@@ -124,8 +125,7 @@ kib = 2 * slots_gathered * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size() / 10
 print(f"the reference copied {kib:.0f} KiB of K/V into contiguous tensors (per layer, per step)")
 print("the Triton kernels read the same blocks in place")
 
-# On a CPU, the default backend is "cpu": a compiled decode kernel that reads the blocks in place
-# too. A decode batch of the size a busy engine runs (32 requests x 256 tokens) shows what
+# On a CPU, the default backend is "cpu": a compiled kernel that reads the blocks in place too. A decode batch of the size a busy engine runs (32 requests x 256 tokens) shows what
 # skipping the gather is worth on a CPU (compiled on first use: ~15 s once).
 if device == "cpu":
     from minivllm.attention.cpu import CpuBackend

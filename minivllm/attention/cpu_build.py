@@ -1,7 +1,7 @@
 """Building the CPU kernels (`SOURCES`) into one library once per machine, quietly and safely.
 
-Four C++ files make the library: the paged decode attention kernel (`cpu_kernels.cpp`, next to
-this module), the fused layer ops (`minivllm/model/cpu_norm_kernels.cpp`: RMSNorm;
+Five C++ files make the library: the paged attention kernel (`cpu_kernels.cpp`, next to this
+module, with its float32 AVX-512 loops in `cpu_decode_avx512.cpp`), the fused layer ops (`minivllm/model/cpu_norm_kernels.cpp`: RMSNorm;
 `minivllm/model/cpu_layer_kernels.cpp`: SiLU-and-mul, RoPE) and the skinny GEMM of decode's
 linears (`minivllm/model/cpu_gemm_kernels.cpp`); all register under
 `torch.ops.minivllm_cpu`, so one build and one load serve them all.
@@ -53,6 +53,7 @@ EXTENSION_NAME = "minivllm_cpu_kernels"  # the library; its ops register as torc
 # add to it (TORCH_LIBRARY_FRAGMENT).
 SOURCES = (
     Path(__file__).with_name("cpu_kernels.cpp"),
+    Path(__file__).with_name("cpu_decode_avx512.cpp"),
     Path(__file__).parent.parent / "model" / "cpu_norm_kernels.cpp",
     Path(__file__).parent.parent / "model" / "cpu_layer_kernels.cpp",
     Path(__file__).parent.parent / "model" / "cpu_gemm_kernels.cpp",

@@ -36,7 +36,19 @@
 #include <cmath>
 #include <numeric>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
+
+// The kernel's float32 loops for AVX-512 CPUs, defined in cpu_decode_avx512.cpp.
+namespace minivllm_cpu_avx512 {
+bool decode_avx512_applies(int64_t head_dim);
+void decode_scores(const float* q, const float* k_cache, const int32_t* table, int64_t seq_len,
+                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   float* scores);
+void decode_values(const float* p, const float* v_cache, const int32_t* table, int64_t seq_len,
+                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   float* acc);
+}  // namespace minivllm_cpu_avx512
 
 namespace {
 
@@ -89,6 +101,9 @@ void paged_decode_kernel(
   const int64_t hd = HEAD_DIM > 0 ? HEAD_DIM : head_dim;  // the loops' head_dim
   const int64_t group = num_heads / num_kv_heads;        // query heads per KV head
   const int64_t row_elems = num_kv_heads * head_dim;     // one token's K (or V), all KV heads
+  // float32 on an AVX-512 CPU: the loops of cpu_decode_avx512.cpp (~2x faster; see there).
+  const bool avx512 =
+      std::is_same_v<scalar_t, float> && minivllm_cpu_avx512::decode_avx512_applies(head_dim);
   // Load balance: a request costs its seq_len, and a decode batch mixes lengths 16..512, so the
   // contiguous ranges at::parallel_for hands each thread can leave one thread idle while the
   // other finishes. Instead every thread takes the next request from a shared counter, longest
@@ -118,23 +133,29 @@ void paged_decode_kernel(
           q[h * head_dim + d] = float(src[h * q_stride[1] + d * q_stride[2]]) * scale;
       scores.resize(num_heads * seq_len);
 
-      // --8<-- [start:scores]
-      // Scores: q · k for every cached token. A request is one work item, so each block is read
-      // as one contiguous run of memory; with GQA, the `group` query heads of a KV head meet its
-      // K row one after the other, while it is in L1.
-      for_each_cached_token(k_cache, table, seq_len, block_size, row_elems,
-                            [&](int64_t t, const scalar_t* k_row) {
-        for (int64_t kv = 0, h = 0; kv < num_kv_heads; ++kv) {
-          const scalar_t* k = k_row + kv * hd;  // [head_dim]
-          for (int64_t g = 0; g < group; ++g, ++h) {  // query heads kv * group + g
-            const float* qh = q.data() + h * hd;
-            float dot = 0.f;
-            for (int64_t d = 0; d < hd; ++d) dot += qh[d] * float(k[d]);
-            scores[h * seq_len + t] = dot;
+      if (avx512) {
+        minivllm_cpu_avx512::decode_scores(q.data(), reinterpret_cast<const float*>(k_cache), table,
+                                           seq_len, block_size, num_heads, num_kv_heads, head_dim,
+                                           scores.data());
+      } else {
+        // --8<-- [start:scores]
+        // Scores: q · k for every cached token. A request is one work item, so each block is read
+        // as one contiguous run of memory; with GQA, the `group` query heads of a KV head meet its
+        // K row one after the other, while it is in L1.
+        for_each_cached_token(k_cache, table, seq_len, block_size, row_elems,
+                              [&](int64_t t, const scalar_t* k_row) {
+          for (int64_t kv = 0, h = 0; kv < num_kv_heads; ++kv) {
+            const scalar_t* k = k_row + kv * hd;  // [head_dim]
+            for (int64_t g = 0; g < group; ++g, ++h) {  // query heads kv * group + g
+              const float* qh = q.data() + h * hd;
+              float dot = 0.f;
+              for (int64_t d = 0; d < hd; ++d) dot += qh[d] * float(k[d]);
+              scores[h * seq_len + t] = dot;
+            }
           }
-        }
-      });
-      // --8<-- [end:scores]
+        });
+        // --8<-- [end:scores]
+      }
       // Softmax per query head (max-subtracted, so exp never overflows).
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * seq_len;
@@ -149,17 +170,23 @@ void paged_decode_kernel(
       }
       // Output: the probability-weighted sum of the values, walked the same way.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_cached_token(v_cache, table, seq_len, block_size, row_elems,
-                            [&](int64_t t, const scalar_t* v_row) {
-        for (int64_t kv = 0, h = 0; kv < num_kv_heads; ++kv) {
-          const scalar_t* v = v_row + kv * hd;  // [head_dim]
-          for (int64_t g = 0; g < group; ++g, ++h) {
-            const float p = scores[h * seq_len + t];
-            float* a = acc.data() + h * hd;
-            for (int64_t d = 0; d < hd; ++d) a[d] += p * float(v[d]);
+      if (avx512) {
+        minivllm_cpu_avx512::decode_values(scores.data(), reinterpret_cast<const float*>(v_cache),
+                                           table, seq_len, block_size, num_heads, num_kv_heads,
+                                           head_dim, acc.data());
+      } else {
+        for_each_cached_token(v_cache, table, seq_len, block_size, row_elems,
+                              [&](int64_t t, const scalar_t* v_row) {
+          for (int64_t kv = 0, h = 0; kv < num_kv_heads; ++kv) {
+            const scalar_t* v = v_row + kv * hd;  // [head_dim]
+            for (int64_t g = 0; g < group; ++g, ++h) {
+              const float p = scores[h * seq_len + t];
+              float* a = acc.data() + h * hd;
+              for (int64_t d = 0; d < hd; ++d) a[d] += p * float(v[d]);
+            }
           }
-        }
-      });
+        });
+      }
       float* dst = out + token_rows[b] * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h)
         for (int64_t d = 0; d < head_dim; ++d) dst[h * head_dim + d] = acc[h * head_dim + d] * inv_sum[h];
