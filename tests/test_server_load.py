@@ -31,6 +31,7 @@ def server():
     args = ["--num-gpu-blocks-override", "150", "--block-size", "4", "--max-model-len", "128"]
     args += ["--max-num-seqs", "64"]
     args += ["--no-enable-prefix-caching", "--max-waiting-requests", "200"]
+    args += ["--log-stats-interval", "0.2"]  # the burst may last under a second
     with run_server(args, api_key=KEY) as s:
         yield s
 

@@ -81,7 +81,9 @@ class ServerMetrics:
         self._seen: dict[str, _Seen] = {}
         self._last: EngineStats | None = None
         self.log_interval_s = log_interval_s
-        self._log_last: EngineStats | None = None
+        # The first window counts from the server's start, so a burst shorter than two
+        # intervals still gets its line.
+        self._log_last = _ZERO_STATS
         self._log_time = time.monotonic()
 
     # ------------------------------------------------------------------ the engine-thread hook
@@ -132,8 +134,6 @@ class ServerMetrics:
             return
         prev = self._log_last
         self._log_time, self._log_last = now, stats
-        if prev is None:
-            return
         prompt = stats.num_prompt_tokens_computed - prev.num_prompt_tokens_computed
         gen = stats.num_generated_tokens - prev.num_generated_tokens
         idle = prompt == gen == stats.num_running == stats.num_waiting == 0
