@@ -33,6 +33,7 @@ class ModelConfig:
     seed: int
     max_model_len: int | None  # None: the model's own context length
     attention_backend: str  # one of BACKEND_NAMES
+    enforce_eager: bool = False  # True: no decode step's layers in one C++ call
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -70,6 +70,11 @@ class EngineArgs:
         "(CUDA kernels); auto: cpu on a CPU, triton on CUDA",
         choices=BACKEND_NAMES,
     )
+    enforce_eager: bool = _arg(
+        False,
+        "always run the model's layers from Python; unset, a CPU runs each decode step's layers in "
+        "one C++ call (vLLM's flag, which there turns off CUDA graphs)",
+    )
     # ---------------------------------------------------------------------- the KV cache
     block_size: int = _arg(16, "tokens per KV cache block (paper §4.1)")
     enable_prefix_caching: bool = _arg(
@@ -159,6 +164,7 @@ class EngineArgs:
                 seed=self.seed,
                 max_model_len=self.max_model_len,
                 attention_backend=self.attention_backend,
+                enforce_eager=self.enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -187,6 +193,7 @@ class EngineKwargs(TypedDict, total=False):
     seed: int
     max_model_len: int | None
     attention_backend: str
+    enforce_eager: bool
     block_size: int
     enable_prefix_caching: bool
     num_gpu_blocks_override: int | None

@@ -115,7 +115,7 @@ def test_bad_arguments_name_the_problem(x: torch.Tensor, w: torch.Tensor, match:
 
 def test_applies_to_decode_rows_of_float32_only() -> None:
     w = torch.randn(8, 16)
-    fast = cpu_layer_ops._skinny_gemm_fast()
+    fast = cpu_layer_ops.skinny_gemm_fast()
     assert skinny_gemm_applies(torch.randn(SKINNY_GEMM_MAX_ROWS, 16), w) == fast
     assert not skinny_gemm_applies(torch.randn(SKINNY_GEMM_MAX_ROWS + 1, 16), w)
     assert not skinny_gemm_applies(torch.randn(4, 16, dtype=torch.bfloat16), w.bfloat16())
@@ -150,6 +150,6 @@ def test_layers_switch_to_the_kernel_with_the_other_custom_ops() -> None:
     fast = [model["column"](x), model["row"](randn(3, 48, seed=12)), model["head"].local_logits(x)]
     for got, ref in zip(fast, plain):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
-    if cpu_layer_ops._skinny_gemm_fast():  # the kernel's rows are token-major, MKL's are not
+    if cpu_layer_ops.skinny_gemm_fast():  # the kernel's rows are token-major, MKL's are not
         assert fast[0].is_contiguous() and not plain[0].is_contiguous()
     torch.testing.assert_close(fast[2], F.linear(x, model["head"].weight), rtol=1e-5, atol=1e-4)

@@ -116,6 +116,7 @@ def test_create_engine_config_carries_every_argument() -> None:
         seed=7,
         max_model_len=99,
         attention_backend="reference",
+        enforce_eager=True,
         block_size=8,
         enable_prefix_caching=False,
         num_gpu_blocks_override=11,
@@ -148,7 +149,7 @@ INVALID = [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
 ]
 # Checked where they are used: a path or hub id is resolved when the model loads; flags are bools.
-UNCHECKED = {"model", "tokenizer", "skip_tokenizer_init", "enable_prefix_caching"}
+UNCHECKED = {"model", "tokenizer", "skip_tokenizer_init", "enable_prefix_caching", "enforce_eager"}
 
 
 @pytest.mark.parametrize(("kwargs", "message"), INVALID, ids=[next(iter(k)) for k, _ in INVALID])

@@ -1,9 +1,10 @@
 """Building the CPU kernels (`SOURCES`) into one library once per machine, quietly and safely.
 
-Five C++ files make the library: the paged attention kernel (`cpu_kernels.cpp`, next to this
+Six C++ files make the library: the paged attention kernel (`cpu_kernels.cpp`, next to this
 module, with its float32 AVX-512 loops in `cpu_decode_avx512.cpp`), the fused layer ops (`minivllm/model/cpu_norm_kernels.cpp`: RMSNorm;
-`minivllm/model/cpu_layer_kernels.cpp`: SiLU-and-mul, RoPE) and the skinny GEMM of decode's
-linears (`minivllm/model/cpu_gemm_kernels.cpp`); all register under
+`minivllm/model/cpu_layer_kernels.cpp`: SiLU-and-mul, RoPE), the skinny GEMM of decode's
+linears (`minivllm/model/cpu_gemm_kernels.cpp`) and the loop that runs a decode step's layers in
+one call (`minivllm/model/cpu_decode_layers.cpp`); all register under
 `torch.ops.minivllm_cpu`, so one build and one load serve them all.
 `torch.utils.cpp_extension.load` compiles them with the system compiler and `ninja`, the way vLLM
 builds its CPU kernels ahead of time. Doing it at first use keeps `pip install` free of a compiler
@@ -57,6 +58,7 @@ SOURCES = (
     Path(__file__).parent.parent / "model" / "cpu_norm_kernels.cpp",
     Path(__file__).parent.parent / "model" / "cpu_layer_kernels.cpp",
     Path(__file__).parent.parent / "model" / "cpu_gemm_kernels.cpp",
+    Path(__file__).parent.parent / "model" / "cpu_decode_layers.cpp",
 )
 # Compiler flags per SIMD level PyTorch detected on this CPU: the kernels' loops are vectorized by
 # the compiler, so it must be told which instructions it may use (and no more than the CPU has).

@@ -65,7 +65,7 @@ def main() -> None:
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     copy_bw = measure_copy_bandwidth(torch.device("cpu"), nbytes=2**28)
     peak = measure_matmul_flops(torch.float32, torch.device("cpu"), size=2048)
-    if not cpu_layer_ops._skinny_gemm_fast():
+    if not cpu_layer_ops.skinny_gemm_fast():
         print("note: this CPU has no AVX-512; skinny_gemm calls MKL here and the model keeps MKL")
     print(
         f"threads {torch.get_num_threads()}; {args.layers} layers, {nbytes / 2**20:.0f} MiB of "

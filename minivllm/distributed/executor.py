@@ -93,6 +93,7 @@ def make_executor(
         dtype=dtype,
         device_type=device.type,
         attention_backend=backend.name,
+        enforce_eager=config.model.enforce_eager,
         max_model_len=max_model_len,
         cache=config.cache,
         tensor_parallel_size=n,

@@ -57,6 +57,7 @@ class WorkerConfig:
     dtype: torch.dtype
     device_type: str  # "cpu" or "cuda"; on CUDA, rank r uses its local device cuda:r
     attention_backend: str  # the driver's backend, resolved ("cpu", "reference", "triton")
+    enforce_eager: bool  # the layers always from Python (ModelConfig.enforce_eager)
     max_model_len: int  # the RoPE table's length
     cache: CacheConfig
     tensor_parallel_size: int
@@ -133,7 +134,9 @@ def build_runner(
     hold, so that one block table means the same blocks on every rank."""
     backend = backend or get_attention_backend(wc.attention_backend, device)
     source = ModelSource(Path(wc.model_path), wc.model_name)
-    model = load_model(source, backend, wc.dtype, device, wc.max_model_len, tp)
+    model = load_model(
+        source, backend, wc.dtype, device, wc.max_model_len, tp, enforce_eager=wc.enforce_eager
+    )
     num_blocks = determine_num_blocks(model, wc.cache, wc.dtype, device)
     if control is not None:
         num_blocks = min_over_ranks(num_blocks, control)

@@ -39,6 +39,7 @@ __all__ = [
     "silu_and_mul",
     "skinny_gemm",
     "skinny_gemm_applies",
+    "skinny_gemm_fast",
 ]
 
 # The most token rows a linear sends to the skinny GEMM (`cpu_gemm_kernels.cpp`); above it MKL's
@@ -118,7 +119,7 @@ def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         x.shape[0] <= SKINNY_GEMM_MAX_ROWS
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
-        and _skinny_gemm_fast()
+        and skinny_gemm_fast()
     )
 
 
@@ -136,6 +137,7 @@ def skinny_gemm(
 
 
 @functools.cache
-def _skinny_gemm_fast() -> bool:
+def skinny_gemm_fast() -> bool:
+    """Whether the library was built with the skinny GEMM's AVX-512 path (else it calls at::mm)."""
     load_cpu_kernels()
     return bool(torch.ops.minivllm_cpu.skinny_gemm_fast())

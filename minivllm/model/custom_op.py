@@ -41,9 +41,11 @@ class CustomOp(nn.Module):
         raise NotImplementedError
 
 
-def use_cpu_kernels(model: nn.Module) -> int:
-    """Switch every `CustomOp` in `model` to its fused CPU kernel, and give the LM head its
-    prepacked weight (`ParallelLMHead.prepack_for_cpu`); returns how many ops were switched.
+def use_cpu_kernels(model: nn.Module, enforce_eager: bool = False) -> int:
+    """Switch every `CustomOp` in `model` to its fused CPU kernel, give the LM head its
+    prepacked weight (`ParallelLMHead.prepack_for_cpu`) and let decode steps run their layers in
+    one C++ call (`LlamaForCausalLM.enable_cpu_decode_layers`) unless `enforce_eager`; returns
+    how many ops were switched.
 
     The library is loaded (built on first use) before any layer switches, so a machine that
     cannot build it fails here, at load time, with `CpuKernelUnavailable`, not mid-step.
@@ -54,9 +56,11 @@ def use_cpu_kernels(model: nn.Module) -> int:
     ops = [m for m in model.modules() if isinstance(m, CustomOp)]
     for op in ops:
         op.use_cpu_kernels = True
+    # Found by their methods, not their classes: parallel_layers and llama build on this module.
+    hooks = ["prepack_for_cpu"] + ([] if enforce_eager else ["enable_cpu_decode_layers"])
     for m in model.modules():
-        # Found by its method, not its class: parallel_layers builds on this module.
-        prepack = getattr(m, "prepack_for_cpu", None)
-        if prepack is not None:
-            prepack()
+        for hook in hooks:
+            prepare = getattr(m, hook, None)
+            if prepare is not None:
+                prepare()
     return len(ops)

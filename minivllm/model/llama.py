@@ -14,7 +14,9 @@ Also as in vLLM, RMSNorm, SiLU·mul and RoPE are custom ops (`custom_op.py`): pl
 one fused C++ kernel each where the CPU backend runs, and each sublayer's residual add is done by
 the norm that follows it, so that the fused kernel adds and normalises in one pass. There the
 projections send decode's few rows to a skinny GEMM that reads each weight once
-(`parallel_layers.cpu_linear`).
+(`parallel_layers.cpu_linear`), and a decode step runs `LlamaModel.forward`'s loop over the layers
+in one C++ call that calls the same kernels in the same order (`cpu_decode_layers.py`: what CUDA
+graphs do for a GPU's decode step, taking the host's per-op work out of it).
 
 The same code runs on one device and as one rank of N (tensor parallelism, paper §4.6): the
 projections are the parallel layers of `parallel_layers.py`, built for the `TensorParallelGroup`
@@ -24,6 +26,8 @@ collective runs.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +47,9 @@ from minivllm.model.parallel_layers import (
     kv_heads_per_rank,
 )
 from minivllm.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from minivllm.model.cpu_decode_layers import CpuDecodeLayers
 
 
 class RMSNorm(CustomOp):
@@ -192,6 +199,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # The CPU fast path's decode steps in one C++ call (`LlamaForCausalLM.enable_cpu_decode_layers`).
+    cpu_decode_layers: CpuDecodeLayers | None = None
+
     def __init__(
         self,
         config: LlamaConfig,
@@ -215,6 +225,9 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         hidden = self.embed_tokens(input_ids)
+        fused = self.cpu_decode_layers
+        if fused is not None and fused.applies(hidden.shape[0], meta):
+            return fused(hidden, positions, kv_caches, meta)  # the loop below, in C++
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, positions, self.rotary_emb, kv_cache, meta)
@@ -255,6 +268,16 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def enable_cpu_decode_layers(self) -> bool:
+        """Run decode steps' layers in one C++ call where that is exactly this model's loop
+        (`cpu_decode_layers.py`; called by `use_cpu_kernels`). Returns whether it does."""
+        from minivllm.model.cpu_decode_layers import CpuDecodeLayers
+
+        if not CpuDecodeLayers.supports(self):
+            return False
+        self.model.cpu_decode_layers = CpuDecodeLayers(self)
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 [S, vocab] for hidden [S, hidden_size]; with N ranks, on rank 0 only (None on

@@ -230,9 +230,11 @@ def build_model(
     device: torch.device,
     max_positions: int | None = None,
     tp: TensorParallelGroup = SINGLE_DEVICE,
+    enforce_eager: bool = False,
 ) -> LlamaForCausalLM:
     """Create rank `tp.rank`'s shard on `meta`, allocate it on `device` (nothing is initialised:
-    every value comes from the checkpoint) and load the checkpoint's tensors into it."""
+    every value comes from the checkpoint) and load the checkpoint's tensors into it.
+    `enforce_eager` keeps every step in the Python loop (see `use_cpu_kernels`)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_positions, tp).to(dtype)
     model.to_empty(device=device)
@@ -246,7 +248,7 @@ def build_model(
         config, max_positions or config.max_position_embeddings
     ).to(device)
     if backend.name == "cpu":  # the compiled CPU library: its fused layer ops too (custom_op.py)
-        use_cpu_kernels(model)
+        use_cpu_kernels(model, enforce_eager)
     return model.eval()
 
 
@@ -257,12 +259,15 @@ def load_model(
     device: torch.device,
     max_positions: int | None = None,
     tp: TensorParallelGroup = SINGLE_DEVICE,
+    enforce_eager: bool = False,
 ) -> LlamaForCausalLM:
     """The model, or with `tp` one rank's shard of it, read slice by slice from safetensors. A
     GGUF model takes the same path: `resolve_model` converted it to a safetensors folder once."""
     config = load_config(source)
     with open_checkpoint(source.path) as weights:
-        return build_model(config, weights, backend, dtype, device, max_positions, tp)
+        return build_model(
+            config, weights, backend, dtype, device, max_positions, tp, enforce_eager
+        )
 
 
 # ---------------------------------------------------------------------------------- tokenizer

@@ -1,0 +1,130 @@
+"""A decode step's decoder layers in one C++ call: what CUDA graphs do for vLLM, on a CPU.
+
+A decode step runs each layer on 1-64 token rows, so each of its ~10 kernels is short, and between
+two of them Python does the layer's bookkeeping: module calls, custom-op dispatch, views, the
+wrappers' checks. On SmolLM2 (30 layers, 2 cores) that host work measured ~2.5 ms per decode step,
+about the same at 16 rows (a 19 ms forward) and at 64 (55 ms): 5-14 % of the body's time. vLLM
+removes the host from a GPU's decode step by replaying a captured CUDA graph; a CPU has no such
+graph, so `cpu_decode_layers.cpp` does the host's part in C++ instead. It calls the same kernels
+as `LlamaModel.forward` on the CPU fast path, in the same order and on the same layouts, so its
+result is bit for bit the Python loop's; that loop stays the specification
+(tests/test_cpu_decode_layers.py holds the two equal).
+
+It applies where the whole of a step is what the C++ loop knows how to do:
+
+- the CPU attention backend (the op attends through its plan: every row is a work item of the
+  paged kernel) and the CPU fast path's kernels (`use_cpu_kernels`);
+- one device: with tensor parallelism, each layer's two all-reduces happen in Python;
+- float32 weights on a CPU where the skinny GEMM runs its AVX-512 path, and no biases;
+- a step of decodes only, with at most `SKINNY_GEMM_MAX_ROWS` rows, since above that the linears
+  go to MKL;
+- no forward hook on the model's body or its modules: a hook is Python, and a user who registers
+  one on a layer expects it to run (vLLM's CUDA graphs skip hooks; here they turn the C++ call off).
+
+Every other step runs the Python loop, and `enforce_eager=True` (vLLM's flag, `--enforce-eager`)
+keeps every step there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from minivllm.attention import AttentionMetadata
+from minivllm.attention.cpu import CpuPlan
+from minivllm.model.cpu_layer_ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
+
+if TYPE_CHECKING:
+    from minivllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+
+def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
+    return cast("list[LlamaDecoderLayer]", list(model.model.layers))
+
+
+class CpuDecodeLayers:
+    """`LlamaModel`'s layers and final norm for a decode step, as one `decode_layers` op call."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        body = model.model
+        layers = decoder_layers(model)
+        self.rotary_emb = body.rotary_emb
+        self.final_norm = body.norm
+        # Six per layer, in the op's order: input norm, qkv, o, post-attention norm, gate_up, down.
+        self.weights = [
+            w
+            for layer in layers
+            for w in (
+                layer.input_layernorm.weight,
+                layer.self_attn.qkv_proj.weight,
+                layer.self_attn.o_proj.weight,
+                layer.post_attention_layernorm.weight,
+                layer.mlp.gate_up_proj.weight,
+                layer.mlp.down_proj.weight,
+            )
+        ]
+        attention = layers[0].self_attn
+        self.scale = attention.scale
+        self.num_heads = attention.num_heads
+        self.modules = list(body.modules())  # whose forward hooks the C++ loop would skip
+
+    @staticmethod
+    def supports(model: LlamaForCausalLM) -> bool:
+        """Whether the model is one the C++ loop runs exactly as `LlamaModel.forward` does."""
+        config = model.config
+        layer = decoder_layers(model)[0]
+        return (
+            model.tp.world_size == 1
+            and layer.self_attn.backend.name == "cpu"
+            and bool(layer.mlp.act_fn.use_cpu_kernels)
+            and not config.attention_bias
+            and not config.mlp_bias
+            and layer.self_attn.qkv_proj.weight.dtype == torch.float32
+            and layer.self_attn.qkv_proj.weight.is_cpu
+            and skinny_gemm_fast()
+        )
+
+    def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the C++ loop runs: decodes only, few enough for the skinny
+        GEMM (the Python loop's choice at every linear), planned by the CPU backend, and no
+        forward hook on a layer, which the Python loop runs and this call would skip."""
+        return (
+            meta.is_decode_only
+            and num_tokens <= SKINNY_GEMM_MAX_ROWS
+            and isinstance(meta.plan, CpuPlan)
+            and not self.hooked()
+        )
+
+    def hooked(self) -> bool:
+        """Whether a forward hook is registered on the body or any module in it, or globally:
+        a user's probe on a layer keeps working (~10 µs per step to ask)."""
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+    def __call__(
+        self,
+        embeds: torch.Tensor,  # [T, hidden_size]  the step's embeddings; becomes the residual
+        positions: torch.Tensor,  # int64 [T]
+        kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]  after the final norm
+        plan = meta.plan
+        assert isinstance(plan, CpuPlan)  # `applies` checked it
+        return torch.ops.minivllm_cpu.decode_layers(
+            embeds,
+            positions,
+            self.rotary_emb.cos_sin,
+            kv_caches,
+            plan.block_tables,
+            plan.seq_lens,
+            plan.rows,
+            meta.slot_mapping,
+            self.weights,
+            self.final_norm.weight,
+            self.final_norm.eps,
+            self.scale,
+            self.num_heads,
+        )

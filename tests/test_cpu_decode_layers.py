@@ -1,0 +1,204 @@
+"""A decode step's layers in one C++ call (`minivllm/model/cpu_decode_layers.py`) equal the Python
+loop of `LlamaModel.forward` bit for bit, and are used exactly where they apply.
+
+The op calls the kernels the Python loop calls, in the same order, so the comparison is
+`torch.equal`, on the step's hidden states and on what it wrote into the KV cache: a tolerance
+would hide a step done in another order. The Python loop itself is held to transformers by
+tests/test_model_llama.py and test_engine_greedy.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_model_llama import CONFIGS, save_tiny_llama
+
+from minivllm.attention import AttentionMetadata, get_attention_backend
+from minivllm.llm import LLM
+from minivllm.model.cpu_decode_layers import CpuDecodeLayers
+from minivllm.model.cpu_layer_ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
+from minivllm.model.llama import LlamaForCausalLM
+from minivllm.model.loader import load_model, resolve_model
+from minivllm.sampling_params import SamplingParams
+
+BLOCK_SIZE = 16
+needs_avx512 = pytest.mark.skipif(
+    not skinny_gemm_fast(), reason="the op applies where the skinny GEMM has its AVX-512 path"
+)
+
+
+def load(path: Path, backend: str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    return load_model(
+        resolve_model(path), get_attention_backend(backend), dtype, torch.device("cpu")
+    )
+
+
+def step_meta(
+    model: LlamaForCausalLM, query_lens: list[int], seq_lens: list[int], tables: torch.Tensor
+) -> AttentionMetadata:
+    """A step's metadata with the backend's plan, as the model runner builds it."""
+    starts = [0]
+    slots: list[int] = []
+    for q, s, table in zip(query_lens, seq_lens, tables.tolist()):
+        starts.append(starts[-1] + q)
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(s - q, s)]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    meta.plan = model.model.layers[0].self_attn.backend.plan(meta, BLOCK_SIZE)
+    return meta
+
+
+def prefilled(model: LlamaForCausalLM, prompt_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A KV cache holding random prompts of these lengths (computed by the Python loop), and the
+    requests' shuffled block tables."""
+    cfg = model.config
+    blocks_each = -(-(max(prompt_lens) + 1) // BLOCK_SIZE)
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = blocks_each * len(prompt_lens) + 2
+    ids = torch.randperm(num_blocks, generator=gen)[: blocks_each * len(prompt_lens)]
+    tables = ids.view(len(prompt_lens), blocks_each).to(torch.int32)
+    kv = torch.zeros(
+        cfg.num_hidden_layers, 2, num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim
+    )  # [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    tokens = torch.randint(0, cfg.vocab_size, (sum(prompt_lens),), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in prompt_lens])
+    with torch.inference_mode():
+        model(tokens, positions, kv, step_meta(model, prompt_lens, prompt_lens, tables))
+    return kv, tables
+
+
+@needs_avx512
+@pytest.mark.parametrize("name", ["mha-hd32", "gqa4-hd64", "mqa-hd64-theta5e5", "tinyllama-shape"])
+def test_a_decode_step_equals_the_python_loop_bit_for_bit(tmp_path: Path, name: str) -> None:
+    _, path = save_tiny_llama(tmp_path, CONFIGS[name])
+    model = load(path)
+    fused = model.model.cpu_decode_layers
+    assert isinstance(fused, CpuDecodeLayers)
+    prompt_lens = [5, 16, 17, 40, 33]  # contexts ending mid-block and at block edges
+    kv, tables = prefilled(model, prompt_lens)
+    seq_lens = [n + 1 for n in prompt_lens]
+    meta = step_meta(model, [1] * len(prompt_lens), seq_lens, tables)
+    assert fused.applies(len(prompt_lens), meta)
+    tokens = torch.randint(0, model.config.vocab_size, (len(prompt_lens),))
+    positions = torch.tensor(prompt_lens)
+    kv_python = kv.clone()
+    with torch.inference_mode():
+        got = model(tokens, positions, kv, meta)
+        model.model.cpu_decode_layers = None
+        expected = model(tokens, positions, kv_python, meta)
+    assert torch.equal(got, expected)
+    assert torch.equal(kv, kv_python)  # the same K/V written into the same slots
+
+
+@needs_avx512
+def test_it_applies_to_decode_steps_of_at_most_the_skinny_gemm_s_rows(tmp_path: Path) -> None:
+    _, path = save_tiny_llama(tmp_path, CONFIGS["gqa2-hd32-tied"])
+    model = load(path)
+    fused = model.model.cpu_decode_layers
+    assert fused is not None
+    tables = torch.arange(4 * 3, dtype=torch.int32).view(4, 3)
+    decode = step_meta(model, [1] * 4, [9, 20, 31, 2], tables)
+    assert fused.applies(4, decode)
+    assert not fused.applies(SKINNY_GEMM_MAX_ROWS + 1, decode)  # MKL's rows: the Python loop
+    mixed = step_meta(model, [1, 5, 1, 2], [9, 20, 31, 2], tables)
+    assert not fused.applies(9, mixed)
+    decode.plan = None  # planned by another backend (or not at all)
+    assert not fused.applies(4, decode)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "backend", "dtype"),
+    [
+        ({"attention_bias": True}, "cpu", torch.float32),  # biases: the op has none
+        ({"mlp_bias": True}, "cpu", torch.float32),
+        ({}, "reference", torch.float32),  # the plain-PyTorch model stays plain
+        ({}, "cpu", torch.bfloat16),  # the skinny GEMM is float32's
+    ],
+    ids=["attention-bias", "mlp-bias", "reference-backend", "bfloat16"],
+)
+def test_models_it_cannot_run_exactly_keep_the_python_loop(
+    tmp_path: Path, overrides: dict, backend: str, dtype: torch.dtype
+) -> None:
+    _, path = save_tiny_llama(tmp_path, CONFIGS["mha-hd32"] | overrides)
+    assert load(path, backend, dtype).model.cpu_decode_layers is None
+
+
+@needs_avx512
+def test_the_engine_runs_its_decode_steps_through_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every decode step of a plain batch goes through the op, and greedy output is what the
+    Python loop gives."""
+    _, path = save_tiny_llama(tmp_path, CONFIGS["gqa2-hd32-tied"])
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (7, 20, 33)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    calls = []
+    inner = CpuDecodeLayers.__call__
+
+    def counted(self: CpuDecodeLayers, *args: object) -> torch.Tensor:
+        calls.append(1)
+        return inner(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CpuDecodeLayers, "__call__", counted)
+    llm = LLM(str(path), skip_tokenizer_init=True, block_size=BLOCK_SIZE)
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert len(calls) == 11  # one prefill step, then 11 decode steps
+    llm.llm_engine.model.model.cpu_decode_layers = None
+    python = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fused == python
+
+
+def test_a_wrong_number_of_weights_is_refused_by_name(tmp_path: Path) -> None:
+    _, path = save_tiny_llama(tmp_path, CONFIGS["mha-hd32"])
+    model = load(path)
+    cfg = model.config
+    kv = torch.zeros(cfg.num_hidden_layers, 2, 4, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
+    one = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"decode_layers: expected 12 weights for 2 layers"):
+        torch.ops.minivllm_cpu.decode_layers(
+            torch.zeros(1, cfg.hidden_size),
+            torch.zeros(1, dtype=torch.int64),
+            model.model.rotary_emb.cos_sin,
+            kv,
+            one.view(1, 1),
+            one + 1,
+            torch.zeros(1, dtype=torch.int64),
+            torch.zeros(1, dtype=torch.int64),
+            [torch.zeros(1)] * 5,
+            torch.ones(cfg.hidden_size),
+            1e-5,
+            1.0,
+            cfg.num_attention_heads,
+        )
+
+
+@needs_avx512
+def test_a_forward_hook_on_a_layer_keeps_decode_steps_in_the_python_loop(tmp_path: Path) -> None:
+    """A user's probe on a layer runs at every step: the C++ call would skip it."""
+    _, path = save_tiny_llama(tmp_path, CONFIGS["gqa2-hd32-tied"])
+    llm = LLM(str(path), skip_tokenizer_init=True)
+    fused = llm.llm_engine.model.model.cpu_decode_layers
+    assert fused is not None and not fused.hooked()
+    seen: list[int] = []
+    layer = llm.llm_engine.model.model.layers[1]
+    handle = layer.mlp.register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, params, use_tqdm=False)
+    assert seen == [6, 2, 2, 2]  # the prefill (2 x 3 tokens), then three decode steps of 2
+    handle.remove()
+    assert not fused.hooked()
+
+
+@needs_avx512
+def test_enforce_eager_keeps_every_step_in_the_python_loop(tmp_path: Path) -> None:
+    _, path = save_tiny_llama(tmp_path, CONFIGS["gqa2-hd32-tied"])
+    llm = LLM(str(path), skip_tokenizer_init=True, enforce_eager=True)
+    assert llm.llm_engine.model.model.cpu_decode_layers is None
