@@ -9,12 +9,14 @@ of the model recognises:
 
   matmul            the linears and the LM head (aten::mm / addmm, oneDNN's prepacked linear,
                     the skinny GEMM of decode's few rows)
-  attention         paged decode attention and the prompt chunks' SDPA
+  attention         the CPU backend's paged kernel (decode rows and prompt rows alike) and the
+                    reference backend's SDPA
   fused layer ops   the CPU fast path's other C++ ops: the fused RMSNorm, SiLU·mul and RoPE
                     kernels (custom_op.py) and the KV-cache write (reshape_and_cache)
   elementwise       everything else that computes: plain-PyTorch norms, activations, RoPE, sampling
   copies            moving bytes without arithmetic: copy_, cat, index_copy_ (the KV write), ...
-  bookkeeping       creating tensors and views: empty, as_strided, view, slice, transpose, ...
+  bookkeeping       creating tensors and views: empty, as_strided, view, slice, transpose, ...,
+                    and the host work of the C++ loop over a decode step's layers
 
 Shares are of the summed self time, which leaves out the Python between ops: the wall time of the
 profiled run is reported beside it so that gap shows too.
