@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from minivllm.benchmarks.report_rows import RANK_HEADERS, SYSTEM_HEADERS, rank_row, system_row
+from minivllm.benchmarks.report import RANK_HEADERS, SYSTEM_HEADERS, rank_row, system_row
 
 MARKER = "<!-- perf-tables -->"
 

@@ -27,19 +27,13 @@ from typing import Any
 
 from minivllm.benchmarks.common import (
     GPU_EPILOG,
-    BenchRequest,
     add_run_arguments,
-    add_workload_arguments,
     build_llm,
     drive_engine,
-    fixed_params,
-    machine_load,
-    print_table,
-    run_main,
-    set_epilog,
     workload_for,
-    write_json,
 )
+from minivllm.benchmarks.report import machine_load, print_table, write_json
+from minivllm.benchmarks.workload import BenchRequest, add_workload_arguments, fixed_params
 from minivllm.engine_args import EngineArgs
 
 EPILOG = (
@@ -63,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--plot", type=Path, default=Path("kv_memory.png"), help="PNG of both runs; '' for none"
     )
-    set_epilog(parser, EPILOG)
+    parser.epilog = EPILOG  # shown by `minivllm bench NAME --help`
 
 
 # ---------------------------------------------------------------------------------- accounting
@@ -284,7 +278,3 @@ def main(args: argparse.Namespace) -> int:
         },
     )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(run_main(add_arguments, main, __doc__))

@@ -10,7 +10,7 @@ contiguous [N, T]). For each op this times three ways of applying it to such an 
 Sizes are SmolLM2-135M's: hidden 576, intermediate 1536, 9 query + 3 KV heads of 64. Not a test
 (no timing is asserted anywhere); run it as
 
-    python -m minivllm.benchmarks.cpu_layer_layouts [--tokens 32 300] [--dtype bfloat16]
+    python benchmarks/cpu_layer_layouts.py [--tokens 32 300] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from minivllm.benchmarks.cpu_decode import timed_us
+from minivllm.benchmarks.machine import timed_us
 from minivllm.model import cpu_layer_ops
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
@@ -29,7 +29,7 @@ EPS = 1e-5
 
 
 def median_us(fn: Callable[[], object]) -> float:
-    """Median microseconds of one call (cpu_decode's timer: runs of at least 50 ms each)."""
+    """Median microseconds of one call (the microbenchmarks' timer: runs of at least 50 ms each)."""
     return timed_us(fn, min_s=0.05)[0]
 
 

@@ -14,7 +14,7 @@ It also prints the two bounds: the weights' bytes at the machine's copy bandwidt
 arithmetic at the float32 matmul peak, both measured in the same run. Shapes default to
 SmolLM2-135M's. Not a test (no timing is asserted anywhere); run it as
 
-    python -m minivllm.benchmarks.skinny_gemm [--tokens 1 2 4 8 16 32 64] [--layers 30]
+    python benchmarks/skinny_gemm.py [--tokens 1 2 4 8 16 32 64] [--layers 30]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from minivllm.benchmarks.common import measure_copy_bandwidth, measure_matmul_flops
+from minivllm.benchmarks.machine import measure_copy_bandwidth, measure_matmul_flops
 from minivllm.model import cpu_layer_ops
 from minivllm.model.parallel_layers import linear
 

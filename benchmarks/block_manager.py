@@ -1,6 +1,6 @@
 """Micro-benchmark of the block manager's bookkeeping: microseconds per operation.
 
-    python -m minivllm.benchmarks.block_manager [--num-blocks 100000] [--block-size 16]
+    python benchmarks/block_manager.py [--num-blocks 100000] [--block-size 16]
 
 Every operation should cost O(blocks it touches), not O(pool): the numbers below are taken on a
 large pool that is already full of evictable prefix-cache blocks, the steady state of a busy server,
