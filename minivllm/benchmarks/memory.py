@@ -32,7 +32,13 @@ from minivllm.benchmarks.common import (
     drive_engine,
     workload_for,
 )
-from minivllm.benchmarks.report import machine_load, print_table, write_json
+from minivllm.benchmarks.report import (
+    MEMORY_HEADERS,
+    machine_load,
+    memory_rows,
+    print_table,
+    write_json,
+)
 from minivllm.benchmarks.workload import BenchRequest, add_workload_arguments, fixed_params
 from minivllm.engine_args import EngineArgs
 
@@ -234,23 +240,7 @@ def main(args: argparse.Namespace) -> int:
         f"\nKV budget {args.num_gpu_blocks_override} blocks x {args.block_size} = {budget_slots:,} slots; "
         f"{len(requests)} requests; naive reserves {args.max_model_len} slots per request"
     )
-    rows = []
-    for name, r in results.items():
-        for when in ("at_peak", "over_run"):
-            s = r[when]
-            rows.append(
-                [
-                    f"{name} ({when.replace('_', ' ')})",
-                    f"{s['token_states']:.1%}",
-                    f"{s['reserved']:.1%}",
-                    f"{s['fragmented']:.1%}",
-                    r["peak_concurrent_requests"],
-                    r["steps"],
-                ]
-            )
-    print_table(
-        ["allocator", "token states", "reserved", "fragmented", "peak concurrent", "steps"], rows
-    )
+    print_table(MEMORY_HEADERS, memory_rows(results))
     print(
         f"minivllm engine stats: peak {results['minivllm']['engine_peak_kv_blocks_used']} blocks, "
         f"slot utilization at peak {results['minivllm']['engine_peak_kv_slot_utilization']:.1%}, "

@@ -28,7 +28,13 @@ from minivllm.benchmarks.common import (
     warm_up,
 )
 from minivllm.benchmarks.machine import timed
-from minivllm.benchmarks.report import machine_load, print_table, write_json
+from minivllm.benchmarks.report import (
+    PREFIX_HEADERS,
+    machine_load,
+    prefix_row,
+    print_table,
+    write_json,
+)
 from minivllm.benchmarks.workload import (
     BenchRequest,
     Fixed,
@@ -166,20 +172,7 @@ def main(args: argparse.Namespace) -> int:
         )
         shared["speedup"] = shared["output_tokens_per_s"] / base["output_tokens_per_s"]
     print()
-    print_table(
-        ["run", "prompt tokens", "computed", "peak KV blocks", "output tok/s", "speedup"],
-        [
-            [
-                r["run"],
-                r["prompt_tokens"],
-                r["prompt_tokens_computed"],
-                r["peak_kv_blocks_used"],
-                r["output_tokens_per_s"],
-                f"{r['speedup']:.2f}x" if "speedup" in r else "",
-            ]
-            for r in rows
-        ],
-    )
+    print_table(PREFIX_HEADERS, [prefix_row(r) for r in rows])
     share = args.system_prompt_len / (rows[0]["prompt_tokens"] / rows[0]["requests"])
     print(
         f"\nsystem prompt: {share:.1%} of each prompt is shared; prefix caching computed "

@@ -1,9 +1,10 @@
 """How the `minivllm bench` commands report: the one table printer, the JSON file, the machine's
-load beside every timing, and the rows of `bench throughput`'s tables.
+load beside every timing, and the rows of the benches' tables.
 
-The row builders (each system's speed and memory; each tensor-parallel rank's share) are shared by
-the bench's printout and the docs' hook (docs/hooks/perf_tables.py), so that the terminal and the
-Performance page always show the same columns from the same JSON.
+The row builders (throughput: each system's speed and memory, each tensor-parallel rank's share;
+memory, prefix and sharing: their one table each) are shared by the bench's printout and the docs'
+hook (docs/hooks/perf_tables.py), so that the terminal and the Performance page always show the
+same columns from the same JSON.
 """
 
 from __future__ import annotations
@@ -119,3 +120,56 @@ def rank_row(r: dict[str, Any]) -> list[Any]:
 
 def print_rank_rows(rows: Sequence[dict[str, Any]]) -> None:
     print_table(RANK_HEADERS, [rank_row(r) for r in rows])
+
+
+# ---------------------------------------------------------------------------------- the other benches
+MEMORY_HEADERS = ["allocator", "token states", "reserved", "fragmented", "peak concurrent", "steps"]
+
+
+def memory_rows(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
+    """`bench memory`'s results, two rows per allocator: at its peak step and over the whole run."""
+    rows = []
+    for name, r in results.items():
+        for when in ("at_peak", "over_run"):
+            s = r[when]
+            rows.append(
+                [
+                    f"{name} ({when.replace('_', ' ')})",
+                    f"{s['token_states']:.1%}",
+                    f"{s['reserved']:.1%}",
+                    f"{s['fragmented']:.1%}",
+                    r["peak_concurrent_requests"],
+                    r["steps"],
+                ]
+            )
+    return rows
+
+
+PREFIX_HEADERS = ["run", "prompt tokens", "computed", "peak KV blocks", "output tok/s", "speedup"]
+
+
+def prefix_row(r: dict[str, Any]) -> list[Any]:
+    """One run of `bench prefix`; the speed-up is against the run without sharing before it."""
+    speedup = r.get("speedup")
+    return [
+        r["run"],
+        r["prompt_tokens"],
+        r["prompt_tokens_computed"],
+        r["peak_kv_blocks_used"],
+        r["output_tokens_per_s"],
+        "" if speedup is None else f"{speedup:.2f}x",
+    ]
+
+
+SHARING_HEADERS = ["workload", "method", "n / beam width", "steps", "KV blocks (mean)",
+                   "without sharing", "saved", "saved at peak", "paper (§6.3)"]  # fmt: skip
+
+
+def sharing_row(r: dict[str, Any], paper_ranges: dict[str, Any]) -> list[Any]:
+    """One run of `bench sharing` (`SharingResult.row()`), beside the paper's range for its method."""
+    lo, hi = paper_ranges.get(r["method"], ("?", "?"))
+    return [
+        r["workload"], r["method"], r["width"], r["steps"], f"{r['mean_blocks_shared']:.1f}",
+        f"{r['mean_blocks_private']:.1f}", f"{r['saving']:.1%}", f"{r['peak_saving']:.1%}",
+        f"{lo}-{hi} %",
+    ]  # fmt: skip

@@ -32,7 +32,13 @@ from minivllm.benchmarks.common import (
     build_llm,
     drive_engine,
 )
-from minivllm.benchmarks.report import machine_load, print_table, write_json
+from minivllm.benchmarks.report import (
+    SHARING_HEADERS,
+    machine_load,
+    print_table,
+    sharing_row,
+    write_json,
+)
 from minivllm.benchmarks.workload import BenchRequest, Exponential, draw_requests, token_pool
 from minivllm.engine_args import EngineArgs
 from minivllm.sampling_params import SamplingParams
@@ -186,16 +192,7 @@ def main(args: argparse.Namespace) -> int:
     configs = [(w, m, k) for w in workloads for m in ("parallel", "beam") for k in widths]
     for workload, method, width in tqdm(configs, desc="bench sharing", unit="run"):
         results.append(measure(args, workload, method, width))
-    print_table(
-        ["workload", "method", "width", "steps", "blocks (mean)", "without sharing", "saved %",
-         "peak saved %", "paper %"],
-        [
-            [r.workload, r.method, r.width, r.steps, f"{r.mean_blocks_shared:.1f}",
-             f"{r.mean_blocks_private:.1f}", f"{r.saving:.1%}", f"{r.peak_saving:.1%}",
-             "{}-{}".format(*PAPER_RANGES[r.method])]
-            for r in results
-        ],
-    )  # fmt: skip
+    print_table(SHARING_HEADERS, [sharing_row(r.row(), PAPER_RANGES) for r in results])
     write_json(
         args.json,
         {
