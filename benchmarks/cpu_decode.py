@@ -2,8 +2,8 @@
 
 Decode attention reads each running request's whole context once per layer and step; the kernel
 cannot do better than the memory's speed, so this reports its *effective bandwidth* (bytes of K
-and V read / time) next to what the machine can copy (`torch.clone` of a 256 MB tensor, counted
-as bytes read + bytes written, the way STREAM's copy counts). The gap between the two is what is
+and V read / time) next to what the machine can copy (a copy of a 256 MB tensor, counted as bytes read + bytes
+written, the way STREAM's copy counts: minivllm/benchmarks/machine.py's probe). The gap between the two is what is
 left to win.
 
 The batches are what the throughput bench's decode steps look like: 32 or 64 requests whose
@@ -36,6 +36,7 @@ import torch
 from minivllm.attention.cpu import CpuBackend, paged_decode
 from minivllm.attention.reference import ReferenceBackend
 from minivllm.benchmarks.machine import measure_copy_bandwidth, timed_us
+from minivllm.benchmarks.report import print_table
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -119,18 +120,25 @@ def main() -> None:
     }
     copy_gbs = measure_copy_bandwidth(torch.device("cpu"), nbytes=256 * 2**20) / 1e9
     print(f"threads={args.threads} dtype={args.dtype}; copy of 256 MB: {copy_gbs:.1f} GB/s")
-    print(
-        f"{'paged_decode':<18} {'tokens':>7} {'MB read':>8} {'median us':>10} {'best us':>8} "
-        f"{'GB/s (best)':>12} {'of copy':>8}"
-    )
+    rows = []
     for name, lens in workloads.items():
         batch = DecodeBatch(lens, args.layers, dtype, seed=1)
         median, best = timed_us(batch.step)
         gbs = batch.bytes_read / (best * 1e-6) / 1e9
-        print(
-            f"{name:<18} {sum(lens):>7} {batch.bytes_read / 1e6:>8.1f} {median:>10.1f} "
-            f"{best:>8.1f} {gbs:>12.1f} {gbs / copy_gbs:>7.0%}"
-        )
+        rows.append(
+            [name, sum(lens), f"{batch.bytes_read / 1e6:.1f}", f"{median:.1f}", f"{best:.1f}",
+             f"{gbs:.1f}", f"{gbs / copy_gbs:.0%}"]
+        )  # fmt: skip
+    headers = [
+        "paged_decode",
+        "tokens",
+        "MB read",
+        "median us",
+        "best us",
+        "GB/s (best)",
+        "of copy",
+    ]
+    print_table(headers, rows)
     for tokens in (32, 64):
         times = bench_write_kv(tokens, dtype)
         cells = "  ".join(f"{name} {us:.1f} us" for name, us in times.items())

@@ -22,10 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.benchmarks.machine import timed_us
+from minivllm.benchmarks.report import print_table
 from minivllm.model import cpu_layer_ops
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
 EPS = 1e-5
+LAYOUTS = ("feature-major", "copy + rows", "plain")
 
 
 def median_us(fn: Callable[[], object]) -> float:
@@ -112,16 +114,14 @@ def main() -> None:
         "rotary_embedding": bench_rotary_embedding,
     }
     print(f"threads: {torch.get_num_threads()}, times in us (median of 7 runs)")
-    print(f"{'op':<20}{'dtype':<10}{'T':>5}{'feature-major':>15}{'copy + rows':>13}{'plain':>9}")
+    rows = []
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
         for tokens in args.tokens:
             for name, bench in benches.items():
                 t = bench(tokens, dtype)
-                print(
-                    f"{name:<20}{dtype_name:<10}{tokens:>5}{t['feature-major']:>15.1f}"
-                    f"{t['copy + rows']:>13.1f}{t['plain']:>9.1f}"
-                )
+                rows.append([name, dtype_name, tokens, *(f"{t[k]:.1f}" for k in LAYOUTS)])
+    print_table(["op", "dtype", "T", *LAYOUTS], rows)
 
 
 if __name__ == "__main__":
