@@ -33,8 +33,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed
 
 lint: install
-	$(VENV)/bin/ruff check minivllm tests tutorials
-	$(VENV)/bin/ruff format --check minivllm tests tutorials
+	$(VENV)/bin/ruff check minivllm tests tutorials benchmarks
+	$(VENV)/bin/ruff format --check minivllm tests tutorials benchmarks
 	$(VENV)/bin/mypy
 
 unit: install
@@ -58,7 +58,7 @@ serve: install
 # its target.
 test-gpu: install
 	env -u TRITON_INTERPRET $(PY) -m pytest -q -m gpu tests -rA
-	env -u TRITON_INTERPRET $(PY) -m minivllm.benchmarks.kernels
+	env -u TRITON_INTERPRET $(PY) benchmarks/kernels.py
 
 # The prepared one-call GPU check (suite, sm_90 resource report, overheads, quick benchmark), its
 # outputs under bench-out/gpu-check/. On a bare GPU machine: PYTHON=python3 bash scripts/gpu_check.sh

@@ -45,9 +45,9 @@ step 1-compile-report "$PY" -m pytest -q tests/test_attention_triton_launch.py -
   -p no:cacheprovider -k sm90
 # 2. Overheads: first-call (compile) time by context length, a chunk with and without 64
 #    decodes, host time per tiny decode call.
-step 2-overhead "$PY" -m minivllm.benchmarks.kernels --overhead
+step 2-overhead "$PY" benchmarks/kernels.py --overhead
 # 3. Decode bandwidth against the device's copy bandwidth; exits 1 if it misses >= 85 %.
-step 3-bench-quick "$PY" -m minivllm.benchmarks.kernels --quick
+step 3-bench-quick "$PY" benchmarks/kernels.py --quick
 
 echo "=== summary"
 cat "$OUT/summary.txt"

@@ -1,17 +1,30 @@
-"""Smoke tests of `minivllm bench throughput | memory | prefix`: each main() on a tiny workload and a
-tiny random Llama, checking what the reports must satisfy. Never timing: the CPUs are shared."""
+"""Smoke tests of `minivllm bench throughput | memory | prefix | sharing`: each main() on a tiny
+workload and a tiny random Llama, checking what the reports must satisfy; and the workload generator
+and the table they share. Never timing: the CPUs are shared."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 from pathlib import Path
 
 import pytest
 from engine_utils import save_tiny_llama
 
-from minivllm.benchmarks import memory, op_profile, prefix, sharing, threads, throughput
-from minivllm.benchmarks.common import BenchRequest, length_range, random_requests
+from minivllm.benchmarks import memory, op_profile, prefix, serve, sharing, throughput
+from minivllm.benchmarks.report import print_table
+from minivllm.benchmarks.workload import (
+    BenchRequest,
+    Exponential,
+    Fixed,
+    Uniform,
+    draw_requests,
+    length_range,
+    poisson_arrivals,
+    random_requests,
+    token_pool,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +51,52 @@ def test_random_requests_are_reproducible_and_in_range() -> None:
     assert a == random_requests(8, (4, 9), (2, 5), 100, seed=3, special_ids=[0, 1, 2])
     assert all(4 <= len(r.prompt_token_ids) <= 9 and 2 <= r.output_len <= 5 for r in a)
     assert not {t for r in a for t in r.prompt_token_ids} & {0, 1, 2}
+
+
+def test_length_profiles_stay_in_range_and_a_fixed_length_draws_nothing() -> None:
+    rng = random.Random(0)
+    assert {Uniform(3, 5).draw(rng) for _ in range(200)} == {3, 4, 5}
+    assert all(1 <= Exponential(20.0, 50).draw(rng) <= 50 for _ in range(200))
+    state = rng.getstate()
+    assert Fixed(7).draw(rng) == 7 and rng.getstate() == state
+
+
+def test_drawn_requests_share_the_prefix_and_keep_clear_of_special_and_low_ids() -> None:
+    pool = token_pool(50, special_ids=[20, 21], first_id=10)
+    assert min(pool) == 10 and not {20, 21} & set(pool) and max(pool) == 49
+    system = [1, 2, 3]
+    reqs = draw_requests(random.Random(1), 6, Uniform(2, 4), Fixed(9), pool, prefix=system)
+    for r in reqs:
+        assert r.prompt_token_ids[:3] == system and 5 <= len(r.prompt_token_ids) <= 7
+        assert set(r.prompt_token_ids[3:]) <= set(pool) and r.output_len == 9
+
+
+def test_a_pool_of_consecutive_ids_draws_what_randrange_draws() -> None:
+    # The benches' workloads from before the generator was shared (randrange(100, vocab) per
+    # token) are drawn again, id for id: seeds published with results still give their workload.
+    old = random.Random(5)
+    assert serve.random_prompts(3, 8, 1000, seed=5) == [
+        [old.randrange(100, 1000) for _ in range(8)] for _ in range(3)
+    ]
+    rng, old = random.Random(6), random.Random(6)
+    pool = token_pool(1000, first_id=100)
+    assert [rng.choice(pool) for _ in range(50)] == [old.randrange(100, 1000) for _ in range(50)]
+
+
+def test_poisson_arrivals_have_the_rate_s_mean_gap_and_inf_sends_at_once() -> None:
+    assert poisson_arrivals(4, float("inf"), seed=0) == [0.0] * 4
+    gaps = poisson_arrivals(4000, 8.0, seed=0)
+    assert gaps == poisson_arrivals(4000, 8.0, seed=0)
+    assert abs(sum(gaps) / len(gaps) - 1 / 8) < 0.01 and min(gaps) > 0
+
+
+def test_the_table_puts_names_left_numbers_right_with_thousands_separators(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    print_table(["system", "tokens", "seconds"], [["minivllm", 12345, 1.5], ["hf", 7, 123.25]])
+    head, rule, *rows = capsys.readouterr().out.splitlines()
+    assert head.split() == ["system", "tokens", "seconds"] and set(rule) == {"-"}
+    assert rows == ["minivllm  12,345    1.500", "hf             7    123.2"]
 
 
 def test_throughput_reports_every_system_and_the_flops_fraction(
@@ -201,20 +260,3 @@ def test_sharing_saves_memory_in_beam_search_and_parallel_sampling(
     by = {(r["method"], r["width"]): r["saving"] for r in results}
     assert by[("beam", 4)] > by[("beam", 2)]  # more beams, more of the history shared
     assert (tmp_path / "sharing.png").stat().st_size > 0
-
-
-def test_threads_bench_times_every_setting_idle_and_beside_a_busy_core(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Two of the settings: each is a fresh process that imports torch, twice (idle and busy).
-    two = dict(list(threads.SETTINGS.items())[:2])
-    monkeypatch.setattr(threads, "SETTINGS", two)
-    out = tmp_path / "threads.json"
-    assert threads.main(["--rows", "4", "--repeats", "3", "--json", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert report["benchmark"] == "threads" and "load" in report["machine"]
-    for machine in ("idle", "one core busy"):
-        for setting in threads.SETTINGS:
-            median = report[f"{machine}, {setting}: median ms"]
-            mean = report[f"{machine}, {setting}: mean ms"]
-            assert median > 0 and mean > 0

@@ -12,7 +12,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from minivllm.benchmarks.report_rows import RANK_HEADERS, SYSTEM_HEADERS, rank_row, system_row
+from minivllm.benchmarks.report import (
+    MEMORY_HEADERS,
+    PREFIX_HEADERS,
+    RANK_HEADERS,
+    SHARING_HEADERS,
+    SYSTEM_HEADERS,
+    memory_rows,
+    prefix_row,
+    rank_row,
+    sharing_row,
+    system_row,
+)
 
 MARKER = "<!-- perf-tables -->"
 
@@ -82,51 +93,12 @@ def render(path: Path) -> str:
         if ranks:  # what each tensor-parallel rank holds and sends (one row at N = 1)
             body += "\n\n" + _table(RANK_HEADERS, [rank_row(r) for r in ranks])
     elif kind == "memory":
-        rows = []
-        for name, r in data["results"].items():
-            for when in ("at_peak", "over_run"):
-                s = r[when]
-                rows.append(
-                    [
-                        f"{name} ({when.replace('_', ' ')})",
-                        _pct(s["token_states"]),
-                        _pct(s["reserved"]),
-                        _pct(s["fragmented"]),
-                        r["peak_concurrent_requests"],
-                        r["steps"],
-                    ]
-                )
-        body = _table(
-            ["allocator", "token states", "reserved", "fragmented", "peak concurrent", "steps"],
-            rows,
-        )
+        body = _table(MEMORY_HEADERS, memory_rows(data["results"]))
     elif kind == "prefix":
-        body = _table(
-            ["run", "prompt tokens", "computed", "peak KV blocks", "output tok/s", "speedup"],
-            [
-                [
-                    r["run"],
-                    r["prompt_tokens"],
-                    r["prompt_tokens_computed"],
-                    r["peak_kv_blocks_used"],
-                    r["output_tokens_per_s"],
-                    r.get("speedup"),
-                ]
-                for r in data["runs"]
-            ],
-        )
+        body = _table(PREFIX_HEADERS, [prefix_row(r) for r in data["runs"]])
     elif kind == "sharing":
         ranges = data.get("paper_ranges", {})
-        body = _table(
-            ["workload", "method", "n / beam width", "KV blocks (mean)", "without sharing",
-             "saved", "saved at peak", "paper (§6.3)"],
-            [
-                [r["workload"], r["method"], r["width"], r["mean_blocks_shared"],
-                 r["mean_blocks_private"], _pct(r["saving"]), _pct(r["peak_saving"]),
-                 "{}-{} %".format(*ranges.get(r["method"], ("?", "?")))]
-                for r in data["results"]
-            ],
-        )  # fmt: skip
+        body = _table(SHARING_HEADERS, [sharing_row(r, ranges) for r in data["results"]])
     else:  # e.g. bench serve's flat summary: one row per scalar
         rows = [[k, v] for k, v in data.items() if isinstance(v, int | float | str)]
         body = _table(["metric", "value"], rows)

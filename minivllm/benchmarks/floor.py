@@ -42,6 +42,7 @@ from typing import Any, cast
 
 import torch
 
+from minivllm.benchmarks.machine import synchronize
 from minivllm.llm import LLM
 from minivllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 from minivllm.scheduler import SchedulerOutput
@@ -76,18 +77,13 @@ def record_shapes(llm: LLM) -> Iterator[StepShapes]:
         del executor.execute_model  # the class's method again
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_seconds(device: torch.device, times: int, fn: Any, *args: Any) -> float:
     seconds = []
     for _ in range(times):
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         fn(*args)
-        _synchronize(device)
+        synchronize(device)
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
 

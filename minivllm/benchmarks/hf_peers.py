@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from minivllm.benchmarks.common import BenchRequest, load_hf_model, timed
+from minivllm.benchmarks.common import load_hf_model
 from minivllm.benchmarks.isolated import current_rss_bytes, peak_rss_bytes
+from minivllm.benchmarks.machine import timed
+from minivllm.benchmarks.workload import BenchRequest
 
 
 def peer_process(

@@ -27,19 +27,19 @@ from typing import Any
 
 from minivllm.benchmarks.common import (
     GPU_EPILOG,
-    BenchRequest,
     add_run_arguments,
-    add_workload_arguments,
     build_llm,
     drive_engine,
-    fixed_params,
-    machine_load,
-    print_table,
-    run_main,
-    set_epilog,
     workload_for,
+)
+from minivllm.benchmarks.report import (
+    MEMORY_HEADERS,
+    machine_load,
+    memory_rows,
+    print_table,
     write_json,
 )
+from minivllm.benchmarks.workload import BenchRequest, add_workload_arguments, fixed_params
 from minivllm.engine_args import EngineArgs
 
 EPILOG = (
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--plot", type=Path, default=Path("kv_memory.png"), help="PNG of both runs; '' for none"
     )
-    set_epilog(parser, EPILOG)
+    parser.epilog = EPILOG  # shown by `minivllm bench NAME --help`
 
 
 # ---------------------------------------------------------------------------------- accounting
@@ -240,23 +240,7 @@ def main(args: argparse.Namespace) -> int:
         f"\nKV budget {args.num_gpu_blocks_override} blocks x {args.block_size} = {budget_slots:,} slots; "
         f"{len(requests)} requests; naive reserves {args.max_model_len} slots per request"
     )
-    rows = []
-    for name, r in results.items():
-        for when in ("at_peak", "over_run"):
-            s = r[when]
-            rows.append(
-                [
-                    f"{name} ({when.replace('_', ' ')})",
-                    f"{s['token_states']:.1%}",
-                    f"{s['reserved']:.1%}",
-                    f"{s['fragmented']:.1%}",
-                    r["peak_concurrent_requests"],
-                    r["steps"],
-                ]
-            )
-    print_table(
-        ["allocator", "token states", "reserved", "fragmented", "peak concurrent", "steps"], rows
-    )
+    print_table(MEMORY_HEADERS, memory_rows(results))
     print(
         f"minivllm engine stats: peak {results['minivllm']['engine_peak_kv_blocks_used']} blocks, "
         f"slot utilization at peak {results['minivllm']['engine_peak_kv_slot_utilization']:.1%}, "
@@ -284,7 +268,3 @@ def main(args: argparse.Namespace) -> int:
         },
     )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(run_main(add_arguments, main, __doc__))

@@ -22,19 +22,28 @@ from typing import Any
 
 from minivllm.benchmarks.common import (
     GPU_EPILOG,
-    BenchRequest,
     add_run_arguments,
     build_llm,
+    prompts_of,
+    warm_up,
+)
+from minivllm.benchmarks.machine import timed
+from minivllm.benchmarks.report import (
+    PREFIX_HEADERS,
+    machine_load,
+    prefix_row,
+    print_table,
+    write_json,
+)
+from minivllm.benchmarks.workload import (
+    BenchRequest,
+    Fixed,
+    Uniform,
+    draw_requests,
     fixed_params,
     length_range,
-    machine_load,
-    print_table,
-    prompts_of,
-    run_main,
-    set_epilog,
-    timed,
-    warm_up,
-    write_json,
+    random_token_ids,
+    token_pool,
 )
 from minivllm.engine_args import EngineArgs
 from minivllm.model.loader import load_config, resolve_model
@@ -49,6 +58,8 @@ EPILOG = (
     )
 )
 
+# No tokenizer is loaded: prompt ids start clear of the special tokens at the vocabulary's start.
+FIRST_ID = 100
 # A KV budget sized for the default workloads; the peaks in use are what the report shows.
 ENGINE_DEFAULTS = EngineArgs(num_gpu_blocks_override=2048)
 
@@ -73,11 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--n-output-len", type=int, default=64, help="output tokens per sample")
     EngineArgs.add_cli_args(parser, defaults=ENGINE_DEFAULTS)
     add_run_arguments(parser)
-    set_epilog(parser, EPILOG)
-
-
-def _random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(100, vocab) for _ in range(n)]  # clear of the special tokens at the start
+    parser.epilog = EPILOG  # shown by `minivllm bench NAME --help`
 
 
 def run_once(
@@ -116,13 +123,11 @@ def run_once(
 
 def shared_prefix_runs(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
     rng = random.Random(args.seed)
-    system = _random_ids(rng, args.system_prompt_len, vocab)
-    requests = [
-        BenchRequest(
-            system + _random_ids(rng, rng.randint(*args.suffix_len), vocab), args.output_len
-        )
-        for _ in range(args.num_prompts)
-    ]
+    pool = token_pool(vocab, first_id=FIRST_ID)
+    system = random_token_ids(rng, args.system_prompt_len, pool)
+    requests = draw_requests(
+        rng, args.num_prompts, Uniform(*args.suffix_len), Fixed(args.output_len), pool, system
+    )
     params = [fixed_params(r.output_len) for r in requests]
     return [
         run_once(args, "system prompt, no caching", False, requests, params),
@@ -132,10 +137,10 @@ def shared_prefix_runs(args: argparse.Namespace, vocab: int) -> list[dict[str, A
 
 def parallel_sampling_runs(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
     rng = random.Random(args.seed + 1)
-    prompts = [
-        BenchRequest(_random_ids(rng, args.n_prompt_len, vocab), args.n_output_len)
-        for _ in range(args.n_prompts)
-    ]
+    pool = token_pool(vocab, first_id=FIRST_ID)
+    prompts = draw_requests(
+        rng, args.n_prompts, Fixed(args.n_prompt_len), Fixed(args.n_output_len), pool
+    )
     # Sampled (temperature 1) so that the n samples diverge and copy-on-write really happens.
     shared = [
         fixed_params(r.output_len, n=args.n, temperature=1.0, seed=i) for i, r in enumerate(prompts)
@@ -167,20 +172,7 @@ def main(args: argparse.Namespace) -> int:
         )
         shared["speedup"] = shared["output_tokens_per_s"] / base["output_tokens_per_s"]
     print()
-    print_table(
-        ["run", "prompt tokens", "computed", "peak KV blocks", "output tok/s", "speedup"],
-        [
-            [
-                r["run"],
-                r["prompt_tokens"],
-                r["prompt_tokens_computed"],
-                r["peak_kv_blocks_used"],
-                r["output_tokens_per_s"],
-                f"{r['speedup']:.2f}x" if "speedup" in r else "",
-            ]
-            for r in rows
-        ],
-    )
+    print_table(PREFIX_HEADERS, [prefix_row(r) for r in rows])
     share = args.system_prompt_len / (rows[0]["prompt_tokens"] / rows[0]["requests"])
     print(
         f"\nsystem prompt: {share:.1%} of each prompt is shared; prefix caching computed "
@@ -195,7 +187,3 @@ def main(args: argparse.Namespace) -> int:
         {"benchmark": "prefix", "args": vars(args), "machine": machine_load(), "runs": rows},
     )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(run_main(add_arguments, main, __doc__))

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from minivllm.entrypoints.cli import HelpFormatter
+from minivllm.benchmarks.workload import Fixed, draw_requests, poisson_arrivals, token_pool
 
 
 @dataclass
@@ -68,9 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def random_prompts(n: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Skip the lowest ids: special tokens live there in most vocabularies.
-    return [[rng.randrange(100, vocab_size) for _ in range(input_len)] for _ in range(n)]
+    """The random dataset at a fixed length. The server's tokenizer is not at hand: the lowest ids,
+    where special tokens live in most vocabularies, are skipped."""
+    pool = token_pool(vocab_size, first_id=100)
+    requests = draw_requests(random.Random(seed), n, Fixed(input_len), Fixed(0), pool)
+    return [r.prompt_token_ids for r in requests]
 
 
 async def send_one(
@@ -126,7 +128,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = random_prompts(
             args.num_prompts, args.random_input_len, args.random_vocab_size, args.seed
         )
-        rng = random.Random(args.seed)
+        gaps = poisson_arrivals(len(prompts), args.request_rate, args.seed)
         gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
 
         async def limited(prompt: list[int]) -> RequestResult:
@@ -135,10 +137,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         tasks = []
         start = time.perf_counter()
-        for prompt in prompts:
+        for prompt, gap in zip(prompts, gaps):
             tasks.append(asyncio.create_task(limited(prompt)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
+            if gap:
+                await asyncio.sleep(gap)
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     return summarize(results, duration, [float(p) for p in args.percentiles.split(",")], model)
@@ -196,9 +198,3 @@ def main(args: argparse.Namespace) -> int:
     else:
         print_summary(summary)
     return 0 if summary["failed"] == 0 else 1
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="minivllm bench serve", formatter_class=HelpFormatter)
-    add_arguments(p)
-    raise SystemExit(main(p.parse_args()))

@@ -28,16 +28,18 @@ from tqdm.auto import tqdm
 
 from minivllm.beam_search import BeamSearchParams
 from minivllm.benchmarks.common import (
-    BenchRequest,
     add_run_arguments,
     build_llm,
     drive_engine,
+)
+from minivllm.benchmarks.report import (
+    SHARING_HEADERS,
     machine_load,
     print_table,
-    run_main,
-    set_epilog,
+    sharing_row,
     write_json,
 )
+from minivllm.benchmarks.workload import BenchRequest, Exponential, draw_requests, token_pool
 from minivllm.engine_args import EngineArgs
 from minivllm.sampling_params import SamplingParams
 
@@ -70,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot", type=Path, default=Path("sharing.png"), help="PNG like Fig. 15; '' for none"
     )
-    set_epilog(parser, EPILOG)
+    parser.epilog = EPILOG  # shown by `minivllm bench NAME --help`
 
 
 def synthetic_requests(
@@ -78,16 +80,14 @@ def synthetic_requests(
 ) -> list[BenchRequest]:
     """Random token prompts whose lengths follow exponential distributions with the workload's
     mean prompt and output lengths (at least 1, at most max_len)."""
-    rng = random.Random(f"{workload}-{seed}")
     mean_in, mean_out = WORKLOADS[workload]
-
-    def draw(mean: float) -> int:
-        return max(1, min(max_len, round(rng.expovariate(1 / mean))))
-
-    return [
-        BenchRequest([rng.randrange(3, vocab_size) for _ in range(draw(mean_in))], draw(mean_out))
-        for _ in range(num)
-    ]
+    return draw_requests(
+        random.Random(f"{workload}-{seed}"),
+        num,
+        Exponential(mean_in, max_len),
+        Exponential(mean_out, max_len),
+        token_pool(vocab_size, first_id=3),  # clear of <unk>, <s>, </s> at Llama's start
+    )
 
 
 @dataclass
@@ -192,16 +192,7 @@ def main(args: argparse.Namespace) -> int:
     configs = [(w, m, k) for w in workloads for m in ("parallel", "beam") for k in widths]
     for workload, method, width in tqdm(configs, desc="bench sharing", unit="run"):
         results.append(measure(args, workload, method, width))
-    print_table(
-        ["workload", "method", "width", "steps", "blocks (mean)", "without sharing", "saved %",
-         "peak saved %", "paper %"],
-        [
-            [r.workload, r.method, r.width, r.steps, f"{r.mean_blocks_shared:.1f}",
-             f"{r.mean_blocks_private:.1f}", f"{r.saving:.1%}", f"{r.peak_saving:.1%}",
-             "{}-{}".format(*PAPER_RANGES[r.method])]
-            for r in results
-        ],
-    )  # fmt: skip
+    print_table(SHARING_HEADERS, [sharing_row(r.row(), PAPER_RANGES) for r in results])
     write_json(
         args.json,
         {
@@ -215,7 +206,3 @@ def main(args: argparse.Namespace) -> int:
     if args.plot and str(args.plot):
         plot(results, args.plot)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(run_main(add_arguments, main, __doc__))

@@ -33,33 +33,35 @@ import torch
 
 from minivllm.benchmarks.common import (
     GPU_EPILOG,
-    BenchRequest,
     ModelCost,
     add_run_arguments,
-    add_workload_arguments,
     build_llm,
     drive_engine,
-    fixed_params,
-    machine_load,
-    measure_copy_bandwidth,
-    measure_matmul_flops,
-    print_table,
     prompts_of,
     rank_reports,
-    run_main,
-    set_epilog,
-    synchronize,
     tensor_parallel_rows,
-    timed,
     warm_up,
     workload_for,
-    write_json,
 )
 from minivllm.benchmarks.floor import record_shapes, replay
 from minivllm.benchmarks.hf_peers import peer_process
 from minivllm.benchmarks.isolated import current_rss_bytes, peak_rss_bytes, run_isolated
+from minivllm.benchmarks.machine import (
+    measure_copy_bandwidth,
+    measure_matmul_flops,
+    synchronize,
+    timed,
+)
 from minivllm.benchmarks.op_profile import print_profile, profile_run
-from minivllm.benchmarks.report_rows import SYSTEM_HEADERS, print_rank_rows, system_row
+from minivllm.benchmarks.report import (
+    SYSTEM_HEADERS,
+    machine_load,
+    print_rank_rows,
+    print_table,
+    system_row,
+    write_json,
+)
+from minivllm.benchmarks.workload import BenchRequest, add_workload_arguments, fixed_params
 from minivllm.engine_args import EngineArgs
 from minivllm.llm import LLM
 
@@ -114,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run minivllm's workload once more under torch.profiler and report where its "
         "time goes: ops by self time, in groups (matmul, attention, ...)",
     )
-    set_epilog(parser, EPILOG)
+    parser.epilog = EPILOG  # shown by `minivllm bench NAME --help`
 
 
 # ---------------------------------------------------------------------------------- minivllm
@@ -348,7 +350,3 @@ def main(args: argparse.Namespace) -> int:
         },
     )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(run_main(add_arguments, main, __doc__))

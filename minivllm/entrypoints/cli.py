@@ -1,5 +1,5 @@
 """The `minivllm` command: `minivllm serve [MODEL] ...`, `minivllm trace [MODEL] --prompt ... --out DIR`
-and `minivllm bench {throughput,memory,prefix,serve} ...`, with vLLM's flag names
+and `minivllm bench {throughput,memory,prefix,sharing,serve} ...`, with vLLM's flag names
 (vllm/entrypoints/cli/). The engine's flags come from
 `EngineArgs` (minivllm/engine_args.py), the one declaration of the engine's options.
 

@@ -10,7 +10,7 @@ contiguous [N, T]). For each op this times three ways of applying it to such an 
 Sizes are SmolLM2-135M's: hidden 576, intermediate 1536, 9 query + 3 KV heads of 64. Not a test
 (no timing is asserted anywhere); run it as
 
-    python -m minivllm.benchmarks.cpu_layer_layouts [--tokens 32 300] [--dtype bfloat16]
+    python benchmarks/cpu_layer_layouts.py [--tokens 32 300] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -21,15 +21,17 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from minivllm.benchmarks.cpu_decode import timed_us
+from minivllm.benchmarks.machine import timed_us
+from minivllm.benchmarks.report import print_table
 from minivllm.model import cpu_layer_ops
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
 EPS = 1e-5
+LAYOUTS = ("feature-major", "copy + rows", "plain")
 
 
 def median_us(fn: Callable[[], object]) -> float:
-    """Median microseconds of one call (cpu_decode's timer: runs of at least 50 ms each)."""
+    """Median microseconds of one call (the microbenchmarks' timer: runs of at least 50 ms each)."""
     return timed_us(fn, min_s=0.05)[0]
 
 
@@ -112,16 +114,14 @@ def main() -> None:
         "rotary_embedding": bench_rotary_embedding,
     }
     print(f"threads: {torch.get_num_threads()}, times in us (median of 7 runs)")
-    print(f"{'op':<20}{'dtype':<10}{'T':>5}{'feature-major':>15}{'copy + rows':>13}{'plain':>9}")
+    rows = []
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
         for tokens in args.tokens:
             for name, bench in benches.items():
                 t = bench(tokens, dtype)
-                print(
-                    f"{name:<20}{dtype_name:<10}{tokens:>5}{t['feature-major']:>15.1f}"
-                    f"{t['copy + rows']:>13.1f}{t['plain']:>9.1f}"
-                )
+                rows.append([name, dtype_name, tokens, *(f"{t[k]:.1f}" for k in LAYOUTS)])
+    print_table(["op", "dtype", "T", *LAYOUTS], rows)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Decode attention reads each running request's whole context once per layer and step; the kernel
 cannot do better than the memory's speed, so this reports its *effective bandwidth* (bytes of K
-and V read / time) next to what the machine can copy (`torch.clone` of a 256 MB tensor, counted
-as bytes read + bytes written, the way STREAM's copy counts). The gap between the two is what is
+and V read / time) next to what the machine can copy (a copy of a 256 MB tensor, counted as bytes read + bytes
+written, the way STREAM's copy counts: minivllm/benchmarks/machine.py's probe). The gap between the two is what is
 left to win.
 
 The batches are what the throughput bench's decode steps look like: 32 or 64 requests whose
@@ -19,7 +19,7 @@ host-side check for skipped slots) against the fused `reshape_and_cache` op.
 
 Not a test (no timing is asserted anywhere); run it as
 
-    python -m minivllm.benchmarks.cpu_decode [--threads 2] [--dtype float32]
+    python benchmarks/cpu_decode.py [--threads 2] [--dtype float32]
 
 It times the kernels of the tree it runs in (they are built on first use, one build per version
 of the sources), so a before/after is the same command on the two commits. On a machine shared
@@ -30,46 +30,15 @@ makes a 1 ms call take several.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 
 from minivllm.attention.cpu import CpuBackend, paged_decode
 from minivllm.attention.reference import ReferenceBackend
+from minivllm.benchmarks.machine import measure_copy_bandwidth, timed_us
+from minivllm.benchmarks.report import print_table
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
-
-
-def timed_us(fn: Callable[[], object], repeats: int = 7, min_s: float = 0.1) -> tuple[float, float]:
-    """(median, best) over `repeats` runs of the mean time of one call, each run at least `min_s`
-    long. The best run is the one least disturbed by other processes on a shared machine."""
-    fn()
-    calls = 1
-    while True:  # calls per run, so that a run is long enough to time
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if time.perf_counter() - start >= min_s:
-            break
-        calls *= 2
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - start) / calls * 1e6)
-    return sorted(runs)[repeats // 2], min(runs)
-
-
-def copy_bandwidth_gbs(megabytes: int = 256) -> float:
-    """What the machine can move: a copy of `megabytes` reads and writes that much each. Into a
-    tensor allocated once: `clone()` would allocate fresh pages every call and time the kernel's
-    page faults rather than the memory (measured here: 4.8 GB/s against ~15)."""
-    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
-    y = torch.empty_like(x)
-    _, best = timed_us(lambda: y.copy_(x), repeats=5)
-    return 2 * x.numel() * 4 / (best * 1e-6) / 1e9
 
 
 class DecodeBatch:
@@ -149,20 +118,27 @@ def main() -> None:
         "64 req, all 256": [256] * 64,
         "8 req, 16..512": torch.randint(16, 513, (8,), generator=gen).tolist(),
     }
-    copy_gbs = copy_bandwidth_gbs()
+    copy_gbs = measure_copy_bandwidth(torch.device("cpu"), nbytes=256 * 2**20) / 1e9
     print(f"threads={args.threads} dtype={args.dtype}; copy of 256 MB: {copy_gbs:.1f} GB/s")
-    print(
-        f"{'paged_decode':<18} {'tokens':>7} {'MB read':>8} {'median us':>10} {'best us':>8} "
-        f"{'GB/s (best)':>12} {'of copy':>8}"
-    )
+    rows = []
     for name, lens in workloads.items():
         batch = DecodeBatch(lens, args.layers, dtype, seed=1)
         median, best = timed_us(batch.step)
         gbs = batch.bytes_read / (best * 1e-6) / 1e9
-        print(
-            f"{name:<18} {sum(lens):>7} {batch.bytes_read / 1e6:>8.1f} {median:>10.1f} "
-            f"{best:>8.1f} {gbs:>12.1f} {gbs / copy_gbs:>7.0%}"
-        )
+        rows.append(
+            [name, sum(lens), f"{batch.bytes_read / 1e6:.1f}", f"{median:.1f}", f"{best:.1f}",
+             f"{gbs:.1f}", f"{gbs / copy_gbs:.0%}"]
+        )  # fmt: skip
+    headers = [
+        "paged_decode",
+        "tokens",
+        "MB read",
+        "median us",
+        "best us",
+        "GB/s (best)",
+        "of copy",
+    ]
+    print_table(headers, rows)
     for tokens in (32, 64):
         times = bench_write_kv(tokens, dtype)
         cells = "  ".join(f"{name} {us:.1f} us" for name, us in times.items())

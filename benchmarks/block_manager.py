@@ -1,6 +1,6 @@
 """Micro-benchmark of the block manager's bookkeeping: microseconds per operation.
 
-    python -m minivllm.benchmarks.block_manager [--num-blocks 100000] [--block-size 16]
+    python benchmarks/block_manager.py [--num-blocks 100000] [--block-size 16]
 
 Every operation should cost O(blocks it touches), not O(pool): the numbers below are taken on a
 large pool that is already full of evictable prefix-cache blocks, the steady state of a busy server,
@@ -14,6 +14,7 @@ import argparse
 import time
 from collections.abc import Callable
 
+from minivllm.benchmarks.report import print_table
 from minivllm.block_manager import BlockManager
 from minivllm.entrypoints.cli import HelpFormatter
 
@@ -85,14 +86,15 @@ def main() -> None:
         caching: bench(args.num_blocks, args.block_size, args.prompt_len, caching)
         for caching in (True, False)
     }
-    names = list(rows[True])
-    print(f"{'operation':<28}{'caching on':>12}{'caching off':>13}")
-    for name in names:
-        on, off = rows[True].get(name), rows[False].get(name)
-        fmt = (lambda v: f"{v:>12.0f}") if name.startswith("blocks") else (lambda v: f"{v:>12.2f}")
-        print(
-            f"{name:<28}{fmt(on) if on is not None else '':>12} {fmt(off) if off is not None else '-':>12}"
-        )
+
+    def cell(name: str, v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}" if name.startswith("blocks") else f"{v:.2f}"
+
+    print_table(
+        ["operation", "caching on", "caching off"],
+        [[name, cell(name, rows[True].get(name)), cell(name, rows[False].get(name))]
+         for name in rows[True]],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

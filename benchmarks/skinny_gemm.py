@@ -14,7 +14,7 @@ It also prints the two bounds: the weights' bytes at the machine's copy bandwidt
 arithmetic at the float32 matmul peak, both measured in the same run. Shapes default to
 SmolLM2-135M's. Not a test (no timing is asserted anywhere); run it as
 
-    python -m minivllm.benchmarks.skinny_gemm [--tokens 1 2 4 8 16 32 64] [--layers 30]
+    python benchmarks/skinny_gemm.py [--tokens 1 2 4 8 16 32 64] [--layers 30]
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from minivllm.benchmarks.common import measure_copy_bandwidth, measure_matmul_flops
+from minivllm.benchmarks.machine import measure_copy_bandwidth, measure_matmul_flops
+from minivllm.benchmarks.report import print_table
 from minivllm.model import cpu_layer_ops
 from minivllm.model.parallel_layers import linear
 
@@ -72,16 +73,18 @@ def main() -> None:
         f"float32 weights; copy bandwidth {copy_bw / 1e9:.1f} GB/s, matmul peak "
         f"{peak / 1e9:.0f} GFLOP/s; ms per pass over every weight (median of 7)"
     )
-    print(f"{'T':>4}{'mkl':>9}{'skinny':>9}{'speedup':>9}{'bytes bound':>13}{'flops bound':>13}")
+    table = []
     for t in args.tokens:
         rows = {i: torch.randn(t, i) for i in {i for _, i in SHAPES}}  # width -> [T, width]
         mkl = step_ms(lambda x, w: linear(x, w), weights, rows)
         skinny = step_ms(cpu_layer_ops.skinny_gemm, weights, rows)
         bytes_ms = nbytes / copy_bw * 1e3
         flops_ms = 2 * t * sum(w.numel() for w in weights) / peak * 1e3
-        print(
-            f"{t:>4}{mkl:>9.1f}{skinny:>9.1f}{mkl / skinny:>8.2f}x{bytes_ms:>13.1f}{flops_ms:>13.1f}"
-        )
+        table.append(
+            [t, f"{mkl:.1f}", f"{skinny:.1f}", f"{mkl / skinny:.2f}x", f"{bytes_ms:.1f}",
+             f"{flops_ms:.1f}"]
+        )  # fmt: skip
+    print_table(["T", "mkl", "skinny", "speedup", "bytes bound", "flops bound"], table)
 
 
 if __name__ == "__main__":

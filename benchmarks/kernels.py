@@ -1,4 +1,4 @@
-"""Triton decode kernel vs the GPU's memory bandwidth: `python -m minivllm.benchmarks.kernels`.
+"""Triton decode kernel vs the GPU's memory bandwidth: `python benchmarks/kernels.py`.
 
 Decode attention reads every cached K and V of every request to produce one token per request,
 and does ~2 FLOPs per byte read: it is bound by memory bandwidth, so its figure of merit is
@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.attention import AttentionMetadata
+from minivllm.benchmarks.machine import measure_copy_bandwidth
+from minivllm.benchmarks.report import print_table
 from minivllm.entrypoints.cli import HelpFormatter
 
 # Datasheet HBM bandwidth in TB/s, matched against torch.cuda.get_device_name() in this order.
@@ -93,14 +95,6 @@ def time_ms(fn: Callable[[], object]) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
-
-
-def copy_bandwidth_gbs(device: torch.device) -> float:
-    """Device-to-device copy of 1 GiB: bytes read + bytes written per second."""
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
-    return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
 
 
 def build_paged_step(
@@ -201,17 +195,17 @@ def bench_shape(
     )
 
 
-def print_table(rows: list[dict]) -> None:
-    head = f"{'shape':>22} {'KV GB':>6} {'splits':>6} {'err':>8} {'triton us':>10} {'GB/s':>7} {'%peak':>6} {'%copy':>6} {'ref us':>9} {'sdpa us':>9} {'paged/dense':>11}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        peak = "-" if r["pct_peak"] is None else f"{r['pct_peak']:.0f}"
-        print(
-            f"{r['shape']:>22} {r['kv_gb']:>6.2f} {r['splits']:>6} {r['err']:>8.1e} "
-            f"{r['triton_us']:>10.1f} {r['gbs']:>7.0f} {peak:>6} {r['pct_copy']:>6.0f} "
-            f"{r['ref_us']:>9.1f} {r['sdpa_us']:>9.1f} {r['triton_us'] / r['sdpa_us']:>11.2f}"
-        )
+TABLE_HEADERS = ["shape", "KV GB", "splits", "err", "triton us", "GB/s", "%peak", "%copy",
+                 "ref us", "sdpa us", "paged/dense"]  # fmt: skip
+
+
+def table_row(r: dict) -> list[str]:
+    peak = "-" if r["pct_peak"] is None else f"{r['pct_peak']:.0f}"
+    return [
+        r["shape"], f"{r['kv_gb']:.2f}", str(r["splits"]), f"{r['err']:.1e}",
+        f"{r['triton_us']:.1f}", f"{r['gbs']:.0f}", peak, f"{r['pct_copy']:.0f}",
+        f"{r['ref_us']:.1f}", f"{r['sdpa_us']:.1f}", f"{r['triton_us'] / r['sdpa_us']:.2f}",
+    ]  # fmt: skip
 
 
 def target_status(rows: list[dict]) -> tuple[int, str]:
@@ -297,9 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print(
-            "minivllm.benchmarks.kernels needs a CUDA GPU; torch sees none. Nothing was measured."
-        )
+        print("benchmarks/kernels.py needs a CUDA GPU; torch sees none. Nothing was measured.")
         return 1
     if args.overhead and "TRITON_CACHE_DIR" not in os.environ:
         # First calls must compile for real, not load an earlier run's kernels from disk.
@@ -318,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_overhead(device)
         return 0
     peak = device_peak_tbs(name)
-    copy_gbs = copy_bandwidth_gbs(device)
+    copy_gbs = measure_copy_bandwidth(device, COPY_BYTES) / 1e9
     print(f"device: {name}; peak {'unknown' if peak is None else f'{peak} TB/s'}; "
           f"measured copy (1 GiB, read + write): {copy_gbs:.0f} GB/s")  # fmt: skip
     print("decode attention, one token per request, bfloat16, head_dim 128, 16-token blocks")
@@ -326,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in QUICK if args.quick else FULL:
         rows.append(bench_shape(shape, device, copy_gbs, peak))
         torch.cuda.empty_cache()
-    print_table(rows)
+    print_table(TABLE_HEADERS, [table_row(r) for r in rows])
     status, line = target_status(rows)
     print(line)
     return status

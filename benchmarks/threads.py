@@ -8,7 +8,7 @@ model calls it) in fresh processes: with torch's threads, one thread, and two th
 `OMP_WAIT_POLICY=PASSIVE` (sleep at barriers instead of spinning), each on an idle machine and
 with a busy-looping process beside it. The Performance page's "threads" section reads its JSON.
 
-    python -m minivllm.benchmarks.threads --json docs/perf/threads.json
+    python benchmarks/threads.py --json docs/perf/threads.json
 """
 
 from __future__ import annotations
@@ -68,8 +68,10 @@ def _busy(stop: float) -> None:
 
 
 def measure(setting: dict[str, str], rows: int, repeats: int) -> dict[str, float]:
+    # This file's own `time_layer`, however the script was started (its __main__ block does not
+    # run under `runpy.run_path`).
     code = (
-        "import json, sys; from minivllm.benchmarks.threads import time_layer; "
+        f"import json, runpy; time_layer = runpy.run_path({__file__!r})['time_layer']; "
         f"print(json.dumps(time_layer({rows}, {repeats})))"
     )
     env = os.environ | setting
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=300, help="timed layers per setting")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    from minivllm.benchmarks.common import machine_load
+    from minivllm.benchmarks.report import machine_load
 
     results: dict[str, float | str] = {"machine": machine_load(), "rows": args.rows}
     for machine in ("idle", "one core busy"):

@@ -1,0 +1,1 @@
+"""Microbenchmarks and investigations: run from a checkout, never installed (see README.md)."""
