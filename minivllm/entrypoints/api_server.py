@@ -149,8 +149,15 @@ def build_app(
 ) -> FastAPI:
     """An app serving `engine`; its engine thread starts and stops with the app's lifespan."""
     names = served_model_names or [engine.source.name]
-    metrics = ServerMetrics(names[0], log_stats_interval_s)
-    async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step)
+    cache = engine.config.cache
+    cache_info = {
+        "block_size": cache.block_size,
+        "cache_dtype": "auto",
+        "enable_prefix_caching": cache.enable_prefix_caching,
+        "num_gpu_blocks": engine.get_stats().num_kv_blocks,
+    }
+    metrics = ServerMetrics(names[0], log_stats_interval_s, engine.max_model_len, cache_info)
+    async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step, on_add=metrics.on_add)
     limits = (names, max_waiting_requests, engine.config.scheduler.max_num_seqs)
     completion = OpenAIServingCompletion(async_engine, *limits)
     chat = OpenAIServingChat(async_engine, *limits)
