@@ -29,7 +29,6 @@ Preempted sequences go back to the *front* of the waiting queue so they keep the
 from __future__ import annotations
 
 import time
-
 from collections import deque
 from dataclasses import dataclass, field
 

@@ -387,9 +387,7 @@ def test_metrics_match_what_was_sent(server: RemoteServer, client: openai.OpenAI
     assert delta("vllm:e2e_request_latency_seconds_count") == 3
     assert delta("vllm:inter_token_latency_seconds_count") == 3 * 3
     assert delta("vllm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in resps)
-    assert delta("vllm:generation_tokens_total") == sum(
-        r.usage.completion_tokens for r in resps
-    )
+    assert delta("vllm:generation_tokens_total") == sum(r.usage.completion_tokens for r in resps)
     length = 'vllm:request_success_total{finished_reason="length",model_name="' + MODEL + '"}'
     assert after[length] - before[length] == 3
     # The per-request histograms of vLLM's v1 set, one observation per request.

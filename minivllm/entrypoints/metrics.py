@@ -42,7 +42,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value`."""
-    buckets, exponent = [], 0
+    buckets: list[int] = []
+    exponent = 0
     while True:
         for mantissa in (1, 2, 5):
             value = mantissa * 10**exponent
@@ -85,13 +86,19 @@ class ServerMetrics:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
 
         # Scheduler state, after every step (gauges).
-        self.running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.running = gauge(
+            "num_requests_running", "Number of requests in model execution batches."
+        )
         self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         # What the steps did (counters; prometheus_client appends `_total`).
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
-        self.preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
+        self.generation_tokens = counter(
+            "generation_tokens", "Number of generation tokens processed."
+        )
+        self.preemptions = counter(
+            "num_preemptions", "Cumulative number of preemption from the engine."
+        )
         self.prefix_queries = counter(
             "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
@@ -244,7 +251,9 @@ class ServerMetrics:
         self.request_generation_tokens.labels(**lab).observe(sum(lengths))
         self.request_max_generation_tokens.labels(**lab).observe(max(lengths, default=0))
         scheduled, first, last = (
-            m.get("scheduled_time"), m.get("first_token_time"), m.get("last_token_time")
+            m.get("scheduled_time"),
+            m.get("first_token_time"),
+            m.get("last_token_time"),
         )
         if scheduled is None:
             return  # aborted or failed while it waited: it never ran
