@@ -23,7 +23,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from minivllm.beam_search import BeamSearchParams
 from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
 from minivllm.stats import EngineStats
 
 logger = logging.getLogger("minivllm")
@@ -193,11 +195,12 @@ class ServerMetrics:
         self._log_time = time.monotonic()
 
     # ------------------------------------------------------------------ the engine-thread hooks
-    def on_add(self, n: int, max_tokens: int | None) -> None:
+    def on_add(self, request_id: str, params: SamplingParams | BeamSearchParams) -> None:
         """A request entered the engine: its parameters' histograms."""
+        n = params.n if isinstance(params, SamplingParams) else params.beam_width
         self.request_params_n.labels(**self._label).observe(n)
-        if max_tokens is not None:
-            self.request_params_max_tokens.labels(**self._label).observe(max_tokens)
+        if params.max_tokens is not None:
+            self.request_params_max_tokens.labels(**self._label).observe(params.max_tokens)
 
     def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         lab = self._label

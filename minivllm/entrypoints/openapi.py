@@ -39,6 +39,8 @@ _RESPONSE_MODELS: list[type[BaseModel]] = [
     p.DetokenizeResponse,
     p.ModelList,
     p.VersionResponse,
+    p.LoadResponse,
+    p.TokenizerInfoResponse,
 ]
 # Requests in pydantic's validation mode (what is accepted), responses in serialization mode.
 _KEYS: list[tuple[type[BaseModel], JsonSchemaMode]] = [

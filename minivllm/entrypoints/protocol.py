@@ -203,6 +203,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = Field(False, description="Also return each token's string (vLLM).")
 
 
 class DetokenizeRequest(_Request):
@@ -370,6 +371,16 @@ class TokenizeResponse(_Response):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class LoadResponse(_Response):
+    server_load: int  # generation requests in flight
+
+
+class TokenizerInfoResponse(_Response):
+    model_config = ConfigDict(extra="allow")  # the tokenizer's own init settings follow
+    tokenizer_class: str
 
 
 class DetokenizeResponse(_Response):
