@@ -40,6 +40,11 @@ from minivllm.entrypoints.async_engine import AsyncLLMEngine
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.openapi import install_openapi, json_body, responses
 from minivllm.entrypoints.protocol import OpenAIError
+from minivllm.entrypoints.protocol_responses import (
+    ResponsesRequest,
+    ResponsesResponse,
+    ResponsesStreamEvent,
+)
 from minivllm.entrypoints.server_extras import (
     LoadMiddleware,
     RequestIdMiddleware,
@@ -49,6 +54,7 @@ from minivllm.entrypoints.server_extras import (
 from minivllm.entrypoints.serving import error_response
 from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
+from minivllm.entrypoints.serving_responses import OpenAIServingResponses
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("minivllm")
@@ -179,6 +185,7 @@ def build_app(
     limits = (names, max_waiting_requests, engine.config.scheduler.max_num_seqs)
     completion = OpenAIServingCompletion(async_engine, *limits)
     chat = OpenAIServingChat(async_engine, *limits)
+    responses_api = OpenAIServingResponses(chat, async_engine, *limits)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -309,6 +316,23 @@ def build_app(
     async def chat_completions(request: Request) -> Any:
         req = await _parse(request, p.ChatCompletionRequest)
         return await chat.create_chat_completion(req, disconnect_watcher(request))
+
+    @app.post(
+        "/v1/responses",
+        response_model=None,
+        openapi_extra=json_body(
+            ResponsesRequest, {"model": names[0], "input": "Say hello.", "max_output_tokens": 32}
+        ),
+        responses=responses(
+            ResponsesResponse,
+            v1_errors,
+            "A response (text only)",
+            stream=ResponsesStreamEvent,
+        ),
+    )
+    async def create_response(request: Request) -> Any:
+        req = await _parse(request, ResponsesRequest)
+        return await responses_api.create_response(req, disconnect_watcher(request))
 
     @app.post(
         "/tokenize",

@@ -218,12 +218,17 @@ BEAM_SEARCH_REFUSED = (
 )  # fmt: skip
 
 
-def unsupported_fields(req: _SamplingFields) -> None:
-    """Refuse, by name, every declared field that minivllm cannot honour."""
+def refuse_unsupported(req: BaseModel) -> None:
+    """Refuse, by name, every field declared `_unsupported` that the request set."""
     for name, field in type(req).model_fields.items():
         extra = field.json_schema_extra
         if isinstance(extra, dict) and "x-unsupported" in extra and getattr(req, name) is not None:
             raise OpenAIError(str(extra["x-unsupported"]), param=name)
+
+
+def unsupported_fields(req: _SamplingFields) -> None:
+    """Refuse, by name, every declared field that minivllm cannot honour."""
+    refuse_unsupported(req)
     if req.best_of is not None and req.best_of != req.n:
         raise OpenAIError(
             f"best_of must equal n ({req.n}): minivllm returns every sample, got {req.best_of!r}",
