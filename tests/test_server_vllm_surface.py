@@ -134,3 +134,93 @@ def test_serve_on_a_unix_socket_behind_a_root_path_with_request_log(tiny_model: 
         text = log.read()
     assert "Received request cmpl-" in text, text
     assert "POST /v1/completions" not in text  # uvicorn's access line is off
+
+
+# ---------------------------------------------------------------------- chat request fields
+TEMPLATE = (
+    "{% for d in documents or [] %}[doc {{ d.title }}]{% endfor %}"
+    "{% for m in messages %}<{{ m.role }}{% if m.reasoning_content %} thinking={{ m.reasoning_content }}"
+    "{% endif %}>{{ m.content }}{% endfor %}{{ greeting | default('') }}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def tokenize_chat(server: InProcessServer, **body: object) -> httpx.Response:
+    return httpx.post(server.url + "/tokenize", json=body)
+
+
+def text_of(server: InProcessServer, ids: list[int]) -> str:
+    return server.engine.tokenizer.decode(ids)
+
+
+def test_chat_template_kwargs_documents_and_extra_message_fields_reach_the_template(
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server.engine.tokenizer, "chat_template", TEMPLATE)
+    messages = [{"role": "user", "content": "Hi", "reasoning_content": "short"}]
+    chat = {"messages": messages, "max_tokens": 2, "chat_template_kwargs": {"greeting": "!!"}}
+    ids = tokenize_chat(server, messages=messages, chat_template_kwargs={"greeting": "!!"})
+    assert text_of(server, ids.json()["tokens"]) == "<user thinking=short>Hi!!<assistant>"
+    resp = httpx.post(
+        server.base_url + "/chat/completions",
+        json={**chat, "documents": [{"title": "A", "text": "x"}]},
+        timeout=60,
+    )
+    assert resp.status_code == 200
+    assert resp.json()["usage"]["prompt_tokens"] == len(
+        server.engine.tokenizer.encode(
+            "[doc A]<user thinking=short>Hi!!<assistant>", add_special_tokens=False
+        )
+    )
+    clash = httpx.post(
+        server.base_url + "/chat/completions",
+        json={**chat, "chat_template_kwargs": {"add_generation_prompt": False}},
+    )
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open(server: InProcessServer) -> None:
+    messages = [
+        {"role": "user", "content": "Tell a story."},
+        {"role": "assistant", "content": "Once upon a time"},
+    ]
+    ids = tokenize_chat(
+        server, messages=messages, add_generation_prompt=False, continue_final_message=True
+    ).json()["tokens"]
+    assert text_of(server, ids).endswith("Once upon a time")
+    both = httpx.post(
+        server.base_url + "/chat/completions",
+        json={"messages": messages, "continue_final_message": True},
+    )
+    assert both.status_code == 400 and "continue_final_message" in both.json()["error"]["message"]
+
+
+def test_chat_echo_starts_the_reply_with_the_open_assistant_message(
+    server: InProcessServer,
+) -> None:
+    messages = [
+        {"role": "user", "content": "Tell a story."},
+        {"role": "assistant", "content": "Once upon a time"},
+    ]
+    body = {
+        "messages": messages,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "max_tokens": 5,
+        "temperature": 0,
+    }
+    plain = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).json()
+    echoed = httpx.post(
+        server.base_url + "/chat/completions", json={**body, "echo": True}, timeout=60
+    ).json()
+    reply = plain["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["content"] == "Once upon a time" + reply
+    chunks = []
+    with httpx.stream(
+        "POST", server.base_url + "/chat/completions", json={**body, "echo": True, "stream": True}
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                chunks.append(delta.get("content") or "")
+    assert "".join(chunks) == "Once upon a time" + reply

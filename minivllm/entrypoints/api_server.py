@@ -346,7 +346,12 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = chat.apply_chat_template(req.messages, req.add_generation_prompt)
+            ids = chat.apply_chat_template(
+                req.messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+            )
         else:
             assert req.prompt is not None
             ids = list(

@@ -158,6 +158,9 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
+    # Other fields (e.g. `reasoning_content`) are kept and handed to the chat template with the
+    # message, as vLLM does: a template that knows them uses them.
+    model_config = ConfigDict(extra="allow", strict=True)
     # "developer" is OpenAI's new name for "system"; "tool"/"function" need tool calling.
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
@@ -178,6 +181,22 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, description="0..20; needs `logprobs: true`.")
     add_generation_prompt: bool = Field(True, description="vLLM's extra.")
+    continue_final_message: bool = Field(
+        False,
+        description="vLLM's extra: leave the last (assistant) message open, to be continued; "
+        "needs add_generation_prompt false.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's extra: more variables for the chat template."
+    )
+    documents: list[dict[str, str]] | None = Field(
+        None, description="vLLM's extra: documents for a RAG chat template (each a dict)."
+    )
+    echo: bool = Field(
+        False,
+        description="vLLM's extra: start the reply with the last message's content when that "
+        "message is the assistant's (with continue_final_message).",
+    )
     tools: Any = _unsupported("tool calling (tools) is not supported by minivllm")
     tool_choice: Any = _unsupported("tool calling (tool_choice) is not supported by minivllm")
     parallel_tool_calls: Any = _unsupported(
@@ -203,6 +222,8 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = Field(False, description="Also return each token's string (vLLM).")
 
 
