@@ -39,5 +39,8 @@ def process_prompt(
         raise ValueError("prompt must not be empty")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt_token_ids must be in [0, {vocab_size - 1}], got {bad[0]}")
+        raise ValueError(  # vLLM's wording first: clients search for "out of vocabulary"
+            f"Token id {bad[0]} is out of vocabulary: prompt_token_ids must be in "
+            f"[0, {vocab_size - 1}]"
+        )
     return None, list(ids)

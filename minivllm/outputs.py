@@ -55,7 +55,7 @@ def make_request_output(req: Request) -> RequestOutput:
             )
         )
     metrics = {"arrival_time": req.arrival_time}
-    for name in ("first_token_time", "last_token_time", "finished_time"):
+    for name in ("scheduled_time", "first_token_time", "last_token_time", "finished_time"):
         value = getattr(req, name)
         if value is not None:
             metrics[name] = value

@@ -106,6 +106,9 @@ class SamplingParams:
 
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed)
+            # vLLM's bound (torch.long): what a generator's seed and the server's field can hold.
+            if not -(2**63) <= self.seed < 2**63:
+                raise ValueError(f"seed must be in [{-(2**63)}, {2**63 - 1}], got {self.seed}.")
 
         self.stop = self._normalize_stop(self.stop)
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)

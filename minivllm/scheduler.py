@@ -28,6 +28,7 @@ Preempted sequences go back to the *front* of the waiting queue so they keep the
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -147,6 +148,7 @@ class Scheduler:
             if first_admission:  # vLLM v1 reports the first admission's hit, not a recompute's
                 seq.num_cached_tokens = num_cached
             seq.num_computed_tokens = num_cached
+            seq.request.scheduled_time = time.monotonic()  # the queue interval's end (metrics)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

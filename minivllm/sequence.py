@@ -96,6 +96,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None  # why the request failed, when it did
     # Timestamps for latency metrics (time to first token, inter-token latency, end to end).
+    scheduled_time: float | None = None  # the latest admission to the running batch
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None

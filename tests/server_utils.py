@@ -45,7 +45,7 @@ class RemoteServer:
             return f.read()
 
     def metrics(self) -> dict[str, float]:
-        """/metrics as {sample name with labels: value}, e.g. 'minivllm:num_preemptions_total'."""
+        """/metrics as {sample name with labels: value}, e.g. 'vllm:num_preemptions_total'."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
         values: dict[str, float] = {}
         for line in text.splitlines():

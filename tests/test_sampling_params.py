@@ -85,6 +85,14 @@ INVALID = [
         "min_tokens must be less than or equal to max_tokens=5, got 10.",
     ),
     ({"logprobs": 30}, "logprobs must be in [0, 20], got 30."),
+    (
+        {"seed": 2**63},
+        "seed must be in [-9223372036854775808, 9223372036854775807], got 9223372036854775808.",
+    ),
+    (
+        {"seed": -(2**63) - 1},
+        "seed must be in [-9223372036854775808, 9223372036854775807], got -9223372036854775809.",
+    ),
     ({"logprobs": -1}, "logprobs must be in [0, 20], got -1."),
     ({"logprobs": False}, "logprobs must be an int, got False."),
 ]

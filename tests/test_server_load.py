@@ -55,7 +55,7 @@ def test_64_streams_with_preemption_match_their_sequential_outputs(server: Remot
     alone = [
         sync.completions.create(prompt=prompt(i), **kw).choices[0].text for i in range(NUM_PROMPTS)
     ]
-    preempted_before = server.metric("minivllm:num_preemptions_total")
+    preempted_before = server.metric("vllm:num_preemptions_total")
 
     async def burst() -> list[str]:
         client = openai.AsyncOpenAI(
@@ -71,11 +71,11 @@ def test_64_streams_with_preemption_match_their_sequential_outputs(server: Remot
     texts = asyncio.run(burst())
     assert texts == [alone[i % NUM_PROMPTS] for i in range(NUM_CLIENTS)]
     assert len(set(alone)) > 1
-    assert server.metric("minivllm:num_preemptions_total") > preempted_before
-    assert server.metric("minivllm:kv_cache_usage_perc") == 0.0  # no block leaked
-    assert server.metric("minivllm:num_requests_running") == 0
-    assert server.metric("minivllm:num_requests_waiting") == 0
-    assert server.metric("minivllm:request_success_total", finished_reason="length") >= 72
+    assert server.metric("vllm:num_preemptions_total") > preempted_before
+    assert server.metric("vllm:kv_cache_usage_perc") == 0.0  # no block leaked
+    assert server.metric("vllm:num_requests_running") == 0
+    assert server.metric("vllm:num_requests_waiting") == 0
+    assert server.metric("vllm:request_success_total", finished_reason="length") >= 72
     assert "Engine: Avg prompt throughput" in server.log()  # the periodic stats line
 
 

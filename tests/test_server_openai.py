@@ -40,9 +40,9 @@ def wait_idle(server: RemoteServer, timeout: float = 30.0) -> dict[str, float]:
             for k, v in m.items()
             if k.startswith(
                 (
-                    "minivllm:num_requests_running",
-                    "minivllm:num_requests_waiting",
-                    "minivllm:kv_cache_usage_perc",
+                    "vllm:num_requests_running",
+                    "vllm:num_requests_waiting",
+                    "vllm:kv_cache_usage_perc",
                 )
             )
         ]
@@ -239,7 +239,9 @@ BAD_REQUESTS = [
     ("prompt-too-long", "/v1/completions", {**GOOD_COMPLETION, "prompt": "hello " * 1100}, 400, "1024"),
     ("empty-prompt", "/v1/completions", {**GOOD_COMPLETION, "prompt": ""}, 400, "prompt"),
     ("empty-prompt-list", "/v1/completions", {**GOOD_COMPLETION, "prompt": []}, 400, "prompt"),
-    ("token-out-of-vocab", "/v1/completions", {**GOOD_COMPLETION, "prompt": [10**7]}, 400, "prompt"),
+    ("token-out-of-vocab", "/v1/completions", {**GOOD_COMPLETION, "prompt": [10**7]}, 400, "out of vocabulary"),
+    ("seed-past-int64", "/v1/completions", {**GOOD_COMPLETION, "seed": 2**63}, 400, "seed"),
+    ("seed-below-int64", "/v1/chat/completions", {**GOOD_CHAT, "seed": -(2**63) - 1}, 400, "seed"),
     ("mixed-prompt-list", "/v1/completions", {**GOOD_COMPLETION, "prompt": [1, "a"]}, 400, "prompt"),
     ("empty-messages", "/v1/chat/completions", {**GOOD_CHAT, "messages": []}, 400, "messages"),
     ("wrong-role", "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
@@ -349,13 +351,13 @@ def test_chat_stream_with_both_usage_options_counts_from_the_role_chunk(
 # ---------------------------------------------------------------------- disconnects and metrics
 def test_dropped_stream_aborts_and_frees_every_block(server: RemoteServer) -> None:
     before = wait_idle(server)
-    aborted = 'minivllm:request_success_total{finished_reason="abort",model_name="' + MODEL + '"}'
+    aborted = 'vllm:request_success_total{finished_reason="abort",model_name="' + MODEL + '"}'
     body = {**GOOD_COMPLETION, "max_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]  # a few tokens in, then hang up
         assert all(line.startswith("data: ") or not line for line in got)
-        usage = server.metric("minivllm:kv_cache_usage_perc")
+        usage = server.metric("vllm:kv_cache_usage_perc")
         assert usage > 0
     after = wait_idle(server)  # KV usage back to zero
     assert after[aborted] == before[aborted] + 1
@@ -363,7 +365,7 @@ def test_dropped_stream_aborts_and_frees_every_block(server: RemoteServer) -> No
 
 def test_non_streaming_client_that_leaves_aborts_its_request(server: RemoteServer) -> None:
     before = wait_idle(server)
-    aborted = 'minivllm:request_success_total{finished_reason="abort",model_name="' + MODEL + '"}'
+    aborted = 'vllm:request_success_total{finished_reason="abort",model_name="' + MODEL + '"}'
     body = {**GOOD_COMPLETION, "max_tokens": 900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
@@ -383,15 +385,35 @@ def test_metrics_match_what_was_sent(server: RemoteServer, client: openai.OpenAI
     def delta(name: str) -> float:
         return after[name + label] - before[name + label]
 
-    assert delta("minivllm:time_to_first_token_seconds_count") == 3
-    assert delta("minivllm:e2e_request_latency_seconds_count") == 3
-    assert delta("minivllm:inter_token_latency_seconds_count") == 3 * 3
-    assert delta("minivllm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in resps)
-    assert delta("minivllm:generation_tokens_total") == sum(
-        r.usage.completion_tokens for r in resps
-    )
-    length = 'minivllm:request_success_total{finished_reason="length",model_name="' + MODEL + '"}'
+    assert delta("vllm:time_to_first_token_seconds_count") == 3
+    assert delta("vllm:e2e_request_latency_seconds_count") == 3
+    assert delta("vllm:inter_token_latency_seconds_count") == 3 * 3
+    assert delta("vllm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in resps)
+    assert delta("vllm:generation_tokens_total") == sum(r.usage.completion_tokens for r in resps)
+    length = 'vllm:request_success_total{finished_reason="length",model_name="' + MODEL + '"}'
     assert after[length] - before[length] == 3
+    # The per-request histograms of vLLM's v1 set, one observation per request.
+    for name in (
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_max_num_generation_tokens",
+        "request_params_n",
+        "request_params_max_tokens",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+        "request_time_per_output_token_seconds",
+    ):
+        assert delta(f"vllm:{name}_count") == 3, name
+    assert delta("vllm:request_prompt_tokens_sum") == sum(r.usage.prompt_tokens for r in resps)
+    assert delta("vllm:request_generation_tokens_sum") == 3 * 4
+    assert delta("vllm:request_params_max_tokens_sum") == 3 * 4
+    assert delta("vllm:time_per_output_token_seconds_count") == 3 * 3
+    assert delta("vllm:iteration_tokens_total_count") >= 4  # at least one prefill + 3 decodes
+    assert delta("vllm:iteration_tokens_total_sum") >= delta("vllm:generation_tokens_total")
+    info = [k for k in after if k.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and 'block_size="' in info[0] and after[info[0]] == 1.0
 
 
 def test_bench_serve_reports_latencies_and_throughput(server: RemoteServer) -> None:

@@ -34,9 +34,7 @@ def _no_leftover_processes() -> Iterator[None]:
 
 def wait_until_no_block_is_held(server: RemoteServer, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while server.metric("minivllm:kv_cache_usage_perc") or server.metric(
-        "minivllm:num_requests_running"
-    ):
+    while server.metric("vllm:kv_cache_usage_perc") or server.metric("vllm:num_requests_running"):
         assert time.monotonic() < deadline, "the server still holds KV blocks"
         time.sleep(0.2)
 

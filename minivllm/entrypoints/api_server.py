@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -32,15 +33,29 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import minivllm
+from minivllm.beam_search import BeamSearchParams
 from minivllm.engine import LLMEngine
 from minivllm.entrypoints import protocol as p
 from minivllm.entrypoints.async_engine import AsyncLLMEngine
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.openapi import install_openapi, json_body, responses
 from minivllm.entrypoints.protocol import OpenAIError
+from minivllm.entrypoints.protocol_responses import (
+    ResponsesRequest,
+    ResponsesResponse,
+    ResponsesStreamEvent,
+)
+from minivllm.entrypoints.server_extras import (
+    LoadMiddleware,
+    RequestIdMiddleware,
+    ServerLoad,
+    tokenizer_info,
+)
 from minivllm.entrypoints.serving import error_response
 from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
+from minivllm.entrypoints.serving_responses import OpenAIServingResponses
+from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("minivllm")
 
@@ -146,14 +161,31 @@ def build_app(
     on_ready: Callable[[], None] | None = None,
     enable_dashboard: bool = False,
     dashboard_max_steps: int = 256,
+    enable_request_id_headers: bool = False,
+    enable_tokenizer_info_endpoint: bool = False,
+    log_requests: bool = False,
 ) -> FastAPI:
     """An app serving `engine`; its engine thread starts and stops with the app's lifespan."""
     names = served_model_names or [engine.source.name]
-    metrics = ServerMetrics(names[0], log_stats_interval_s)
-    async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step)
+    cache = engine.config.cache
+    cache_info = {
+        "block_size": cache.block_size,
+        "cache_dtype": "auto",
+        "enable_prefix_caching": cache.enable_prefix_caching,
+        "num_gpu_blocks": engine.get_stats().num_kv_blocks,
+    }
+    metrics = ServerMetrics(names[0], log_stats_interval_s, engine.max_model_len, cache_info)
+
+    def on_add(request_id: str, params: SamplingParams | BeamSearchParams) -> None:
+        metrics.on_add(request_id, params)
+        if log_requests:  # vLLM's --enable-log-requests line
+            logger.info("Received request %s: params: %s", request_id, params)
+
+    async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step, on_add=on_add)
     limits = (names, max_waiting_requests, engine.config.scheduler.max_num_seqs)
     completion = OpenAIServingCompletion(async_engine, *limits)
     chat = OpenAIServingChat(async_engine, *limits)
+    responses_api = OpenAIServingResponses(chat, async_engine, *limits)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -171,6 +203,10 @@ def build_app(
         lifespan=lifespan,
     )
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    if enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
+    server_load = ServerLoad()
+    app.add_middleware(LoadMiddleware, load=server_load)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     if enable_dashboard:  # the live trace page at /dashboard (minivllm/entrypoints/dashboard.py)
@@ -282,6 +318,23 @@ def build_app(
         return await chat.create_chat_completion(req, disconnect_watcher(request))
 
     @app.post(
+        "/v1/responses",
+        response_model=None,
+        openapi_extra=json_body(
+            ResponsesRequest, {"model": names[0], "input": "Say hello.", "max_output_tokens": 32}
+        ),
+        responses=responses(
+            ResponsesResponse,
+            v1_errors,
+            "A response (text only)",
+            stream=ResponsesStreamEvent,
+        ),
+    )
+    async def create_response(request: Request) -> Any:
+        req = await _parse(request, ResponsesRequest)
+        return await responses_api.create_response(req, disconnect_watcher(request))
+
+    @app.post(
         "/tokenize",
         response_model=None,
         openapi_extra=json_body(p.TokenizeRequest, {"prompt": "Hello, world"}),
@@ -293,13 +346,25 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = chat.apply_chat_template(req.messages, req.add_generation_prompt)
+            ids = chat.apply_chat_template(
+                req.messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+            )
         else:
             assert req.prompt is not None
             ids = list(
                 engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
             )
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        resp: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": engine.max_model_len,
+            "tokens": ids,
+        }
+        if req.return_token_strs:
+            resp["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+        return resp
 
     @app.post(
         "/detokenize",
@@ -316,5 +381,47 @@ def build_app(
                 f"tokens must be in [0, {engine.vocab_size - 1}], got {bad[0]}", param="tokens"
             )
         return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    @app.get("/load", response_model=None, responses=responses(p.LoadResponse, ()))
+    async def get_load() -> dict[str, int]:
+        return {"server_load": server_load.in_flight}
+
+    if enable_tokenizer_info_endpoint:  # off by default: it shows the chat template
+
+        @app.get(
+            "/tokenizer_info",
+            response_model=None,
+            responses=responses(p.TokenizerInfoResponse, ()),
+        )
+        async def get_tokenizer_info() -> dict[str, Any]:
+            return tokenizer_info(engine.tokenizer)
+
+    @app.post(
+        "/invocations",
+        response_model=None,
+        openapi_extra=json_body(p.ChatCompletionRequest),
+        responses=responses(
+            p.ChatCompletionResponse,
+            v1_errors,
+            "A chat completion (or, for a body with `prompt`, a text completion)",
+            stream=p.ChatCompletionStreamResponse,
+        ),
+    )
+    async def invocations(request: Request) -> Any:
+        # SageMaker's one route (as vLLM): the body says which API it is meant for.
+        body = await request.body()
+        try:
+            keys = json.loads(body or b"{}")
+        except ValueError:
+            keys = None
+        if isinstance(keys, dict) and "messages" in keys:
+            return await chat_completions(request)
+        if isinstance(keys, dict) and "prompt" in keys:
+            return await completions(request)
+        raise OpenAIError(
+            "cannot route the request: the body needs 'messages' (chat completions) or "
+            "'prompt' (completions)",
+            param="messages",
+        )
 
     return app

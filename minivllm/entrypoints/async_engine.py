@@ -57,9 +57,11 @@ class AsyncLLMEngine:
         engine: LLMEngine,
         on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None,
         idle_wakeup_s: float = 1.0,
+        on_add: Callable[[str, SamplingParams | BeamSearchParams], None] | None = None,
     ) -> None:
         self.engine = engine
         self.on_step = on_step  # metrics and stats logging hook; runs in the engine thread
+        self.on_add = on_add  # each request the engine took: metrics, request log; engine thread
         self.idle_wakeup_s = idle_wakeup_s  # how often an idle thread wakes to call on_step
         self.stats: EngineStats = engine.get_stats()
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
@@ -170,6 +172,11 @@ class AsyncLLMEngine:
             cmd.sink(exc)
             return
         self._sinks[cmd.request_id] = cmd.sink
+        if self.on_add is not None:
+            try:
+                self.on_add(cmd.request_id, cmd.params)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("on_add hook failed")
 
     def _abort_all(self) -> None:
         ids = list(self._sinks)

@@ -88,6 +88,42 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's own log level")
     g.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no access-log line per HTTP request from uvicorn",
+    )
+    g.add_argument(
+        "--uds", default=None, help="listen on this unix domain socket instead of --host/--port"
+    )
+    g.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a proxy strips before forwarding (FastAPI's root_path)",
+    )
+    g.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer with an X-Request-Id header: the request's own, or a fresh one",
+    )
+    g.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's settings and chat template)",
+    )
+    logs = g.add_mutually_exclusive_group()
+    logs.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action="store_true",
+        help="log one line per request with its parameters (vLLM's default since 0.10: off)",
+    )
+    logs.add_argument(
+        "--disable-log-requests",
+        dest="log_requests",
+        action="store_false",
+        help="no request log lines (the default; vLLM's older flag)",
+    )
+    g.add_argument(
         "--enable-dashboard",
         action="store_true",
         help="serve a live view of the KV blocks and the scheduler at /dashboard (behind "
@@ -155,11 +191,11 @@ def serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [args.model or engine.source.name]
 
     def ready() -> None:  # logged once the engine thread runs, before uvicorn's own line
+        where = f"unix:{args.uds}" if args.uds else f"http://{args.host}:{args.port}"
         logging.getLogger("minivllm").info(
-            "minivllm server ready: serving %s on http://%s:%d (OpenAI API under /v1)",
+            "minivllm server ready: serving %s on %s (OpenAI API under /v1)",
             ", ".join(names),
-            args.host,
-            args.port,
+            where,
         )
 
     app = build_app(
@@ -172,8 +208,19 @@ def serve(args: argparse.Namespace) -> int:
         on_ready=ready,
         enable_dashboard=args.enable_dashboard,
         dashboard_max_steps=args.dashboard_max_steps,
+        enable_request_id_headers=args.enable_request_id_headers,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        log_requests=args.log_requests,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        uds=args.uds,
+        root_path=args.root_path,  # behind a proxy that strips a path prefix (vLLM's --root-path)
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+    )
     return 0
 
 

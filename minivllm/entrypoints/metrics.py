@@ -1,13 +1,17 @@
 """What the server tells its operators: Prometheus metrics and the periodic stats log line.
 
-The metric names are vLLM's (vllm/v1/metrics/loggers.py: `PrometheusStatLogger`) under a
-`minivllm:` prefix, so vLLM's Grafana dashboards need one search-and-replace. Each app owns its
-`CollectorRegistry` (not prometheus_client's global one), so tests can build several apps in one
-process. The log line is vLLM's `LoggingStatLogger`: throughputs over the last interval, queue
-lengths, KV cache usage, prefix-cache hit rate and preemptions.
+The names, types, labels and buckets are vLLM v1's (`vllm/v1/metrics/loggers.py`:
+`PrometheusStatLogger`), `vllm:` prefix included, so that a Grafana dashboard or an autoscaler
+written for vLLM reads this server unchanged; every series carries a `model_name` label. Each app
+owns its `CollectorRegistry` (not prometheus_client's global one), so tests can build several apps
+in one process. The log line is vLLM's `LoggingStatLogger`: throughputs over the last interval,
+queue lengths, KV cache usage, prefix-cache hit rate and preemptions.
 
-Everything here runs in the engine thread, through `AsyncLLMEngine.on_step`, after each step:
-the latencies come from the engine's own timestamps (`RequestOutput.metrics`, time.monotonic).
+Everything here runs in the engine thread, through `AsyncLLMEngine.on_step` / `on_add`, after
+each step: the latencies come from the engine's own timestamps (`RequestOutput.metrics`,
+time.monotonic), and the intervals are vLLM's (docs/design/metrics.md there): queue = arrival to
+the latest scheduling, prefill = scheduling to first token, decode = first to last token,
+inference = scheduling to last token.
 """
 
 from __future__ import annotations
@@ -15,22 +19,40 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, fields
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from minivllm.beam_search import BeamSearchParams
 from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
 from minivllm.stats import EngineStats
 
 logger = logging.getLogger("minivllm")
+
+PREFIX = "vllm:"  # vLLM's own prefix: dashboards query these names verbatim
 
 # vLLM's buckets (seconds).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0]  # fmt: skip
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value`."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
 
 
 _ZERO_STATS = EngineStats(**{f.name: 0 for f in fields(EngineStats)})
@@ -45,36 +67,122 @@ class _Seen:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, log_interval_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        log_interval_s: float = 5.0,
+        max_model_len: int = 2048,
+        cache_config: dict[str, Any] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
-        r, p = self.registry, "minivllm:"
+        r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(p + name, doc, labels, registry=r)
+            return Gauge(PREFIX + name, doc, labels, registry=r)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(p + name, doc, [*labels, *extra], registry=r)
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=r)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(p + name, doc, labels, buckets=buckets, registry=r)
+        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
 
-        self.running = gauge("num_requests_running", "Sequences in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of started requests.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        # Scheduler state, after every step (gauges).
+        self.running = gauge(
+            "num_requests_running", "Number of requests in model execution batches."
+        )
+        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        # What the steps did (counters; prometheus_client appends `_total`).
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "generation_tokens", "Number of generation tokens processed."
+        )
+        self.preemptions = counter(
+            "num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self.success = counter(
-            "request_success", "Finished requests, by finish reason.", ("finished_reason",)
+            "request_success", "Count of successfully processed requests.", ("finished_reason",)
         )
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache.")
-        self.preemptions = counter("num_preemptions", "Sequences preempted (recomputed later).")
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+        )  # fmt: skip
+        # Per request, at its end (histograms).
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.request_max_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", token_buckets,
+        )  # fmt: skip
+        self.request_params_n = histogram(
+            "request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20]
+        )
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        )  # fmt: skip
+        # Latencies (histograms, seconds).
         self.ttft = histogram(
-            "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
-        )
-        self.itl = histogram("inter_token_latency_seconds", "Between two tokens.", ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )  # fmt: skip
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        )  # fmt: skip
+        # vLLM keeps this older name beside inter_token_latency (same observations) for dashboards.
+        self.tpot = histogram(
+            "time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (deprecated name of the inter-token "
+            "latency).", ITL_BUCKETS,
+        )  # fmt: skip
+        self.request_tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS,
+        )  # fmt: skip
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.inference_time = histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.decode_time = histogram(
+            "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        # The cache's configuration as labels of a constant 1 (vLLM's Info-style gauge).
+        info = {k: str(v) for k, v in (cache_config or {}).items()}
+        cache_info = Gauge(
+            PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig",
+            list(info), registry=r,
+        )  # fmt: skip
+        if info:
+            cache_info.labels(**info).set(1)
+        else:
+            cache_info.set(1)
+
         self._label = {"model_name": model_name}
         for reason in FINISH_REASONS:  # present at 0 from the start, as vLLM does
             self.success.labels(model_name=model_name, finished_reason=reason)
@@ -86,16 +194,25 @@ class ServerMetrics:
         self._log_last = _ZERO_STATS
         self._log_time = time.monotonic()
 
-    # ------------------------------------------------------------------ the engine-thread hook
+    # ------------------------------------------------------------------ the engine-thread hooks
+    def on_add(self, request_id: str, params: SamplingParams | BeamSearchParams) -> None:
+        """A request entered the engine: its parameters' histograms."""
+        n = params.n if isinstance(params, SamplingParams) else params.beam_width
+        self.request_params_n.labels(**self._label).observe(n)
+        if params.max_tokens is not None:
+            self.request_params_max_tokens.labels(**self._label).observe(params.max_tokens)
+
     def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         lab = self._label
         self.running.labels(**lab).set(stats.num_running)
         self.waiting.labels(**lab).set(stats.num_waiting)
         self.kv_usage.labels(**lab).set(stats.kv_cache_usage)
         last = self._last or _ZERO_STATS
-        self.generation_tokens.labels(**lab).inc(
-            stats.num_generated_tokens - last.num_generated_tokens
-        )
+        prompt = stats.num_prompt_tokens_computed - last.num_prompt_tokens_computed
+        generated = stats.num_generated_tokens - last.num_generated_tokens
+        self.generation_tokens.labels(**lab).inc(generated)
+        if stats.num_steps > last.num_steps and prompt + generated > 0:
+            self.iteration_tokens.labels(**lab).observe(prompt + generated)
         self.prefix_queries.labels(**lab).inc(
             stats.num_prefix_cache_queries - last.num_prefix_cache_queries
         )
@@ -114,18 +231,43 @@ class ServerMetrics:
         first, last = m.get("first_token_time"), m.get("last_token_time")
         num_tokens = max((len(o.token_ids) for o in out.outputs), default=0)
         if first is not None and seen.last_token_time is None:
+            # vLLM counts a request's prompt tokens once, when its first token arrives.
             self.prompt_tokens.labels(**lab).inc(len(out.prompt_token_ids))
             self.ttft.labels(**lab).observe(first - m["arrival_time"])
         elif last is not None and seen.last_token_time is not None and num_tokens > seen.num_tokens:
             self.itl.labels(**lab).observe(last - seen.last_token_time)
+            self.tpot.labels(**lab).observe(last - seen.last_token_time)
         if last is not None:
             seen.last_token_time, seen.num_tokens = last, num_tokens
         if out.finished:
             del self._seen[out.request_id]
-            reason = "error" if out.error else (out.outputs[0].finish_reason or "abort")
-            self.success.labels(**lab, finished_reason=reason).inc()
-            end = m.get("finished_time", time.monotonic())
-            self.e2e.labels(**lab).observe(end - m["arrival_time"])
+            self._observe_finished(out)
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        lab, m = self._label, out.metrics
+        reason = "error" if out.error else (out.outputs[0].finish_reason or "abort")
+        self.success.labels(**lab, finished_reason=reason).inc()
+        arrival, end = m["arrival_time"], m.get("finished_time", time.monotonic())
+        self.e2e.labels(**lab).observe(end - arrival)
+        lengths = [len(o.token_ids) for o in out.outputs]
+        self.request_prompt_tokens.labels(**lab).observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.labels(**lab).observe(sum(lengths))
+        self.request_max_generation_tokens.labels(**lab).observe(max(lengths, default=0))
+        scheduled, first, last = (
+            m.get("scheduled_time"),
+            m.get("first_token_time"),
+            m.get("last_token_time"),
+        )
+        if scheduled is None:
+            return  # aborted or failed while it waited: it never ran
+        self.queue_time.labels(**lab).observe(scheduled - arrival)
+        if first is None or last is None:
+            return
+        self.prefill_time.labels(**lab).observe(max(first - scheduled, 0.0))
+        self.decode_time.labels(**lab).observe(last - first)
+        self.inference_time.labels(**lab).observe(max(last - scheduled, 0.0))
+        if max(lengths, default=0) > 1:
+            self.request_tpot.labels(**lab).observe((last - first) / (max(lengths) - 1))
 
     def _maybe_log(self, stats: EngineStats) -> None:
         now = time.monotonic()

@@ -22,12 +22,14 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from minivllm.entrypoints import protocol as p
+from minivllm.entrypoints import protocol_responses as pr
 
 _REQUEST_MODELS: list[type[BaseModel]] = [
     p.CompletionRequest,
     p.ChatCompletionRequest,
     p.TokenizeRequest,
     p.DetokenizeRequest,
+    pr.ResponsesRequest,
 ]
 _RESPONSE_MODELS: list[type[BaseModel]] = [
     p.ErrorResponse,
@@ -39,6 +41,10 @@ _RESPONSE_MODELS: list[type[BaseModel]] = [
     p.DetokenizeResponse,
     p.ModelList,
     p.VersionResponse,
+    p.LoadResponse,
+    p.TokenizerInfoResponse,
+    pr.ResponsesResponse,
+    pr.ResponsesStreamEvent,
 ]
 # Requests in pydantic's validation mode (what is accepted), responses in serialization mode.
 _KEYS: list[tuple[type[BaseModel], JsonSchemaMode]] = [

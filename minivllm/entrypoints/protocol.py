@@ -158,6 +158,9 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
+    # Other fields (e.g. `reasoning_content`) are kept and handed to the chat template with the
+    # message, as vLLM does: a template that knows them uses them.
+    model_config = ConfigDict(extra="allow", strict=True)
     # "developer" is OpenAI's new name for "system"; "tool"/"function" need tool calling.
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
@@ -178,6 +181,22 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, description="0..20; needs `logprobs: true`.")
     add_generation_prompt: bool = Field(True, description="vLLM's extra.")
+    continue_final_message: bool = Field(
+        False,
+        description="vLLM's extra: leave the last (assistant) message open, to be continued; "
+        "needs add_generation_prompt false.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's extra: more variables for the chat template."
+    )
+    documents: list[dict[str, str]] | None = Field(
+        None, description="vLLM's extra: documents for a RAG chat template (each a dict)."
+    )
+    echo: bool = Field(
+        False,
+        description="vLLM's extra: start the reply with the last message's content when that "
+        "message is the assistant's (with continue_final_message).",
+    )
     tools: Any = _unsupported("tool calling (tools) is not supported by minivllm")
     tool_choice: Any = _unsupported("tool calling (tool_choice) is not supported by minivllm")
     parallel_tool_calls: Any = _unsupported(
@@ -203,6 +222,9 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = Field(False, description="Also return each token's string (vLLM).")
 
 
 class DetokenizeRequest(_Request):
@@ -217,12 +239,17 @@ BEAM_SEARCH_REFUSED = (
 )  # fmt: skip
 
 
-def unsupported_fields(req: _SamplingFields) -> None:
-    """Refuse, by name, every declared field that minivllm cannot honour."""
+def refuse_unsupported(req: BaseModel) -> None:
+    """Refuse, by name, every field declared `_unsupported` that the request set."""
     for name, field in type(req).model_fields.items():
         extra = field.json_schema_extra
         if isinstance(extra, dict) and "x-unsupported" in extra and getattr(req, name) is not None:
             raise OpenAIError(str(extra["x-unsupported"]), param=name)
+
+
+def unsupported_fields(req: _SamplingFields) -> None:
+    """Refuse, by name, every declared field that minivllm cannot honour."""
+    refuse_unsupported(req)
     if req.best_of is not None and req.best_of != req.n:
         raise OpenAIError(
             f"best_of must equal n ({req.n}): minivllm returns every sample, got {req.best_of!r}",
@@ -370,6 +397,16 @@ class TokenizeResponse(_Response):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class LoadResponse(_Response):
+    server_load: int  # generation requests in flight
+
+
+class TokenizerInfoResponse(_Response):
+    model_config = ConfigDict(extra="allow")  # the tokenizer's own init settings follow
+    tokenizer_class: str
 
 
 class DetokenizeResponse(_Response):

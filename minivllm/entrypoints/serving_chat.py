@@ -25,7 +25,15 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         req, from_model = self.with_model_defaults(req)
-        ids = self.apply_chat_template(req.messages, req.add_generation_prompt)
+        ids = self.apply_chat_template(
+            req.messages,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+            req.documents,
+        )
+        last = req.messages[-1]
+        echo = last.text() if req.echo and last.role == "assistant" else ""
         requested: int | None = req.max_tokens
         field = "max_tokens"
         if req.max_completion_tokens is not None:
@@ -63,7 +71,7 @@ class OpenAIServingChat(OpenAIServing):
                 return {**chunk_header, "choices": [ch]}
 
             def role_chunk(index: int) -> dict[str, Any]:
-                delta = {"role": "assistant", "content": ""}
+                delta = {"role": "assistant", "content": echo}
                 ch = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
                 return {**chunk_header, "choices": [ch]}
 
@@ -75,7 +83,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": {"role": "assistant", "content": echo + c.text},
                 "logprobs": logprobs_of(c, 0),
                 "finish_reason": finish_reason(c),
             }
@@ -83,14 +91,45 @@ class OpenAIServingChat(OpenAIServing):
         ]
         return {**header, "choices": choices, "usage": usage(finals)}
 
-    def apply_chat_template(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[Any],
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        documents: list[dict[str, str]] | None = None,
+    ) -> list[int]:
+        if add_generation_prompt and continue_final_message:  # vLLM's rule and wording
+            raise OpenAIError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
         conversation = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            {
+                **(m.model_extra or {}),
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.text(),
+                **({"name": m.name} if m.name is not None else {}),
+            }
             for m in messages
         ]
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message"}
+        clash = sorted(reserved & set(kwargs))
+        if clash:
+            raise OpenAIError(
+                f"chat_template_kwargs must not set {clash[0]!r}: it is a request field or "
+                "decided by the server",
+                param="chat_template_kwargs",
+            )
         try:
             ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                documents=documents,
+                tokenize=True,
+                **kwargs,
             )
         except Exception as exc:  # jinja's TemplateError: e.g. roles the template refuses
             raise OpenAIError(f"the chat template failed: {exc}", param="messages") from None

@@ -1,0 +1,120 @@
+"""The Responses API's request body (`POST /v1/responses`), text only: OpenAI's names, and vLLM's
+choice to refuse by name what it does not serve.
+
+What minivllm serves: `input` as a string or a list of messages (`role` + `content`, a string or
+`input_text` / `output_text` parts), `instructions` (a system message ahead of the input),
+`max_output_tokens`, `temperature`, `top_p`, `stream`, `user` and `metadata` (echoed). It keeps
+no conversation state, so `store: true` and `previous_response_id` are a 400 that says so, as
+are tools, reasoning, background runs and non-text formats.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from minivllm.entrypoints.protocol import _Request, _Response, _unsupported
+
+
+class InputTextPart(_Request):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # sent back by clients replaying an output_text
+
+
+class InputMessage(_Request):
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputTextPart]
+    id: str | None = None  # replayed output items carry them; not used
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class TextFormat(_Request):
+    type: Literal["text"]
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Request):
+    model: str | None = Field(None, description="A served model name; omitted: the first one.")
+    input: str | list[InputMessage] = Field(description="A prompt, or a list of messages.")
+    instructions: str | None = Field(None, description="A system message ahead of `input`.")
+    max_output_tokens: int | None = Field(None, description="Omitted: what the context leaves.")
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = Field(False, description="Send the Responses API's server-sent events.")
+    store: bool = Field(False, description="Only false: minivllm keeps no responses.")
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    text: TextConfig | None = None
+    truncation: Literal["disabled"] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: Any = _unsupported(
+        "previous_response_id needs stored responses, which minivllm does not keep; send the "
+        "whole conversation as `input`"
+    )
+    tools: Any = _unsupported("tools are not supported on /v1/responses by minivllm")
+    tool_choice: Any = _unsupported("tool_choice is not supported on /v1/responses by minivllm")
+    reasoning: Any = _unsupported("reasoning is not supported by minivllm")
+    background: Any = _unsupported("background responses are not supported by minivllm")
+    include: Any = _unsupported("include is not supported by minivllm")
+    prompt: Any = _unsupported("prompt templates are not supported by minivllm")
+    top_logprobs: Any = _unsupported("top_logprobs is not supported on /v1/responses by minivllm")
+
+
+# ---------------------------------------------------------------------- responses
+class OutputText(_Response):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any] | None = None
+
+
+class OutputMessage(_Response):
+    id: str
+    type: Literal["message"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class ResponseUsage(_Response):
+    input_tokens: int
+    input_tokens_details: dict[str, int]  # cached_tokens: prompt tokens served by the prefix cache
+    output_tokens: int
+    output_tokens_details: dict[str, int]  # reasoning_tokens: always 0 here
+    total_tokens: int
+
+
+class ResponsesResponse(_Response):
+    model_config = ConfigDict(extra="allow")  # the request's settings are echoed beside these
+    id: str
+    object: Literal["response"]
+    created_at: int
+    model: str
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    incomplete_details: dict[str, str] | None = None
+    output: list[OutputMessage]
+    usage: ResponseUsage | None = None
+    error: dict[str, str] | None = None
+
+
+class ResponsesStreamEvent(_Response):
+    """One event of a stream: `response.created`, `response.in_progress`,
+    `response.output_item.added`, `response.content_part.added`, `response.output_text.delta`
+    (many), `response.output_text.done`, `response.content_part.done`,
+    `response.output_item.done`, then `response.completed` (or `response.incomplete`, or
+    `response.failed`)."""
+
+    model_config = ConfigDict(extra="allow")  # each event type's own fields
+    type: str
+    sequence_number: int

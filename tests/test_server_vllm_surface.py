@@ -1,0 +1,226 @@
+"""The parts of vLLM's server that operators and routers rely on: request-id headers, `/load`,
+`/tokenizer_info`, `/tokenize` with token strings, `/invocations` (SageMaker's one route),
+`--root-path`, `--uds`, the request log and the access log switch.
+
+A tiny random Llama serves them: these tests are about the HTTP surface, not the answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from engine_utils import save_tiny_llama
+from server_utils import STARTUP_TIMEOUT_S, InProcessServer, serve_in_process
+
+from minivllm.engine import LLMEngine
+from minivllm.engine_args import EngineArgs
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path):
+    config = EngineArgs(
+        model=str(tiny_model), max_model_len=128, block_size=4, num_gpu_blocks_override=128
+    ).create_engine_config()
+    with serve_in_process(
+        LLMEngine(config),
+        enable_request_id_headers=True,
+        enable_tokenizer_info_endpoint=True,
+    ) as s:
+        yield s
+
+
+def test_request_id_header_echoes_the_clients_or_makes_one(server: InProcessServer) -> None:
+    given = httpx.get(server.url + "/health", headers={"X-Request-Id": "abc-123"})
+    assert given.headers["x-request-id"] == "abc-123"
+    made = httpx.post(server.url + "/tokenize", json={"prompt": "hi"})
+    assert len(made.headers["x-request-id"]) == 32  # a uuid4, hex
+    other = httpx.post(server.url + "/tokenize", json={"prompt": "hi"})
+    assert other.headers["x-request-id"] != made.headers["x-request-id"]
+
+
+def test_load_counts_generation_requests_in_flight(server: InProcessServer) -> None:
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
+    body = {"prompt": "Once", "max_tokens": 64, "ignore_eos": True, "stream": True}
+    seen: list[int] = []
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as resp:
+        for _ in resp.iter_lines():
+            if not seen:  # the stream has started: this request is in flight
+                seen.append(httpx.get(server.url + "/load").json()["server_load"])
+    assert seen == [1]
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
+
+
+def test_tokenizer_info_names_the_class_and_the_template(server: InProcessServer) -> None:
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    tok = server.engine.tokenizer
+    assert info["tokenizer_class"] == type(tok).__name__
+    assert info["chat_template"] == tok.chat_template
+    json.dumps(info)  # every value is JSON
+
+
+def test_tokenize_returns_token_strings(server: InProcessServer) -> None:
+    out = httpx.post(
+        server.url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}
+    ).json()
+    tok = server.engine.tokenizer
+    assert out["token_strs"] == tok.convert_ids_to_tokens(out["tokens"])
+    assert "token_strs" not in httpx.post(server.url + "/tokenize", json={"prompt": "Hi"}).json()
+
+
+def test_invocations_routes_by_body(server: InProcessServer) -> None:
+    chat = httpx.post(
+        server.url + "/invocations",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+        timeout=60,
+    )
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    text = httpx.post(
+        server.url + "/invocations", json={"prompt": "Hi", "max_tokens": 3}, timeout=60
+    )
+    assert text.status_code == 200 and text.json()["object"] == "text_completion"
+    neither = httpx.post(server.url + "/invocations", json={"input": "Hi"})
+    assert neither.status_code == 400
+    assert "messages" in neither.json()["error"]["message"]
+    bad_field = httpx.post(server.url + "/invocations", json={"prompt": "Hi", "max_tokens": -1})
+    assert bad_field.status_code == 400 and bad_field.json()["error"]["param"] == "max_tokens"
+
+
+def test_serve_on_a_unix_socket_behind_a_root_path_with_request_log(tiny_model: Path) -> None:
+    sock = Path(tempfile.mkdtemp(prefix="minivllm-uds-")) / "server.sock"
+    cmd = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", str(tiny_model)]
+    cmd += ["--uds", str(sock), "--enable-log-requests", "--disable-uvicorn-access-log"]
+    cmd += ["--root-path", "/llm"]
+    cmd += ["--max-model-len", "128", "--num-gpu-blocks-override", "64"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            client = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=60)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while True:
+                assert proc.poll() is None, "the server exited"
+                try:
+                    if client.get("http://uds/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "the server did not start in time"
+                time.sleep(0.5)
+            resp = client.post("http://uds/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert resp.status_code == 200
+            # The proxy strips /llm; the schema tells clients where the API is published.
+            assert client.get("http://uds/openapi.json").json()["servers"] == [{"url": "/llm"}]
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        text = log.read()
+    assert "Received request cmpl-" in text, text
+    assert "POST /v1/completions" not in text  # uvicorn's access line is off
+
+
+# ---------------------------------------------------------------------- chat request fields
+TEMPLATE = (
+    "{% for d in documents or [] %}[doc {{ d.title }}]{% endfor %}"
+    "{% for m in messages %}<{{ m.role }}{% if m.reasoning_content %} thinking={{ m.reasoning_content }}"
+    "{% endif %}>{{ m.content }}{% endfor %}{{ greeting | default('') }}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def tokenize_chat(server: InProcessServer, **body: object) -> httpx.Response:
+    return httpx.post(server.url + "/tokenize", json=body)
+
+
+def text_of(server: InProcessServer, ids: list[int]) -> str:
+    return server.engine.tokenizer.decode(ids)
+
+
+def test_chat_template_kwargs_documents_and_extra_message_fields_reach_the_template(
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server.engine.tokenizer, "chat_template", TEMPLATE)
+    messages = [{"role": "user", "content": "Hi", "reasoning_content": "short"}]
+    chat = {"messages": messages, "max_tokens": 2, "chat_template_kwargs": {"greeting": "!!"}}
+    ids = tokenize_chat(server, messages=messages, chat_template_kwargs={"greeting": "!!"})
+    assert text_of(server, ids.json()["tokens"]) == "<user thinking=short>Hi!!<assistant>"
+    resp = httpx.post(
+        server.base_url + "/chat/completions",
+        json={**chat, "documents": [{"title": "A", "text": "x"}]},
+        timeout=60,
+    )
+    assert resp.status_code == 200
+    assert resp.json()["usage"]["prompt_tokens"] == len(
+        server.engine.tokenizer.encode(
+            "[doc A]<user thinking=short>Hi!!<assistant>", add_special_tokens=False
+        )
+    )
+    clash = httpx.post(
+        server.base_url + "/chat/completions",
+        json={**chat, "chat_template_kwargs": {"add_generation_prompt": False}},
+    )
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open(server: InProcessServer) -> None:
+    messages = [
+        {"role": "user", "content": "Tell a story."},
+        {"role": "assistant", "content": "Once upon a time"},
+    ]
+    ids = tokenize_chat(
+        server, messages=messages, add_generation_prompt=False, continue_final_message=True
+    ).json()["tokens"]
+    assert text_of(server, ids).endswith("Once upon a time")
+    both = httpx.post(
+        server.base_url + "/chat/completions",
+        json={"messages": messages, "continue_final_message": True},
+    )
+    assert both.status_code == 400 and "continue_final_message" in both.json()["error"]["message"]
+
+
+def test_chat_echo_starts_the_reply_with_the_open_assistant_message(
+    server: InProcessServer,
+) -> None:
+    messages = [
+        {"role": "user", "content": "Tell a story."},
+        {"role": "assistant", "content": "Once upon a time"},
+    ]
+    body = {
+        "messages": messages,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "max_tokens": 5,
+        "temperature": 0,
+    }
+    plain = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).json()
+    echoed = httpx.post(
+        server.base_url + "/chat/completions", json={**body, "echo": True}, timeout=60
+    ).json()
+    reply = plain["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["content"] == "Once upon a time" + reply
+    chunks = []
+    with httpx.stream(
+        "POST", server.base_url + "/chat/completions", json={**body, "echo": True, "stream": True}
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                chunks.append(delta.get("content") or "")
+    assert "".join(chunks) == "Once upon a time" + reply
