@@ -14,7 +14,7 @@ Each op is held to its formula in both layouts it takes: token-major rows, and t
 views that the model's CPU linears return ((W · xᵀ)ᵀ, a [T, N] view of a contiguous [N, T]), made
 here the way the model makes them, with `torch.mm(w, x.t()).t()`.
 
-Like tests/test_attention_cpu.py, these build the library (once per machine, ~20 s) and fail
+Like tests/test_kernels_cpu_attention.py, these build the library (once per machine, ~20 s) and fail
 rather than skip where it cannot be built: a skipped kernel test would pass on a broken build.
 """
 
@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.attention.cpu_build import load_cpu_kernels
-from minivllm.model.cpu_layer_ops import (
+from minivllm.kernels.cpu_build import load_cpu_kernels
+from minivllm.kernels.cpu_ops import (
     fused_add_rms_norm,
     rms_norm,
     rotary_embedding,

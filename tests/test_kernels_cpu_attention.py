@@ -31,7 +31,7 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 MODES = ["decode", "decode_split", "prefill", "extend", "mixed"]
 HEADS = [(4, 4), (4, 2), (9, 3), (8, 1)]
 CASES = list(itertools.product(MODES, HEADS, [F32, F16, BF16], [64, 80], [16, 32]))
-# float32 at the head sizes the AVX-512 loops take (cpu_decode_avx512.cpp: 32, 64, 128), with
+# float32 at the head sizes the AVX-512 loops take (cpu_attention_avx512.cpp: 32, 64, 128), with
 # blocks shorter than, equal to and longer than their 16-token tile, and not a multiple of it.
 AVX512_CASES = [
     case
