@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from minivllm.attention import cpu as cpu_module
-from minivllm.attention import cpu_build, get_attention_backend
+from minivllm.attention import get_attention_backend
+from minivllm.kernels import cpu_build
 from minivllm.kernels.cpu_build import CpuKernelUnavailable
 
 LIBRARY = "minivllm_cpu_kernels.so"

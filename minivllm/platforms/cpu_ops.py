@@ -99,9 +99,9 @@ def rotary_embedding_forward_cpu(
 
 # ---------------------------------------------------------------------------------- LM head
 def prepack_lm_head(head: ParallelLMHead) -> None:
-    """Keep a copy of the weight in oneDNN's blocked layout (`head.packed_weight`; None where
+    """Keep a copy of the weight in oneDNN's blocked layout (`head.packed_weight`; not set where
     oneDNN is missing or the weight is not float32, the dtype these timings hold for)."""
-    head.packed_weight = None
+    head.__dict__.pop("packed_weight", None)  # a copy of an earlier dispatch's weight
     if head.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
         with torch.no_grad():
             # 64 rows is the hint oneDNN plans its blocking for; any row count runs on the result.
@@ -112,7 +112,7 @@ def prepack_lm_head(head: ParallelLMHead) -> None:
 def lm_head_forward_cpu(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
     """[S, R] logits of this rank's vocabulary rows, in the weight's dtype, for hidden [S, h]."""
     weight = head.weight  # [R, hidden]
-    packed = head.packed_weight
+    packed = getattr(head, "packed_weight", None)  # [R, hidden] in oneDNN's layout
     if packed is not None:
         if hidden.shape[0] <= LM_HEAD_SKINNY_ROWS and cpu_ops.skinny_gemm_applies(hidden, weight):
             return cpu_ops.skinny_gemm(hidden, weight)
