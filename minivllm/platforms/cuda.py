@@ -19,6 +19,7 @@ class CudaPlatform(Platform):
     device_type = "cuda"
     default_attention_backend = "triton"
     attention_backends = ("reference", "triton")
+    dist_backend = "nccl"
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

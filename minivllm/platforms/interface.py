@@ -9,6 +9,7 @@ no other module asks `device.type` to pick its code:
   "all" runs the platform's fused kernels, "none" runs every op's plain-PyTorch `forward_native`);
 - the attention backend that `"auto"` means, and the backends that run on the device;
 - the dtype that `"auto"` means, and how many bytes the KV cache may take;
+- the collective library between tensor-parallel ranks (`dist_backend`, vLLM's name);
 - whether a decode step may be replayed as one captured call (`capture_decode_layers`, which the
   model runner owns, as vLLM's runner owns CUDA-graph capture).
 
@@ -51,6 +52,7 @@ class Platform:
     device_type: str = ""
     default_attention_backend: str = "reference"
     attention_backends: tuple[str, ...] = ("reference",)  # those that run on this device
+    dist_backend: str = "gloo"  # torch.distributed's library for collectives between ranks
 
     def default_dtype(self) -> torch.dtype:
         """What dtype "auto" means."""
