@@ -21,13 +21,9 @@ from test_attention_reference import TOLERANCES, batch_shape, make_paged_batch
 
 from minivllm.attention import cpu as cpu_module
 from minivllm.attention import get_attention_backend, resolve_backend_name
-from minivllm.attention.cpu import (
-    CpuBackend,
-    CpuKernelUnavailable,
-    paged_decode,
-    reshape_and_cache,
-)
+from minivllm.attention.cpu import CpuBackend, CpuKernelUnavailable
 from minivllm.attention.reference import ReferenceBackend
+from minivllm.kernels.cpu_ops import paged_decode, reshape_and_cache
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 MODES = ["decode", "decode_split", "prefill", "extend", "mixed"]
