@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from minivllm.benchmarks.machine import timed_us
 from minivllm.benchmarks.report import print_table
-from minivllm.model import cpu_layer_ops
+from minivllm.kernels import cpu_ops
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
 EPS = 1e-5
@@ -50,8 +50,8 @@ def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def bench_silu_and_mul(tokens: int, dtype: torch.dtype) -> dict[str, float]:
     x = linear_output(tokens, 2 * INTERMEDIATE, dtype)  # gate_up: [T, 2 * I]
     return {
-        "feature-major": median_us(lambda: cpu_layer_ops.silu_and_mul(x)),
-        "copy + rows": median_us(lambda: cpu_layer_ops.silu_and_mul(x.contiguous())),
+        "feature-major": median_us(lambda: cpu_ops.silu_and_mul(x)),
+        "copy + rows": median_us(lambda: cpu_ops.silu_and_mul(x.contiguous())),
         "plain": median_us(lambda: F.silu(x[:, :INTERMEDIATE]) * x[:, INTERMEDIATE:]),
     }
 
@@ -65,11 +65,9 @@ def bench_fused_add_rms_norm(tokens: int, dtype: torch.dtype) -> dict[str, float
         return rms_norm_formula(x + residual, weight)  # the add, then the norm
 
     return {  # in place: x keeps being a normalized row, so repeated calls stay in range
-        "feature-major": median_us(
-            lambda: cpu_layer_ops.fused_add_rms_norm(x, residual, weight, EPS)
-        ),
+        "feature-major": median_us(lambda: cpu_ops.fused_add_rms_norm(x, residual, weight, EPS)),
         "copy + rows": median_us(
-            lambda: cpu_layer_ops.fused_add_rms_norm(x.contiguous(), residual, weight, EPS)
+            lambda: cpu_ops.fused_add_rms_norm(x.contiguous(), residual, weight, EPS)
         ),
         "plain": median_us(plain),
     }
@@ -93,11 +91,9 @@ def bench_rotary_embedding(tokens: int, dtype: torch.dtype) -> dict[str, float]:
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
     return {
-        "feature-major": median_us(
-            lambda: cpu_layer_ops.rotary_embedding(positions, view(qkv), cos_sin)
-        ),
+        "feature-major": median_us(lambda: cpu_ops.rotary_embedding(positions, view(qkv), cos_sin)),
         "copy + rows": median_us(
-            lambda: cpu_layer_ops.rotary_embedding(positions, view(qkv.contiguous()), cos_sin)
+            lambda: cpu_ops.rotary_embedding(positions, view(qkv.contiguous()), cos_sin)
         ),
         "plain": median_us(plain),
     }

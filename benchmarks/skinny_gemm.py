@@ -8,7 +8,7 @@ turn, as a step does, with fresh random weights of the model's shapes:
 
 - `mkl`: `parallel_layers.linear`, (W · xᵀ)ᵀ by MKL (the plain path, and the fast path above
   `SKINNY_GEMM_MAX_ROWS`);
-- `skinny`: `cpu_layer_ops.skinny_gemm`, the kernel of `minivllm/model/cpu_gemm_kernels.cpp`.
+- `skinny`: `cpu_ops.skinny_gemm`, the kernel of `minivllm/kernels/cpu_skinny_gemm.cpp`.
 
 It also prints the two bounds: the weights' bytes at the machine's copy bandwidth, and the
 arithmetic at the float32 matmul peak, both measured in the same run. Shapes default to
@@ -28,8 +28,8 @@ import torch
 
 from minivllm.benchmarks.machine import measure_copy_bandwidth, measure_matmul_flops
 from minivllm.benchmarks.report import print_table
-from minivllm.model import cpu_layer_ops
-from minivllm.model.parallel_layers import linear
+from minivllm.kernels import cpu_ops
+from minivllm.platforms.cpu_ops import linear
 
 # SmolLM2-135M's projections, [out, in]: qkv (9 + 2 * 3 heads of 64), o, gate_up, down.
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
@@ -66,7 +66,7 @@ def main() -> None:
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     copy_bw = measure_copy_bandwidth(torch.device("cpu"), nbytes=2**28)
     peak = measure_matmul_flops(torch.float32, torch.device("cpu"), size=2048)
-    if not cpu_layer_ops.skinny_gemm_fast():
+    if not cpu_ops.skinny_gemm_fast():
         print("note: this CPU has no AVX-512; skinny_gemm calls MKL here and the model keeps MKL")
     print(
         f"threads {torch.get_num_threads()}; {args.layers} layers, {nbytes / 2**20:.0f} MiB of "
@@ -77,7 +77,7 @@ def main() -> None:
     for t in args.tokens:
         rows = {i: torch.randn(t, i) for i in {i for _, i in SHAPES}}  # width -> [T, width]
         mkl = step_ms(lambda x, w: linear(x, w), weights, rows)
-        skinny = step_ms(cpu_layer_ops.skinny_gemm, weights, rows)
+        skinny = step_ms(cpu_ops.skinny_gemm, weights, rows)
         bytes_ms = nbytes / copy_bw * 1e3
         flops_ms = 2 * t * sum(w.numel() for w in weights) / peak * 1e3
         table.append(

@@ -37,7 +37,7 @@ def time_layer(rows: int, repeats: int) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
-    from minivllm.model.parallel_layers import linear
+    from minivllm.platforms.cpu_ops import linear
 
     torch.manual_seed(0)
     weights = [torch.randn(n, k) for n, k in SHAPES]

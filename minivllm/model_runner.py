@@ -15,6 +15,12 @@ logits, the others None (paper §4.6; `minivllm/distributed/`).
 The attention backend's per-step plan is built here, once, and handed to every layer in the
 metadata.
 
+Like vLLM's runner, which captures CUDA graphs of the decode step and replays them, this runner
+owns the device's decode replay (`capture_model`): on a CPU, a decode step's layers in one C++ call
+(minivllm/kernels/cpu_decode_layers.py), bit for bit the model's own loop. The model does not know
+it exists; `enforce_eager=True` (vLLM's flag) keeps every step in the model's Python forward, and
+so does a forward hook on the model (the replay would skip it).
+
 Logits are computed only at the last new token of sequences that will sample this step (those
 whose new tokens reach the end of what they know); a prompt chunk that is not the last needs none.
 """
@@ -28,6 +34,7 @@ import torch
 from minivllm.attention import AttentionBackend, AttentionMetadata
 from minivllm.config import CacheConfig
 from minivllm.model.llama import LlamaForCausalLM
+from minivllm.platforms import DecodeReplay, platform_for
 from minivllm.scheduler import SchedulerOutput
 
 
@@ -41,16 +48,14 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 def determine_num_blocks(
     model: LlamaForCausalLM, cache: CacheConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
-    """`num_gpu_blocks_override` wins; else CUDA's free memory share, or the CPU's GiB budget."""
+    """`num_gpu_blocks_override` wins; else the platform's budget (CUDA's free memory share, or
+    the CPU's GiB)."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     per_block = kv_bytes_per_block(model, cache.block_size, dtype)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = cache.gpu_memory_utilization * total - used - 256 * 2**20  # activations headroom
-    else:
-        budget = cache.cpu_kv_cache_space * 2**30
+    budget = platform_for(device).kv_cache_budget_bytes(
+        device, cache.gpu_memory_utilization, cache.cpu_kv_cache_space
+    )
     num_blocks = int(budget // per_block)
     if num_blocks < 1:
         raise ValueError(
@@ -77,6 +82,7 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -96,6 +102,15 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )  # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], this rank's heads
+        self.decode_replay: DecodeReplay | None = None
+        if not enforce_eager:
+            self.capture_model()
+
+    def capture_model(self) -> None:
+        """Capture the platform's replay of decode steps, where it has one for this model."""
+        self.decode_replay = platform_for(self.device).capture_decode_layers(
+            self.model, self.backend
+        )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give the writer its own copy of a shared block, in every layer."""
@@ -153,7 +168,14 @@ class ModelRunner:
         is not rank 0 of a tensor-parallel group."""
         self.copy_blocks(sched.block_copies)
         inp = self.prepare_inputs(sched)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)  # [T, hidden]
+        hidden = self.run_model(inp)  # [T, hidden_size]
         if not inp.logits_indices.numel():
             return None
         return self.model.compute_logits(hidden[inp.logits_indices])
+
+    def run_model(self, inp: ModelInput) -> torch.Tensor:  # [T, hidden_size]
+        """The model's forward over the step, or its replay where the replay applies."""
+        replay = self.decode_replay
+        if replay is not None and replay.applies(inp.input_ids.shape[0], inp.meta):
+            return replay(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
+        return self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)

@@ -157,3 +157,47 @@ def test_random_tiny_llama_matches_transformers(tmp_path):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         _assert_matches(outs, expected)
         assert llm.get_stats().num_preemptions > 0
+
+
+def _profiled_op_names(llm, prompts, max_tokens) -> tuple[set[str], list]:
+    """The names of every operator the profiler saw during a generate, and its outputs."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        outputs = _run(llm, prompts, max_tokens)
+    return {event.key for event in prof.key_averages()}, outputs
+
+
+COMPILED = ("minivllm_cpu::", "mkldnn::")  # our C++ library, and oneDNN's private ops
+
+
+def test_the_reference_path_runs_no_compiled_operator_and_matches_transformers(workload):
+    """attention_backend="reference" with enforce_eager=True is the specification end to end:
+    plain PyTorch in every layer (no op of the compiled library, no private oneDNN op), and greedy
+    output is transformers' token for token."""
+    prompts, max_tokens, expected = (part[:6] for part in workload)
+    with checked_llm(
+        num_gpu_blocks_override=256, attention_backend="reference", enforce_eager=True
+    ) as llm:
+        names, outputs = _profiled_op_names(llm, prompts, max_tokens)
+    assert "aten::linear" in names and "aten::embedding" in names  # the profiler saw the model
+    assert sorted(n for n in names if n.startswith(COMPILED)) == []
+    _assert_matches(outputs, expected)
+
+
+def test_the_default_cpu_path_runs_the_compiled_operators(workload):
+    """The other side of the test above, so that it can fail: on the default backend the
+    profiler does see the C++ ops: paged attention, the fused layer ops, the skinny GEMM and the
+    decode-layers replay (the last two where the kernels have their AVX-512 path)."""
+    from minivllm.kernels.cpu_ops import skinny_gemm_fast
+
+    prompts, max_tokens, expected = (part[:6] for part in workload)
+    with checked_llm(num_gpu_blocks_override=256) as llm:
+        names, outputs = _profiled_op_names(llm, prompts, max_tokens)
+    ours = {n.removeprefix("minivllm_cpu::") for n in names if n.startswith("minivllm_cpu::")}
+    wanted = {"paged_decode", "reshape_and_cache", "rms_norm", "fused_add_rms_norm"}
+    wanted |= {"silu_and_mul", "rotary_embedding"}
+    if skinny_gemm_fast():
+        wanted |= {"skinny_gemm", "decode_layers"}
+    assert wanted <= ours, wanted - ours
+    _assert_matches(outputs, expected)

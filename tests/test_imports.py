@@ -105,3 +105,18 @@ def test_the_cycle_finder_finds_a_deferred_cycle() -> None:
 def test_the_cache_folder_module_imports_nothing_of_minivllm() -> None:
     """Every module that caches something may import it, so it must depend on nothing."""
     assert import_graph()["minivllm.envs"] == set()
+
+
+MATH_FILES = ("model/llama.py", "model/parallel_layers.py", "model/rope.py")
+
+
+def test_the_model_s_math_files_import_no_kernel_and_branch_on_no_platform() -> None:
+    """What a learner reads as the model is the math: no import from the compiled code
+    (minivllm.kernels) or the platforms, no private torch op, no test of the device."""
+    for relative in MATH_FILES:
+        path = PACKAGE_DIR / relative
+        source = path.read_text()
+        imports = [name for name, _ in imported_names(ast.parse(source))]
+        assert not [n for n in imports if n.startswith(("minivllm.kernels", "minivllm.platforms"))]
+        for banned in ("torch.ops.", "mkldnn", "device.type", ".is_cpu", ".is_cuda"):
+            assert banned not in source, f"{relative} contains {banned!r}"

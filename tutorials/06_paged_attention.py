@@ -8,7 +8,7 @@ minivllm has three attention backends behind one interface (`write_kv`, then `at
 - "triton" (minivllm/attention/triton.py, triton_kernels.py): fused kernels that follow the block
   table key tile by key tile with an online softmax, never copying the context (paper §4.1), and
   a split-KV "flash-decoding" kernel for batches of decodes.
-- "cpu" (minivllm/attention/cpu.py, cpu_kernels.cpp): a small compiled C++ kernel that reads each
+- "cpu" (minivllm/attention/cpu.py, cpu_attention.cpp): a small compiled C++ kernel that reads each
   request's blocks in place, for decodes and prompt rows alike (a prompt's token j is a decode
   over the context up to its own position). The default on a CPU.
 

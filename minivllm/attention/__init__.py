@@ -11,9 +11,11 @@ slots, then `attend` computes causal attention of the new tokens over everything
 their request. One interface serves prefill, chunked prefill, prefix-cache hits and decode, because
 a step is just a set of (request, new tokens) pairs.
 
-Backends: "reference" (gather + scaled-dot-product attention, the specification), "cpu" (the
-reference with decodes in a compiled paged kernel, the CPU default) and "triton" (fused kernels,
-the CUDA default). `get_attention_backend` picks one by name.
+Backends: "reference" (gather + scaled-dot-product attention, the specification), "cpu" (every
+row through a compiled paged kernel, the CPU default) and "triton" (fused kernels, the CUDA
+default). `get_attention_backend` picks one by name; which one "auto" means, and which run on a
+device, is the device's platform's to say (minivllm/platforms/). Each backend's per-step work
+list ("plan") is built by the model runner, once per step, with `backend.plan(...)`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from minivllm.platforms import platform_for
 
 
 @dataclass
@@ -92,11 +96,11 @@ BACKEND_NAMES = ("reference", "cpu", "triton", "auto")
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`"auto"` is Triton on CUDA and the compiled CPU backend elsewhere (both fused, both fast)."""
+    """`"auto"` is the platform's default: Triton on CUDA, the compiled CPU backend on a CPU."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "auto":
-        return "triton" if device.type == "cuda" else "cpu"
+        return platform_for(device).default_attention_backend
     return name
 
 
@@ -108,15 +112,15 @@ def get_attention_backend(
     `"auto"` on a CPU falls back to the reference backend, with a warning, where the CPU kernel
     cannot be compiled; asking for `"cpu"` by name raises `CpuKernelUnavailable` there instead.
     """
-    resolved = resolve_backend_name(name, device or torch.device("cpu"))
+    device = device or torch.device("cpu")
+    resolved = resolve_backend_name(name, device)
+    platform_for(device).check_attention_backend(resolved)
     # Imported lazily: the default path must not pay for backends it does not use.
     if resolved == "triton":
         from minivllm.attention.triton import TritonBackend
 
         return TritonBackend()
     if resolved == "cpu":
-        if device is not None and device.type != "cpu":
-            raise ValueError(f'attention_backend "cpu" needs device "cpu", got {device.type!r}')
         from minivllm.attention.cpu import CpuBackend, CpuKernelUnavailable
 
         try:

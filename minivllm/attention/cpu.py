@@ -3,7 +3,7 @@
 Decode is where a CPU engine spends its attention time: every step, every running request reads
 its whole context to produce one token. The reference backend gathers that context into a padded
 contiguous tensor before `scaled_dot_product_attention`, so each key and value crosses memory three
-times. This backend sends decode rows to `cpu_kernels.cpp`, which follows each request's block
+times. This backend sends decode rows to `minivllm/kernels/cpu_attention.cpp`, which follows each request's block
 table and reads each key and value once (the paper's §4.1 kernel); measured on SmolLM2 at 64
 requests x 256 tokens of context, decode attention drops from ~8 ms to ~2 ms per layer.
 
@@ -12,16 +12,18 @@ request's cached tokens up to its own position, so causal attention is one decod
 prefix of the context (`make_cpu_plan`), with no mask to build and no gathered copy. The reference
 backend's way (gather the context, then `scaled_dot_product_attention` with a causal mask) computes
 the masked half of every score matrix too; measured on SmolLM2's shapes, 2 cores, the kernel is
-2.5-3x faster for prompts of 64-256 tokens (its float32 AVX-512 loops, `cpu_decode_avx512.cpp`,
+2.5-3x faster for prompts of 64-256 tokens (its float32 AVX-512 loops, `cpu_attention_avx512.cpp`,
 run at ~60-90 GB/s on a context that sits in cache). vLLM's CPU backend uses SDPA for prompts;
 this backend needs one kernel, one plan and one call per layer for a whole step.
 
 The cache write is a C++ op too, vLLM's `reshape_and_cache`: one call writes K and V and skips
 slots of -1 without the reference's host-side check.
 
-The kernel is compiled on first use, into one library with the layer ops (about 20 s, once per
-machine; `cpu_build.py` says how, and what a user sees). Where it cannot be built, `get_attention_backend("auto")` says why in one line
-and falls back to the reference backend.
+The kernels live with the other compiled code in `minivllm/kernels/` (`cpu_attention.cpp`, their
+wrappers in `cpu_ops.py`) and are compiled on first use, into one library with the layer ops
+(about 20 s, once per machine; `minivllm/kernels/cpu_build.py` says how, and what a user sees).
+Where it cannot be built, `get_attention_backend("auto")` says why in one line and falls back to
+the reference backend.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.attention import AttentionMetadata
-from minivllm.attention.cpu_build import CpuKernelUnavailable, load_cpu_kernels
 from minivllm.attention.reference import ReferenceBackend
+from minivllm.kernels.cpu_build import CpuKernelUnavailable, load_cpu_kernels
+from minivllm.kernels.cpu_ops import paged_decode, reshape_and_cache
 
 __all__ = [
     "CpuBackend",
@@ -43,44 +46,11 @@ __all__ = [
 ]
 
 
-def reshape_and_cache(
-    key: torch.Tensor,  # [T, num_kv_heads, head_dim]  any strides
-    value: torch.Tensor,  # [T, num_kv_heads, head_dim]  any strides
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # int64 [T]  block * block_size + offset; -1: skip the token
-) -> None:
-    """Write the new tokens' K and V into their cache slots, both caches in one call (C++)."""
-    load_cpu_kernels()
-    torch.ops.minivllm_cpu.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
-
-
-def paged_decode(
-    query: torch.Tensor,  # [T, num_heads, head_dim]  any strides
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # int32 [B, max_blocks]  one per row
-    seq_lens: torch.Tensor,  # int32 [B]
-    token_rows: torch.Tensor,  # int64 [B]  each work item's query row
-    scale: float,
-    out: torch.Tensor,  # float32 [T, num_heads, head_dim]  rows token_rows are written
-) -> None:
-    """Attention of each row token_rows[b] over the first seq_lens[b] cached tokens of block table
-    b (the C++ kernel): a decode row sees its whole context, a prompt row the prefix up to its own
-    position."""
-    load_cpu_kernels()
-    # The model's queries are a view of the fused qkv output, token-major or (a CPU linear's
-    # transposed output) feature-major: the kernel takes their strides and reads them where they
-    # are, one request's query at a time, rather than have them copied out first.
-    torch.ops.minivllm_cpu.paged_decode(
-        out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale
-    )
-
-
 @dataclass
 class CpuPlan:
-    """A step's attention work, built once in the first layer and reused by the others: every
-    query row of the step, decode or prompt, as one work item of the paged kernel."""
+    """A step's attention work, built once per step by the model runner (`backend.plan`) and read
+    by every layer: every query row of the step, decode or prompt, as one work item of the paged
+    kernel."""
 
     rows: torch.Tensor  # int64 [T]  the rows of the flat batch, in order
     block_tables: torch.Tensor  # int32 [T, max_blocks]  each row's request's block table

@@ -10,7 +10,8 @@ earlier prefill chunk precedes the new tokens.)
 Decode requests (one new token each) are batched into a few padded calls, grouped by length, which
 is what makes this backend fast enough to be the CPU default; prompt chunks are attended one
 request at a time. Which rows go where depends only on the step's metadata, so that "plan" is
-built in the first layer and reused by every other layer of the step.
+built once per step by the model runner (`backend.plan`, stored in `meta.plan`) and read by every
+layer of the step.
 """
 
 from __future__ import annotations

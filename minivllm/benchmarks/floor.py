@@ -12,9 +12,9 @@ Two phases, both in the bench's own process:
    reach the LM head: the scheduled sequences that sample). Two integers from the
    `SchedulerOutput` the step already carries; nothing is timed inside the engine.
 2. `replay` times, with the model's own layers, what the model does with those rows: per layer
-   the qkv, o, gate_up and down projections' own `forward` (minivllm/model/parallel_layers.py:
+   the qkv, o, gate_up and down projections' own `forward` (minivllm/platforms/cpu_ops.py:
    on the CPU fast path the skinny GEMM at decode's row counts and MKL above them, otherwise MKL
-   throughout), and the LM head's own matmul, `ParallelLMHead.local_logits` (on the CPU fast path
+   throughout), and the LM head's own matmul, `ParallelLMHead`'s forward (on the CPU fast path
    its oneDNN-prepacked weight; otherwise slices of `LM_HEAD_ROWS` vocabulary rows).
    The elementwise work between them, the float32 cast of the logits and the attention are left
    out: they are what the floor is a floor to.
@@ -138,7 +138,7 @@ def replay(model: LlamaForCausalLM, shapes: StepShapes) -> dict[str, Any]:
     for s, count in sorted(Counter(n for n in shapes.sampled if n).items()):
         x = rows(s, head.shape[1])
         times = min(count, REPLAYS_PER_SHAPE)
-        seconds = _median_seconds(device, times, lm_head.local_logits, x)
+        seconds = _median_seconds(device, times, lm_head, x)
         head_seconds += count * seconds
     return {
         "seconds": body_seconds + head_seconds,

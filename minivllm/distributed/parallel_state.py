@@ -33,6 +33,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from minivllm.platforms import platform_for
+
 # How long a rank waits for the others in one collective before giving up with an error. A dead
 # peer is noticed at once (its sockets close); this only bounds a peer that is alive but stuck.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -86,7 +88,7 @@ SINGLE_DEVICE = TensorParallelGroup()
 # ---------------------------------------------------------------------------------- set-up
 def device_backend(device: torch.device) -> str:
     """The collective library for the model's tensors: NCCL between GPUs, gloo between CPUs."""
-    return "nccl" if device.type == "cuda" else "gloo"
+    return platform_for(device).dist_backend
 
 
 def free_loopback_port() -> int:

@@ -134,13 +134,13 @@ def build_runner(
     hold, so that one block table means the same blocks on every rank."""
     backend = backend or get_attention_backend(wc.attention_backend, device)
     source = ModelSource(Path(wc.model_path), wc.model_name)
-    model = load_model(
-        source, backend, wc.dtype, device, wc.max_model_len, tp, enforce_eager=wc.enforce_eager
-    )
+    model = load_model(source, backend, wc.dtype, device, wc.max_model_len, tp)
     num_blocks = determine_num_blocks(model, wc.cache, wc.dtype, device)
     if control is not None:
         num_blocks = min_over_ranks(num_blocks, control)
-    return ModelRunner(model, backend, num_blocks, wc.cache.block_size, wc.dtype, device)
+    return ModelRunner(
+        model, backend, num_blocks, wc.cache.block_size, wc.dtype, device, wc.enforce_eager
+    )
 
 
 # ---------------------------------------------------------------------------------- the loop

@@ -1,66 +1,93 @@
-"""Layers with two implementations: the plain-PyTorch specification and a fused CPU kernel.
+"""Layers with a plain-PyTorch specification and, per platform, a faster forward of equal results.
 
-vLLM gives every layer whose work is elementwise (RMSNorm, SiLU·mul, RoPE) a `CustomOp` base: a
-`forward_native` in plain PyTorch, which is the specification, and a `forward_cuda` /
-`forward_cpu` that calls one fused kernel. Between two matmuls a Llama layer does little
-arithmetic but several passes over memory: plain PyTorch runs RMSNorm as eight ops, each reading
-and writing the whole [T, hidden] tensor, while the fused kernel reads each row once. On a CPU that
-work was a sixth of an engine step before it was fused (issue 16's profile; `bench throughput
---profile` shows today's), which is why it is worth a kernel.
+vLLM gives every layer that a kernel speeds up a `CustomOp` base (vllm/model_executor/custom_op.py):
+`forward_native` in plain PyTorch is the specification, and `forward_cuda` / `forward_cpu` call
+fused kernels. `forward()` does not choose at every call: `dispatch_forward` picks one method, once,
+from the platform, and `forward` calls it.
 
-Here a layer runs `forward_native` unless `use_cpu_kernels(model)` switched it to `forward_cpu`.
-The loader does that when the attention backend is "cpu" (the CPU default), whose compiled
-library holds the fused ops beside the paged decode kernel (`cpu_norm_kernels.cpp`,
-`cpu_layer_kernels.cpp`); the "reference" backend keeps the whole model in plain PyTorch. The
-parallel linears are custom ops too: their `forward_cpu` sends decode's few rows to the skinny
-GEMM of `cpu_gemm_kernels.cpp` (see `parallel_layers.cpu_linear`). The parity tests run both,
-greedy token-exact against transformers.
+Here the same, with one difference in where the fast forwards are written. The model's files hold
+the math only: each op's `forward_native` (RMSNorm, SiLU·mul, RoPE, the parallel linears, the LM
+head). A platform's forwards live with the platform (`minivllm/platforms/cpu_ops.py` for the CPU)
+and register themselves for the op class they speed up with `register_forward`; a learner reads
+the model without meeting a kernel, and reads the kernels where the platform is. The platform
+calls `dispatch_forward` on every op once the weights are loaded (`Platform.dispatch_custom_ops`);
+an op without a forward for the platform, or a model loaded with `custom_ops="none"`, runs
+`forward_native`. The parity tests run both, greedy token-exact against transformers.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 
-class CustomOp(nn.Module):
-    """A layer with a plain-PyTorch `forward_native` and a fused `forward_cpu` of equal results."""
+@dataclass(frozen=True)
+class PlatformForward:
+    """One op's forward on one platform, as registered by that platform's op module."""
 
-    use_cpu_kernels = False  # set per instance by `use_cpu_kernels(model)`
+    forward: Callable[..., Any]  # forward(op, *args): what `op(*args)` computes, faster
+    # Run once per op after its weights are loaded, before the first forward (vLLM's name for the
+    # step: process_weights_after_loading); e.g. the CPU LM head's weight in oneDNN's layout.
+    process_weights_after_loading: Callable[[Any], None] | None = None
+
+
+# (op class, device type) -> its forward there; filled by `register_forward`.
+_PLATFORM_FORWARDS: dict[tuple[type, str], PlatformForward] = {}
+
+
+def register_forward(
+    op_class: type[CustomOp],
+    device_type: str,
+    process_weights_after_loading: Callable[[Any], None] | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: `fn(op, *args)` is `op_class`'s forward (and its subclasses') on `device_type`."""
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _PLATFORM_FORWARDS[(op_class, device_type)] = PlatformForward(
+            fn, process_weights_after_loading
+        )
+        return fn
+
+    return register
+
+
+def platform_forward(op_class: type, device_type: str) -> PlatformForward | None:
+    """The forward registered for `op_class` or its nearest base class, if any."""
+    for cls in op_class.__mro__:
+        found = _PLATFORM_FORWARDS.get((cls, device_type))
+        if found is not None:
+            return found
+    return None
+
+
+class CustomOp(nn.Module):
+    """A layer whose `forward` runs the method `dispatch_forward` chose: `forward_native` until a
+    platform picks its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._forward_method: Callable[..., Any] = self.forward_native
+        self.dispatched_to = "native"  # or the device type whose registered forward runs
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.use_cpu_kernels:
-            return self.forward_cpu(*args, **kwargs)
-        return self.forward_native(*args, **kwargs)
+        return self._forward_method(*args, **kwargs)
 
     def forward_native(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
-    def forward_cpu(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-
-def use_cpu_kernels(model: nn.Module, enforce_eager: bool = False) -> int:
-    """Switch every `CustomOp` in `model` to its fused CPU kernel, give the LM head its
-    prepacked weight (`ParallelLMHead.prepack_for_cpu`) and let decode steps run their layers in
-    one C++ call (`LlamaForCausalLM.enable_cpu_decode_layers`) unless `enforce_eager`; returns
-    how many ops were switched.
-
-    The library is loaded (built on first use) before any layer switches, so a machine that
-    cannot build it fails here, at load time, with `CpuKernelUnavailable`, not mid-step.
-    """
-    from minivllm.attention.cpu_build import load_cpu_kernels
-
-    load_cpu_kernels()
-    ops = [m for m in model.modules() if isinstance(m, CustomOp)]
-    for op in ops:
-        op.use_cpu_kernels = True
-    # Found by their methods, not their classes: parallel_layers and llama build on this module.
-    hooks = ["prepack_for_cpu"] + ([] if enforce_eager else ["enable_cpu_decode_layers"])
-    for m in model.modules():
-        for hook in hooks:
-            prepare = getattr(m, hook, None)
-            if prepare is not None:
-                prepare()
-    return len(ops)
+    def dispatch_forward(self, device_type: str | None) -> bool:
+        """Run the forward registered for `device_type` from now on (None: `forward_native`).
+        Returns whether a registered forward was found."""
+        found = platform_forward(type(self), device_type) if device_type else None
+        if found is None:
+            self._forward_method, self.dispatched_to = self.forward_native, "native"
+            return False
+        if found.process_weights_after_loading is not None:
+            found.process_weights_after_loading(self)
+        self._forward_method = functools.partial(found.forward, self)
+        self.dispatched_to = device_type or "native"
+        return True

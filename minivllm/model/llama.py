@@ -10,13 +10,11 @@ docs' architecture page).
 
 As in vLLM, q/k/v and gate/up projections are fused into one matmul each (their weight loaders
 place the checkpoint's separate weights); that halves the matmul launches, which matters on a CPU.
-Also as in vLLM, RMSNorm, SiLU·mul and RoPE are custom ops (`custom_op.py`): plain PyTorch here,
-one fused C++ kernel each where the CPU backend runs, and each sublayer's residual add is done by
-the norm that follows it, so that the fused kernel adds and normalises in one pass. There the
-projections send decode's few rows to a skinny GEMM that reads each weight once
-(`parallel_layers.cpu_linear`), and a decode step runs `LlamaModel.forward`'s loop over the layers
-in one C++ call that calls the same kernels in the same order (`cpu_decode_layers.py`: what CUDA
-graphs do for a GPU's decode step, taking the host's per-op work out of it).
+Also as in vLLM, RMSNorm, SiLU·mul, RoPE, the projections and the LM head are custom ops
+(`custom_op.py`): what this file and its neighbours hold is their plain-PyTorch specification,
+and a platform may run a fused kernel of equal results in its place (minivllm/platforms/). Each
+sublayer's residual add is done by the norm that follows it, so that a fused kernel adds and
+normalises in one pass.
 
 The same code runs on one device and as one rank of N (tensor parallelism, paper §4.6): the
 projections are the parallel layers of `parallel_layers.py`, built for the `TensorParallelGroup`
@@ -27,15 +25,12 @@ collective runs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention import AttentionBackend, AttentionMetadata
 from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
-from minivllm.model import cpu_layer_ops
 from minivllm.model.config import LlamaConfig
 from minivllm.model.custom_op import CustomOp
 from minivllm.model.parallel_layers import (
@@ -48,16 +43,13 @@ from minivllm.model.parallel_layers import (
 )
 from minivllm.model.rope import RotaryEmbedding
 
-if TYPE_CHECKING:
-    from minivllm.model.cpu_decode_layers import CpuDecodeLayers
-
 
 class RMSNorm(CustomOp):
     """x / rms(x) * weight, computed in float32 like the reference implementation.
 
     Given a `residual`, it first adds it to x and returns the sum as the new residual too (vLLM's
     fused add + norm): the decoder adds each sublayer's output to the residual stream right
-    before normalising it, so the fused kernel does both in one pass over the rows."""
+    before normalising it, so a fused kernel does both in one pass over the rows."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -78,16 +70,6 @@ class RMSNorm(CustomOp):
         out = self.weight * x32.to(dtype)
         return out if residual is None else (out, residual)
 
-    def forward_cpu(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return cpu_layer_ops.rms_norm(x, self.weight, self.eps)
-        # In place: x (a sublayer's fresh output, in the layout `linear` gave it) becomes the
-        # normalised rows, residual the sum.
-        cpu_layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        return x, residual
-
 
 class SiluAndMul(CustomOp):
     """SwiGLU's gate: silu(gate) * up, for the fused gate_up projection's [T, 2 * I] output."""
@@ -95,9 +77,6 @@ class SiluAndMul(CustomOp):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
-
-    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
-        return cpu_layer_ops.silu_and_mul(x)
 
 
 class LlamaAttention(nn.Module):
@@ -137,9 +116,7 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         t = hidden.shape[0]
-        # [T, (num_heads + 2 * num_kv_heads) * head_dim]; on a CPU a transposed view (see
-        # `linear`), which the views below, RoPE and the attention backends all read as it is.
-        qkv = self.qkv_proj(hidden)
+        qkv = self.qkv_proj(hidden)  # [T, (num_heads + 2 * num_kv_heads) * head_dim]
         # Queries and keys sit side by side in each row, so RoPE rotates both in one pass.
         qk = rope(positions, qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
@@ -187,7 +164,7 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's MLP output, the residual before it
         # The residual add of each sublayer is left to the norm that follows it (vLLM's layout):
-        # RMSNorm(x, residual) adds and normalises in one pass where its fused kernel runs.
+        # RMSNorm(x, residual) adds and normalises in one pass where a fused kernel runs.
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -199,9 +176,6 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    # The CPU fast path's decode steps in one C++ call (`LlamaForCausalLM.enable_cpu_decode_layers`).
-    cpu_decode_layers: CpuDecodeLayers | None = None
-
     def __init__(
         self,
         config: LlamaConfig,
@@ -225,9 +199,6 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         hidden = self.embed_tokens(input_ids)
-        fused = self.cpu_decode_layers
-        if fused is not None and fused.applies(hidden.shape[0], meta):
-            return fused(hidden, positions, kv_caches, meta)  # the loop below, in C++
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, positions, self.rotary_emb, kv_cache, meta)
@@ -268,16 +239,6 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         return self.model(input_ids, positions, kv_caches, meta)
-
-    def enable_cpu_decode_layers(self) -> bool:
-        """Run decode steps' layers in one C++ call where that is exactly this model's loop
-        (`cpu_decode_layers.py`; called by `use_cpu_kernels`). Returns whether it does."""
-        from minivllm.model.cpu_decode_layers import CpuDecodeLayers
-
-        if not CpuDecodeLayers.supports(self):
-            return False
-        self.model.cpu_decode_layers = CpuDecodeLayers(self)
-        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 [S, vocab] for hidden [S, hidden_size]; with N ranks, on rank 0 only (None on

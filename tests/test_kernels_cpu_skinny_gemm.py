@@ -1,4 +1,4 @@
-"""The skinny GEMM (minivllm/model/cpu_gemm_kernels.cpp) against torch.mm, and where the model uses it.
+"""The skinny GEMM (minivllm/kernels/cpu_skinny_gemm.cpp) against torch.mm, and where the model uses it.
 
 The kernel computes out[T, N] = x[T, K] · weight[N, K]ᵀ with one float32 sum per output, in
 16-wide partial sums along K; torch.mm (MKL) sums in its own blocked order, so the two are held
@@ -7,7 +7,7 @@ edge of the kernel's tiling: token counts that fill 6-token tiles, leave each re
 are a single token; weight rows that fill 4-row tiles or leave 1-3 over; K below, at and past
 multiples of 16 (the masked last step); row strides wider than the rows.
 
-Like tests/test_cpu_layer_kernels.py, this builds the library (once per machine) and fails
+Like tests/test_kernels_cpu_layernorm.py, this builds the library (once per machine) and fails
 rather than skips where it cannot be built. On a CPU without AVX-512 the op calls at::mm and
 `skinny_gemm_applies` says no, so the model keeps MKL; both are checked here.
 """
@@ -18,18 +18,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.attention.cpu_build import load_cpu_kernels
 from minivllm.distributed.parallel_state import SINGLE_DEVICE
-from minivllm.model import cpu_layer_ops
-from minivllm.model.cpu_layer_ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm, skinny_gemm_applies
-from minivllm.model.custom_op import use_cpu_kernels
+from minivllm.kernels import cpu_ops
+from minivllm.kernels.cpu_build import load_cpu_kernels
+from minivllm.kernels.cpu_ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm, skinny_gemm_applies
 from minivllm.model.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
-    cpu_linear,
-    linear,
 )
+from minivllm.platforms.cpu import CpuPlatform
+from minivllm.platforms.cpu_ops import cpu_linear, linear
 
 TOKENS = [1, 2, 5, 6, 7, 13, 32, 64]
 ROWS = [1, 3, 4, 5, 17, 96]  # weight rows: below, at and past the 4-row tile
@@ -115,7 +114,7 @@ def test_bad_arguments_name_the_problem(x: torch.Tensor, w: torch.Tensor, match:
 
 def test_applies_to_decode_rows_of_float32_only() -> None:
     w = torch.randn(8, 16)
-    fast = cpu_layer_ops.skinny_gemm_fast()
+    fast = cpu_ops.skinny_gemm_fast()
     assert skinny_gemm_applies(torch.randn(SKINNY_GEMM_MAX_ROWS, 16), w) == fast
     assert not skinny_gemm_applies(torch.randn(SKINNY_GEMM_MAX_ROWS + 1, 16), w)
     assert not skinny_gemm_applies(torch.randn(4, 16, dtype=torch.bfloat16), w.bfloat16())
@@ -133,7 +132,7 @@ def test_cpu_linear_equals_linear_on_both_sides_of_the_threshold(tokens: int, bi
 
 @torch.inference_mode()
 def test_layers_switch_to_the_kernel_with_the_other_custom_ops() -> None:
-    """`use_cpu_kernels` moves the parallel linears and the LM head's small batches onto it."""
+    """The CPU platform moves the parallel linears and the LM head's small batches onto it."""
     model = torch.nn.ModuleDict(
         {
             "column": ColumnParallelLinear(40, [24, 24], True, SINGLE_DEVICE),
@@ -144,12 +143,12 @@ def test_layers_switch_to_the_kernel_with_the_other_custom_ops() -> None:
     for p in model.parameters():
         torch.nn.init.normal_(p)
     x = randn(3, 40, seed=11)
-    plain = [model["column"](x), model["row"](randn(3, 48, seed=12)), model["head"].local_logits(x)]
-    use_cpu_kernels(model)
-    assert model["column"].use_cpu_kernels and model["row"].use_cpu_kernels
-    fast = [model["column"](x), model["row"](randn(3, 48, seed=12)), model["head"].local_logits(x)]
+    plain = [model["column"](x), model["row"](randn(3, 48, seed=12)), model["head"](x)]
+    assert CpuPlatform().dispatch_custom_ops(model, "all") == 3
+    assert all(op.dispatched_to == "cpu" for op in model.values())
+    fast = [model["column"](x), model["row"](randn(3, 48, seed=12)), model["head"](x)]
     for got, ref in zip(fast, plain):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
-    if cpu_layer_ops.skinny_gemm_fast():  # the kernel's rows are token-major, MKL's are not
-        assert fast[0].is_contiguous() and not plain[0].is_contiguous()
+    if cpu_ops.skinny_gemm_fast():  # the kernel's rows are token-major, like F.linear's
+        assert fast[0].is_contiguous()
     torch.testing.assert_close(fast[2], F.linear(x, model["head"].weight), rtol=1e-5, atol=1e-4)

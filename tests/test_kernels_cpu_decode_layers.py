@@ -1,5 +1,6 @@
-"""A decode step's layers in one C++ call (`minivllm/model/cpu_decode_layers.py`) equal the Python
-loop of `LlamaModel.forward` bit for bit, and are used exactly where they apply.
+"""A decode step's layers in one C++ call (`minivllm/kernels/cpu_decode_layers.py`, source
+`cpu_decode_layers.cpp`) equal the Python loop of `LlamaForCausalLM.forward` bit for bit, and the
+model runner replays them exactly where they apply.
 
 The op calls the kernels the Python loop calls, in the same order, so the comparison is
 `torch.equal`, on the step's hidden states and on what it wrote into the KV cache: a tolerance
@@ -16,11 +17,12 @@ import torch
 from test_model_llama import CONFIGS, save_tiny_llama
 
 from minivllm.attention import AttentionMetadata, get_attention_backend
+from minivllm.kernels.cpu_decode_layers import CpuDecodeLayers
+from minivllm.kernels.cpu_ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
 from minivllm.llm import LLM
-from minivllm.model.cpu_decode_layers import CpuDecodeLayers
-from minivllm.model.cpu_layer_ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import load_model, resolve_model
+from minivllm.platforms.cpu import CpuPlatform
 from minivllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
@@ -33,6 +35,14 @@ def load(path: Path, backend: str = "cpu", dtype: torch.dtype = torch.float32) -
     return load_model(
         resolve_model(path), get_attention_backend(backend), dtype, torch.device("cpu")
     )
+
+
+def capture(model: LlamaForCausalLM) -> CpuDecodeLayers | None:
+    """What the model runner captures for this model (`ModelRunner.capture_model`)."""
+    backend = model.model.layers[0].self_attn.backend
+    replay = CpuPlatform().capture_decode_layers(model, backend)
+    assert replay is None or isinstance(replay, CpuDecodeLayers)
+    return replay
 
 
 def step_meta(
@@ -80,8 +90,8 @@ def prefilled(model: LlamaForCausalLM, prompt_lens: list[int]) -> tuple[torch.Te
 def test_a_decode_step_equals_the_python_loop_bit_for_bit(tmp_path: Path, name: str) -> None:
     _, path = save_tiny_llama(tmp_path, CONFIGS[name])
     model = load(path)
-    fused = model.model.cpu_decode_layers
-    assert isinstance(fused, CpuDecodeLayers)
+    fused = capture(model)
+    assert fused is not None
     prompt_lens = [5, 16, 17, 40, 33]  # contexts ending mid-block and at block edges
     kv, tables = prefilled(model, prompt_lens)
     seq_lens = [n + 1 for n in prompt_lens]
@@ -91,8 +101,7 @@ def test_a_decode_step_equals_the_python_loop_bit_for_bit(tmp_path: Path, name: 
     positions = torch.tensor(prompt_lens)
     kv_python = kv.clone()
     with torch.inference_mode():
-        got = model(tokens, positions, kv, meta)
-        model.model.cpu_decode_layers = None
+        got = fused(tokens, positions, kv, meta)
         expected = model(tokens, positions, kv_python, meta)
     assert torch.equal(got, expected)
     assert torch.equal(kv, kv_python)  # the same K/V written into the same slots
@@ -102,7 +111,7 @@ def test_a_decode_step_equals_the_python_loop_bit_for_bit(tmp_path: Path, name: 
 def test_it_applies_to_decode_steps_of_at_most_the_skinny_gemm_s_rows(tmp_path: Path) -> None:
     _, path = save_tiny_llama(tmp_path, CONFIGS["gqa2-hd32-tied"])
     model = load(path)
-    fused = model.model.cpu_decode_layers
+    fused = capture(model)
     assert fused is not None
     tables = torch.arange(4 * 3, dtype=torch.int32).view(4, 3)
     decode = step_meta(model, [1] * 4, [9, 20, 31, 2], tables)
@@ -128,7 +137,7 @@ def test_models_it_cannot_run_exactly_keep_the_python_loop(
     tmp_path: Path, overrides: dict, backend: str, dtype: torch.dtype
 ) -> None:
     _, path = save_tiny_llama(tmp_path, CONFIGS["mha-hd32"] | overrides)
-    assert load(path, backend, dtype).model.cpu_decode_layers is None
+    assert capture(load(path, backend, dtype)) is None
 
 
 @needs_avx512
@@ -151,7 +160,7 @@ def test_the_engine_runs_its_decode_steps_through_it(
     llm = LLM(str(path), skip_tokenizer_init=True, block_size=BLOCK_SIZE)
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert len(calls) == 11  # one prefill step, then 11 decode steps
-    llm.llm_engine.model.model.cpu_decode_layers = None
+    llm.llm_engine.runner.decode_replay = None
     python = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert fused == python
 
@@ -185,8 +194,8 @@ def test_a_forward_hook_on_a_layer_keeps_decode_steps_in_the_python_loop(tmp_pat
     """A user's probe on a layer runs at every step: the C++ call would skip it."""
     _, path = save_tiny_llama(tmp_path, CONFIGS["gqa2-hd32-tied"])
     llm = LLM(str(path), skip_tokenizer_init=True)
-    fused = llm.llm_engine.model.model.cpu_decode_layers
-    assert fused is not None and not fused.hooked()
+    fused = llm.llm_engine.runner.decode_replay
+    assert isinstance(fused, CpuDecodeLayers) and not fused.hooked()
     seen: list[int] = []
     layer = llm.llm_engine.model.model.layers[1]
     handle = layer.mlp.register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
@@ -201,4 +210,4 @@ def test_a_forward_hook_on_a_layer_keeps_decode_steps_in_the_python_loop(tmp_pat
 def test_enforce_eager_keeps_every_step_in_the_python_loop(tmp_path: Path) -> None:
     _, path = save_tiny_llama(tmp_path, CONFIGS["gqa2-hd32-tied"])
     llm = LLM(str(path), skip_tokenizer_init=True, enforce_eager=True)
-    assert llm.llm_engine.model.model.cpu_decode_layers is None
+    assert llm.llm_engine.runner.decode_replay is None

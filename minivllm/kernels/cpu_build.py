@@ -1,11 +1,11 @@
 """Building the CPU kernels (`SOURCES`) into one library once per machine, quietly and safely.
 
-Six C++ files make the library: the paged attention kernel (`cpu_kernels.cpp`, next to this
-module, with its float32 AVX-512 loops in `cpu_decode_avx512.cpp`), the fused layer ops (`minivllm/model/cpu_norm_kernels.cpp`: RMSNorm;
-`minivllm/model/cpu_layer_kernels.cpp`: SiLU-and-mul, RoPE), the skinny GEMM of decode's
-linears (`minivllm/model/cpu_gemm_kernels.cpp`) and the loop that runs a decode step's layers in
-one call (`minivllm/model/cpu_decode_layers.cpp`); all register under
-`torch.ops.minivllm_cpu`, so one build and one load serve them all.
+Six C++ files of this package make the library: the paged attention kernel (`cpu_attention.cpp`,
+with its float32 AVX-512 loops in `cpu_attention_avx512.cpp`), the fused layer ops
+(`cpu_layernorm.cpp`: RMSNorm; `cpu_activation_rope.cpp`: SiLU-and-mul, RoPE), the skinny GEMM of
+decode's linears (`cpu_skinny_gemm.cpp`) and the loop that runs a decode step's layers in one call
+(`cpu_decode_layers.cpp`); all register under `torch.ops.minivllm_cpu`, so one build and one load
+serve them all.
 `torch.utils.cpp_extension.load` compiles them with the system compiler and `ninja`, the way vLLM
 builds its CPU kernels ahead of time. Doing it at first use keeps `pip install` free of a compiler
 step, at the price of three things this module takes care of:
@@ -24,9 +24,8 @@ step, at the price of three things this module takes care of:
   knows any `lock` file left in the folder is stale, and removes it. Waiting for a live build is
   bounded by `LOCK_TIMEOUT_S`.
 
-Where it all lives: `$MINIVLLM_CACHE/torch_extensions/` (see `minivllm/envs.py`). The backend that
-uses the attention kernel is `minivllm/attention/cpu.py`, and the layer ops' wrappers are in
-`minivllm/model/cpu_layer_ops.py`; docs/concepts/attention-kernels.md explains the build.
+Where it all lives: `$MINIVLLM_CACHE/torch_extensions/` (see `minivllm/envs.py`). Every op's Python
+wrapper is in `cpu_ops.py`; docs/concepts/attention-kernels.md explains the build.
 """
 
 from __future__ import annotations
@@ -50,15 +49,18 @@ from minivllm.envs import cache_root
 logger = logging.getLogger("minivllm")
 
 EXTENSION_NAME = "minivllm_cpu_kernels"  # the library; its ops register as torch.ops.minivllm_cpu
-# The library's sources: cpu_kernels.cpp defines the op namespace (TORCH_LIBRARY), the layer ops
+# The library's sources: cpu_attention.cpp defines the op namespace (TORCH_LIBRARY), the layer ops
 # add to it (TORCH_LIBRARY_FRAGMENT).
-SOURCES = (
-    Path(__file__).with_name("cpu_kernels.cpp"),
-    Path(__file__).with_name("cpu_decode_avx512.cpp"),
-    Path(__file__).parent.parent / "model" / "cpu_norm_kernels.cpp",
-    Path(__file__).parent.parent / "model" / "cpu_layer_kernels.cpp",
-    Path(__file__).parent.parent / "model" / "cpu_gemm_kernels.cpp",
-    Path(__file__).parent.parent / "model" / "cpu_decode_layers.cpp",
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in (
+        "cpu_attention.cpp",
+        "cpu_attention_avx512.cpp",
+        "cpu_layernorm.cpp",
+        "cpu_activation_rope.cpp",
+        "cpu_skinny_gemm.cpp",
+        "cpu_decode_layers.cpp",
+    )
 )
 # Compiler flags per SIMD level PyTorch detected on this CPU: the kernels' loops are vectorized by
 # the compiler, so it must be told which instructions it may use (and no more than the CPU has).

@@ -6,20 +6,24 @@ wrappers' checks. On SmolLM2 (30 layers, 2 cores) that host work measured ~2.5 m
 about the same at 16 rows (a 19 ms forward) and at 64 (55 ms): 5-14 % of the body's time. vLLM
 removes the host from a GPU's decode step by replaying a captured CUDA graph; a CPU has no such
 graph, so `cpu_decode_layers.cpp` does the host's part in C++ instead. It calls the same kernels
-as `LlamaModel.forward` on the CPU fast path, in the same order and on the same layouts, so its
-result is bit for bit the Python loop's; that loop stays the specification
-(tests/test_cpu_decode_layers.py holds the two equal).
+as `LlamaModel.forward` with every custom op on its CPU forward (minivllm/platforms/cpu_ops.py),
+in the same order and on the same layouts, so its result is bit for bit the Python loop's; that
+loop stays the specification (tests/test_kernels_cpu_decode_layers.py holds the two equal).
+
+Like a CUDA graph in vLLM, it is captured and run by the model runner (`ModelRunner.capture_model`,
+through `CpuPlatform.capture_decode_layers`); the model does not know it exists.
 
 It applies where the whole of a step is what the C++ loop knows how to do:
 
 - the CPU attention backend (the op attends through its plan: every row is a work item of the
-  paged kernel) and the CPU fast path's kernels (`use_cpu_kernels`);
+  paged kernel) and every custom op on its CPU forward (`custom_ops="all"`);
 - one device: with tensor parallelism, each layer's two all-reduces happen in Python;
 - float32 weights on a CPU where the skinny GEMM runs its AVX-512 path, and no biases;
 - a step of decodes only, with at most `SKINNY_GEMM_MAX_ROWS` rows, since above that the linears
   go to MKL;
-- no forward hook on the model's body or its modules: a hook is Python, and a user who registers
-  one on a layer expects it to run (vLLM's CUDA graphs skip hooks; here they turn the C++ call off).
+- no forward hook on the model, its body or their modules: a hook is Python, and a user who
+  registers one on a layer expects it to run (vLLM's CUDA graphs skip hooks; here they turn the
+  C++ call off).
 
 Every other step runs the Python loop, and `enforce_eager=True` (vLLM's flag, `--enforce-eager`)
 keeps every step there.
@@ -34,7 +38,8 @@ from torch import nn
 
 from minivllm.attention import AttentionMetadata
 from minivllm.attention.cpu import CpuPlan
-from minivllm.model.cpu_layer_ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
+from minivllm.kernels.cpu_ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
+from minivllm.model.custom_op import CustomOp
 
 if TYPE_CHECKING:
     from minivllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -45,11 +50,13 @@ def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
 
 
 class CpuDecodeLayers:
-    """`LlamaModel`'s layers and final norm for a decode step, as one `decode_layers` op call."""
+    """`LlamaForCausalLM.forward` for a decode step: the embedding, then the layers and the final
+    norm as one `decode_layers` op call."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         body = model.model
         layers = decoder_layers(model)
+        self.embed_tokens = body.embed_tokens
         self.rotary_emb = body.rotary_emb
         self.final_norm = body.norm
         # Six per layer, in the op's order: input norm, qkv, o, post-attention norm, gate_up, down.
@@ -68,7 +75,9 @@ class CpuDecodeLayers:
         attention = layers[0].self_attn
         self.scale = attention.scale
         self.num_heads = attention.num_heads
-        self.modules = list(body.modules())  # whose forward hooks the C++ loop would skip
+        # Whose forward hooks the C++ loop would skip: the model's and its body's (the LM head runs
+        # outside the replay, in `compute_logits`, hooks and all).
+        self.modules = [model, *body.modules()]
 
     @staticmethod
     def supports(model: LlamaForCausalLM) -> bool:
@@ -77,12 +86,14 @@ class CpuDecodeLayers:
         layer = decoder_layers(model)[0]
         return (
             model.tp.world_size == 1
-            and layer.self_attn.backend.name == "cpu"
-            and bool(layer.mlp.act_fn.use_cpu_kernels)
+            and all(
+                op.dispatched_to == "cpu"
+                for op in model.model.modules()
+                if isinstance(op, CustomOp)
+            )
             and not config.attention_bias
             and not config.mlp_bias
             and layer.self_attn.qkv_proj.weight.dtype == torch.float32
-            and layer.self_attn.qkv_proj.weight.is_cpu
             and skinny_gemm_fast()
         )
 
@@ -106,13 +117,14 @@ class CpuDecodeLayers:
 
     def __call__(
         self,
-        embeds: torch.Tensor,  # [T, hidden_size]  the step's embeddings; becomes the residual
+        input_ids: torch.Tensor,  # int64 [T]
         positions: torch.Tensor,  # int64 [T]
         kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]  after the final norm
         plan = meta.plan
         assert isinstance(plan, CpuPlan)  # `applies` checked it
+        embeds = self.embed_tokens(input_ids)  # [T, hidden_size]; becomes the residual
         return torch.ops.minivllm_cpu.decode_layers(
             embeds,
             positions,

@@ -8,7 +8,7 @@
 // there is no such graph on a CPU, so here the host work itself moves to C++: this op runs every
 // layer of the step, calling the very kernels `LlamaModel.forward` calls on the CPU fast path, in
 // the same order, on the same layouts, so that its result is bit for bit the Python path's
-// (tests/test_cpu_decode_layers.py checks exactly that).
+// (tests/test_kernels_cpu_decode_layers.py checks exactly that).
 //
 // Per layer, with T token rows (T <= 64, float32), the same sequence as minivllm/model/llama.py:
 //   input norm (the first layer: rms_norm; later: fused_add_rms_norm, adding the residual)
@@ -16,7 +16,7 @@
 //   reshape_and_cache(k, v); attention = paged_decode(q) over each request's blocks
 //   hidden = skinny_gemm(attention, W_o); post-attention fused_add_rms_norm
 //   hidden = skinny_gemm(silu_and_mul(skinny_gemm(hidden, W_gate_up)), W_down)
-// then the final fused_add_rms_norm. minivllm/model/cpu_decode_layers.py decides when it applies
+// then the final fused_add_rms_norm. minivllm/kernels/cpu_decode_layers.py decides when it applies
 // (decode-only steps, one device, no biases, float32) and hands it the weights.
 
 #include <ATen/ATen.h>

@@ -21,16 +21,17 @@ from pathlib import Path
 import pytest
 
 from minivllm.attention import cpu as cpu_module
-from minivllm.attention import cpu_build, get_attention_backend
-from minivllm.attention.cpu_build import CpuKernelUnavailable
+from minivllm.attention import get_attention_backend
+from minivllm.kernels import cpu_build
+from minivllm.kernels.cpu_build import CpuKernelUnavailable
 
 LIBRARY = "minivllm_cpu_kernels.so"
 # What torch raises when the compiler fails: its first line runs on into ninja's log.
 COMPILE_ERROR = (
-    "Error building extension 'minivllm_cpu_kernels': [1/2] c++ -MMD -c cpu_kernels.cpp -o x.o\n"
+    "Error building extension 'minivllm_cpu_kernels': [1/2] c++ -MMD -c cpu_attention.cpp -o x.o\n"
     "FAILED: x.o\n"
-    "c++ -MMD -c cpu_kernels.cpp -o x.o\n"
-    "cpu_kernels.cpp:12:3: error: expected ';' before '}' token\n"
+    "c++ -MMD -c cpu_attention.cpp -o x.o\n"
+    "cpu_attention.cpp:12:3: error: expected ';' before '}' token\n"
     "ninja: build stopped: subcommand failed.\n"
 )
 
@@ -95,7 +96,7 @@ def test_a_failed_build_is_remembered_and_not_retried(
     [marker] = cpu_build.kernel_build_dir().glob("build-failed-*.txt")
     message = str(first.value)
     assert "\n" not in message
-    assert "cpu_kernels.cpp:12:3: error: expected ';'" in message and str(marker) in message
+    assert "cpu_attention.cpp:12:3: error: expected ';'" in message and str(marker) in message
     assert "ninja: build stopped" in marker.read_text()  # the whole log is kept, for the curious
 
     caplog.clear()

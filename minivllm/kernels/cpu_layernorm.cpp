@@ -1,6 +1,6 @@
 // Fused RMSNorm for CPUs, alone and with the residual add before it, each one pass over its rows.
 //
-// The two norms of minivllm/model/cpu_layer_kernels.cpp's family of fused layer ops (that file's
+// The two norms of minivllm/kernels/cpu_activation_rope.cpp's family of fused layer ops (that file's
 // header says why they exist, how they are built and how they are tested, and why an op takes
 // two layouts); here only what is particular to the norms. Plain PyTorch runs RMSNorm as float(),
 // pow, mean, add, rsqrt, mul, to() and mul, plus the residual add before it, each a pass over
@@ -11,7 +11,7 @@
 //
 // Layouts. fused_add_rms_norm's `input` is a sublayer's output, and on a CPU the model's linears
 // return feature-major views ([T, hidden] whose storage is a contiguous [hidden, T]; see
-// cpu_layer_kernels.cpp): it is normalized where it lies, in whichever of the two layouts it has,
+// cpu_activation_rope.cpp): it is normalized where it lies, in whichever of the two layouts it has,
 // because copying it to rows first (aten's transpose) cost more than the fusion saved. The
 // residual stream stays token-major ([T, hidden] contiguous) through the layers. A feature-major
 // input is turned into rows a tile of tokens at a time, in a buffer that never leaves L1, and the

@@ -39,7 +39,7 @@
 #include <type_traits>
 #include <vector>
 
-// The kernel's float32 loops for AVX-512 CPUs, defined in cpu_decode_avx512.cpp.
+// The kernel's float32 loops for AVX-512 CPUs, defined in cpu_attention_avx512.cpp.
 namespace minivllm_cpu_avx512 {
 bool decode_avx512_applies(int64_t head_dim);
 void decode_scores(const float* q, const float* k_cache, const int32_t* table, int64_t seq_len,
@@ -101,7 +101,7 @@ void paged_decode_kernel(
   const int64_t hd = HEAD_DIM > 0 ? HEAD_DIM : head_dim;  // the loops' head_dim
   const int64_t group = num_heads / num_kv_heads;        // query heads per KV head
   const int64_t row_elems = num_kv_heads * head_dim;     // one token's K (or V), all KV heads
-  // float32 on an AVX-512 CPU: the loops of cpu_decode_avx512.cpp (~2x faster; see there).
+  // float32 on an AVX-512 CPU: the loops of cpu_attention_avx512.cpp (~2x faster; see there).
   const bool avx512 =
       std::is_same_v<scalar_t, float> && minivllm_cpu_avx512::decode_avx512_applies(head_dim);
   // Load balance: a request costs its seq_len, and a decode batch mixes lengths 16..512, so the

@@ -1,8 +1,8 @@
-// The float32 inner loops of the CPU paged decode kernel (cpu_kernels.cpp), written for AVX-512:
+// The float32 inner loops of the CPU paged decode kernel (cpu_attention.cpp), written for AVX-512:
 // one request's scores q · k over its cached tokens, and its score-weighted sum of values.
 //
 // Decode attention should cost what reading its K and V costs: every step reads each running
-// request's whole context once per layer. The compiler-vectorized loops of cpu_kernels.cpp did
+// request's whole context once per layer. The compiler-vectorized loops of cpu_attention.cpp did
 // not get there (measured on 2 EPYC cores: 34 GB/s of K/V, where the cores read 81 GB/s). Two
 // things held them back, both about the shape of the work rather than the memory:
 //
@@ -14,13 +14,13 @@
 // - Values. Each head's output (64 floats) was loaded and stored again for every token. Here it
 //   stays in registers while the 16 tokens of a block are added into it.
 //
-// Both walk the block table as cpu_kernels.cpp's `for_each_cached_token` does, and prefetch the
+// Both walk the block table as cpu_attention.cpp's `for_each_cached_token` does, and prefetch the
 // next block while this one is computed (blocks are scattered, so the hardware prefetcher cannot
 // guess where the next one starts). Results differ from the portable loops' only in the order of
-// the float32 sums; tests/test_attention_cpu.py holds both to the reference backend.
+// the float32 sums; tests/test_kernels_cpu_attention.py holds both to the reference backend.
 //
-// Compiled into the library where PyTorch detected AVX-512 (minivllm/attention/cpu_build.py).
-// Elsewhere `decode_avx512_applies` is false and cpu_kernels.cpp keeps its portable loops, as it
+// Compiled into the library where PyTorch detected AVX-512 (minivllm/kernels/cpu_build.py).
+// Elsewhere `decode_avx512_applies` is false and cpu_attention.cpp keeps its portable loops, as it
 // does for bfloat16 and float16 caches and for head sizes other than 32, 64 and 128.
 
 #include <algorithm>

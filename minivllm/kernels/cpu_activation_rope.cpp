@@ -1,5 +1,5 @@
 // Fused per-token layer ops for CPUs: SiLU-and-mul and rotary embedding here, RMSNorm (alone and
-// with its residual add) in cpu_norm_kernels.cpp; each one pass over its tensor.
+// with its residual add) in cpu_layernorm.cpp; each one pass over its tensor.
 //
 // Between a decoder layer's matmuls, plain PyTorch runs each formula as a chain of elementwise
 // ops, and every link reads and writes the whole activation: RMSNorm alone is float(), pow, mean,
@@ -24,7 +24,7 @@
 //
 // The specification of each op is its plain-PyTorch form (RMSNorm and the MLP in
 // minivllm/model/llama.py, RotaryEmbedding in minivllm/model/rope.py), and
-// tests/test_cpu_layer_kernels.py holds them equal in both layouts. Every dtype computes in
+// tests/test_kernels_cpu_layernorm.py holds them equal in both layouts. Every dtype computes in
 // float32 and rounds once per output, except where the specification itself rounds (RMSNorm
 // casts back to the input dtype before the weight, as transformers does).
 //
@@ -34,8 +34,8 @@
 // arguments), which is what lets -O3 -ffast-math with the host's SIMD flags vectorize them, sums
 // included (fast-math lets the compiler split one sum into several partial ones; this is also why
 // results differ from PyTorch's in the last bits). Built into the same library as the attention
-// kernel by minivllm/attention/cpu_build.py, whose cpu_kernels.cpp owns the namespace
-// (TORCH_LIBRARY); this file and cpu_norm_kernels.cpp add to it (TORCH_LIBRARY_FRAGMENT).
+// kernel by minivllm/kernels/cpu_build.py, whose cpu_attention.cpp owns the namespace
+// (TORCH_LIBRARY); this file and cpu_layernorm.cpp add to it (TORCH_LIBRARY_FRAGMENT).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -1,25 +1,28 @@
-"""Fused CPU layer ops: RMSNorm, residual add + RMSNorm, SiLU-and-mul and RoPE in one pass each.
+"""Python wrappers of the compiled CPU ops (`torch.ops.minivllm_cpu.*`), one function per op.
 
-Between a decoder layer's matmuls, plain PyTorch runs each formula as a chain of elementwise ops,
-each one a full pass over the activation (RMSNorm alone is eight). These wrappers call the C++ ops
-of `minivllm/model/cpu_norm_kernels.cpp` and `cpu_layer_kernels.cpp`, which read each input once
-and write each output once, the way vLLM's CPU backend does (`csrc/cpu/layernorm.cpp`,
-`activation.cpp`, `pos_encoding.cpp`; the names and semantics here are vLLM's custom ops'). They
-run on float32, bfloat16 and float16 CPU tensors and compute in float32.
+vLLM keeps these in `vllm/_custom_ops.py`: each wrapper allocates the output, then calls the C++
+op, whose name and semantics are vLLM's where vLLM has one (`csrc/cpu/layernorm.cpp`,
+`activation.cpp`, `pos_encoding.cpp`, `attention.cpp`, `cache.cpp`). They run on float32, bfloat16
+and float16 CPU tensors and compute in float32:
 
-Two layouts. On a CPU the model's linears return (W · xᵀ)ᵀ, a transposed view ("feature-major":
-logically [T, N], stored as a contiguous [N, T], so `x.stride() == (1, T)`), because MKL runs it
-faster (`minivllm/model/parallel_layers.py`). `silu_and_mul`, `fused_add_rms_norm` and
-`rotary_embedding` take that layout as it is and keep it, as well as token-major rows: copying
-the linears' outputs to rows first cost more than the fusion saved. `is_feature_major` says
-which one a tensor has.
+- `rms_norm`, `fused_add_rms_norm` (`cpu_layernorm.cpp`), `silu_and_mul`, `rotary_embedding`
+  (`cpu_activation_rope.cpp`): a decoder layer's elementwise formulas, one pass over memory each
+  where plain PyTorch runs a chain of ops, each a full pass (RMSNorm alone is eight).
+- `skinny_gemm` (`cpu_skinny_gemm.cpp`): x · Wᵀ for decode's few rows, streaming W once.
+- `reshape_and_cache`, `paged_decode` (`cpu_attention.cpp`): the paged cache write and attention.
 
-The plain-PyTorch forms are their specification: `RMSNorm` and `LlamaMLP` in
-`minivllm/model/llama.py`, `RotaryEmbedding.forward_native` in `minivllm/model/rope.py`;
-`tests/test_cpu_layer_kernels.py` holds each op equal to its formula. The library is built on
-first use by `minivllm/attention/cpu_build.py` (together with the paged decode kernel); where it
-cannot be built, `load_cpu_kernels` raises `CpuKernelUnavailable` and the caller keeps the plain
-forms. See docs/architecture.md for where the layer sits in a step.
+Two layouts. On the CPU fast path the model's linears may return (W · xᵀ)ᵀ, a transposed view
+("feature-major": logically [T, N], stored as a contiguous [N, T], so `x.stride() == (1, T)`),
+because MKL runs it faster (`minivllm/platforms/cpu_ops.py`). `silu_and_mul`,
+`fused_add_rms_norm`, `rotary_embedding` and the attention ops take that layout as it is and keep
+it, as well as token-major rows: copying the linears' outputs to rows first cost more than the
+fusion saved. `is_feature_major` says which one a tensor has.
+
+The plain-PyTorch forms are their specification: each custom op's `forward_native` in
+`minivllm/model/` (`RMSNorm`, `SiluAndMul`, `RotaryEmbedding`, the parallel linears) and the
+reference attention backend; `tests/test_kernels_<source>.py` holds each source to its formula.
+The library is built on first use by `cpu_build.py`; where it cannot be built, `load_cpu_kernels`
+raises `CpuKernelUnavailable`.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ import functools
 
 import torch
 
-from minivllm.attention.cpu_build import load_cpu_kernels
+from minivllm.kernels.cpu_build import load_cpu_kernels
 
 __all__ = [
     "SKINNY_GEMM_MAX_ROWS",
     "fused_add_rms_norm",
     "is_feature_major",
+    "paged_decode",
+    "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
@@ -42,7 +47,7 @@ __all__ = [
     "skinny_gemm_fast",
 ]
 
-# The most token rows a linear sends to the skinny GEMM (`cpu_gemm_kernels.cpp`); above it MKL's
+# The most token rows a linear sends to the skinny GEMM (`cpu_skinny_gemm.cpp`); above it MKL's
 # packed GEMM is as fast or faster (measured over SmolLM2's 30 layers on 2 cores: the kernel is
 # 1.2x faster at 32 rows, 1.1x at 64, 0.96x at 96; python -m minivllm.benchmarks.skinny_gemm).
 SKINNY_GEMM_MAX_ROWS = 64
@@ -141,3 +146,36 @@ def skinny_gemm_fast() -> bool:
     """Whether the library was built with the skinny GEMM's AVX-512 path (else it calls at::mm)."""
     load_cpu_kernels()
     return bool(torch.ops.minivllm_cpu.skinny_gemm_fast())
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]  any strides
+    value: torch.Tensor,  # [T, num_kv_heads, head_dim]  any strides
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # int64 [T]  block * block_size + offset; -1: skip the token
+) -> None:
+    """Write the new tokens' K and V into their cache slots, both caches in one call."""
+    load_cpu_kernels()
+    torch.ops.minivllm_cpu.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode(
+    query: torch.Tensor,  # [T, num_heads, head_dim]  any strides
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # int32 [B, max_blocks]  one per row
+    seq_lens: torch.Tensor,  # int32 [B]
+    token_rows: torch.Tensor,  # int64 [B]  each work item's query row
+    scale: float,
+    out: torch.Tensor,  # float32 [T, num_heads, head_dim]  rows token_rows are written
+) -> None:
+    """Attention of each row token_rows[b] over the first seq_lens[b] cached tokens of block table
+    b: a decode row sees its whole context, a prompt row the prefix up to its own position."""
+    load_cpu_kernels()
+    # The model's queries are a view of the fused qkv output, token-major or (a CPU linear's
+    # transposed output) feature-major: the kernel takes their strides and reads them where they
+    # are, one request's query at a time, rather than have them copied out first.
+    torch.ops.minivllm_cpu.paged_decode(
+        out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale
+    )

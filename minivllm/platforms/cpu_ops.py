@@ -1,0 +1,124 @@
+"""The CPU's forward of each custom op: the model's math, computed by minivllm/kernels/.
+
+Each function below is registered (`register_forward`) for the op class whose `forward_native`
+it replaces when the CPU platform runs `custom_ops="all"`; it computes the same result, and the
+tests hold it there (tests/test_model_llama.py, greedy token-exact against transformers). What
+each one buys, measured on SmolLM2-135M with 2 cores:
+
+- **Linears** (`ColumnParallelLinear`, `QKVParallelLinear`, `RowParallelLinear`): a decode step's
+  few float32 rows go to the skinny GEMM (`cpu_skinny_gemm.cpp`), which streams the weight once
+  instead of packing it as MKL does (2.2-2.6x faster at 2-8 rows, 1.5x at 16). More rows go to
+  MKL as (W · xᵀ)ᵀ, the same dot products with the weight as the left operand, ~1.3x faster at
+  16-256 rows; its result is a transposed ("feature-major") view, which the fused ops, RoPE and
+  the CPU attention backend read as it is.
+- **RMSNorm, SiLU·mul, RoPE**: one fused pass over memory each (`cpu_layernorm.cpp`,
+  `cpu_activation_rope.cpp`), where plain PyTorch runs a chain of ops (RMSNorm alone is eight);
+  unfused, that work was a sixth of an engine step (issue 16's profile).
+- **LM head**: the largest matmul of a small model's step (113 MB for SmolLM2). Up to
+  `LM_HEAD_SKINNY_ROWS` sampled rows it goes to the skinny GEMM; above, to oneDNN on a copy of
+  the weight prepacked in its blocked layout (1.5-3x faster than MKL at 1-128 rows; the copy costs
+  the weight's size again). Where oneDNN is missing or the weight is not float32, MKL runs it in
+  slices of `LM_HEAD_ROWS` vocabulary rows, 1.2-1.4x faster than in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.kernels import cpu_ops
+from minivllm.model.custom_op import register_forward
+from minivllm.model.llama import RMSNorm, SiluAndMul
+from minivllm.model.parallel_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from minivllm.model.rope import RotaryEmbedding
+
+LM_HEAD_ROWS = 1024  # vocabulary rows per LM-head matmul without a prepacked weight
+# Up to this many sampled rows the skinny GEMM runs SmolLM2's LM head 1.1-1.3x faster than the
+# oneDNN-prepacked weight; above it oneDNN is 5-15 % faster (measured at 1-64 rows, 2 cores).
+LM_HEAD_SKINNY_ROWS = 24
+
+
+# ---------------------------------------------------------------------------------- linears
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:  # [M, in] -> [M, out]  feature-major: a transposed view
+    """`F.linear(x, weight, bias)` as (W · xᵀ)ᵀ, the operand order MKL runs faster here."""
+    y = torch.mm(weight, x.t()).t()
+    return y if bias is None else y + bias
+
+
+def cpu_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:  # [M, in] -> [M, out]
+    """Decode's few float32 rows through the skinny GEMM (token-major rows); more through `linear`."""
+    if cpu_ops.skinny_gemm_applies(x, weight):
+        y = cpu_ops.skinny_gemm(x, weight)
+        return y if bias is None else y + bias
+    return linear(x, weight, bias)
+
+
+@register_forward(ColumnParallelLinear, "cpu")  # QKVParallelLinear too, its subclass
+def column_parallel_linear_forward_cpu(op: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    return cpu_linear(x, op.weight, op.bias)
+
+
+@register_forward(RowParallelLinear, "cpu")
+def row_parallel_linear_forward_cpu(op: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    y = op.tp.all_reduce(cpu_linear(x, op.weight))
+    return y if op.bias is None else y + op.bias
+
+
+# ---------------------------------------------------------------------------------- elementwise
+@register_forward(RMSNorm, "cpu")
+def rms_norm_forward_cpu(
+    op: RMSNorm,
+    x: torch.Tensor,  # [T, hidden]  either layout
+    residual: torch.Tensor | None = None,  # [T, hidden]  token-major
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is None:
+        return cpu_ops.rms_norm(x, op.weight, op.eps)
+    # In place: x (a sublayer's fresh output, in the layout its linear gave it) becomes the
+    # normalised rows, residual the sum.
+    cpu_ops.fused_add_rms_norm(x, residual, op.weight, op.eps)
+    return x, residual
+
+
+@register_forward(SiluAndMul, "cpu")
+def silu_and_mul_forward_cpu(op: SiluAndMul, x: torch.Tensor) -> torch.Tensor:
+    return cpu_ops.silu_and_mul(x)  # [T, 2 * I] -> [T, I], in x's layout
+
+
+@register_forward(RotaryEmbedding, "cpu")
+def rotary_embedding_forward_cpu(
+    op: RotaryEmbedding,
+    positions: torch.Tensor,  # int64 [T]
+    x: torch.Tensor,  # [T, heads, head_dim]  a view of the qkv output, either layout
+) -> torch.Tensor:  # x itself, rotated in place
+    cpu_ops.rotary_embedding(positions, x, op.cos_sin)
+    return x
+
+
+# ---------------------------------------------------------------------------------- LM head
+def prepack_lm_head(head: ParallelLMHead) -> None:
+    """Keep a copy of the weight in oneDNN's blocked layout (`head.packed_weight`; not set where
+    oneDNN is missing or the weight is not float32, the dtype these timings hold for)."""
+    head.__dict__.pop("packed_weight", None)  # a copy of an earlier dispatch's weight
+    if head.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        with torch.no_grad():
+            # 64 rows is the hint oneDNN plans its blocking for; any row count runs on the result.
+            head.packed_weight = torch.ops.mkldnn._reorder_linear_weight(head.weight, 64)
+
+
+@register_forward(ParallelLMHead, "cpu", process_weights_after_loading=prepack_lm_head)
+def lm_head_forward_cpu(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
+    """[S, R] logits of this rank's vocabulary rows, in the weight's dtype, for hidden [S, h]."""
+    weight = head.weight  # [R, hidden]
+    packed = getattr(head, "packed_weight", None)  # [R, hidden] in oneDNN's layout
+    if packed is not None:
+        if hidden.shape[0] <= LM_HEAD_SKINNY_ROWS and cpu_ops.skinny_gemm_applies(hidden, weight):
+            return cpu_ops.skinny_gemm(hidden, weight)
+        return torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), packed, None, "none", [], "")
+    local_t = torch.empty(weight.shape[0], hidden.shape[0], dtype=weight.dtype)  # [R, S]
+    for start in range(0, weight.shape[0], LM_HEAD_ROWS):
+        rows = slice(start, start + LM_HEAD_ROWS)
+        torch.mm(weight[rows], hidden.t(), out=local_t[rows])
+    return local_t.t()

@@ -1,0 +1,33 @@
+"""`CudaPlatform`: NVIDIA GPUs (vLLM's vllm/platforms/cuda.py).
+
+Triton is the default attention backend; bfloat16 is the default dtype where the GPU has it. No
+custom op has a CUDA forward yet, so every layer runs `forward_native` (cuBLAS for the matmuls),
+and there is no decode replay: a CUDA graph would be that, and is not built here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.platforms.interface import Platform
+
+# Kept free for the activations of a step, outside the KV cache's share of the memory.
+ACTIVATION_HEADROOM_BYTES = 256 * 2**20
+
+
+class CudaPlatform(Platform):
+    device_type = "cuda"
+    default_attention_backend = "triton"
+    attention_backends = ("reference", "triton")
+    dist_backend = "nccl"
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def kv_cache_budget_bytes(
+        self, device: torch.device, gpu_memory_utilization: float, cpu_kv_cache_space: float
+    ) -> float:
+        """`gpu_memory_utilization` of the device, less what is already used (the weights)."""
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        return gpu_memory_utilization * total - used - ACTIVATION_HEADROOM_BYTES

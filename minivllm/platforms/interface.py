@@ -1,0 +1,101 @@
+"""`Platform`: what a kind of device decides for the engine, in one place (vLLM's
+vllm/platforms/interface.py).
+
+Every choice that depends on the device, and only on it, is a method or an attribute here, so that
+no other module asks `device.type` to pick its code:
+
+- which forward each custom op runs (`dispatch_custom_ops`; minivllm/model/custom_op.py), under
+  the `custom_ops` setting that `resolve_custom_ops` settles (vLLM's `CompilationConfig.custom_ops`:
+  "all" runs the platform's fused kernels, "none" runs every op's plain-PyTorch `forward_native`);
+- the attention backend that `"auto"` means, and the backends that run on the device;
+- the dtype that `"auto"` means, and how many bytes the KV cache may take;
+- the collective library between tensor-parallel ranks (`dist_backend`, vLLM's name);
+- whether a decode step may be replayed as one captured call (`capture_decode_layers`, which the
+  model runner owns, as vLLM's runner owns CUDA-graph capture).
+
+This module imports no other part of minivllm but the custom-op base, so that the attention
+package, the loader and the runner can all ask the platform without a cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from minivllm.model.custom_op import CustomOp
+
+CUSTOM_OPS = ("auto", "all", "none")
+
+
+class DecodeReplay(Protocol):
+    """A decode step's model body as one captured call (the CPU's: kernels/cpu_decode_layers.py)."""
+
+    def applies(self, num_tokens: int, meta: Any) -> bool:
+        """Whether this step is one the captured call runs exactly as the model would."""
+        ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: Any,  # AttentionMetadata
+    ) -> torch.Tensor:  # [T, hidden_size]  what the model's forward returns
+        ...
+
+
+class Platform:
+    """The base: every op in plain PyTorch, no replay. Subclasses say what their device adds."""
+
+    device_type: str = ""
+    default_attention_backend: str = "reference"
+    attention_backends: tuple[str, ...] = ("reference",)  # those that run on this device
+    dist_backend: str = "gloo"  # torch.distributed's library for collectives between ranks
+
+    def default_dtype(self) -> torch.dtype:
+        """What dtype "auto" means."""
+        return torch.float32
+
+    def kv_cache_budget_bytes(
+        self, device: torch.device, gpu_memory_utilization: float, cpu_kv_cache_space: float
+    ) -> float:
+        """How many bytes the KV cache may take on `device` (CacheConfig's two limits)."""
+        raise NotImplementedError
+
+    def check_attention_backend(self, name: str) -> None:
+        """Refuse a backend (by its resolved name) that does not run on this device."""
+        if name not in self.attention_backends:
+            raise ValueError(
+                f'attention_backend "{name}" needs device '
+                f'"{"cuda" if name == "triton" else "cpu"}", got {self.device_type!r}'
+            )
+
+    def resolve_custom_ops(self, custom_ops: str, attention_backend: str) -> str:
+        """ "auto" settled for this device and attention backend: "all" or "none". The reference
+        backend always means "none": it is the specification, plain PyTorch end to end."""
+        if custom_ops not in CUSTOM_OPS:
+            raise ValueError(f"custom_ops must be one of {CUSTOM_OPS}, got {custom_ops!r}")
+        if custom_ops != "auto":
+            return custom_ops
+        return "none" if attention_backend == "reference" else "all"
+
+    def register_op_forwards(self) -> None:
+        """Make this platform's custom-op forwards known (import the module that registers them,
+        load their library). The base has none."""
+
+    def dispatch_custom_ops(self, model: nn.Module, custom_ops: str) -> int:
+        """Choose, once, the forward of every custom op in `model` (its weights loaded): the
+        platform's own under "all", `forward_native` under "none". Returns how many ops run the
+        platform's forward."""
+        enabled = custom_ops == "all"
+        if enabled:
+            self.register_op_forwards()
+        device_type = self.device_type if enabled else None
+        ops = [m for m in model.modules() if isinstance(m, CustomOp)]
+        return sum(op.dispatch_forward(device_type) for op in ops)
+
+    def capture_decode_layers(self, model: Any, backend: Any) -> DecodeReplay | None:
+        """A replay of the model's decode steps, where this device has one; None otherwise."""
+        return None
