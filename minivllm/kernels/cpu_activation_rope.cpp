@@ -18,7 +18,7 @@
 // ops take that layout as it is and keep it (the next linear reads it at the same speed), since
 // transposing the qkv, gate_up and down outputs to rows first cost more than the fusion saved.
 // They also take token-major rows (stride(1) == 1), as vLLM's do; a single token is both.
-// Measured at SmolLM2's sizes, 32 and 300 tokens, 2 cores (python -m minivllm.benchmarks.cpu_layer_layouts):
+// Measured at SmolLM2's sizes, 32 and 300 tokens, 2 cores (python benchmarks/cpu_layer_layouts.py):
 // against `.contiguous()` and the token-major op, SiLU-and-mul on the layout as it is runs 5-7x
 // faster, RoPE 2-3.5x, and the residual add + norm up to 1.9x (float32; bfloat16 at par).
 //

@@ -21,7 +21,7 @@
 // flash-decoding's one pass with an online softmax: both read the same bytes, and the one-pass
 // version, which rescales its sums and runs the softmax on one block's 16 scores at a time,
 // measured 1.2x slower per core on cached data and no faster from memory
-// (python -m minivllm.benchmarks.cpu_decode, SmolLM2 shapes).
+// (python benchmarks/cpu_decode.py, SmolLM2 shapes).
 //
 // The file's second op, reshape_and_cache (vLLM's name), is the cache write that comes before
 // the read: the new tokens' K and V into their slots, both caches in one call.

@@ -49,7 +49,7 @@ __all__ = [
 
 # The most token rows a linear sends to the skinny GEMM (`cpu_skinny_gemm.cpp`); above it MKL's
 # packed GEMM is as fast or faster (measured over SmolLM2's 30 layers on 2 cores: the kernel is
-# 1.2x faster at 32 rows, 1.1x at 64, 0.96x at 96; python -m minivllm.benchmarks.skinny_gemm).
+# 1.2x faster at 32 rows, 1.1x at 64, 0.96x at 96; python benchmarks/skinny_gemm.py).
 SKINNY_GEMM_MAX_ROWS = 64
 
 

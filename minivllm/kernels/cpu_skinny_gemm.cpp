@@ -7,7 +7,7 @@
 // reading the weights once (measured over SmolLM2's 30 layers, 2 cores: 17 ms at T = 1, where
 // MKL switches to its matrix-vector routine, then 37-44 ms from T = 2 to 32). This kernel packs
 // nothing: it streams the weight as stored, a few rows at a time, and multiplies each block of
-// rows by every token while the block sits in L1 (python -m minivllm.benchmarks.skinny_gemm:
+// rows by every token while the block sits in L1 (python benchmarks/skinny_gemm.py:
 // 2.2-2.6x faster than MKL at T = 2-8, 1.5x at 16, 1.2x at 32, 1.1x at 64; at 96 rows MKL's
 // packing pays off, so the model calls this kernel at T <= 64 only).
 // ROCm's vLLM has kernels of the same kind for the same reason ("skinny GEMMs", wvSplitK).
