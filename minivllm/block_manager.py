@@ -24,9 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from minivllm.block_pool import (
     BlockHash,
+    BlockPoolSnapshot,
     ExtraKeys,
     FreeKVCacheBlockQueue,
     HashFn,
@@ -272,6 +274,22 @@ class BlockManager:
         self._num_evictable = 0
         return True
 
+    def snapshot(self) -> BlockPoolSnapshot:
+        """A read-only copy of the pool now: block tables, ref counts, prefix-cache names."""
+        tables = {s: tuple(seq.block_table) for s, seq in self._seqs.items()}
+        return BlockPoolSnapshot(
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.num_free_blocks,
+            block_tables=MappingProxyType(tables),
+            ref_counts=MappingProxyType(
+                {b: self.blocks[b].ref_cnt for table in tables.values() for b in table}
+            ),
+            cached_blocks=MappingProxyType(
+                {b.block_id: key for key, b in self.cached_block_hash_to_block.items()}
+            ),
+        )
+
     def get_stats(self) -> BlockManagerStats:
         used = self.num_blocks - self.num_free_blocks
         return BlockManagerStats(
@@ -285,6 +303,7 @@ class BlockManager:
             kv_slot_utilization=self._utilization(),
             min_kv_slot_utilization=self._min_util,
             peak_kv_slot_utilization=self._peak_util,
+            peak_used_blocks=self._peak_used,
         )
 
     # ------------------------------------------------------------------------------------ helpers

@@ -17,7 +17,7 @@ Pure bookkeeping, no tensors; `block_manager.py` builds per-sequence block table
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 ExtraKeys = tuple[Hashable, ...] | None  # what else shapes a block's KV (LoRA id, cache salt)
@@ -160,3 +160,16 @@ class FreeKVCacheBlockQueue:
         while node is not None and node is not self._tail:
             yield node
             node = node.next_free
+
+
+@dataclass(frozen=True)
+class BlockPoolSnapshot:
+    """The pool as one step left it, read-only (`BlockManager.snapshot`): what a step listener
+    (the trace, a metrics exporter) reads instead of the block manager's own structures."""
+
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int  # held by no sequence (evictable cached blocks count as free)
+    block_tables: Mapping[Hashable, tuple[int, ...]]  # seq_id -> its blocks, logical order
+    ref_counts: Mapping[int, int]  # block id -> ref count > 0, for every held block
+    cached_blocks: Mapping[int, BlockHash]  # block id -> its prefix-cache name (held or free)

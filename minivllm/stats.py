@@ -2,6 +2,10 @@
 
 The names are a public interface (tests, benchmarks and docs read them). Memory numbers follow the
 paper's Fig. 2 framing: of the KV slots allocated to requests, how many hold real token states.
+
+The engine's step counts come from `StepCounter` (minivllm/step_listener.py), a step listener like
+the trace; the rest is read, when asked, from the block manager and the scheduler, which count
+their own events.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ class EngineStats:
     num_prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     num_prefix_cache_hit_tokens: int  # of those, served from the cache
     num_generated_tokens: int
-    num_steps: int
+    num_steps: int  # steps that committed (a failed step publishes nothing)
     peak_kv_blocks_used: int  # the most blocks ever held at once
     kv_slot_utilization: float  # filled slots / allocated slots, now
     peak_kv_slot_utilization: float  # the same, at the step with the most blocks in use
@@ -42,3 +46,4 @@ class BlockManagerStats:
     kv_slot_utilization: float  # filled slots / (used blocks * block_size) now; 1.0 when none used
     min_kv_slot_utilization: float  # lowest seen after any operation while blocks were used
     peak_kv_slot_utilization: float  # the utilization when used blocks were at their peak (latest)
+    peak_used_blocks: int = 0  # the most blocks held at once, after any operation
