@@ -45,7 +45,9 @@ class RequestContext:
 
 
 class AfterSampling(Protocol):
-    streams_text: bool  # its sequences get an incremental detokenizer (a beam's text comes at the end)
+    streams_text: (
+        bool  # its sequences get an incremental detokenizer (a beam's text comes at the end)
+    )
 
     def expand(self, seq: Sequence) -> list[Sequence]:
         """The sequences that draw a token from `seq`'s logits row this step (`seq` first)."""

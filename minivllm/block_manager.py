@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 
 from minivllm.block_pool import (
     BlockHash,
+    BlockManagerStats,
     BlockPoolSnapshot,
     ExtraKeys,
     FreeKVCacheBlockQueue,
@@ -36,7 +36,6 @@ from minivllm.block_pool import (
     NoFreeBlocksError,
     hash_block_tokens,
 )
-from minivllm.stats import BlockManagerStats
 
 SeqId = Hashable  # request / sequence ids (str or int)
 
@@ -276,18 +275,14 @@ class BlockManager:
 
     def snapshot(self) -> BlockPoolSnapshot:
         """A read-only copy of the pool now: block tables, ref counts, prefix-cache names."""
-        tables = {s: tuple(seq.block_table) for s, seq in self._seqs.items()}
+        seqs, blocks, cached = self._seqs, self.blocks, self.cached_block_hash_to_block
         return BlockPoolSnapshot(
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            num_free_blocks=self.num_free_blocks,
-            block_tables=MappingProxyType(tables),
-            ref_counts=MappingProxyType(
-                {b: self.blocks[b].ref_cnt for table in tables.values() for b in table}
-            ),
-            cached_blocks=MappingProxyType(
-                {b.block_id: key for key, b in self.cached_block_hash_to_block.items()}
-            ),
+            self.block_size,
+            self.num_blocks,
+            self.num_free_blocks,
+            lambda: {s: tuple(seq.block_table) for s, seq in seqs.items()},
+            lambda: {b: blocks[b].ref_cnt for seq in seqs.values() for b in seq.block_table},
+            lambda: {block.block_id: key for key, block in cached.items()},
         )
 
     def get_stats(self) -> BlockManagerStats:

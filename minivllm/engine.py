@@ -39,8 +39,8 @@ from minivllm.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingR
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import Scheduler, SchedulerOutput
 from minivllm.sequence import Request, Sequence, SequenceStatus
-from minivllm.stats import EngineStats
-from minivllm.step_listener import StepCounter, StepListener, StepOutputs
+from minivllm.stats import EngineStats, StatsCollector
+from minivllm.step_listener import StepListener, StepOutputs
 
 logger = logging.getLogger("minivllm")
 
@@ -62,15 +62,7 @@ class LLMEngine:
         self.max_model_len = resolved.max_model_len
         # The model runner in this process (tensor_parallel_size 1), or rank 0's of N ranks that
         # each hold 1/N of the model and get every step (paper §4.6; minivllm/distributed/).
-        self.executor = make_executor(
-            config,
-            self.source,
-            resolved.hf_config,
-            backend,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-        )
+        self.executor = make_executor(config, backend)
         self.runner = self.executor.driver_runner
         self.model = self.runner.model  # rank 0's shard when tensor_parallel_size > 1
         num_blocks = self.executor.num_blocks  # the same on every rank: the smallest any can hold
@@ -110,8 +102,8 @@ class LLMEngine:
         self._next_seq_id = 0
         self._aborted_outputs: list[RequestOutput] = []
         # Who hears of every committed step: the counters behind get_stats(), then any other.
-        self.step_counter = StepCounter()
-        self.step_listeners: list[StepListener] = [self.step_counter]
+        self.stats = StatsCollector(self.scheduler, self.block_manager)
+        self.step_listeners: list[StepListener] = [self.stats]
         logger.info(
             "minivllm engine: model=%s dtype=%s device=%s backend=%s kv_blocks=%d (block_size=%d) "
             "max_model_len=%d tensor_parallel_size=%d",
@@ -371,23 +363,5 @@ class LLMEngine:
         seq.finish_reason = "error"
         return make_request_output(request)
 
-    # ------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
-        bm, scheduler = self.block_manager.get_stats(), self.scheduler
-        return EngineStats(
-            num_kv_blocks=bm.num_total_blocks,
-            num_free_kv_blocks=bm.num_free_blocks,
-            num_cached_kv_blocks=bm.num_cached_blocks,
-            kv_cache_usage=bm.num_used_blocks / bm.num_total_blocks,
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_preemptions=scheduler.num_preemptions,
-            num_prompt_tokens_computed=scheduler.num_prompt_tokens_computed,
-            num_prefix_cache_queries=bm.prefix_cache_queries,
-            num_prefix_cache_hit_tokens=bm.prefix_cache_hits,
-            num_generated_tokens=self.step_counter.num_generated_tokens,
-            num_steps=self.step_counter.num_steps,
-            peak_kv_blocks_used=bm.peak_used_blocks,
-            kv_slot_utilization=bm.kv_slot_utilization,
-            peak_kv_slot_utilization=bm.peak_kv_slot_utilization,
-        )
+        return self.stats.get_stats()

@@ -37,7 +37,12 @@ from minivllm.config import (
     ResolvedConfig,
     SchedulerConfig,
 )
-from minivllm.model.loader import load_config, load_generation_defaults, resolve_dtype, resolve_model
+from minivllm.model.loader import (
+    load_config,
+    load_generation_defaults,
+    resolve_dtype,
+    resolve_model,
+)
 
 ENGINE_GROUP = "engine"  # the argparse group holding the engine's flags on every parser
 

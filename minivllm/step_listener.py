@@ -12,7 +12,7 @@ freed) the engine calls `on_step` of every listener with three read-only things:
 - a `BlockPoolSnapshot` from the block manager: every block table, reference count and
   prefix-cache name as they are now (`BlockManager.snapshot`).
 
-The engine's own counters (`StepCounter`, below) and the step trace
+The engine's own counters (`stats.StatsCollector`) and the step trace
 (`minivllm/trace/recorder.py`) are listeners; the engine names neither. A step that fails
 publishes nothing: its requests are failed and its blocks freed instead (`LLMEngine._fail_step`).
 Listeners run on the engine's thread, inside `step()`: they must be quick and must not change
@@ -30,7 +30,7 @@ from minivllm.outputs import RequestOutput
 from minivllm.scheduler import SchedulerOutput
 from minivllm.sequence import Sequence
 
-__all__ = ["BlockPoolSnapshot", "StepCounter", "StepListener", "StepOutputs"]
+__all__ = ["BlockPoolSnapshot", "StepListener", "StepOutputs"]
 
 
 @dataclass(frozen=True)
@@ -53,17 +53,3 @@ class StepListener(Protocol):
     ) -> None:
         """One committed step (engine thread; read, do not change)."""
         ...
-
-
-class StepCounter:
-    """The engine's own listener, behind `get_stats()`: committed steps and the tokens sampled."""
-
-    def __init__(self) -> None:
-        self.num_steps = 0
-        self.num_generated_tokens = 0
-
-    def on_step(
-        self, scheduler_output: SchedulerOutput, outputs: StepOutputs, blocks: BlockPoolSnapshot
-    ) -> None:
-        self.num_steps += 1
-        self.num_generated_tokens += len(outputs.sampled)
