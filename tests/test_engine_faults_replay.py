@@ -21,6 +21,7 @@ import pytest
 from engine_utils import assert_no_blocks_held, save_tiny_llama
 from test_engine_faults import GREEDY, HOLDER, VICTIM, cached_names, make_llm, outputs_of
 
+from minivllm.beam_search import BeamSearchParams
 from minivllm.distributed.executor import FaultInjector, UniProcExecutor
 from minivllm.engine import LLMEngine
 from minivllm.llm import LLM
@@ -133,12 +134,15 @@ def test_a_failed_step_leaves_no_trace_with_the_replay_on(
     assert isinstance(engine.executor, UniProcExecutor)
     replays = count_replays(llm)
 
-    # The holder runs until it decodes, holding its prompt's full blocks, committed and named.
+    # The holder runs until it decodes (through the replay), holding its prompt's full blocks,
+    # committed and named.
     engine.add_request("holder", HOLDER, GREEDY)
-    while not engine.block_manager.cached_block_hash_to_block:
+    for _ in range(20):
+        if replays.calls:
+            break
         engine.step()
-    engine.step()
     assert replays.calls > 0, "the holder's decode should have run through the replay"
+    assert engine.block_manager.cached_block_hash_to_block
     exc = exc_type("injected fault")
     fault = (
         SamplingFault(engine, exc, make_when())
@@ -193,3 +197,44 @@ def test_the_fault_injector_fires_once_at_its_point_only() -> None:
         fault.check("after_model", sched)
     fault.check("after_model", sched)  # fired already: no second fault
     assert fault.fired
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_failed_beam_search_step_leaves_no_trace_with_the_replay_on(
+    tiny_model: Path, point: str
+) -> None:
+    """A beam search's decode step, forks and copy-on-write included, fails as cleanly."""
+    beam = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    llm = make_llm(tiny_model)
+    engine = llm.llm_engine
+    replays = count_replays(llm)
+    exc = RuntimeError("injected fault")
+    # The third decode step of the beams: they have forked and share blocks by then.
+    decodes = [0]
+
+    def when(s: SchedulerOutput) -> bool:
+        decodes[0] += len(s.scheduled) >= 3 and all(i.num_new_tokens == 1 for i in s.scheduled)
+        return decodes[0] >= 3
+
+    fault = (
+        SamplingFault(engine, exc, when) if point == "sampling" else FaultInjector(point, exc, when)  # type: ignore[arg-type]
+    )
+    engine.executor.fault_injector = fault  # type: ignore[union-attr]
+    engine.add_request("beams", VICTIM, beam)
+    outputs = []
+    for _ in range(200):
+        if fault.fired:
+            break
+        outputs += engine.step()
+    engine.executor.fault_injector = None  # type: ignore[union-attr]
+    assert fault.fired and replays.calls > 0
+    (failed,) = [o for o in outputs if o.finished]
+    assert failed.error and "injected fault" in failed.error
+    assert not engine.has_unfinished_requests()
+    assert_no_blocks_held(llm)
+    if point == "sampling":
+        engine.sampler = fault.sampler  # type: ignore[attr-defined]
+    again = [b.tokens for b in llm.beam_search(VICTIM, beam)[0].sequences]
+    fresh = [b.tokens for b in make_llm(tiny_model).beam_search(VICTIM, beam)[0].sequences]
+    assert again == fresh
+    assert_no_blocks_held(llm)
