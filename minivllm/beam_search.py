@@ -12,7 +12,8 @@ their history. In a paged KV cache that sharing is free:
 - a beam that writes into a shared, partly filled last block gets its own **copy** of that one
   block (copy-on-write); full blocks stay shared for good.
 
-The search runs inside the engine, batched with every other request under the same token budget:
+The search runs inside the engine, through the one hook every request's samples pass
+(`BeamSearch`, an `AfterSampling` of minivllm/after_sampling.py), batched with every other request under the same token budget:
 a beam is an ordinary `Sequence`, scheduled, preempted and recomputed like any other. Only the
 choice of which beams live on is this module's, made once every live beam of a request has
 sampled in a round (vLLM's `LLM.beam_search` semantics: candidates are each beam's top
@@ -27,11 +28,10 @@ import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from minivllm.output_processor import OutputProcessor
+from minivllm.after_sampling import RequestContext
 from minivllm.outputs import CompletionOutput, RequestOutput, make_request_output
 from minivllm.sampler import SampledLists
 from minivllm.sampling_params import MAX_LOGPROBS, SamplingParams
-from minivllm.scheduler import Scheduler
 from minivllm.sequence import Logprob, Request, Sequence, SequenceStatus
 
 
@@ -70,6 +70,14 @@ class BeamSearchParams:
             max_tokens=self.max_tokens,
             ignore_eos=True,  # EOS ends a beam here, not in the stop checker
         )
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.beam_width  # admission counts a search as its beams
+
+    def make_after_sampling(self, ctx: RequestContext) -> BeamSearch:
+        """The engine asks every request's parameters for the hook that handles its samples."""
+        return BeamSearch(self, ctx)
 
 
 @dataclass
@@ -215,77 +223,73 @@ def beam_request_output(
     return out
 
 
-class BeamSearchProcessor:
-    """The engine's side of beam search: each step's candidates in; forks, extensions and prunes
-    out, through the scheduler (the only owner of the KV bookkeeping); finished searches as
-    `RequestOutput`s."""
+class BeamSearch:
+    """One beam-search request's hook after sampling (`minivllm/after_sampling.py`): each step's
+    candidates in; forks, extensions and prunes out, through the scheduler (the only owner of the
+    KV bookkeeping); the finished search as one `RequestOutput`."""
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        new_seq: Callable[[Request, int], Sequence],
-        finish: Callable[[Sequence, SequenceStatus], None],
-        output_processor: OutputProcessor,
-        eos_token_ids: set[int],
-    ) -> None:
-        self.scheduler = scheduler
-        self.new_seq = new_seq
-        self.finish = finish
-        self.output_processor = output_processor
-        self.eos_token_ids = eos_token_ids
+    streams_text = False  # a beam's text is decoded once, at the end of the search
+
+    def __init__(self, params: BeamSearchParams, ctx: RequestContext) -> None:
+        if params.beam_width > ctx.max_num_seqs:
+            raise ValueError(
+                f"beam_width must be at most max_num_seqs ({ctx.max_num_seqs}), "
+                f"got {params.beam_width}"
+            )
+        self.state = BeamState(params)
+        self.ctx = ctx
+
+    def expand(self, seq: Sequence) -> list[Sequence]:
+        return [seq]  # a beam forks once its round is decided, not at the sampler
 
     def process(
         self, seqs: list[Sequence], sampled: SampledLists, rows: list[int]
     ) -> list[RequestOutput]:
-        """`seqs[i]`, a beam, sampled row `rows[i]`. Returns the searches that ended."""
-        if not seqs:
-            return []
+        """`seqs[i]`, a live beam of this request, sampled row `rows[i]`. Returns the search's
+        output once it has ended."""
         top_ids, top_lps, sampled_lps = (
             sampled.top_ids,
             sampled.top_logprobs,
             sampled.sampled_logprobs,
         )
         assert top_ids is not None and top_lps is not None and sampled_lps is not None
+        decode_one = self.ctx.output_processor.decode_one
         for seq, j in zip(seqs, rows):
-            assert seq.request.beam is not None
             top = list(zip(top_ids[j], top_lps[j]))
             draw = (sampled.token_ids[j], sampled_lps[j])
-            seq.request.beam.add_candidates(seq, top, draw, self.output_processor.decode_one)
-        outputs = []
-        max_model_len = self.output_processor.max_model_len
-        for req in {s.request.request_id: s.request for s in seqs}.values():
-            beams = advance_beam_search(
-                req, self.eos_token_ids, max_model_len, self._fork, self._prune
-            )
-            if beams is None:
-                continue
-            for seq in req.seqs:
-                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
-            outputs.append(beam_request_output(req, beams, self._decode_text))
-        return outputs
+            self.state.add_candidates(seq, top, draw, decode_one)
+        req = seqs[0].request
+        max_model_len = self.ctx.output_processor.max_model_len
+        eos = set(self.ctx.eos_token_ids)
+        beams = advance_beam_search(req, self.state, eos, max_model_len, self._fork, self._prune)
+        if beams is None:
+            return []
+        for seq in req.seqs:
+            self.ctx.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        return [beam_request_output(req, beams, self._decode_text)]
 
     def _fork(self, parent: Sequence) -> Sequence:
         """A new beam sharing all of `parent`'s blocks; a parent preempted since it sampled has no
         blocks to share, so its child recomputes (from the prefix cache, mostly)."""
         req = parent.request
-        child = self.new_seq(req, len(req.seqs))
+        child = self.ctx.new_seq(req, len(req.seqs))
         child.token_ids = list(parent.token_ids)
         child.cumulative_logprob = parent.cumulative_logprob
         child.logprobs = list(parent.logprobs or [])
         child.num_cached_tokens = parent.num_cached_tokens
         if parent.status == SequenceStatus.RUNNING:
-            self.scheduler.fork_seq(parent, child)
+            self.ctx.scheduler.fork_seq(parent, child)
         else:
-            self.scheduler.add_seq(child)
+            self.ctx.scheduler.add_seq(child)
         req.seqs.append(child)
         return child
 
     def _prune(self, seq: Sequence) -> None:
-        self.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        self.ctx.finish(seq, SequenceStatus.FINISHED_STOPPED)
         seq.request.seqs.remove(seq)
 
     def _decode_text(self, token_ids: list[int]) -> str:
-        tokenizer = self.output_processor.tokenizer
+        tokenizer = self.ctx.output_processor.tokenizer
         return (
             "" if tokenizer is None else str(tokenizer.decode(token_ids, skip_special_tokens=True))
         )
@@ -293,6 +297,7 @@ class BeamSearchProcessor:
 
 def advance_beam_search(
     request: Request,
+    state: BeamState,
     eos_token_ids: set[int],
     max_model_len: int,
     fork: Callable[[Sequence], Sequence],
@@ -303,8 +308,6 @@ def advance_beam_search(
     k - 1 times (blocks shared) and extended in place once; the copy-on-write of the shared last
     block follows when the beams write their new tokens. Returns the final beams once the search
     is over (the caller then finishes the live beams), else None."""
-    state = request.beam
-    assert state is not None
     live = [s for s in request.seqs if not s.status.is_finished]
     if not state.round_complete(live):
         return None  # a beam still computes (it was preempted): decide when it has sampled

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 from minivllm.block_pool import (
     BlockHash,
+    BlockManagerStats,
+    BlockPoolSnapshot,
     ExtraKeys,
     FreeKVCacheBlockQueue,
     HashFn,
@@ -34,7 +36,6 @@ from minivllm.block_pool import (
     NoFreeBlocksError,
     hash_block_tokens,
 )
-from minivllm.stats import BlockManagerStats
 
 SeqId = Hashable  # request / sequence ids (str or int)
 
@@ -272,6 +273,18 @@ class BlockManager:
         self._num_evictable = 0
         return True
 
+    def snapshot(self) -> BlockPoolSnapshot:
+        """A read-only copy of the pool now: block tables, ref counts, prefix-cache names."""
+        seqs, blocks, cached = self._seqs, self.blocks, self.cached_block_hash_to_block
+        return BlockPoolSnapshot(
+            self.block_size,
+            self.num_blocks,
+            self.num_free_blocks,
+            lambda: {s: tuple(seq.block_table) for s, seq in seqs.items()},
+            lambda: {b: blocks[b].ref_cnt for seq in seqs.values() for b in seq.block_table},
+            lambda: {block.block_id: key for key, block in cached.items()},
+        )
+
     def get_stats(self) -> BlockManagerStats:
         used = self.num_blocks - self.num_free_blocks
         return BlockManagerStats(
@@ -285,6 +298,7 @@ class BlockManager:
             kv_slot_utilization=self._utilization(),
             min_kv_slot_utilization=self._min_util,
             peak_kv_slot_utilization=self._peak_util,
+            peak_used_blocks=self._peak_used,
         )
 
     # ------------------------------------------------------------------------------------ helpers

@@ -17,8 +17,10 @@ Pure bookkeeping, no tensors; `block_manager.py` builds per-sequence block table
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
 
 ExtraKeys = tuple[Hashable, ...] | None  # what else shapes a block's KV (LoRA id, cache salt)
 HashFn = Callable[[int | None, tuple[int, ...], ExtraKeys], int]  # (parent hash, tokens, extra)
@@ -160,3 +162,53 @@ class FreeKVCacheBlockQueue:
         while node is not None and node is not self._tail:
             yield node
             node = node.next_free
+
+
+@dataclass(frozen=True)
+class BlockPoolSnapshot:
+    """The pool as one step left it, read-only (`BlockManager.snapshot`): what a step listener
+    (the trace, a metrics exporter) reads instead of the block manager's own structures.
+
+    The three mappings are copied when first read, not when the snapshot is taken: listeners run
+    right after the step's commit, before anything else touches the pool, and a listener that
+    reads none of them (the engine's counters) costs the step nothing. Read them inside `on_step`
+    and keep the mappings, not the snapshot."""
+
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int  # held by no sequence (evictable cached blocks count as free)
+    _read_tables: Callable[[], dict[Hashable, tuple[int, ...]]] = field(repr=False)
+    _read_ref_counts: Callable[[], dict[int, int]] = field(repr=False)
+    _read_cached: Callable[[], dict[int, BlockHash]] = field(repr=False)
+
+    @cached_property
+    def block_tables(self) -> Mapping[Hashable, tuple[int, ...]]:
+        """seq_id -> its blocks, in logical order."""
+        return MappingProxyType(self._read_tables())
+
+    @cached_property
+    def ref_counts(self) -> Mapping[int, int]:
+        """block id -> its ref count (> 0), for every held block."""
+        return MappingProxyType(self._read_ref_counts())
+
+    @cached_property
+    def cached_blocks(self) -> Mapping[int, BlockHash]:
+        """block id -> its prefix-cache name, for every named block (held or free)."""
+        return MappingProxyType(self._read_cached())
+
+
+@dataclass
+class BlockManagerStats:
+    """The block manager's own view: blocks, prefix-cache lookups and slot utilization."""
+
+    num_total_blocks: int
+    num_free_blocks: int  # blocks no sequence holds, including evictable cached blocks
+    num_used_blocks: int  # blocks with ref count > 0 (used + free == total)
+    num_cached_blocks: int  # blocks that carry a prefix-cache hash (held or evictable)
+    num_evictable_blocks: int  # cached blocks that no sequence holds
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (at admission)
+    prefix_cache_hits: int  # of those, tokens served from the cache
+    kv_slot_utilization: float  # filled slots / (used blocks * block_size) now; 1.0 when none used
+    min_kv_slot_utilization: float  # lowest seen after any operation while blocks were used
+    peak_kv_slot_utilization: float  # the utilization when used blocks were at their peak (latest)
+    peak_used_blocks: int = 0  # the most blocks held at once, after any operation

@@ -6,14 +6,23 @@ vLLM spreads these over `ModelConfig`, `CacheConfig`, `SchedulerConfig` and `Par
 with `create_engine_config()`; the fields here carry no defaults so that no value is declared
 twice. Each dataclass validates itself in `__post_init__` with messages that name the field and the
 allowed range, so a bad argument fails at construction, the same way from `LLM(...)`, the CLI and
-the benches.
+the benches. `ResolvedConfig` is what `create_engine_config()` then found out from the model's
+files and the machine (vLLM's `ModelConfig` carries the same: the HF config, the dtype, the
+max_model_len), so that the engine receives every decision made and makes none itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from minivllm.attention import BACKEND_NAMES
+
+if TYPE_CHECKING:
+    import torch
+
+    from minivllm.model.config import LlamaConfig
+    from minivllm.model.loader import GenerationDefaults, ModelSource
 
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 
@@ -98,9 +107,22 @@ class ParallelConfig:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
 
 
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The options resolved against the model's files and the machine, before any weight loads."""
+
+    source: ModelSource  # where the checkpoint is (a folder, a converted .gguf, a hub snapshot)
+    hf_config: LlamaConfig  # its config.json
+    generation: GenerationDefaults  # its generation_config.json
+    device: torch.device  # "auto" resolved
+    dtype: torch.dtype  # "auto" resolved for the device
+    max_model_len: int  # the option, or the model's context length (the KV cache may lower it)
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    resolved: ResolvedConfig

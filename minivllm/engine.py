@@ -3,17 +3,18 @@
 vLLM's `LLMEngine` (vllm/v1/engine/llm_engine.py) without the process boundaries. One `step()` is
 the paper's one iteration (§4.5), in the order of "one engine step" on the docs' architecture page:
 
-    schedule -> run the model -> sample -> commit (progress, prefix-cache hashes) -> process outputs
+    schedule -> run the model -> sample -> commit (progress, prefix-cache hashes)
+             -> process outputs -> publish the step to its listeners
 
-The engine only orchestrates: the scheduler owns the KV bookkeeping, the model runner owns the KV
-tensors, the sampler picks tokens and the output processor turns them into text and stops.
+The engine only orchestrates: its configuration was resolved before it (`EngineArgs.
+create_engine_config`), the scheduler owns the KV bookkeeping, the model runner owns the KV
+tensors, the sampler picks tokens, and each request's hook after sampling (`after_sampling.py`:
+plain and `n > 1` sampling, or a beam search) turns them into outputs. Whoever wants to see the
+steps (the engine's counters, the step trace) listens (`step_listener.py`).
 
 A step that raises (an exception, or Ctrl-C inside the model) fails the requests it carried and
 frees their blocks; the prefix-cache names it gave are withdrawn (they become final only when a
-step commits, last), so nothing it half-did is visible to any later request.
-
-Parallel sampling (`n > 1`, paper §4.4): the prompt is computed once; at its first sample the
-sequence is forked into n that share every prompt block until one of them writes into it.
+step commits), so nothing it half-did is visible to any later request, and no listener hears of it.
 """
 
 from __future__ import annotations
@@ -21,33 +22,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from minivllm.attention import get_attention_backend, resolve_backend_name
-from minivllm.beam_search import BeamSearchParams, BeamSearchProcessor, BeamState
+from minivllm.after_sampling import AfterSampling, ParallelSampling, RequestContext, RequestParams
+from minivllm.attention import get_attention_backend
 from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
 from minivllm.distributed.executor import make_executor
 from minivllm.inputs import PromptType, process_prompt
-from minivllm.model.loader import (
-    load_config,
-    load_generation_defaults,
-    load_tokenizer,
-    resolve_dtype,
-    resolve_model,
-)
+from minivllm.model.loader import load_tokenizer
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput, make_request_output
 from minivllm.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import Scheduler, SchedulerOutput
 from minivllm.sequence import Request, Sequence, SequenceStatus
-from minivllm.stats import EngineStats
-
-if TYPE_CHECKING:
-    from minivllm.trace.recorder import StepRecorder
+from minivllm.stats import EngineStats, StatsCollector
+from minivllm.step_listener import StepListener, StepOutputs
 
 logger = logging.getLogger("minivllm")
 
@@ -56,54 +49,24 @@ class PromptTooLongError(ValueError):
     """The prompt leaves no room for output within max_model_len."""
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
-    return torch.device(device)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        mc = config.model
-        self.device = resolve_device(mc.device)
-        self.dtype = resolve_dtype(mc.dtype, self.device)
-        resolve_backend_name(mc.attention_backend, self.device)  # a bad name fails before loading
-        self.source = resolve_model(mc.model)
+        mc, cc, resolved = config.model, config.cache, config.resolved
+        self.device, self.dtype, self.source = resolved.device, resolved.dtype, resolved.source
         self.tokenizer: Any = (
             None if mc.skip_tokenizer_init else load_tokenizer(self.source, mc.tokenizer)
         )
         backend = get_attention_backend(mc.attention_backend, self.device)
         self.attention_backend = backend.name  # "auto" resolved, after any fallback
-        model_config = load_config(self.source)
-        model_max = model_config.max_position_embeddings
-        self.max_model_len = mc.max_model_len or model_max
-        if self.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len must be at most the model's {model_max} positions, got {self.max_model_len}"
-            )
-        generation = load_generation_defaults(self.source)  # read before any worker starts
+        self.max_model_len = resolved.max_model_len
         # The model runner in this process (tensor_parallel_size 1), or rank 0's of N ranks that
         # each hold 1/N of the model and get every step (paper §4.6; minivllm/distributed/).
-        self.executor = make_executor(
-            config, self.source, model_config, backend, self.dtype, self.device, self.max_model_len
-        )
+        self.executor = make_executor(config, backend)
         self.runner = self.executor.driver_runner
         self.model = self.runner.model  # rank 0's shard when tensor_parallel_size > 1
-        cc = config.cache
         num_blocks = self.executor.num_blocks  # the same on every rank: the smallest any can hold
-        capacity = num_blocks * cc.block_size
-        if self.max_model_len > capacity:
-            if mc.max_model_len is not None:
-                self.executor.shutdown()  # no worker outlives a refused engine
-                raise ValueError(
-                    f"max_model_len ({self.max_model_len}) is larger than the KV cache holds "
-                    f"({num_blocks} blocks x {cc.block_size} = {capacity} tokens)"
-                )
-            logger.warning("max_model_len lowered to the KV cache's %d tokens", capacity)
-            self.max_model_len = capacity
+        self._fit_max_model_len(num_blocks * cc.block_size)
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         # Unseeded random sampling draws from the engine's own generator, seeded by `seed`: a
@@ -113,31 +76,34 @@ class LLMEngine:
         self.eos_token_id: int | None = (
             self.tokenizer.eos_token_id
             if self.tokenizer is not None
-            else next(iter(model_config.eos_token_ids), None)
+            else next(iter(resolved.hf_config.eos_token_ids), None)
         )
         # generation_config.json, as vLLM reads it by default: its sampling defaults fill the fields
         # a request leaves unset, and each of its EOS ids stops generation (models whose
         # end-of-turn token is not the tokenizer's eos_token).
-        self._diff_sampling_param: dict[str, Any] = dict(generation.sampling_defaults)
-        self._extra_eos_token_ids = set(generation.eos_token_ids) - {self.eos_token_id}
+        self._diff_sampling_param: dict[str, Any] = dict(resolved.generation.sampling_defaults)
+        self._extra_eos_token_ids = set(resolved.generation.eos_token_ids) - {self.eos_token_id}
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_id, self.max_model_len
         )
         eos_ids = {t for t in (self.eos_token_id, *self._extra_eos_token_ids) if t is not None}
-        self.beam_search = BeamSearchProcessor(
-            self.scheduler, self._new_seq, self._finish, self.output_processor, eos_ids
+        self.request_context = RequestContext(
+            self.scheduler,
+            self.output_processor,
+            self._new_seq,
+            self._finish,
+            frozenset(eos_ids),
+            config.scheduler.max_num_seqs,
         )
+        self.parallel_sampling = ParallelSampling(self.request_context)
         self.vocab_size = self.model.config.vocab_size
         self.requests: dict[str, Request] = {}
+        self.after_sampling: dict[str, AfterSampling] = {}  # request_id -> its hook
         self._next_seq_id = 0
         self._aborted_outputs: list[RequestOutput] = []
-        # The step trace (minivllm/trace/): when attached, it sees every step after its commit.
-        self.step_recorder: StepRecorder | None = None
-        # Counters behind get_stats().
-        self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.peak_blocks_used = 0
-        self.peak_slot_utilization = 1.0
+        # Who hears of every committed step: the counters behind get_stats(), then any other.
+        self.stats = StatsCollector(self.scheduler, self.block_manager)
+        self.step_listeners: list[StepListener] = [self.stats]
         logger.info(
             "minivllm engine: model=%s dtype=%s device=%s backend=%s kv_blocks=%d (block_size=%d) "
             "max_model_len=%d tensor_parallel_size=%d",
@@ -150,6 +116,29 @@ class LLMEngine:
             self.max_model_len,
             config.parallel.tensor_parallel_size,
         )
+
+    def _fit_max_model_len(self, capacity: int) -> None:
+        """A request must fit the KV cache: an unset max_model_len is lowered to it, a set one
+        that does not fit is refused (and no worker outlives the refused engine)."""
+        if self.max_model_len <= capacity:
+            return
+        if self.config.model.max_model_len is not None:
+            self.executor.shutdown()
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the KV cache holds "
+                f"({capacity // self.config.cache.block_size} blocks x "
+                f"{self.config.cache.block_size} = {capacity} tokens)"
+            )
+        logger.warning("max_model_len lowered to the KV cache's %d tokens", capacity)
+        self.max_model_len = capacity
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        """Tell `listener` of every committed step from now on (`step_listener.py`)."""
+        self.step_listeners.append(listener)
+
+    def remove_step_listener(self, listener: StepListener) -> None:
+        if listener in self.step_listeners:
+            self.step_listeners.remove(listener)
 
     # ------------------------------------------------------------------ requests in
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -165,23 +154,20 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | BeamSearchParams | None = None,
+        params: SamplingParams | RequestParams | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Queue a request: sampling (SamplingParams, vLLM's defaults or the model's when None) or
-        a beam search (BeamSearchParams)."""
+        """Queue a request: sampling (SamplingParams, vLLM's defaults or the model's when None), or
+        parameters that bring their own hook after sampling (`BeamSearchParams`)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        beam = BeamState(params) if isinstance(params, BeamSearchParams) else None
-        if isinstance(params, BeamSearchParams):
-            params = params.sampling_params()
+        hook: AfterSampling = self.parallel_sampling
+        width = 0  # the request's sequences at once; 0: its n
+        if params is not None and not isinstance(params, SamplingParams):
+            hook = params.make_after_sampling(self.request_context)  # it may refuse the request
+            width, params = params.max_num_seqs, params.sampling_params()
         params = params or SamplingParams(**self._diff_sampling_param)
         max_num_seqs = self.config.scheduler.max_num_seqs
-        if beam is not None and beam.params.beam_width > max_num_seqs:
-            width = beam.params.beam_width
-            raise ValueError(
-                f"beam_width must be at most max_num_seqs ({max_num_seqs}), got {width}"
-            )
         if params.n > max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}")
         if self._extra_eos_token_ids and not params.ignore_eos:
@@ -194,11 +180,12 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
                 "it must be shorter, to leave room for at least one output token"
             )
-        request = Request(request_id, text, ids, params, beam=beam)
+        request = Request(request_id, text, ids, params, max_num_seqs=width)
         if arrival_time is not None:
             request.arrival_time = arrival_time
-        request.seqs.append(self._new_seq(request, 0))
         self.requests[request_id] = request
+        self.after_sampling[request_id] = hook
+        request.seqs.append(self._new_seq(request, 0))
         self.scheduler.add_seq(request.seqs[0])
         return request
 
@@ -210,14 +197,16 @@ class LLMEngine:
             # vLLM's rule for n > 1: sample i uses seed + i.
             generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
         self._next_seq_id += 1
+        hook = self.after_sampling.get(request.request_id, self.parallel_sampling)
         return Sequence(
             seq_id=self._next_seq_id,
             request=request,
             index=index,
             token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids),
-            # A beam's text is decoded once, at the end of the search.
-            detokenizer=None if request.beam else self.output_processor.make_detokenizer(request),
+            detokenizer=(
+                self.output_processor.make_detokenizer(request) if hook.streams_text else None
+            ),
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
         )
@@ -227,13 +216,17 @@ class LLMEngine:
         final outputs come out of the next `step()`."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
-            request = self.requests.pop(rid, None)
+            request = self._forget(rid)
             if request is None:
                 continue
             for seq in request.seqs:
                 if not seq.status.is_finished:
                     self._finish(seq, SequenceStatus.FINISHED_ABORTED)
             self._aborted_outputs.append(make_request_output(request))
+
+    def _forget(self, request_id: str) -> Request | None:
+        self.after_sampling.pop(request_id, None)
+        return self.requests.pop(request_id, None)
 
     def take_aborted_outputs(self) -> list[RequestOutput]:
         """The final outputs of requests aborted since the last step (which would return them)."""
@@ -258,45 +251,36 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """One iteration (paper §4.5): schedule, run the model, sample, commit, process outputs.
-        Returns the outputs of every request that progressed or ended."""
+        """One iteration (paper §4.5): schedule, run the model, sample, commit, process outputs,
+        publish. Returns the outputs of every request that progressed or ended."""
         outputs = self.take_aborted_outputs()
         sched = self.scheduler.schedule()
-        self._track_memory()
         if sched.is_empty:
             return outputs
-        self.num_steps += 1
         try:
             logits = self.executor.execute_model(sched)
-            seqs, forks, sampled = self._sample(sched, logits)
+            seqs, sampled = self._sample(sched, logits)
             self.scheduler.update_after_step(sched)  # the commit: progress, final cache names
-            outputs += self._process_outputs(seqs, forks, sampled)
+            step_outputs = self._process_outputs(seqs, sampled)
         except BaseException as exc:  # Ctrl-C too: the step's requests cannot be trusted
             return outputs + self._fail_step(sched, exc)
-        if self.step_recorder is not None:
-            self.step_recorder.record_step(self, sched, seqs)
-        return outputs
+        self._publish(sched, seqs, step_outputs)
+        return outputs + step_outputs
 
     def _sample(
         self, sched: SchedulerOutput, logits: torch.Tensor | None
-    ) -> tuple[list[Sequence], list[tuple[Sequence, Sequence]], SamplerOutput | None]:
-        """One batched sampler call for the step. An n > 1 request's first sample draws n tokens
-        from the same logits row: one per sequence it is about to fork into."""
-        sampling = [self.scheduler.seqs[s.seq_id] for s in sched.scheduled if s.sample]
+    ) -> tuple[list[Sequence], SamplerOutput | None]:
+        """One batched sampler call for the step. A row may be drawn from more than once: an
+        n > 1 request's first sample draws one token per sequence it is about to fork into."""
         if logits is None:
-            return [], [], None
+            return [], None
         seqs: list[Sequence] = []
-        forks: list[tuple[Sequence, Sequence]] = []
         row_index: list[int] = []  # which logits row each sampled sequence reads
+        sampling = [self.scheduler.seqs[s.seq_id] for s in sched.scheduled if s.sample]
         for i, seq in enumerate(sampling):
-            req = seq.request
-            children = []
-            if req.params.n > 1 and not req.forked:
-                children = [self._new_seq(req, index) for index in range(1, req.params.n)]
-                forks += [(seq, child) for child in children]
-            for s in (seq, *children):
-                seqs.append(s)
-                row_index.append(i)
+            drawn = self.after_sampling[seq.request.request_id].expand(seq)
+            seqs += drawn
+            row_index += [i] * len(drawn)
         if len(row_index) != len(sampling):
             logits = logits[torch.tensor(row_index, device=logits.device)]
         rows = [
@@ -310,36 +294,38 @@ class LLMEngine:
             for s in seqs
         ]
         meta = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
-        return seqs, forks, self.sampler(logits, meta)
+        return seqs, self.sampler(logits, meta)
 
     def _process_outputs(
-        self,
-        seqs: list[Sequence],
-        forks: list[tuple[Sequence, Sequence]],
-        sampled: SamplerOutput | None,
+        self, seqs: list[Sequence], sampled: SamplerOutput | None
     ) -> list[RequestOutput]:
-        for parent, child in forks:  # after the commit: children share what the step completed
-            req = parent.request
-            self.scheduler.fork_seq(parent if not req.forked else req.seqs[-1], child)
-            req.forked = True
-            req.seqs.append(child)
+        """Hand each request's samples to its hook, one call per hook (all plain sampling in one
+        batch), after the commit: forks share what the step completed."""
         if sampled is None:
             return []
-        self.num_generated_tokens += len(seqs)
         lists = sampled.tolist()
-        beam_rows = [j for j, s in enumerate(seqs) if s.request.beam is not None]
-        outputs = self.beam_search.process([seqs[j] for j in beam_rows], lists, beam_rows)
+        by_hook: dict[int, tuple[AfterSampling, list[int]]] = {}
+        for j, seq in enumerate(seqs):
+            hook = self.after_sampling[seq.request.request_id]
+            by_hook.setdefault(id(hook), (hook, []))[1].append(j)
+        outputs: list[RequestOutput] = []
+        for hook, rows in by_hook.values():
+            outputs += hook.process([seqs[j] for j in rows], lists, rows)
         for out in outputs:
-            self.requests.pop(out.request_id, None)
-        rows = [j for j, s in enumerate(seqs) if s.request.beam is None]
-        processed = self.output_processor.process([seqs[j] for j in rows], lists, rows)
-        for seq, status in processed.finished:
-            self._finish(seq, status)
-        outputs += [make_request_output(req) for req in processed.touched]
-        for req in processed.touched:
-            if req.is_finished:
-                self.requests.pop(req.request_id, None)
+            if out.finished:
+                self._forget(out.request_id)
         return outputs
+
+    def _publish(
+        self, sched: SchedulerOutput, seqs: list[Sequence], outputs: list[RequestOutput]
+    ) -> None:
+        scheduler = self.scheduler
+        step = StepOutputs(
+            seqs, outputs, scheduler.seqs, len(scheduler.running), len(scheduler.waiting)
+        )
+        blocks = self.block_manager.snapshot()
+        for listener in self.step_listeners:
+            listener.on_step(sched, step, blocks)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish_seq(seq, status)
@@ -361,7 +347,7 @@ class LLMEngine:
             for seq in req.seqs:
                 if not seq.status.is_finished:
                     self._finish(seq, SequenceStatus.FINISHED_ERROR)
-            self.requests.pop(req.request_id, None)
+            self._forget(req.request_id)
         if not isinstance(exc, Exception):
             raise exc
         logger.exception("engine step failed")
@@ -377,30 +363,5 @@ class LLMEngine:
         seq.finish_reason = "error"
         return make_request_output(request)
 
-    # ------------------------------------------------------------------ stats
-    def _track_memory(self) -> None:
-        bm = self.block_manager
-        used = bm.num_blocks - bm.num_free_blocks
-        if used > self.peak_blocks_used:
-            self.peak_blocks_used = used
-            self.peak_slot_utilization = bm.get_stats().kv_slot_utilization
-
     def get_stats(self) -> EngineStats:
-        bm = self.block_manager.get_stats()
-        return EngineStats(
-            num_kv_blocks=bm.num_total_blocks,
-            num_free_kv_blocks=bm.num_free_blocks,
-            num_cached_kv_blocks=bm.num_cached_blocks,
-            kv_cache_usage=bm.num_used_blocks / bm.num_total_blocks,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_preemptions=self.scheduler.num_preemptions,
-            num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
-            num_prefix_cache_queries=bm.prefix_cache_queries,
-            num_prefix_cache_hit_tokens=bm.prefix_cache_hits,
-            num_generated_tokens=self.num_generated_tokens,
-            num_steps=self.num_steps,
-            peak_kv_blocks_used=self.peak_blocks_used,
-            kv_slot_utilization=bm.kv_slot_utilization,
-            peak_kv_slot_utilization=self.peak_slot_utilization,
-        )
+        return self.stats.get_stats()

@@ -25,14 +25,23 @@ from dataclasses import MISSING, dataclass, field, fields
 from functools import cache
 from typing import Any, TypedDict, TypeVar
 
-from minivllm.attention import BACKEND_NAMES
+import torch
+
+from minivllm.attention import BACKEND_NAMES, resolve_backend_name
 from minivllm.config import (
     DTYPES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    ResolvedConfig,
     SchedulerConfig,
+)
+from minivllm.model.loader import (
+    load_config,
+    load_generation_defaults,
+    resolve_dtype,
+    resolve_model,
 )
 
 ENGINE_GROUP = "engine"  # the argparse group holding the engine's flags on every parser
@@ -153,19 +162,23 @@ class EngineArgs:
 
     # ------------------------------------------------------------------------------ the configs
     def create_engine_config(self) -> EngineConfig:
-        """The typed configs the engine reads; each one validates its own fields."""
+        """The typed configs the engine reads, then what they resolve to (vLLM's name and role):
+        each config validates its own fields first, so a bad value fails before any file is read;
+        then the model's config files are read and the device, dtype, attention backend and
+        max_model_len decided. No weight is loaded here."""
+        model = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            dtype=self.dtype,
+            device=self.device,
+            seed=self.seed,
+            max_model_len=self.max_model_len,
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
+        )
         return EngineConfig(
-            model=ModelConfig(
-                model=self.model,
-                tokenizer=self.tokenizer,
-                skip_tokenizer_init=self.skip_tokenizer_init,
-                dtype=self.dtype,
-                device=self.device,
-                seed=self.seed,
-                max_model_len=self.max_model_len,
-                attention_backend=self.attention_backend,
-                enforce_eager=self.enforce_eager,
-            ),
+            model=model,
             cache=CacheConfig(
                 block_size=self.block_size,
                 enable_prefix_caching=self.enable_prefix_caching,
@@ -178,6 +191,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            resolved=_resolve(model),
         )
 
 
@@ -231,6 +245,31 @@ def document_engine_args(init: InitT) -> InitT:
 
 
 # ---------------------------------------------------------------------------------- helpers
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
+    return torch.device(device)
+
+
+def _resolve(mc: ModelConfig) -> ResolvedConfig:
+    """Read the model's config files and decide for the machine (see `create_engine_config`)."""
+    device = resolve_device(mc.device)
+    dtype = resolve_dtype(mc.dtype, device)
+    resolve_backend_name(mc.attention_backend, device)  # a bad name fails before loading
+    source = resolve_model(mc.model)
+    hf_config = load_config(source)
+    model_max = hf_config.max_position_embeddings
+    max_model_len = mc.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len must be at most the model's {model_max} positions, got {max_model_len}"
+        )
+    generation = load_generation_defaults(source)  # read before any worker starts
+    return ResolvedConfig(source, hf_config, generation, device, dtype, max_model_len)
+
+
 @cache
 def _field_types() -> dict[str, Any]:
     """EngineArgs's annotations as types (`int | None`), not the strings `__future__` leaves."""

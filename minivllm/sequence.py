@@ -15,15 +15,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from minivllm.beam_search import BeamState
 
 
 class SequenceStatus(enum.Enum):
@@ -101,14 +97,13 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
 
-    # n > 1: the first sequence computes the prompt; at its first sample it is forked into n.
+    # The most sequences it runs at once: n samples, or a beam search's beam_width (0: n).
+    max_num_seqs: int = 0
+    # n > 1 (or beams): the first sequence computes the prompt; at its first sample it is forked.
     forked: bool = False
-    beam: BeamState | None = None  # a beam search: its sequences are the live beams
 
-    @property
-    def max_num_seqs(self) -> int:
-        """The most sequences this request runs at once: n samples, or beam_width beams."""
-        return self.beam.params.beam_width if self.beam is not None else self.params.n
+    def __post_init__(self) -> None:
+        self.max_num_seqs = self.max_num_seqs or self.params.n
 
     @property
     def is_finished(self) -> bool:

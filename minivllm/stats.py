@@ -2,11 +2,20 @@
 
 The names are a public interface (tests, benchmarks and docs read them). Memory numbers follow the
 paper's Fig. 2 framing: of the KV slots allocated to requests, how many hold real token states.
+
+`StatsCollector` is a step listener (minivllm/step_listener.py), like the step trace: it counts
+the committed steps and the tokens they sampled; the rest is read when asked from the block
+manager and the scheduler, which count their own events (`BlockManagerStats`, in block_pool.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from minivllm.block_manager import BlockManager
+from minivllm.block_pool import BlockPoolSnapshot
+from minivllm.scheduler import Scheduler, SchedulerOutput
+from minivllm.step_listener import StepOutputs
 
 
 @dataclass
@@ -22,23 +31,43 @@ class EngineStats:
     num_prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     num_prefix_cache_hit_tokens: int  # of those, served from the cache
     num_generated_tokens: int
-    num_steps: int
+    num_steps: int  # steps that committed (a failed step publishes nothing)
     peak_kv_blocks_used: int  # the most blocks ever held at once
     kv_slot_utilization: float  # filled slots / allocated slots, now
     peak_kv_slot_utilization: float  # the same, at the step with the most blocks in use
 
 
-@dataclass
-class BlockManagerStats:
-    """The block manager's own view: blocks, prefix-cache lookups and slot utilization."""
+class StatsCollector:
+    """The engine's own step listener, behind `get_stats()`."""
 
-    num_total_blocks: int
-    num_free_blocks: int  # blocks no sequence holds, including evictable cached blocks
-    num_used_blocks: int  # blocks with ref count > 0 (used + free == total)
-    num_cached_blocks: int  # blocks that carry a prefix-cache hash (held or evictable)
-    num_evictable_blocks: int  # cached blocks that no sequence holds
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (at admission)
-    prefix_cache_hits: int  # of those, tokens served from the cache
-    kv_slot_utilization: float  # filled slots / (used blocks * block_size) now; 1.0 when none used
-    min_kv_slot_utilization: float  # lowest seen after any operation while blocks were used
-    peak_kv_slot_utilization: float  # the utilization when used blocks were at their peak (latest)
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    def on_step(
+        self, scheduler_output: SchedulerOutput, outputs: StepOutputs, blocks: BlockPoolSnapshot
+    ) -> None:
+        self.num_steps += 1
+        self.num_generated_tokens += len(outputs.sampled)
+
+    def get_stats(self) -> EngineStats:
+        bm, scheduler = self.block_manager.get_stats(), self.scheduler
+        return EngineStats(
+            num_kv_blocks=bm.num_total_blocks,
+            num_free_kv_blocks=bm.num_free_blocks,
+            num_cached_kv_blocks=bm.num_cached_blocks,
+            kv_cache_usage=bm.num_used_blocks / bm.num_total_blocks,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_preemptions=scheduler.num_preemptions,
+            num_prompt_tokens_computed=scheduler.num_prompt_tokens_computed,
+            num_prefix_cache_queries=bm.prefix_cache_queries,
+            num_prefix_cache_hit_tokens=bm.prefix_cache_hits,
+            num_generated_tokens=self.num_generated_tokens,
+            num_steps=self.num_steps,
+            peak_kv_blocks_used=bm.peak_used_blocks,
+            kv_slot_utilization=bm.kv_slot_utilization,
+            peak_kv_slot_utilization=bm.peak_kv_slot_utilization,
+        )

@@ -619,3 +619,21 @@ def test_readmission_is_not_counted_as_a_prompt_lookup() -> None:
     bm.allocate("a", list(range(10)), 2, count_as_query=False)  # prompt + 2 outputs recomputed
     stats = bm.get_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (8, 0)
+
+
+def test_snapshot_shows_tables_ref_counts_and_names_read_only() -> None:
+    """What step listeners read instead of the manager's own dicts: the pool after the step."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate("p", list(range(6)), 6)  # one full block (named), one partly filled
+    bm.fork("p", "c")
+    snap = bm.snapshot()
+    p_table = tuple(bm.get_block_table("p"))
+    assert (snap.block_size, snap.num_blocks, snap.num_free_blocks) == (4, 8, 6)
+    assert snap.block_tables == {"p": p_table, "c": p_table}
+    assert snap.ref_counts == {b: 2 for b in p_table}
+    assert set(snap.cached_blocks) == {p_table[0]}
+    assert snap.cached_blocks[p_table[0]].all_token_ids() == (0, 1, 2, 3)
+    with pytest.raises(TypeError):
+        snap.block_tables["x"] = ()  # type: ignore[index]
+    bm.free("c")
+    assert bm.snapshot().ref_counts == {b: 1 for b in p_table}

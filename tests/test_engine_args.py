@@ -13,9 +13,12 @@ import subprocess
 import sys
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
+from engine_utils import save_tiny_llama
 
 from minivllm import LLM, EngineArgs
 from minivllm.benchmarks import memory, prefix, throughput
@@ -106,9 +109,10 @@ def test_invalid_llm_arguments_fail_before_any_model_is_loaded() -> None:
 
 
 # ---------------------------------------------------------------------------------- the configs
-def test_create_engine_config_carries_every_argument() -> None:
+def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
+    model = str(save_tiny_llama(tmp_path))  # resolving reads its config files, no weight
     values = dict(
-        model="m",
+        model=model,
         tokenizer="t",
         skip_tokenizer_init=True,
         dtype="float16",
@@ -130,8 +134,22 @@ def test_create_engine_config_carries_every_argument() -> None:
     config = EngineArgs(**values).create_engine_config()
     carried: dict[str, object] = {}
     for section in dataclasses.fields(config):
-        carried.update(dataclasses.asdict(getattr(config, section.name)))
+        if section.name != "resolved":
+            carried.update(dataclasses.asdict(getattr(config, section.name)))
     assert carried == values
+    # ... and what they resolve to, decided before the engine starts (it decides nothing itself).
+    resolved = config.resolved
+    assert (resolved.device, resolved.dtype) == (torch.device("cpu"), torch.float16)
+    assert resolved.max_model_len == 99 and resolved.source.path == Path(model)
+    assert resolved.hf_config.max_position_embeddings == 1024
+
+
+def test_a_max_model_len_beyond_the_model_is_refused_before_any_weight_loads(
+    tmp_path: Path,
+) -> None:
+    args = EngineArgs(model=str(save_tiny_llama(tmp_path)), max_model_len=2048)
+    with pytest.raises(ValueError, match="max_model_len must be at most the model's 1024"):
+        args.create_engine_config()
 
 
 INVALID = [

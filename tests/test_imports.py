@@ -22,12 +22,17 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_names(tree: ast.Module) -> list[tuple[str, bool]]:
-    """(module or module.attribute, deferred) for every absolute import outside TYPE_CHECKING."""
+def imported_names(tree: ast.Module, type_checking: bool = False) -> list[tuple[str, bool]]:
+    """(module or module.attribute, deferred) for every absolute import outside TYPE_CHECKING,
+    and inside it too when `type_checking`."""
     found: list[tuple[str, bool]] = []
 
     def visit(node: ast.AST, deferred: bool) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if (
+            not type_checking
+            and isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(node.test)
+        ):
             for child in node.orelse:
                 visit(child, deferred)
             return
@@ -44,13 +49,13 @@ def imported_names(tree: ast.Module) -> list[tuple[str, bool]]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     paths = {module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in paths.items():
         is_package = path.name == "__init__.py"
         graph[name] = set()
-        for target, deferred in imported_names(ast.parse(path.read_text())):
+        for target, deferred in imported_names(ast.parse(path.read_text()), type_checking):
             if target not in paths or target == name:
                 continue  # another library, or `from pkg import name` naming a non-module
             if is_package and deferred and target.startswith(name + "."):
@@ -120,3 +125,27 @@ def test_the_model_s_math_files_import_no_kernel_and_branch_on_no_platform() -> 
         assert not [n for n in imports if n.startswith(("minivllm.kernels", "minivllm.platforms"))]
         for banned in ("torch.ops.", "mkldnn", "device.type", ".is_cpu", ".is_cuda"):
             assert banned not in source, f"{relative} contains {banned!r}"
+
+
+def test_no_import_cycle_hides_behind_type_checking() -> None:
+    """An import under `if TYPE_CHECKING:` never runs, but it is still a dependency a reader must
+    follow: two modules that name each other's types cannot be read or moved apart either."""
+    graph = import_graph(type_checking=True)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle through TYPE_CHECKING: " + " -> ".join(cycle or [])
+    code = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import minivllm.a\n"
+    assert imported_names(ast.parse(code)) == [("typing", False), ("typing.TYPE_CHECKING", False)]
+    assert ("minivllm.a", False) in imported_names(ast.parse(code), type_checking=True)
+
+
+def test_the_engine_depends_on_neither_the_trace_nor_beam_search() -> None:
+    """The step trace and beam search plug into the engine (a step listener, a hook after
+    sampling); nothing the engine imports, directly or not, TYPE_CHECKING included, names them."""
+    graph = import_graph(type_checking=True)
+    reached, todo = set(), ["minivllm.engine"]
+    while todo:
+        for nxt in graph[todo.pop()] - reached:
+            reached.add(nxt)
+            todo.append(nxt)
+    named = {m for m in reached if m.startswith("minivllm.trace") or m == "minivllm.beam_search"}
+    assert not named, f"the engine reaches {sorted(named)}"

@@ -38,8 +38,13 @@ def llm(tiny_model: Path) -> LLM:
 def traced(llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("trace")
     trace = run_traced(llm, out)
-    assert llm.llm_engine.step_recorder is None  # detached when the `with` block ends
+    assert not recorders(llm)  # detached when the `with` block ends
     return {"trace": trace, "dir": out}
+
+
+def recorders(llm: LLM) -> list[object]:
+    """The step recorders among the engine's step listeners."""
+    return [x for x in llm.llm_engine.step_listeners if isinstance(x, StepRecorder)]
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -178,12 +183,12 @@ def test_a_windowed_recorder_keeps_only_the_newest_steps_and_their_sequences(
 
 
 def test_no_recorder_is_attached_unless_asked(llm: LLM) -> None:
-    assert llm.llm_engine.step_recorder is None
+    assert not recorders(llm)
     with llm.trace() as trace:
         llm.generate("hello", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     llm.generate("hello again", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [s["step"] for s in trace.steps] == [1, 2]  # a prefill, a decode; nothing after
-    assert llm.llm_engine.step_recorder is None
+    assert not recorders(llm)
     other = StepRecorder()
     with llm.trace(), pytest.raises(RuntimeError, match="already has a step recorder"):
         other.attach(llm.llm_engine)

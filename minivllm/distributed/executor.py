@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import torch
 
@@ -35,13 +35,18 @@ from minivllm.distributed.parallel_state import (
     launched_by_torchrun,
 )
 from minivllm.distributed.worker import WorkerConfig, build_runner, run_torchrun_worker
-from minivllm.model.config import LlamaConfig
-from minivllm.model.loader import ModelSource
 from minivllm.model.parallel_layers import check_tensor_parallel_size
 from minivllm.model_runner import ModelRunner
 from minivllm.scheduler import SchedulerOutput
 
-__all__ = ["EngineDeadError", "Executor", "UniProcExecutor", "WorkerStartError", "make_executor"]
+__all__ = [
+    "EngineDeadError",
+    "Executor",
+    "FaultInjector",
+    "UniProcExecutor",
+    "WorkerStartError",
+    "make_executor",
+]
 
 T = TypeVar("T")
 
@@ -57,15 +62,49 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+FaultPoint = Literal["before_model", "after_model"]
+
+
+class FaultInjector:
+    """Makes one step fail on the path users run, for the engine's fault tests.
+
+    A forward hook would be the obvious place, but a hook is Python the C++ decode-layers replay
+    cannot run, so registering one switches the replay off, and the default CPU decode path would
+    go untested. The executor checks this instead, around the runner's call: `"before_model"`
+    (nothing computed yet) or `"after_model"` (every layer wrote its K/V, the step's prefix-cache
+    names are given but not final, nothing is sampled). It raises `exc` the first time
+    `when(sched)` holds at `point`, once."""
+
+    def __init__(
+        self,
+        point: FaultPoint,
+        exc: BaseException,
+        when: Callable[[SchedulerOutput], bool] = lambda sched: True,
+    ) -> None:
+        self.point, self.exc, self.when = point, exc, when
+        self.fired = False
+
+    def check(self, point: FaultPoint, sched: SchedulerOutput) -> None:
+        if not self.fired and point == self.point and self.when(sched):
+            self.fired = True
+            raise self.exc
+
+
 class UniProcExecutor:
     """tensor_parallel_size = 1: the runner in this process, called directly."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.driver_runner = runner
         self.num_blocks = runner.kv_cache.shape[2]
+        self.fault_injector: FaultInjector | None = None  # tests only: see FaultInjector
 
     def execute_model(self, sched: SchedulerOutput) -> torch.Tensor | None:
-        return self.driver_runner.execute_model(sched)
+        if self.fault_injector is None:
+            return self.driver_runner.execute_model(sched)
+        self.fault_injector.check("before_model", sched)
+        logits = self.driver_runner.execute_model(sched)
+        self.fault_injector.check("after_model", sched)
+        return logits
 
     def collective_rpc(self, fn: Callable[[ModelRunner], T]) -> list[T]:
         return [fn(self.driver_runner)]
@@ -75,26 +114,20 @@ class UniProcExecutor:
 
 
 # ---------------------------------------------------------------------------------- the factory
-def make_executor(
-    config: EngineConfig,
-    source: ModelSource,
-    model_config: LlamaConfig,
-    backend: AttentionBackend,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_model_len: int,
-) -> Executor:
+def make_executor(config: EngineConfig, backend: AttentionBackend) -> Executor:
     """The executor for `config.parallel.tensor_parallel_size`. A size that does not split the
     model is refused here, before any process starts."""
     n = config.parallel.tensor_parallel_size
+    resolved = config.resolved
+    source, model_config, device = resolved.source, resolved.hf_config, resolved.device
     wc = WorkerConfig(
         model_path=str(source.path),
         model_name=source.name,
-        dtype=dtype,
+        dtype=resolved.dtype,
         device_type=device.type,
         attention_backend=backend.name,
         enforce_eager=config.model.enforce_eager,
-        max_model_len=max_model_len,
+        max_model_len=resolved.max_model_len,
         cache=config.cache,
         tensor_parallel_size=n,
         num_threads=max(1, torch.get_num_threads() // n),

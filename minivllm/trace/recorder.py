@@ -5,14 +5,15 @@ copied on write, freed and reused (§4.2–4.4), and a scheduler that admits, ch
 (§4.5). `StepRecorder` records that picture, one immutable dict per engine step, so that a page
 (minivllm/trace/page.py) can draw it and a test can check it.
 
-It subscribes to the step the way the docs' architecture page describes ("the step as a
-message"): the engine calls `record_step` at the end of every `step()` that ran, with the step's
-`SchedulerOutput`; everything else is read from the block manager and the scheduler *after* the
-step — after its commit (new prefix-cache names), its forks and its frees. So a step's record
-reads "this batch ran, these events happened, and this is the pool now". Events that leave no
-field in the `SchedulerOutput` (cache hits at admission, evictions, forks, finishes) are found by
-comparing the pool with the previous record, which keeps the engine's own code free of tracing.
-With no recorder attached the engine pays one `is None` check per step.
+It is a step listener (minivllm/step_listener.py, "the step as a message" on the docs'
+architecture page): after every step that committed, the engine hands it the step's
+`SchedulerOutput`, what the step produced (`StepOutputs`: the sequences it sampled for, the
+scheduler's sequences after the commit) and the block manager's read-only `BlockPoolSnapshot`,
+taken *after* the step — after its commit (new prefix-cache names), its forks and its frees. So a
+step's record reads "this batch ran, these events happened, and this is the pool now". Events
+that leave no field in the `SchedulerOutput` (cache hits at admission, evictions, forks,
+finishes) are found by comparing the snapshot with the previous one, which keeps the engine's own
+code free of tracing: the engine does not know the recorder exists.
 
 A step's record, as `trace.json` stores it (docs/trace.md documents every field; JSON object
 keys are strings, so seq ids and block ids are strings as keys):
@@ -34,18 +35,19 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from minivllm.block_pool import BlockHash
+from minivllm.block_pool import BlockHash, BlockPoolSnapshot
+from minivllm.scheduler import SchedulerOutput
+from minivllm.sequence import Sequence as EngineSequence
+from minivllm.step_listener import StepOutputs
 
 if TYPE_CHECKING:
     from minivllm.engine import LLMEngine
-    from minivllm.scheduler import SchedulerOutput
-    from minivllm.sequence import Sequence as EngineSequence
 
 TRACE_FORMAT_VERSION = 1
 StepRecord = dict[str, Any]  # one step, exactly as trace.json stores it
@@ -89,60 +91,45 @@ class StepRecorder:
     def attach(self, engine: LLMEngine) -> None:
         """Start recording `engine`'s steps. Attach before its engine thread runs (the server does),
         or between steps: the pool as it is now is the baseline the first record compares with."""
-        if engine.step_recorder is not None and engine.step_recorder is not self:
+        if any(isinstance(x, StepRecorder) and x is not self for x in engine.step_listeners):
             raise RuntimeError("the engine already has a step recorder attached")
-        bm = engine.block_manager
+        pool = engine.block_manager.snapshot()
         cfg = engine.config
         self.meta = {
             "model": engine.source.name,
-            "block_size": bm.block_size,
-            "num_blocks": bm.num_blocks,
+            "block_size": pool.block_size,
+            "num_blocks": pool.num_blocks,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
             "max_num_seqs": cfg.scheduler.max_num_seqs,
-            "enable_prefix_caching": bm.enable_prefix_caching,
+            "enable_prefix_caching": cfg.cache.enable_prefix_caching,
         }
         self._tokenizer = engine.tokenizer
         self._following = dict(engine.scheduler.seqs)
-        self._prev_holders = {s for s in self._following if bm.has_seq(s)}
-        self._prev_cached = {
-            b.block_id: b.block_hash
-            for b in bm.cached_block_hash_to_block.values()
-            if b.block_hash is not None
-        }
-        engine.step_recorder = self
+        self._prev_holders = {s for s in self._following if s in pool.block_tables}
+        self._prev_cached = dict(pool.cached_blocks)
+        if self not in engine.step_listeners:
+            engine.add_step_listener(self)
 
     def detach(self, engine: LLMEngine) -> None:
-        if engine.step_recorder is self:
-            engine.step_recorder = None
+        engine.remove_step_listener(self)
 
     # ------------------------------------------------------------------ recording (engine thread)
-    def record_step(
-        self,
-        engine: LLMEngine,
-        sched: SchedulerOutput,
-        sampled: Sequence[EngineSequence] = (),
+    def on_step(
+        self, scheduler_output: SchedulerOutput, outputs: StepOutputs, blocks: BlockPoolSnapshot
     ) -> None:
-        """Record one completed step. `sampled`: the sequences the step sampled for, so that a
-        sequence admitted and finished within this one step is known by its request too."""
-        bm = engine.block_manager
-        scheduler = engine.scheduler
+        """Record one committed step. The sequences it sampled for are known by their request even
+        when they were admitted and finished within this one step."""
+        sched = scheduler_output
         seqs = self._following
-        for seq in sampled:
+        for seq in outputs.sampled:
             seqs.setdefault(seq.seq_id, seq)
-        seqs.update(scheduler.seqs)
+        seqs.update(outputs.seqs)
         step_no = self._num_recorded + 1
 
-        holders = sorted(s for s in scheduler.seqs if bm.has_seq(s))
-        tables = {s: list(bm.get_block_table(s)) for s in holders}
-        ref_counts: dict[int, int] = {}
-        for table in tables.values():
-            for b in table:
-                ref_counts.setdefault(b, bm.blocks[b].ref_cnt)
-        cached = {
-            b.block_id: b.block_hash
-            for b in bm.cached_block_hash_to_block.values()
-            if b.block_hash is not None
-        }
+        holders = sorted(s for s in outputs.seqs if s in blocks.block_tables)
+        tables = {s: list(blocks.block_tables[s]) for s in holders}
+        ref_counts = {b: blocks.ref_counts[b] for table in tables.values() for b in table}
+        cached = dict(blocks.cached_blocks)
         evicted = sorted(b for b, h in self._prev_cached.items() if cached.get(b) is not h)
         finished = sorted(s for s, seq in seqs.items() if seq.status.is_finished)
         scheduled_ids = {item.seq_id for item in sched.scheduled}
@@ -153,7 +140,7 @@ class StepRecorder:
             {
                 "seq_id": item.seq_id,
                 "num_cached_tokens": item.num_computed_tokens,
-                "blocks": item.block_table[: item.num_computed_tokens // bm.block_size],
+                "blocks": item.block_table[: item.num_computed_tokens // blocks.block_size],
             }
             for item in sched.scheduled
             if item.seq_id not in self._prev_holders and item.num_computed_tokens > 0
@@ -182,9 +169,9 @@ class StepRecorder:
             "finish_reasons": {str(s): seqs[s].status.value for s in finished},
             "cache_hits": cache_hits,
             "evicted": evicted,
-            "num_free_blocks": bm.num_free_blocks,
-            "num_running": len(scheduler.running),
-            "num_waiting": len(scheduler.waiting),
+            "num_free_blocks": blocks.num_free_blocks,
+            "num_running": outputs.num_running,
+            "num_waiting": outputs.num_waiting,
         }
         mentioned = scheduled_ids | set(holders) | set(finished) | set(sched.preempted_seq_ids)
         with self._lock:
