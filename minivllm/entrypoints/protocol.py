@@ -125,6 +125,11 @@ class _SamplingFields(_Request):
         1.0,
         description="Beam search only: beams are ranked by cum_logprob / len ** length_penalty.",
     )
+    return_token_ids: bool = Field(
+        False,
+        description="vLLM's extra: the prompt's and each choice's token ids in the response (in "
+        "a stream: the prompt's in the first chunk, each chunk's new ids).",
+    )
     # OpenAI's and vLLM's fields that minivllm cannot honour
     logit_bias: Any = _unsupported("logit_bias is not supported by minivllm")
     best_of: Any = Field(None, description="Only equal to `n`: every sample (or beam) is returned.")
@@ -309,6 +314,8 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
+    prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
+    token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
 class CompletionResponse(_Response):
@@ -357,6 +364,7 @@ class ChatCompletionChoice(_Response):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None
     finish_reason: FinishReason
+    token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
 class ChatCompletionResponse(_Response):
@@ -366,6 +374,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
 class ChatDelta(_Response):
@@ -380,6 +389,7 @@ class ChatCompletionStreamChoice(_Response):
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None
     finish_reason: FinishReason
+    token_ids: list[int] | None = Field(None, description="With return_token_ids: new ids.")
 
 
 class ChatCompletionStreamResponse(_Response):
@@ -391,6 +401,9 @@ class ChatCompletionStreamResponse(_Response):
     model: str
     choices: list[ChatCompletionStreamChoice] = Field(description="Empty in the usage chunk.")
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = Field(
+        None, description="With return_token_ids, in the first chunk."
+    )
 
 
 class TokenizeResponse(_Response):

@@ -42,8 +42,11 @@ class OpenAIServing:
         served_model_names: list[str],
         max_waiting_requests: int,
         max_num_seqs: int,
+        return_tokens_as_token_ids: bool = False,
     ) -> None:
         self.engine = engine
+        # vLLM's --return-tokens-as-token-ids: logprobs name tokens as "token_id:N" (logprobs.py)
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.served_model_names = served_model_names
         self.max_waiting_requests = max_waiting_requests
         self.max_num_seqs = max_num_seqs

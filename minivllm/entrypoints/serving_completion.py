@@ -52,11 +52,22 @@ class OpenAIServingCompletion(OpenAIServing):
             "model": model,
         }
 
-        def choice(i: int, c: CompletionOutput, text: str, start: int, offset: int) -> Any:
+        as_ids = self.return_tokens_as_token_ids
+
+        def choice(
+            i: int, c: CompletionOutput, text: str, start: int, offset: int, first: bool = True
+        ) -> Any:
             lps = None
             if k is not None and c.logprobs is not None:
-                lps = completion_logprobs(c.token_ids[start:], c.logprobs[start:], k, offset)
-            return {"index": i, "text": text, "logprobs": lps, "finish_reason": finish_reason(c)}
+                lps = completion_logprobs(
+                    c.token_ids[start:], c.logprobs[start:], k, offset, as_ids
+                )
+            out = {"index": i, "text": text, "logprobs": lps, "finish_reason": finish_reason(c)}
+            if req.return_token_ids:  # vLLM: the prompt's ids once, then each chunk's new ids
+                if first:
+                    out["prompt_token_ids"] = tokenized[i // n][1]
+                out["token_ids"] = c.token_ids[start:]
+            return out
 
         ids_in: list[PromptType] = [{"prompt_token_ids": ids} for _, ids in tokenized]
         if req.stream:
@@ -67,10 +78,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 echo = echo_texts[pi] if first else ""
                 offset = len(echo_texts[pi]) + prev_text
                 text = echo + c.text[prev_text:]
-                return {**header, "choices": [choice(pi * n + c.index, c, text, prev_tok, offset)]}
+                ch = choice(pi * n + c.index, c, text, prev_tok, offset, first)
+                return {**header, "choices": [ch]}
 
             return self._stream(
-                rid, ids_in, params, header, chunk, req.stream_options, emit_first=req.echo
+                rid,
+                ids_in,
+                params,
+                header,
+                chunk,
+                req.stream_options,
+                emit_first=req.echo or req.return_token_ids,
             )
 
         finals = await self._collect(rid, ids_in, params, is_disconnected)
