@@ -296,3 +296,25 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server: InProcess
     ).json()["choices"][0]
     tokens = [e["token"] for e in chat["logprobs"]["content"]]
     assert tokens == [f"token_id:{t}" for t in chat["token_ids"]]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server: InProcessServer) -> None:
+    prompt = " ".join(f"word{i}" for i in range(40))
+    ids = server.engine.tokenizer.encode(prompt)
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "truncate_prompt_tokens": 10}
+    cut = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+    same = httpx.post(
+        server.base_url + "/completions",
+        json={"prompt": ids[-10:], "max_tokens": 3, "temperature": 0},
+        timeout=60,
+    ).json()
+    assert cut["usage"]["prompt_tokens"] == 10
+    assert cut["choices"][0]["text"] == same["choices"][0]["text"]
+    chat = httpx.post(
+        server.base_url + "/chat/completions",
+        json={"messages": [{"role": "user", "content": prompt}], "truncate_prompt_tokens": 7},
+        timeout=60,
+    )
+    assert chat.json()["usage"]["prompt_tokens"] == 7
+    bad = httpx.post(server.base_url + "/completions", json={**body, "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"

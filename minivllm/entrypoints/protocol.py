@@ -115,6 +115,9 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(
+        None, description="vLLM's extra: keep the prompt's last k tokens (-1: max_model_len)."
+    )
     use_beam_search: bool = Field(
         False,
         description="vLLM's beam search: `n` (or `best_of`) beams, the best first; greedy unless "

@@ -32,6 +32,7 @@ class OpenAIServingChat(OpenAIServing):
             req.chat_template_kwargs,
             req.documents,
         )
+        ids = self.truncate(req, ids)
         last = req.messages[-1]
         echo = last.text() if req.echo and last.role == "assistant" else ""
         requested: int | None = req.max_tokens

@@ -28,9 +28,11 @@ class OpenAIServingCompletion(OpenAIServing):
         tokenized: list[tuple[str | None, list[int]]] = []
         for p in _split_prompts(req.prompt):
             try:
-                tokenized.append(self.engine.engine.tokenize_prompt(p))
+                text, ids = self.engine.engine.tokenize_prompt(p)
             except ValueError as exc:
                 raise OpenAIError(str(exc), param="prompt") from None
+            kept = self.truncate(req, ids)
+            tokenized.append((text, ids) if len(kept) == len(ids) else (None, kept))
         cap = "max_tokens" in from_model
         params = [
             self.sampling_params(
