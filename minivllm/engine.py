@@ -31,7 +31,7 @@ from minivllm.attention import get_attention_backend
 from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
 from minivllm.distributed.executor import make_executor
-from minivllm.inputs import PromptType, process_prompt
+from minivllm.inputs import PromptType, process_prompt, truncate_prompt
 from minivllm.model.loader import load_tokenizer
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput, make_request_output
@@ -175,6 +175,9 @@ class LLMEngine:
             stops = set(params.stop_token_ids or []) | self._extra_eos_token_ids
             params = dataclasses.replace(params, stop_token_ids=sorted(stops))
         text, ids = self.tokenize_prompt(prompt)
+        kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+        if len(kept) < len(ids):  # the text no longer matches the ids
+            text, ids = None, kept
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "

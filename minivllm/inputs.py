@@ -44,3 +44,14 @@ def process_prompt(
             f"[0, {vocab_size - 1}]"
         )
     return None, list(ids)
+
+
+def truncate_prompt(
+    ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int
+) -> list[int]:
+    """The last `truncate_prompt_tokens` tokens of a prompt (vLLM's left truncation: the end of a
+    long prompt, nearest the answer, is what matters most); -1 means `max_model_len`."""
+    if truncate_prompt_tokens is None:
+        return ids
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return ids[-keep:]

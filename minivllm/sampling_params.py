@@ -70,6 +70,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = (
         False  # keep the matched stop string (and stop token) in text
     )
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n)
@@ -103,6 +104,13 @@ class SamplingParams:
         self.min_p = _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+
+        if self.truncate_prompt_tokens is not None:
+            k = self.truncate_prompt_tokens = _check_int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens
+            )
+            if k < 1 and k != -1:
+                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {k}.")
 
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed)

@@ -166,3 +166,13 @@ def test_clone_is_equal_and_does_not_share_lists():
     assert clone.stop_token_ids is not None
     clone.stop_token_ids.append(2)
     assert params.stop == ["x"] and params.stop_token_ids == [1]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
+    from minivllm.inputs import truncate_prompt
+
+    assert truncate_prompt([1, 2, 3, 4], 2, 100) == [3, 4]
+    assert truncate_prompt([1, 2, 3, 4], -1, 3) == [2, 3, 4]
+    assert truncate_prompt([1, 2, 3, 4], None, 3) == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or at least 1, got 0"):
+        SamplingParams(truncate_prompt_tokens=0)

@@ -38,6 +38,7 @@ def server(tiny_model: Path):
         LLMEngine(config),
         enable_request_id_headers=True,
         enable_tokenizer_info_endpoint=True,
+        return_tokens_as_token_ids=True,
     ) as s:
         yield s
 
@@ -224,3 +225,96 @@ def test_chat_echo_starts_the_reply_with_the_open_assistant_message(
                 delta = json.loads(line[6:])["choices"][0]["delta"]
                 chunks.append(delta.get("content") or "")
     assert "".join(chunks) == "Once upon a time" + reply
+
+
+# ---------------------------------------------------------------------- token ids in responses
+def test_return_token_ids_on_completions_whole_and_streamed(server: InProcessServer) -> None:
+    body = {"prompt": "Hello there", "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    whole = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+    choice = whole["choices"][0]
+    prompt_ids = server.engine.tokenizer.encode("Hello there")
+    assert choice["prompt_token_ids"] == prompt_ids
+    assert server.engine.tokenizer.decode(choice["token_ids"]) == choice["text"]
+    streamed: list[int] = []
+    firsts = []
+    with httpx.stream(
+        "POST", server.base_url + "/completions", json={**body, "stream": True}, timeout=60
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                ch = json.loads(line[6:])["choices"][0]
+                firsts.append(ch.get("prompt_token_ids"))
+                streamed += ch["token_ids"]
+    assert firsts[0] == prompt_ids and all(f is None for f in firsts[1:])
+    assert streamed == choice["token_ids"]
+    plain = httpx.post(server.base_url + "/completions", json={**body, "return_token_ids": False})
+    assert "token_ids" not in plain.json()["choices"][0]
+
+
+def test_return_token_ids_on_chat_whole_and_streamed(server: InProcessServer) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    whole = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60).json()
+    ids = httpx.post(server.url + "/tokenize", json={"messages": body["messages"]}).json()
+    assert whole["prompt_token_ids"] == ids["tokens"]
+    token_ids = whole["choices"][0]["token_ids"]
+    assert len(token_ids) == whole["usage"]["completion_tokens"]
+    streamed: list[int] = []
+    with httpx.stream(
+        "POST", server.base_url + "/chat/completions", json={**body, "stream": True}, timeout=60
+    ) as resp:
+        events = [json.loads(x[6:]) for x in resp.iter_lines() if x.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == ids["tokens"]
+    for e in events:
+        streamed += e["choices"][0]["token_ids"]
+    assert streamed == token_ids
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server: InProcessServer) -> None:
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 2}
+    body["return_token_ids"] = True
+    choice = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()["choices"][
+        0
+    ]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for k in top)
+    chat = httpx.post(
+        server.base_url + "/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 1,
+            "return_token_ids": True,
+        },
+        timeout=60,
+    ).json()["choices"][0]
+    tokens = [e["token"] for e in chat["logprobs"]["content"]]
+    assert tokens == [f"token_id:{t}" for t in chat["token_ids"]]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server: InProcessServer) -> None:
+    prompt = " ".join(f"word{i}" for i in range(40))
+    ids = server.engine.tokenizer.encode(prompt)
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "truncate_prompt_tokens": 10}
+    cut = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+    same = httpx.post(
+        server.base_url + "/completions",
+        json={"prompt": ids[-10:], "max_tokens": 3, "temperature": 0},
+        timeout=60,
+    ).json()
+    assert cut["usage"]["prompt_tokens"] == 10
+    assert cut["choices"][0]["text"] == same["choices"][0]["text"]
+    chat = httpx.post(
+        server.base_url + "/chat/completions",
+        json={"messages": [{"role": "user", "content": prompt}], "truncate_prompt_tokens": 7},
+        timeout=60,
+    )
+    assert chat.json()["usage"]["prompt_tokens"] == 7
+    bad = httpx.post(server.base_url + "/completions", json={**body, "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"

@@ -164,6 +164,7 @@ def build_app(
     enable_request_id_headers: bool = False,
     enable_tokenizer_info_endpoint: bool = False,
     log_requests: bool = False,
+    return_tokens_as_token_ids: bool = False,
 ) -> FastAPI:
     """An app serving `engine`; its engine thread starts and stops with the app's lifespan."""
     names = served_model_names or [engine.source.name]
@@ -183,8 +184,8 @@ def build_app(
 
     async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step, on_add=on_add)
     limits = (names, max_waiting_requests, engine.config.scheduler.max_num_seqs)
-    completion = OpenAIServingCompletion(async_engine, *limits)
-    chat = OpenAIServingChat(async_engine, *limits)
+    completion = OpenAIServingCompletion(async_engine, *limits, return_tokens_as_token_ids)
+    chat = OpenAIServingChat(async_engine, *limits, return_tokens_as_token_ids)
     responses_api = OpenAIServingResponses(chat, async_engine, *limits)
 
     @asynccontextmanager

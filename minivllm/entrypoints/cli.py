@@ -110,6 +110,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve GET /tokenizer_info (the tokenizer's settings and chat template)",
     )
+    g.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="in logprobs, name each token 'token_id:N' instead of its text",
+    )
     logs = g.add_mutually_exclusive_group()
     logs.add_argument(
         "--enable-log-requests",
@@ -211,6 +216,7 @@ def serve(args: argparse.Namespace) -> int:
         enable_request_id_headers=args.enable_request_id_headers,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         log_requests=args.log_requests,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
     )
     uvicorn.run(
         app,

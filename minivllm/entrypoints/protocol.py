@@ -115,6 +115,9 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(
+        None, description="vLLM's extra: keep the prompt's last k tokens (-1: max_model_len)."
+    )
     use_beam_search: bool = Field(
         False,
         description="vLLM's beam search: `n` (or `best_of`) beams, the best first; greedy unless "
@@ -124,6 +127,11 @@ class _SamplingFields(_Request):
     length_penalty: float = Field(
         1.0,
         description="Beam search only: beams are ranked by cum_logprob / len ** length_penalty.",
+    )
+    return_token_ids: bool = Field(
+        False,
+        description="vLLM's extra: the prompt's and each choice's token ids in the response (in "
+        "a stream: the prompt's in the first chunk, each chunk's new ids).",
     )
     # OpenAI's and vLLM's fields that minivllm cannot honour
     logit_bias: Any = _unsupported("logit_bias is not supported by minivllm")
@@ -309,6 +317,8 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
+    prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
+    token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
 class CompletionResponse(_Response):
@@ -357,6 +367,7 @@ class ChatCompletionChoice(_Response):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None
     finish_reason: FinishReason
+    token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
 class ChatCompletionResponse(_Response):
@@ -366,6 +377,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
 class ChatDelta(_Response):
@@ -380,6 +392,7 @@ class ChatCompletionStreamChoice(_Response):
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None
     finish_reason: FinishReason
+    token_ids: list[int] | None = Field(None, description="With return_token_ids: new ids.")
 
 
 class ChatCompletionStreamResponse(_Response):
@@ -391,6 +404,9 @@ class ChatCompletionStreamResponse(_Response):
     model: str
     choices: list[ChatCompletionStreamChoice] = Field(description="Empty in the usage chunk.")
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = Field(
+        None, description="With return_token_ids, in the first chunk."
+    )
 
 
 class TokenizeResponse(_Response):

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from minivllm.beam_search import BeamSearchParams
 from minivllm.entrypoints.async_engine import AsyncLLMEngine, StreamItem
 from minivllm.entrypoints.protocol import OpenAIError, StreamOptions
-from minivllm.inputs import PromptType
+from minivllm.inputs import PromptType, truncate_prompt
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -42,8 +42,11 @@ class OpenAIServing:
         served_model_names: list[str],
         max_waiting_requests: int,
         max_num_seqs: int,
+        return_tokens_as_token_ids: bool = False,
     ) -> None:
         self.engine = engine
+        # vLLM's --return-tokens-as-token-ids: logprobs name tokens as "token_id:N" (logprobs.py)
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.served_model_names = served_model_names
         self.max_waiting_requests = max_waiting_requests
         self.max_num_seqs = max_num_seqs
@@ -159,11 +162,23 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
                 **extras,
             )
         except ValueError as exc:  # SamplingParams' messages name the field and the range
             name = str(exc).split(" ", 1)[0]
             raise OpenAIError(str(exc), param=name if name in _PARAM_NAMES else None) from None
+
+    def truncate(self, req: Any, ids: list[int]) -> list[int]:
+        """The prompt as the engine will see it: `truncate_prompt_tokens` cuts it from the left
+        before anything (the completion budget first) is computed from its length."""
+        k = req.truncate_prompt_tokens
+        if k is not None and k != -1 and k < 1:
+            raise OpenAIError(
+                f"truncate_prompt_tokens must be -1 or at least 1, got {k}.",
+                param="truncate_prompt_tokens",
+            )
+        return truncate_prompt(ids, k, self.max_model_len)
 
     # ------------------------------------------------------------------ engine plumbing
     def _submit(

@@ -32,6 +32,7 @@ class OpenAIServingChat(OpenAIServing):
             req.chat_template_kwargs,
             req.documents,
         )
+        ids = self.truncate(req, ids)
         last = req.messages[-1]
         echo = last.text() if req.echo and last.role == "assistant" else ""
         requested: int | None = req.max_tokens
@@ -51,10 +52,17 @@ class OpenAIServingChat(OpenAIServing):
         }
         ids_in: list[PromptType] = [{"prompt_token_ids": ids}]
 
+        as_ids = self.return_tokens_as_token_ids
+
         def logprobs_of(c: CompletionOutput, start: int) -> dict[str, Any] | None:
             if k is None or c.logprobs is None:
                 return None
-            return {"content": chat_logprobs(c.token_ids[start:], c.logprobs[start:], k)}
+            return {"content": chat_logprobs(c.token_ids[start:], c.logprobs[start:], k, as_ids)}
+
+        def with_ids(ch: dict[str, Any], c: CompletionOutput, start: int) -> dict[str, Any]:
+            return {**ch, "token_ids": c.token_ids[start:]} if req.return_token_ids else ch
+
+        prompt_ids = {"prompt_token_ids": ids} if req.return_token_ids else {}
 
         if req.stream:
             chunk_header = {**header, "object": "chat.completion.chunk"}
@@ -68,12 +76,14 @@ class OpenAIServingChat(OpenAIServing):
                     "logprobs": logprobs_of(c, prev_tok),
                     "finish_reason": finish_reason(c),
                 }
-                return {**chunk_header, "choices": [ch]}
+                return {**chunk_header, "choices": [with_ids(ch, c, prev_tok)]}
 
             def role_chunk(index: int) -> dict[str, Any]:
                 delta = {"role": "assistant", "content": echo}
                 ch = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-                return {**chunk_header, "choices": [ch]}
+                if req.return_token_ids:
+                    ch["token_ids"] = []
+                return {**chunk_header, "choices": [ch], **prompt_ids}
 
             return self._stream(
                 rid, ids_in, params, chunk_header, chunk, req.stream_options, role_chunk
@@ -81,15 +91,19 @@ class OpenAIServingChat(OpenAIServing):
 
         finals = await self._collect(rid, ids_in, params, is_disconnected)
         choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": echo + c.text},
-                "logprobs": logprobs_of(c, 0),
-                "finish_reason": finish_reason(c),
-            }
+            with_ids(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": echo + c.text},
+                    "logprobs": logprobs_of(c, 0),
+                    "finish_reason": finish_reason(c),
+                },
+                c,
+                0,
+            )
             for c in finals[0].outputs
         ]
-        return {**header, "choices": choices, "usage": usage(finals)}
+        return {**header, "choices": choices, "usage": usage(finals), **prompt_ids}
 
     def apply_chat_template(
         self,

@@ -28,9 +28,11 @@ class OpenAIServingCompletion(OpenAIServing):
         tokenized: list[tuple[str | None, list[int]]] = []
         for p in _split_prompts(req.prompt):
             try:
-                tokenized.append(self.engine.engine.tokenize_prompt(p))
+                text, ids = self.engine.engine.tokenize_prompt(p)
             except ValueError as exc:
                 raise OpenAIError(str(exc), param="prompt") from None
+            kept = self.truncate(req, ids)
+            tokenized.append((text, ids) if len(kept) == len(ids) else (None, kept))
         cap = "max_tokens" in from_model
         params = [
             self.sampling_params(
@@ -52,11 +54,22 @@ class OpenAIServingCompletion(OpenAIServing):
             "model": model,
         }
 
-        def choice(i: int, c: CompletionOutput, text: str, start: int, offset: int) -> Any:
+        as_ids = self.return_tokens_as_token_ids
+
+        def choice(
+            i: int, c: CompletionOutput, text: str, start: int, offset: int, first: bool = True
+        ) -> Any:
             lps = None
             if k is not None and c.logprobs is not None:
-                lps = completion_logprobs(c.token_ids[start:], c.logprobs[start:], k, offset)
-            return {"index": i, "text": text, "logprobs": lps, "finish_reason": finish_reason(c)}
+                lps = completion_logprobs(
+                    c.token_ids[start:], c.logprobs[start:], k, offset, as_ids
+                )
+            out = {"index": i, "text": text, "logprobs": lps, "finish_reason": finish_reason(c)}
+            if req.return_token_ids:  # vLLM: the prompt's ids once, then each chunk's new ids
+                if first:
+                    out["prompt_token_ids"] = tokenized[i // n][1]
+                out["token_ids"] = c.token_ids[start:]
+            return out
 
         ids_in: list[PromptType] = [{"prompt_token_ids": ids} for _, ids in tokenized]
         if req.stream:
@@ -67,10 +80,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 echo = echo_texts[pi] if first else ""
                 offset = len(echo_texts[pi]) + prev_text
                 text = echo + c.text[prev_text:]
-                return {**header, "choices": [choice(pi * n + c.index, c, text, prev_tok, offset)]}
+                ch = choice(pi * n + c.index, c, text, prev_tok, offset, first)
+                return {**header, "choices": [ch]}
 
             return self._stream(
-                rid, ids_in, params, header, chunk, req.stream_options, emit_first=req.echo
+                rid,
+                ids_in,
+                params,
+                header,
+                chunk,
+                req.stream_options,
+                emit_first=req.echo or req.return_token_ids,
             )
 
         finals = await self._collect(rid, ids_in, params, is_disconnected)
