@@ -11,9 +11,10 @@ the benches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minivllm.attention import BACKEND_NAMES
+from minivllm.structured_output.params import StructuredOutputsConfig
 
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 
@@ -104,3 +105,4 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

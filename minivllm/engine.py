@@ -45,6 +45,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import Scheduler, SchedulerOutput
 from minivllm.sequence import Request, Sequence, SequenceStatus
 from minivllm.stats import EngineStats
+from minivllm.structured_output import StructuredOutputManager
 
 if TYPE_CHECKING:
     from minivllm.trace.recorder import StepRecorder
@@ -128,6 +129,10 @@ class LLMEngine:
             self.scheduler, self._new_seq, self._finish, self.output_processor, eos_ids
         )
         self.vocab_size = self.model.config.vocab_size
+        # Structured outputs: compiles each constraint once (at add_request), hands out matchers.
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, sorted(eos_ids), config.structured_outputs
+        )
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self._aborted_outputs: list[RequestOutput] = []
@@ -182,6 +187,8 @@ class LLMEngine:
             raise ValueError(
                 f"beam_width must be at most max_num_seqs ({max_num_seqs}), got {width}"
             )
+        if beam is not None and params.structured_outputs is not None:
+            raise ValueError("structured_outputs is not supported with beam search")
         if params.n > max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}")
         if self._extra_eos_token_ids and not params.ignore_eos:
@@ -220,6 +227,10 @@ class LLMEngine:
             detokenizer=None if request.beam else self.output_processor.make_detokenizer(request),
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
+            # Compiled at the request's first sequence (cached: its other samples reuse it).
+            grammar=self.structured_output_manager.new_grammar(params.structured_outputs)
+            if params.structured_outputs is not None
+            else None,
         )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -306,6 +317,7 @@ class LLMEngine:
                 s.output_token_ids,
                 s.generator,
                 self.eos_token_id,
+                s.grammar,
             )
             for s in seqs
         ]
@@ -344,6 +356,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish_seq(seq, status)
         self.output_processor.mark_finished(seq, status)
+        seq.grammar = None  # a finished sequence samples no more: its matcher goes
 
     def _fail_step(self, sched: SchedulerOutput, exc: BaseException) -> list[RequestOutput]:
         """Withdraw the prefix-cache names the step gave, then fail every request it carried and

@@ -34,6 +34,7 @@ from minivllm.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from minivllm.structured_output.params import StructuredOutputsConfig
 
 ENGINE_GROUP = "engine"  # the argparse group holding the engine's flags on every parser
 
@@ -107,6 +108,12 @@ class EngineArgs:
         "the other ranks itself (gloo on CPU, NCCL on CUDA, rank r on cuda:r), or joins the "
         "ranks torchrun started; it must divide the model's attention heads",
     )
+    # ---------------------------------------------------------------------- structured outputs
+    structured_outputs_config: str | None = _arg(
+        None,
+        'JSON object (vLLM\'s flag): {"backend": "xgrammar" | "auto", "disable_any_whitespace": '
+        'bool, "max_cached_grammars": int}; unset: xgrammar with its defaults',
+    )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -178,6 +185,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
         )
 
 
@@ -202,6 +210,7 @@ class EngineKwargs(TypedDict, total=False):
     max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int
+    structured_outputs_config: str | None
 
 
 InitT = TypeVar("InitT", bound=Callable[..., None])

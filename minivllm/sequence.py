@@ -24,6 +24,7 @@ from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from minivllm.beam_search import BeamState
+    from minivllm.structured_output import StructuredOutputGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -66,6 +67,9 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Structured outputs: this sequence's grammar matcher, advanced by each committed token
+    # (None when unconstrained, and once finished).
+    grammar: StructuredOutputGrammar | None = None
 
     @property
     def num_tokens(self) -> int:
