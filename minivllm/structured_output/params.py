@@ -87,6 +87,9 @@ class StructuredOutputsConfig:
 
     backend: str = "auto"  # "xgrammar" (vLLM's default); "auto" picks it
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+    # Most whitespace characters in a row inside JSON (0: unbounded, as vLLM). Bounded by
+    # default: unbounded, a model can emit whitespace until max_tokens and never close the JSON.
+    max_whitespace: int = 16
     max_cached_grammars: int = 256  # compiled grammars kept (least recently used dropped first)
 
     def __post_init__(self) -> None:

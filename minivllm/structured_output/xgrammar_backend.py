@@ -73,13 +73,16 @@ class XgrammarBackend:
         kind = params.kind
         any_whitespace = not self.config.disable_any_whitespace
         try:
-            if kind == "json":
-                schema = params.json
+            if kind in ("json", "json_object"):
+                # json_object: any JSON object, i.e. the schema {"type": "object"}.
+                schema = params.json if kind == "json" else {"type": "object"}
                 text = schema if isinstance(schema, str) else json.dumps(schema)
                 json.loads(text)  # a clear message for text that is not JSON at all
-                return self.compiler.compile_json_schema(text, any_whitespace=any_whitespace)
-            if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+                return self.compiler.compile_json_schema(
+                    text,
+                    any_whitespace=any_whitespace,
+                    max_whitespace_cnt=self.config.max_whitespace or None,
+                )
             if kind == "regex":
                 assert params.regex is not None
                 return self.compiler.compile_regex(params.regex)
