@@ -146,6 +146,8 @@ def build_app(
     on_ready: Callable[[], None] | None = None,
     enable_dashboard: bool = False,
     dashboard_max_steps: int = 256,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """An app serving `engine`; its engine thread starts and stops with the app's lifespan."""
     names = served_model_names or [engine.source.name]
@@ -154,6 +156,13 @@ def build_app(
     limits = (names, max_waiting_requests, engine.config.scheduler.max_num_seqs)
     completion = OpenAIServingCompletion(async_engine, *limits)
     chat = OpenAIServingChat(async_engine, *limits)
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if tool_call_parser is not None:
+        from minivllm.entrypoints.tool_parsers import get_tool_parser
+
+        chat.tool_parser = get_tool_parser(tool_call_parser)
+    chat.enable_auto_tool_choice = enable_auto_tool_choice
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

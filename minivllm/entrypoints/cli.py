@@ -99,6 +99,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="the dashboard keeps this many recent engine steps (bounded memory)",
     )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "llama3_json"),
+        help="how to find tool calls in the model's text (its chat template's format)",
+    )
     EngineArgs.add_cli_args(parser)
 
 
@@ -172,6 +183,8 @@ def serve(args: argparse.Namespace) -> int:
         on_ready=ready,
         enable_dashboard=args.enable_dashboard,
         dashboard_max_steps=args.dashboard_max_steps,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0

@@ -24,6 +24,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from minivllm.entrypoints.protocol_structured import (
+    ChatTool,
+    DeltaToolCall,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+    ToolCallIn,
+    ToolChoice,
+)
+
 
 class OpenAIError(Exception):
     """An error the client caused (or may retry), returned as OpenAI's error object."""
@@ -129,14 +139,17 @@ class _SamplingFields(_Request):
     logit_bias: Any = _unsupported("logit_bias is not supported by minivllm")
     best_of: Any = Field(None, description="Only equal to `n`: every sample (or beam) is returned.")
     prompt_logprobs: Any = _unsupported("prompt_logprobs is not supported by minivllm")
-    guided_json: Any = _unsupported("guided decoding (guided_json) is not supported by minivllm")
-    guided_regex: Any = _unsupported("guided decoding (guided_regex) is not supported by minivllm")
-    guided_choice: Any = _unsupported(
-        "guided decoding (guided_choice) is not supported by minivllm"
+    # Structured outputs (minivllm/structured_output/): at most one of these four ways.
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's: text, json_object, or json_schema with a schema."
     )
-    guided_grammar: Any = _unsupported(
-        "guided decoding (guided_grammar) is not supported by minivllm"
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="vLLM's: exactly one of json, regex, choice, grammar, json_object."
     )
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older name.")
+    guided_regex: str | None = Field(None, description="vLLM's older name.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older name.")
+    guided_grammar: str | None = Field(None, description="vLLM's older name.")
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -158,10 +171,12 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    # "developer" is OpenAI's new name for "system"; "tool"/"function" need tool calling.
-    role: Literal["system", "developer", "user", "assistant"]
+    # "developer" is OpenAI's new name for "system".
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant's calls.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -178,17 +193,16 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, description="0..20; needs `logprobs: true`.")
     add_generation_prompt: bool = Field(True, description="vLLM's extra.")
-    tools: Any = _unsupported("tool calling (tools) is not supported by minivllm")
-    tool_choice: Any = _unsupported("tool calling (tool_choice) is not supported by minivllm")
-    parallel_tool_calls: Any = _unsupported(
-        "tool calling (parallel_tool_calls) is not supported by minivllm"
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = Field(
+        None,
+        description='"none", "auto" (needs --enable-auto-tool-choice), "required" or a named '
+        "function; omitted: auto with tools, else none",
     )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call.")
     functions: Any = _unsupported("function calling (functions) is not supported by minivllm")
     function_call: Any = _unsupported(
         "function calling (function_call) is not supported by minivllm"
-    )
-    response_format: Any = Field(
-        None, description='Only {"type": "text"}: JSON mode and JSON schemas are a 400.'
     )
     audio: Any = _unsupported("audio output is not supported by minivllm")
     modalities: Any = _unsupported("output modalities are not supported by minivllm")
@@ -235,13 +249,6 @@ def unsupported_fields(req: _SamplingFields) -> None:
                 raise OpenAIError(f"{name} is not supported with use_beam_search", param=name)
     elif req.length_penalty != 1.0:
         raise OpenAIError("length_penalty needs use_beam_search", param="length_penalty")
-    fmt = getattr(req, "response_format", None)
-    if fmt is not None and fmt != {"type": "text"}:
-        raise OpenAIError(
-            "response_format other than {'type': 'text'} (JSON mode, json_schema) is not "
-            "supported by minivllm",
-            param="response_format",
-        )
 
 
 # ---------------------------------------------------------------------- responses (documented)
@@ -261,7 +268,7 @@ class ErrorResponse(_Response):
     error: ErrorInfo
 
 
-FinishReason = Literal["stop", "length"] | None
+FinishReason = Literal["stop", "length", "tool_calls"] | None
 
 
 class UsageInfo(_Response):
@@ -322,7 +329,8 @@ class ChatChoiceLogprobs(_Response):
 
 class ChatResponseMessage(_Response):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is only tool calls.")
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(_Response):
@@ -345,7 +353,8 @@ class ChatDelta(_Response):
     role: Literal["assistant"] | None = Field(
         None, description="Only in each choice's first chunk."
     )
-    content: str
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(_Response):

@@ -25,6 +25,7 @@ from minivllm.entrypoints.protocol import OpenAIError, StreamOptions
 from minivllm.inputs import PromptType
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("minivllm")
 
@@ -114,8 +115,27 @@ class OpenAIServing:
         return requested  # < 1 is refused by SamplingParams, with its own message
 
     def sampling_params(
-        self, req: Any, max_tokens: int, logprobs: int | None
+        self,
+        req: Any,
+        max_tokens: int,
+        logprobs: int | None,
+        structured: tuple[StructuredOutputsParams, str] | None = None,
     ) -> SamplingParams | BeamSearchParams:
+        """`structured`: a constraint the handler made (a forced tool call); otherwise the
+        request's own structured-output fields, if any. Either is compiled here (400 if bad)."""
+        from minivllm.entrypoints.structured_requests import (
+            compile_or_400,
+            request_structured_outputs,
+        )
+
+        structured = structured or request_structured_outputs(req)
+        if structured is not None:
+            if req.use_beam_search:
+                raise OpenAIError(
+                    "structured outputs are not supported with use_beam_search",
+                    param="use_beam_search",
+                )
+            compile_or_400(self.engine.engine.structured_output_manager, *structured)
         if req.n > self.max_num_seqs:
             raise OpenAIError(
                 f"n must be at most max_num_seqs ({self.max_num_seqs}), got {req.n}", param="n"
@@ -159,6 +179,7 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                structured_outputs=structured[0] if structured is not None else None,
                 **extras,
             )
         except ValueError as exc:  # SamplingParams' messages name the field and the range
