@@ -9,7 +9,6 @@ the stream's deltas.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
