@@ -187,8 +187,6 @@ class LLMEngine:
             raise ValueError(
                 f"beam_width must be at most max_num_seqs ({max_num_seqs}), got {width}"
             )
-        if beam is not None and params.structured_outputs is not None:
-            raise ValueError("structured_outputs is not supported with beam search")
         if params.n > max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}")
         if self._extra_eos_token_ids and not params.ignore_eos:

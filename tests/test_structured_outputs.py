@@ -245,3 +245,16 @@ def test_bitmask_unpacks_like_xgrammar_applies_it() -> None:
     xgr.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab)
     ours = logits.masked_fill(~bitmask_to_bool(bitmask, vocab), float("-inf"))
     assert torch.equal(ours, expected)
+
+
+def test_the_grammar_wins_over_min_tokens(llm: LLM) -> None:
+    # min_tokens masks EOS, the finished grammar allows only EOS: the row keeps the grammar's
+    # choice (never a row with no token at all), and the complete structure ends the output.
+    params = SamplingParams(
+        temperature=0,
+        min_tokens=6,
+        max_tokens=20,
+        structured_outputs=StructuredOutputsParams(choice=["yes"]),
+    )
+    c = llm.generate(["q"], params, use_tqdm=False)[0].outputs[0]
+    assert c.text == "yes" and c.finish_reason == "stop"
