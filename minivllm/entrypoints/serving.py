@@ -121,21 +121,7 @@ class OpenAIServing:
         logprobs: int | None,
         structured: tuple[StructuredOutputsParams, str] | None = None,
     ) -> SamplingParams | BeamSearchParams:
-        """`structured`: a constraint the handler made (a forced tool call); otherwise the
-        request's own structured-output fields, if any. Either is compiled here (400 if bad)."""
-        from minivllm.entrypoints.structured_requests import (
-            compile_or_400,
-            request_structured_outputs,
-        )
-
-        structured = structured or request_structured_outputs(req)
-        if structured is not None:
-            if req.use_beam_search:
-                raise OpenAIError(
-                    "structured outputs are not supported with use_beam_search",
-                    param="use_beam_search",
-                )
-            compile_or_400(self.engine.engine.structured_output_manager, *structured)
+        """`structured`: the request's constraint, from `structured_outputs()`."""
         if req.n > self.max_num_seqs:
             raise OpenAIError(
                 f"n must be at most max_num_seqs ({self.max_num_seqs}), got {req.n}", param="n"
@@ -185,6 +171,28 @@ class OpenAIServing:
         except ValueError as exc:  # SamplingParams' messages name the field and the range
             name = str(exc).split(" ", 1)[0]
             raise OpenAIError(str(exc), param=name if name in _PARAM_NAMES else None) from None
+
+    async def structured_outputs(
+        self, req: Any, forced: tuple[StructuredOutputsParams, str] | None = None
+    ) -> tuple[StructuredOutputsParams, str] | None:
+        """The request's constraint (`forced`: one the handler made, a forced tool call), compiled
+        now, in a worker thread: a bad one is a 400 before anything is queued, and a slow one
+        blocks neither the event loop nor the engine's steps. The engine then hits the cache."""
+        from minivllm.entrypoints.structured_requests import (
+            compile_or_400,
+            request_structured_outputs,
+        )
+
+        structured = forced or request_structured_outputs(req)
+        if structured is not None:
+            if req.use_beam_search:
+                raise OpenAIError(
+                    "structured outputs are not supported with use_beam_search",
+                    param="use_beam_search",
+                )
+            manager = self.engine.engine.structured_output_manager
+            await asyncio.to_thread(compile_or_400, manager, *structured)
+        return structured
 
     # ------------------------------------------------------------------ engine plumbing
     def _submit(

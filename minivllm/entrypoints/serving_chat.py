@@ -49,7 +49,8 @@ class OpenAIServingChat(OpenAIServing):
         cap = field in from_model
         k = (req.top_logprobs or 0) if req.logprobs else None
         budget = self.max_tokens(requested, len(ids), field, cap)
-        params = [self.sampling_params(req, budget, k, forced)]
+        structured = await self.structured_outputs(req, forced)
+        params = [self.sampling_params(req, budget, k, structured)]
         self.check_capacity()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         header = {

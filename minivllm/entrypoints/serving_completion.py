@@ -32,9 +32,13 @@ class OpenAIServingCompletion(OpenAIServing):
             except ValueError as exc:
                 raise OpenAIError(str(exc), param="prompt") from None
         cap = "max_tokens" in from_model
+        structured = await self.structured_outputs(req)
         params = [
             self.sampling_params(
-                req, self.max_tokens(req.max_tokens, len(ids), "max_tokens", cap), req.logprobs
+                req,
+                self.max_tokens(req.max_tokens, len(ids), "max_tokens", cap),
+                req.logprobs,
+                structured,
             )
             for _, ids in tokenized
         ]
