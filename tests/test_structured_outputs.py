@@ -258,3 +258,14 @@ def test_the_grammar_wins_over_min_tokens(llm: LLM) -> None:
     )
     c = llm.generate(["q"], params, use_tqdm=False)[0].outputs[0]
     assert c.text == "yes" and c.finish_reason == "stop"
+
+
+def test_a_batch_without_constraints_skips_the_grammar_processor() -> None:
+    from minivllm.logits_processors import apply_grammar_bitmask
+    from minivllm.sampler import SamplingMetadata, SamplingRow
+
+    rows = [SamplingRow(SamplingParams(), [1, 2], [3])] * 3
+    meta = SamplingMetadata.from_rows(rows, 64, "cpu")
+    logits = torch.randn(3, 64)
+    assert meta.grammar_bitmask is None
+    assert apply_grammar_bitmask(logits, meta) is logits  # not even a copy
