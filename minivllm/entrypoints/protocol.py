@@ -5,13 +5,15 @@ Field names and defaults are OpenAI's (`openai-python`'s `CompletionCreateParams
 Two rules make a request either honoured or refused, never half-honoured:
 
 - `extra="forbid"`: a field this server does not know is a 400 that names it.
-- Fields that OpenAI defines but minivllm cannot honour (tools, logit_bias, ...) are declared with
+- Fields that OpenAI defines but minivllm cannot honour (logit_bias, suffix, ...) are declared with
   `_unsupported(reason)`, so that `unsupported_fields` refuses them with a message saying *why*,
   rather than "unknown", and the published schema says the same.
 
 `strict=True`: the body is validated from JSON (`model_validate_json`), where strict mode still
 accepts an integer for a float, but refuses "0.5" for a number and 1 for a bool — the types on the
 wire are the types of the API.
+
+The structured-output and tool-calling models live in `protocol_structured.py`.
 
 The request models are also the published OpenAPI schema of the request bodies (one source of
 truth: see `openapi.py`). The response models only document what the handlers send; the handlers
