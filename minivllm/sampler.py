@@ -3,9 +3,11 @@
 The order of the phases is vLLM v1's (`vllm/v1/sample/sampler.py`):
 
     raw logits --log_softmax--> logprobs (what the model thinks, before any processing)
-      -> min_tokens masking     (EOS and stop_token_ids to -inf while the output is too short)
-      -> penalties              (repetition over prompt+output; frequency, presence over output)
-      -> greedy rows: argmax    (of the penalized logits)
+      -> logits processors      (`logits_processors.py`, one ordered pipeline, row by row:)
+           min_tokens masking   (EOS and stop_token_ids to -inf while the output is too short)
+           penalties            (repetition over prompt+output; frequency, presence over output)
+           grammar bitmask      (structured outputs: what the row's grammar allows next)
+      -> greedy rows: argmax    (of the processed logits)
       -> temperature -> min_p -> top_k -> top_p
       -> random rows: exponential race, argmax(probs / q) with q ~ Exp(1)
 
@@ -30,8 +32,16 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from minivllm.logits_processors import (
+    apply_logits_processors,
+    apply_min_tokens,
+    apply_penalties,
+)
 from minivllm.sampling_params import SAMPLING_EPS, SamplingParams
 from minivllm.stop_checker import stops_allowed
+from minivllm.structured_output import StructuredOutputGrammar, StructuredOutputManager
+
+__all__ = ["Sampler", "SamplingMetadata", "SamplingRow", "apply_min_tokens", "apply_penalties"]
 
 # ----------------------------------------------------------------------------------------------
 # Inputs and outputs
@@ -47,6 +57,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None  # on the logits' device; None: the global RNG
     eos_token_id: int | None = None
+    grammar: StructuredOutputGrammar | None = None  # structured outputs: the sequence's matcher
 
 
 class LogprobsTensors(NamedTuple):
@@ -99,6 +110,9 @@ class SamplingMetadata:
     # (row, token id) pairs set to -inf: the stop tokens of rows still short of min_tokens.
     min_tokens_rows: Tensor  # int64 [M]
     min_tokens_token_ids: Tensor  # int64 [M]
+    # Structured outputs: the rows under a grammar and what each allows next (None: no such row).
+    grammar_rows: Tensor  # int64 [G]
+    grammar_bitmask: Tensor | None  # int32 [G, ceil(V/32)], on the host (xgrammar fills it there)
     generators: list[torch.Generator | None]  # [B]  None for greedy rows: they draw nothing
     max_num_logprobs: int | None  # largest `logprobs` in the batch; None when nobody asked
     all_greedy: bool
@@ -142,6 +156,18 @@ class SamplingMetadata:
                 mask_rows += [i] * len(ids)
                 mask_ids += ids
 
+        grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
+        bitmask = None
+        if grammar_rows:
+            bitmask = torch.full(
+                (len(grammar_rows), (vocab_size + 31) // 32), -1, dtype=torch.int32
+            )
+            for g, i in enumerate(grammar_rows):
+                grammar = rows[i].grammar
+                assert grammar is not None
+                StructuredOutputManager.sync(grammar, rows[i].output_token_ids)
+                grammar.fill_bitmask(bitmask, g)
+
         requested = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=floats([0.0 if g else p.temperature for g, p in zip(greedy, params)]),
@@ -155,6 +181,8 @@ class SamplingMetadata:
             prompt_token_mask=prompt_mask,
             min_tokens_rows=torch.tensor(mask_rows, dtype=torch.int64, device=device),
             min_tokens_token_ids=torch.tensor(mask_ids, dtype=torch.int64, device=device),
+            grammar_rows=torch.tensor(grammar_rows, dtype=torch.int64, device=device),
+            grammar_bitmask=bitmask,
             # Greedy rows draw no noise, so a seeded row's stream depends on its own steps only.
             generators=[None if g else row.generator for g, row in zip(greedy, rows)],
             max_num_logprobs=max(requested) if requested else None,
@@ -185,29 +213,6 @@ def _token_counts(
 # ----------------------------------------------------------------------------------------------
 # The phases, each a pure function of [B, V] logits (none modifies its input)
 # ----------------------------------------------------------------------------------------------
-
-
-def apply_min_tokens(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-    if meta.min_tokens_rows.numel() == 0:
-        return logits
-    index = (meta.min_tokens_rows, meta.min_tokens_token_ids)
-    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
-
-
-def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-    """vLLM's penalties. Repetition (Keskar et al., CTRL) divides a positive logit by the penalty
-    and multiplies a negative one, for tokens seen in prompt or output; frequency and presence
-    (OpenAI's definition) subtract per occurrence / once, for tokens seen in the output only."""
-    if meta.no_penalties or meta.output_token_counts is None:
-        return logits
-    counts = meta.output_token_counts  # [B, V]
-    in_output = counts > 0
-    if meta.prompt_token_mask is not None:
-        penalty = meta.repetition_penalty[:, None]
-        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(meta.prompt_token_mask | in_output, penalized, logits)
-    logits = logits - meta.frequency_penalty[:, None] * counts
-    return logits - meta.presence_penalty[:, None] * in_output
 
 
 def apply_temperature(logits: Tensor, meta: SamplingMetadata) -> Tensor:
@@ -323,8 +328,7 @@ class Sampler:
         if meta.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
 
-        logits = apply_min_tokens(logits, meta)
-        logits = apply_penalties(logits, meta)
+        logits = apply_logits_processors(logits, meta)
 
         # The argmax, as `max(...).indices`: the same index (the first of equal maxima, as
         # documented for both), ~2.7x faster on a CPU at [32, 49152] than `argmax`'s kernel.
