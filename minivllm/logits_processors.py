@@ -16,13 +16,11 @@ A new processor (logit_bias, allowed_token_ids, bad words) is one function and o
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from minivllm.sampler import SamplingMetadata
+from minivllm.sampling_metadata import SamplingMetadata
 
 
 def apply_min_tokens(logits: Tensor, meta: SamplingMetadata) -> Tensor:
@@ -82,7 +80,7 @@ def apply_grammar_bitmask(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     return logits
 
 
-LogitsProcessor = Callable[[Tensor, "SamplingMetadata"], Tensor]
+LogitsProcessor = Callable[[Tensor, SamplingMetadata], Tensor]
 
 # The pipeline, in order. Logprobs are taken before it (they describe the model).
 LOGITS_PROCESSORS: tuple[LogitsProcessor, ...] = (
