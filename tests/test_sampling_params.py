@@ -28,6 +28,7 @@ VLLM_DEFAULTS = {
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "include_stop_str_in_output": False,
+    "truncate_prompt_tokens": None,
     "structured_outputs": None,
 }
 
