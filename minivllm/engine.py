@@ -191,10 +191,15 @@ class LLMEngine:
         request = Request(request_id, text, ids, params, max_num_seqs=width)
         if arrival_time is not None:
             request.arrival_time = arrival_time
-        self.requests[request_id] = request
         self.after_sampling[request_id] = hook
-        request.seqs.append(self._new_seq(request, 0))
-        self.scheduler.add_seq(request.seqs[0])
+        try:
+            seq = self._new_seq(request, 0)  # compiles a grammar: an invalid one raises here
+        except BaseException:
+            del self.after_sampling[request_id]  # nothing of a refused request stays behind
+            raise
+        self.requests[request_id] = request
+        request.seqs.append(seq)
+        self.scheduler.add_seq(seq)
         return request
 
     def _new_seq(self, request: Request, index: int) -> Sequence:
