@@ -5,9 +5,9 @@ written for vLLM runs unchanged and the server's 400 errors read the same. Every
 `__post_init__`: a `SamplingParams` that exists is valid, and the sampler, the detokenizer and the
 stop checker never re-validate.
 
-Deviations from vLLM, on purpose: no `best_of`, `logit_bias`, `bad_words`, `prompt_logprobs`,
+Deviations from vLLM, on purpose: no `best_of`, `logit_bias`, `bad_words`,
 `allowed_token_ids`, guided decoding or `output_kind` (out of scope); non-finite floats are
-rejected; `logprobs=-1` (the full vocabulary) is not supported.
+rejected; `logprobs=-1` / `prompt_logprobs=-1` (the full vocabulary) are not supported.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = until the model's context is full
     min_tokens: int = 0  # output tokens before EOS / stop_token_ids / stop strings may end it
     logprobs: int | None = None  # top logprobs per output token (the sampled one is always given)
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (the prompt's own given too)
     skip_special_tokens: bool = True  # drop special tokens from the text
     spaces_between_special_tokens: bool = True  # slow tokenizers only, as in transformers
     include_stop_str_in_output: bool = (
@@ -145,10 +146,13 @@ class SamplingParams:
                 f"got {self.min_tokens}."
             )
 
-        if self.logprobs is not None:
-            self.logprobs = _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+                setattr(self, name, value)
 
         if self.is_greedy:
             # As vLLM does: greedy ignores truncation, so reset it rather than carry dead values
