@@ -5,7 +5,8 @@ KV cache with block tables, copy-on-write and prefix caching, continuous batchin
 prefill and preemption, a full sampler, a Llama model, and an OpenAI-compatible server.
 
 The public names are vLLM's: `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`,
-`EngineArgs` (every engine option, declared once), `BeamSearchParams` and its outputs.
+`EngineArgs` (every engine option, declared once), `BeamSearchParams` and its outputs,
+`StructuredOutputsParams` (a grammar the output must follow).
 """
 
 from minivllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -15,6 +16,7 @@ from minivllm.llm import LLM
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.stats import EngineStats
+from minivllm.structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -29,5 +31,6 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]

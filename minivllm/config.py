@@ -13,10 +13,11 @@ max_model_len), so that the engine receives every decision made and makes none i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minivllm.attention import BACKEND_NAMES
+from minivllm.structured_output.params import StructuredOutputsConfig
 
 if TYPE_CHECKING:
     import torch
@@ -126,3 +127,4 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     resolved: ResolvedConfig
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

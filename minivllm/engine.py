@@ -41,6 +41,7 @@ from minivllm.scheduler import Scheduler, SchedulerOutput
 from minivllm.sequence import Request, Sequence, SequenceStatus
 from minivllm.stats import EngineStats, StatsCollector
 from minivllm.step_listener import StepListener, StepOutputs
+from minivllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("minivllm")
 
@@ -97,6 +98,10 @@ class LLMEngine:
         )
         self.parallel_sampling = ParallelSampling(self.request_context)
         self.vocab_size = self.model.config.vocab_size
+        # Structured outputs: compiles each constraint once (at add_request), hands out matchers.
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, sorted(eos_ids), config.structured_outputs
+        )
         self.requests: dict[str, Request] = {}
         self.after_sampling: dict[str, AfterSampling] = {}  # request_id -> its hook
         self._next_seq_id = 0
@@ -212,6 +217,10 @@ class LLMEngine:
             ),
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
+            # Compiled at the request's first sequence (cached: its other samples reuse it).
+            grammar=self.structured_output_manager.new_grammar(params.structured_outputs)
+            if params.structured_outputs is not None
+            else None,
         )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -296,6 +305,7 @@ class LLMEngine:
                 s.output_token_ids,
                 s.generator,
                 self.eos_token_id,
+                s.grammar,
             )
             for s in seqs
         ]
@@ -336,6 +346,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish_seq(seq, status)
         self.output_processor.mark_finished(seq, status)
+        seq.grammar = None  # a finished sequence samples no more: its matcher goes
 
     def _fail_step(self, sched: SchedulerOutput, exc: BaseException) -> list[RequestOutput]:
         """Withdraw the prefix-cache names the step gave, then fail every request it carried and

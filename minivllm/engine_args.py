@@ -43,6 +43,7 @@ from minivllm.model.loader import (
     resolve_dtype,
     resolve_model,
 )
+from minivllm.structured_output.params import StructuredOutputsConfig
 
 ENGINE_GROUP = "engine"  # the argparse group holding the engine's flags on every parser
 
@@ -115,6 +116,12 @@ class EngineArgs:
         "devices (ranks) each layer is split across, Megatron-style; above 1 the engine spawns "
         "the other ranks itself (gloo on CPU, NCCL on CUDA, rank r on cuda:r), or joins the "
         "ranks torchrun started; it must divide the model's attention heads",
+    )
+    # ---------------------------------------------------------------------- structured outputs
+    structured_outputs_config: str | None = _arg(
+        None,
+        'JSON object (vLLM\'s flag): {"backend": "xgrammar" | "auto", "disable_any_whitespace": '
+        'bool, "max_cached_grammars": int}; unset: xgrammar with its defaults',
     )
 
     @classmethod
@@ -192,6 +199,7 @@ class EngineArgs:
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             resolved=_resolve(model),
+            structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
         )
 
 
@@ -216,6 +224,7 @@ class EngineKwargs(TypedDict, total=False):
     max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int
+    structured_outputs_config: str | None
 
 
 InitT = TypeVar("InitT", bound=Callable[..., None])

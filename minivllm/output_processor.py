@@ -7,8 +7,10 @@ tokens are known. For every sequence that sampled a token this step it:
 1. appends the token (and, if asked, its logprob and the top-k candidates, decoded);
 2. feeds it to the sequence's incremental detokenizer, which holds back text that may still turn
    into a stop string;
-3. checks the stop conditions (`stop_checker.py`): EOS, stop token ids, stop strings, max_tokens,
-   max_model_len.
+3. advances the sequence's grammar matcher, if it has one (structured outputs): only here, after
+   the step committed, so a step that fails leaves every matcher where it was;
+4. checks the stop conditions (`stop_checker.py`): EOS, stop token ids, stop strings, max_tokens,
+   max_model_len — and a grammar that is complete (it accepted a stop token) ends it with "stop".
 
 It never frees blocks: it reports which sequences finished, and the engine tells the scheduler,
 the only owner of the KV bookkeeping (see "one engine step" on the docs' architecture page).
@@ -54,6 +56,9 @@ class OutputProcessor:
         for seq, j in zip(seqs, rows):
             token = sampled.token_ids[j]
             seq.token_ids.append(token)
+            if seq.grammar is not None:
+                # The mask allowed only tokens the grammar accepts; `sync` catches up otherwise.
+                seq.grammar.accept_tokens([token])
             if sampled.top_ids is not None and seq.logprobs is not None:
                 self._record_logprobs(seq, token, j, sampled)
             status = self._check_stop(seq, token)
@@ -124,6 +129,8 @@ class OutputProcessor:
             seq.num_tokens,
             self.max_model_len,
         )
+        if stop is None and seq.grammar is not None and seq.grammar.is_terminated():
+            stop = ("stop", None)  # the structure is complete (e.g. EOS under ignore_eos)
         if stop is None:
             return None
         seq.finish_reason, seq.stop_reason = stop

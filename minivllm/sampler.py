@@ -3,9 +3,11 @@
 The order of the phases is vLLM v1's (`vllm/v1/sample/sampler.py`):
 
     raw logits --log_softmax--> logprobs (what the model thinks, before any processing)
-      -> min_tokens masking     (EOS and stop_token_ids to -inf while the output is too short)
-      -> penalties              (repetition over prompt+output; frequency, presence over output)
-      -> greedy rows: argmax    (of the penalized logits)
+      -> logits processors      (`logits_processors.py`, one ordered pipeline, row by row:)
+           min_tokens masking   (EOS and stop_token_ids to -inf while the output is too short)
+           penalties            (repetition over prompt+output; frequency, presence over output)
+           grammar bitmask      (structured outputs: what the row's grammar allows next)
+      -> greedy rows: argmax    (of the processed logits)
       -> temperature -> min_p -> top_k -> top_p
       -> random rows: exponential race, argmax(probs / q) with q ~ Exp(1)
 
@@ -23,30 +25,25 @@ there `torch.multinomial` (one uniform per row) is used instead; both are exact 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from minivllm.sampling_params import SAMPLING_EPS, SamplingParams
-from minivllm.stop_checker import stops_allowed
+from minivllm.logits_processors import (
+    apply_logits_processors,
+    apply_min_tokens,
+    apply_penalties,
+)
+from minivllm.sampling_metadata import SamplingMetadata, SamplingRow
+from minivllm.sampling_params import SAMPLING_EPS
+
+__all__ = ["Sampler", "SamplingMetadata", "SamplingRow", "apply_min_tokens", "apply_penalties"]
 
 # ----------------------------------------------------------------------------------------------
 # Inputs and outputs
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SamplingRow:
-    """One sequence to sample the next token for."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    generator: torch.Generator | None = None  # on the logits' device; None: the global RNG
-    eos_token_id: int | None = None
 
 
 class LogprobsTensors(NamedTuple):
@@ -83,131 +80,9 @@ class SampledLists(NamedTuple):
     sampled_ranks: list[int] | None  # [B]
 
 
-@dataclass
-class SamplingMetadata:
-    """Per-step sampling inputs as tensors, built once per step by `from_rows`."""
-
-    temperature: Tensor  # float32 [B]  0.0 on greedy rows
-    top_k: Tensor  # int64 [B]          vocab size where disabled
-    top_p: Tensor  # float32 [B]
-    min_p: Tensor  # float32 [B]
-    presence_penalty: Tensor  # float32 [B]
-    frequency_penalty: Tensor  # float32 [B]
-    repetition_penalty: Tensor  # float32 [B]
-    output_token_counts: Tensor | None  # float32 [B, V]  None when no row has a penalty
-    prompt_token_mask: Tensor | None  # bool [B, V]  None when no row has a repetition penalty
-    # (row, token id) pairs set to -inf: the stop tokens of rows still short of min_tokens.
-    min_tokens_rows: Tensor  # int64 [M]
-    min_tokens_token_ids: Tensor  # int64 [M]
-    generators: list[torch.Generator | None]  # [B]  None for greedy rows: they draw nothing
-    max_num_logprobs: int | None  # largest `logprobs` in the batch; None when nobody asked
-    all_greedy: bool
-    all_random: bool
-    no_top_k: bool
-    no_top_p: bool
-    no_min_p: bool
-    no_penalties: bool
-
-    @classmethod
-    def from_rows(
-        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
-    ) -> SamplingMetadata:
-        params = [row.params for row in rows]
-
-        def floats(values: list[float]) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        greedy = [p.is_greedy for p in params]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        presence = [p.presence_penalty for p in params]
-        frequency = [p.frequency_penalty for p in params]
-        repetition = [p.repetition_penalty for p in params]
-        has_repetition = any(r != 1.0 for r in repetition)
-        no_penalties = not has_repetition and not any(presence) and not any(frequency)
-
-        counts = prompt_mask = None
-        if not no_penalties:
-            counts = _token_counts([r.output_token_ids for r in rows], vocab_size, device)
-        if has_repetition:
-            prompt_counts = _token_counts([r.prompt_token_ids for r in rows], vocab_size, device)
-            prompt_mask = prompt_counts > 0
-
-        mask_rows: list[int] = []
-        mask_ids: list[int] = []
-        for i, row in enumerate(rows):
-            # The next token is output token number len(output) + 1.
-            if not stops_allowed(len(row.output_token_ids) + 1, row.params):
-                ids = sorted(row.params.all_stop_token_ids(row.eos_token_id))
-                ids = [t for t in ids if t < vocab_size]
-                mask_rows += [i] * len(ids)
-                mask_ids += ids
-
-        requested = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(
-            temperature=floats([0.0 if g else p.temperature for g, p in zip(greedy, params)]),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=floats([p.top_p for p in params]),
-            min_p=floats([p.min_p for p in params]),
-            presence_penalty=floats(presence),
-            frequency_penalty=floats(frequency),
-            repetition_penalty=floats(repetition),
-            output_token_counts=counts,
-            prompt_token_mask=prompt_mask,
-            min_tokens_rows=torch.tensor(mask_rows, dtype=torch.int64, device=device),
-            min_tokens_token_ids=torch.tensor(mask_ids, dtype=torch.int64, device=device),
-            # Greedy rows draw no noise, so a seeded row's stream depends on its own steps only.
-            generators=[None if g else row.generator for g, row in zip(greedy, rows)],
-            max_num_logprobs=max(requested) if requested else None,
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            no_top_k=all(k == vocab_size for k in top_k),
-            no_top_p=all(p.top_p == 1.0 for p in params),
-            no_min_p=all(p.min_p == 0.0 for p in params),
-            no_penalties=no_penalties,
-        )
-
-
-def _token_counts(
-    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
-) -> Tensor:
-    """How often each token id occurs in each row: float32 [B, V], by one scatter_add.
-
-    Rows are padded with the id `vocab_size`, which lands in an extra column that is dropped.
-    """
-    width = max((len(ids) for ids in token_ids), default=0)
-    padded = [list(ids) + [vocab_size] * (width - len(ids)) for ids in token_ids]
-    index = torch.tensor(padded, dtype=torch.int64, device=device).view(len(token_ids), width)
-    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
-    return counts[:, :vocab_size]
-
-
 # ----------------------------------------------------------------------------------------------
 # The phases, each a pure function of [B, V] logits (none modifies its input)
 # ----------------------------------------------------------------------------------------------
-
-
-def apply_min_tokens(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-    if meta.min_tokens_rows.numel() == 0:
-        return logits
-    index = (meta.min_tokens_rows, meta.min_tokens_token_ids)
-    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
-
-
-def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-    """vLLM's penalties. Repetition (Keskar et al., CTRL) divides a positive logit by the penalty
-    and multiplies a negative one, for tokens seen in prompt or output; frequency and presence
-    (OpenAI's definition) subtract per occurrence / once, for tokens seen in the output only."""
-    if meta.no_penalties or meta.output_token_counts is None:
-        return logits
-    counts = meta.output_token_counts  # [B, V]
-    in_output = counts > 0
-    if meta.prompt_token_mask is not None:
-        penalty = meta.repetition_penalty[:, None]
-        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(meta.prompt_token_mask | in_output, penalized, logits)
-    logits = logits - meta.frequency_penalty[:, None] * counts
-    return logits - meta.presence_penalty[:, None] * in_output
 
 
 def apply_temperature(logits: Tensor, meta: SamplingMetadata) -> Tensor:
@@ -323,8 +198,7 @@ class Sampler:
         if meta.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
 
-        logits = apply_min_tokens(logits, meta)
-        logits = apply_penalties(logits, meta)
+        logits = apply_logits_processors(logits, meta)
 
         # The argmax, as `max(...).indices`: the same index (the first of equal maxima, as
         # documented for both), ~2.7x faster on a CPU at [32, 49152] than `argmax`'s kernel.

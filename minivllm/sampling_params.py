@@ -5,9 +5,12 @@ written for vLLM runs unchanged and the server's 400 errors read the same. Every
 `__post_init__`: a `SamplingParams` that exists is valid, and the sampler, the detokenizer and the
 stop checker never re-validate.
 
+`structured_outputs` constrains the output with a grammar (a JSON schema, a regex, a choice, an
+EBNF grammar or any JSON object): see `minivllm/structured_output/`.
+
 Deviations from vLLM, on purpose: no `best_of`, `logit_bias`, `bad_words`,
-`allowed_token_ids`, guided decoding or `output_kind` (out of scope); non-finite floats are
-rejected; `logprobs=-1` / `prompt_logprobs=-1` (the full vocabulary) are not supported.
+`allowed_token_ids` or `output_kind` (out of scope); non-finite floats are rejected;
+`logprobs=-1` / `prompt_logprobs=-1` (the full vocabulary) are not supported.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ import copy
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from minivllm.structured_output.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 # Temperatures below this are greedy; vLLM's `_SAMPLING_EPS`.
 SAMPLING_EPS = 1e-5
@@ -72,6 +79,8 @@ class SamplingParams:
         False  # keep the matched stop string (and stop token) in text
     )
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
+    # A grammar the output must follow (vLLM's field; a dict is read as its keywords).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n)
@@ -153,6 +162,16 @@ class SamplingParams:
                 if not 0 <= value <= MAX_LOGPROBS:
                     raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
                 setattr(self, name, value)
+
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, "
+                f"got {self.structured_outputs!r}."
+            )
 
         if self.is_greedy:
             # As vLLM does: greedy ignores truncation, so reset it rather than carry dead values

@@ -20,6 +20,7 @@ import torch
 
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured_output.backend import StructuredOutputGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -62,6 +63,9 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Structured outputs: this sequence's grammar matcher, advanced by each committed token
+    # (None when unconstrained, and once finished).
+    grammar: StructuredOutputGrammar | None = None
 
     @property
     def num_tokens(self) -> int:

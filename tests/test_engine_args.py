@@ -129,14 +129,20 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         max_num_seqs=3,
         max_num_batched_tokens=50,
         tensor_parallel_size=1,
+        structured_outputs_config='{"backend": "xgrammar", "disable_any_whitespace": true}',
     )
     assert set(values) == set(FIELDS)
     config = EngineArgs(**values).create_engine_config()
     carried: dict[str, object] = {}
     for section in dataclasses.fields(config):
-        if section.name != "resolved":
+        if section.name not in (
+            "resolved",
+            "structured_outputs",
+        ):  # one JSON flag -> one typed config
             carried.update(dataclasses.asdict(getattr(config, section.name)))
-    assert carried == values
+    assert carried == {k: v for k, v in values.items() if k != "structured_outputs_config"}
+    assert config.structured_outputs.backend == "xgrammar"
+    assert config.structured_outputs.disable_any_whitespace is True
     # ... and what they resolve to, decided before the engine starts (it decides nothing itself).
     resolved = config.resolved
     assert (resolved.device, resolved.dtype) == (torch.device("cpu"), torch.float16)
@@ -154,6 +160,8 @@ def test_a_max_model_len_beyond_the_model_is_refused_before_any_weight_loads(
 
 INVALID = [
     ({"dtype": "int8"}, "dtype must be one of ("),
+    ({"structured_outputs_config": '{"backend": "outlines"}'}, "structured_outputs_config.backend"),
+    ({"structured_outputs_config": '{"bakend": "x"}'}, "structured_outputs_config has unknown"),
     ({"device": "tpu"}, "device must be 'auto', 'cpu' or 'cuda[:N]', got 'tpu'"),
     ({"seed": 1.5}, "seed must be an integer, got 1.5"),
     ({"max_model_len": 0}, "max_model_len must be a positive integer, got 0"),

@@ -28,6 +28,9 @@ VLLM_DEFAULTS = {
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "include_stop_str_in_output": False,
+    "prompt_logprobs": None,
+    "truncate_prompt_tokens": None,
+    "structured_outputs": None,
 }
 
 
@@ -95,6 +98,12 @@ INVALID = [
     ),
     ({"logprobs": -1}, "logprobs must be in [0, 20], got -1."),
     ({"logprobs": False}, "logprobs must be an int, got False."),
+    ({"structured_outputs": 3}, "structured_outputs must be a StructuredOutputsParams, got 3."),
+    (
+        {"structured_outputs": {"regex": "a+", "choice": ["a"]}},
+        "structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+        "got regex, choice",
+    ),
 ]
 
 

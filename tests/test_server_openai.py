@@ -247,7 +247,7 @@ BAD_REQUESTS = [
     ("wrong-role", "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("message-without-role", "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"content": "x"}]}, 400, "role"),
     ("image-content", "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
-    ("tools", "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("tools-auto-not-enabled", "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("tool-choice", "/v1/chat/completions", {**GOOD_CHAT, "tool_choice": "auto"}, 400, "tool_choice"),
     ("json-schema", "/v1/chat/completions", {**GOOD_CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
     ("logit-bias", "/v1/completions", {**GOOD_COMPLETION, "logit_bias": {"1": 5}}, 400, "logit_bias"),

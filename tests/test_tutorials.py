@@ -229,6 +229,15 @@ def test_10_beams_share_blocks_fork_copy_and_prune(tmp_path: Path) -> None:
     assert_png(tmp_path / "10_beam_blocks.png")
 
 
+def test_11_a_schema_masks_the_vocabulary_and_the_output_parses(tmp_path: Path) -> None:
+    out = run_tutorial("11_structured_outputs.py", tmp_path)
+    counts = [int(c) for c in re.findall(r"step \d+: +(\d+) of 49152 tokens allowed", out)]
+    assert len(counts) == 8 and min(counts) < 10 and max(counts) > 1000  # joints and free text
+    assert re.search(r"compiled once in [\d.]+ ms", out)
+    assert re.search(r"^constrained: '\{", out, re.M)  # the tutorial itself json.loads it
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "11_mask_sizes.png")
+
+
 def test_08_two_ranks_hold_half_the_model_each_and_give_the_same_tokens(tmp_path: Path) -> None:
     out = run_tutorial("08_tensor_parallel.py", tmp_path)
     ranks = re.findall(

@@ -165,6 +165,8 @@ def build_app(
     enable_tokenizer_info_endpoint: bool = False,
     log_requests: bool = False,
     return_tokens_as_token_ids: bool = False,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """An app serving `engine`; its engine thread starts and stops with the app's lifespan."""
     names = served_model_names or [engine.source.name]
@@ -187,6 +189,13 @@ def build_app(
     completion = OpenAIServingCompletion(async_engine, *limits, return_tokens_as_token_ids)
     chat = OpenAIServingChat(async_engine, *limits, return_tokens_as_token_ids)
     responses_api = OpenAIServingResponses(chat, async_engine, *limits)
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if tool_call_parser is not None:
+        from minivllm.entrypoints.tool_parsers import get_tool_parser
+
+        chat.tool_parser = get_tool_parser(tool_call_parser)
+    chat.enable_auto_tool_choice = enable_auto_tool_choice
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -140,6 +140,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="the dashboard keeps this many recent engine steps (bounded memory)",
     )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "llama3_json"),
+        help="how to find tool calls in the model's text (its chat template's format)",
+    )
     EngineArgs.add_cli_args(parser)
 
 
@@ -217,6 +228,8 @@ def serve(args: argparse.Namespace) -> int:
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         log_requests=args.log_requests,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     uvicorn.run(
         app,

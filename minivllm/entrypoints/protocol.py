@@ -5,13 +5,15 @@ Field names and defaults are OpenAI's (`openai-python`'s `CompletionCreateParams
 Two rules make a request either honoured or refused, never half-honoured:
 
 - `extra="forbid"`: a field this server does not know is a 400 that names it.
-- Fields that OpenAI defines but minivllm cannot honour (tools, logit_bias, ...) are declared with
+- Fields that OpenAI defines but minivllm cannot honour (logit_bias, suffix, ...) are declared with
   `_unsupported(reason)`, so that `unsupported_fields` refuses them with a message saying *why*,
   rather than "unknown", and the published schema says the same.
 
 `strict=True`: the body is validated from JSON (`model_validate_json`), where strict mode still
 accepts an integer for a float, but refuses "0.5" for a number and 1 for a bool — the types on the
 wire are the types of the API.
+
+The structured-output and tool-calling models live in `protocol_structured.py`.
 
 The request models are also the published OpenAPI schema of the request bodies (one source of
 truth: see `openapi.py`). The response models only document what the handlers send; the handlers
@@ -23,6 +25,16 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from minivllm.entrypoints.protocol_structured import (
+    ChatTool,
+    DeltaToolCall,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+    ToolCallIn,
+    ToolChoice,
+)
 
 
 class OpenAIError(Exception):
@@ -137,14 +149,17 @@ class _SamplingFields(_Request):
     logit_bias: Any = _unsupported("logit_bias is not supported by minivllm")
     best_of: Any = Field(None, description="Only equal to `n`: every sample (or beam) is returned.")
     prompt_logprobs: Any = _unsupported("prompt_logprobs is not supported by minivllm")
-    guided_json: Any = _unsupported("guided decoding (guided_json) is not supported by minivllm")
-    guided_regex: Any = _unsupported("guided decoding (guided_regex) is not supported by minivllm")
-    guided_choice: Any = _unsupported(
-        "guided decoding (guided_choice) is not supported by minivllm"
+    # Structured outputs (minivllm/structured_output/): at most one of these four ways.
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's: text, json_object, or json_schema with a schema."
     )
-    guided_grammar: Any = _unsupported(
-        "guided decoding (guided_grammar) is not supported by minivllm"
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="vLLM's: exactly one of json, regex, choice, grammar, json_object."
     )
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older name.")
+    guided_regex: str | None = Field(None, description="vLLM's older name.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older name.")
+    guided_grammar: str | None = Field(None, description="vLLM's older name.")
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -169,10 +184,12 @@ class ChatMessage(_Request):
     # Other fields (e.g. `reasoning_content`) are kept and handed to the chat template with the
     # message, as vLLM does: a template that knows them uses them.
     model_config = ConfigDict(extra="allow", strict=True)
-    # "developer" is OpenAI's new name for "system"; "tool"/"function" need tool calling.
-    role: Literal["system", "developer", "user", "assistant"]
+    # "developer" is OpenAI's new name for "system".
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant's calls.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -205,17 +222,16 @@ class ChatCompletionRequest(_SamplingFields):
         description="vLLM's extra: start the reply with the last message's content when that "
         "message is the assistant's (with continue_final_message).",
     )
-    tools: Any = _unsupported("tool calling (tools) is not supported by minivllm")
-    tool_choice: Any = _unsupported("tool calling (tool_choice) is not supported by minivllm")
-    parallel_tool_calls: Any = _unsupported(
-        "tool calling (parallel_tool_calls) is not supported by minivllm"
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = Field(
+        None,
+        description='"none", "auto" (needs --enable-auto-tool-choice), "required" or a named '
+        "function; omitted: auto with tools, else none",
     )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call.")
     functions: Any = _unsupported("function calling (functions) is not supported by minivllm")
     function_call: Any = _unsupported(
         "function calling (function_call) is not supported by minivllm"
-    )
-    response_format: Any = Field(
-        None, description='Only {"type": "text"}: JSON mode and JSON schemas are a 400.'
     )
     audio: Any = _unsupported("audio output is not supported by minivllm")
     modalities: Any = _unsupported("output modalities are not supported by minivllm")
@@ -270,13 +286,6 @@ def unsupported_fields(req: _SamplingFields) -> None:
                 raise OpenAIError(f"{name} is not supported with use_beam_search", param=name)
     elif req.length_penalty != 1.0:
         raise OpenAIError("length_penalty needs use_beam_search", param="length_penalty")
-    fmt = getattr(req, "response_format", None)
-    if fmt is not None and fmt != {"type": "text"}:
-        raise OpenAIError(
-            "response_format other than {'type': 'text'} (JSON mode, json_schema) is not "
-            "supported by minivllm",
-            param="response_format",
-        )
 
 
 # ---------------------------------------------------------------------- responses (documented)
@@ -296,7 +305,7 @@ class ErrorResponse(_Response):
     error: ErrorInfo
 
 
-FinishReason = Literal["stop", "length"] | None
+FinishReason = Literal["stop", "length", "tool_calls"] | None
 
 
 class UsageInfo(_Response):
@@ -359,7 +368,8 @@ class ChatChoiceLogprobs(_Response):
 
 class ChatResponseMessage(_Response):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is only tool calls.")
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(_Response):
@@ -384,7 +394,8 @@ class ChatDelta(_Response):
     role: Literal["assistant"] | None = Field(
         None, description="Only in each choice's first chunk."
     )
-    content: str
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(_Response):

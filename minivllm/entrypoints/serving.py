@@ -25,6 +25,7 @@ from minivllm.entrypoints.protocol import OpenAIError, StreamOptions
 from minivllm.inputs import PromptType, truncate_prompt
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("minivllm")
 
@@ -117,8 +118,13 @@ class OpenAIServing:
         return requested  # < 1 is refused by SamplingParams, with its own message
 
     def sampling_params(
-        self, req: Any, max_tokens: int, logprobs: int | None
+        self,
+        req: Any,
+        max_tokens: int,
+        logprobs: int | None,
+        structured: tuple[StructuredOutputsParams, str] | None = None,
     ) -> SamplingParams | BeamSearchParams:
+        """`structured`: the request's constraint, from `structured_outputs()`."""
         if req.n > self.max_num_seqs:
             raise OpenAIError(
                 f"n must be at most max_num_seqs ({self.max_num_seqs}), got {req.n}", param="n"
@@ -163,6 +169,7 @@ class OpenAIServing:
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
+                structured_outputs=structured[0] if structured is not None else None,
                 **extras,
             )
         except ValueError as exc:  # SamplingParams' messages name the field and the range
@@ -179,6 +186,28 @@ class OpenAIServing:
                 param="truncate_prompt_tokens",
             )
         return truncate_prompt(ids, k, self.max_model_len)
+
+    async def structured_outputs(
+        self, req: Any, forced: tuple[StructuredOutputsParams, str] | None = None
+    ) -> tuple[StructuredOutputsParams, str] | None:
+        """The request's constraint (`forced`: one the handler made, a forced tool call), compiled
+        now, in a worker thread: a bad one is a 400 before anything is queued, and a slow one
+        blocks neither the event loop nor the engine's steps. The engine then hits the cache."""
+        from minivllm.entrypoints.structured_requests import (
+            compile_or_400,
+            request_structured_outputs,
+        )
+
+        structured = forced or request_structured_outputs(req)
+        if structured is not None:
+            if req.use_beam_search:
+                raise OpenAIError(
+                    "structured outputs are not supported with use_beam_search",
+                    param="use_beam_search",
+                )
+            manager = self.engine.engine.structured_output_manager
+            await asyncio.to_thread(compile_or_400, manager, *structured)
+        return structured
 
     # ------------------------------------------------------------------ engine plumbing
     def _submit(

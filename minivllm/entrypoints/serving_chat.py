@@ -2,10 +2,17 @@
 
 A stream starts with one `{"role": "assistant"}` delta per choice, as OpenAI's does; the choices
 are the request's n samples of its one prompt.
+
+Tool calling (`tools`, `tool_choice`): "none" generates text; "required" and a named function
+force a valid call through the grammar engine (`tool_parsers/forced.py`); "auto" lets the model
+choose, and the server's `--tool-call-parser` finds the calls in its text. The tools reach the
+model through its chat template (`tools=`), so a template that never reads them is refused where
+the model would have to know them (auto, or a conversation that carries calls).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -13,11 +20,17 @@ from typing import Any
 from minivllm.entrypoints.logprobs import chat_logprobs
 from minivllm.entrypoints.protocol import ChatCompletionRequest, OpenAIError, unsupported_fields
 from minivllm.entrypoints.serving import OpenAIServing, finish_reason, usage
+from minivllm.entrypoints.tool_parsers import ExtractedToolCall, ExtractedToolCalls, ToolParser
+from minivllm.entrypoints.tool_parsers.forced import named_schema, parse_required, required_schema
 from minivllm.inputs import PromptType
 from minivllm.outputs import CompletionOutput
+from minivllm.structured_output import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
+    tool_parser: ToolParser | None = None  # --tool-call-parser
+    enable_auto_tool_choice = False  # --enable-auto-tool-choice
+
     async def create_chat_completion(self, req: ChatCompletionRequest, is_disconnected: Any) -> Any:
         model = self.check_model(req.model)
         unsupported_fields(req)
@@ -25,12 +38,15 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         req, from_model = self.with_model_defaults(req)
+        mode, forced = self.tool_mode(req)
         ids = self.apply_chat_template(
             req.messages,
             req.add_generation_prompt,
             req.continue_final_message,
             req.chat_template_kwargs,
             req.documents,
+            tools=req.tools,
+            needs_tools=mode == "auto",
         )
         ids = self.truncate(req, ids)
         last = req.messages[-1]
@@ -41,7 +57,9 @@ class OpenAIServingChat(OpenAIServing):
             field, requested = "max_completion_tokens", req.max_completion_tokens
         cap = field in from_model
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = [self.sampling_params(req, self.max_tokens(requested, len(ids), field, cap), k)]
+        budget = self.max_tokens(requested, len(ids), field, cap)
+        structured = await self.structured_outputs(req, forced)
+        params = [self.sampling_params(req, budget, k, structured)]
         self.check_capacity()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         header = {
@@ -51,6 +69,7 @@ class OpenAIServingChat(OpenAIServing):
             "model": model,
         }
         ids_in: list[PromptType] = [{"prompt_token_ids": ids}]
+        named = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
 
         as_ids = self.return_tokens_as_token_ids
 
@@ -66,15 +85,27 @@ class OpenAIServingChat(OpenAIServing):
 
         if req.stream:
             chunk_header = {**header, "object": "chat.completion.chunk"}
+            sent: dict[int, int] = {}  # choice -> characters of content sent (tool modes)
 
             def chunk(
                 _pi: int, c: CompletionOutput, prev_text: int, prev_tok: int, _f: bool
             ) -> Any:
+                delta: dict[str, Any] = {"content": c.text[prev_text:]}
+                reason = finish_reason(c)
+                if mode == "named":  # the arguments stream as they are generated
+                    fn: dict[str, Any] = {"arguments": c.text[prev_text:]}
+                    call: dict[str, Any] = {"index": 0, "function": fn}
+                    if prev_text == 0:
+                        call |= {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function"}
+                        fn["name"] = named
+                    delta = {"content": None, "tool_calls": [call]}
+                elif mode in ("required", "auto"):
+                    delta, reason = self._tool_delta(mode, c, sent, reason)
                 ch = {
                     "index": c.index,
-                    "delta": {"content": c.text[prev_text:]},
+                    "delta": delta,
                     "logprobs": logprobs_of(c, prev_tok),
-                    "finish_reason": finish_reason(c),
+                    "finish_reason": reason,
                 }
                 return {**chunk_header, "choices": [with_ids(ch, c, prev_tok)]}
 
@@ -90,21 +121,108 @@ class OpenAIServingChat(OpenAIServing):
             )
 
         finals = await self._collect(rid, ids_in, params, is_disconnected)
-        choices = [
-            with_ids(
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": echo + c.text},
-                    "logprobs": logprobs_of(c, 0),
-                    "finish_reason": finish_reason(c),
-                },
-                c,
-                0,
-            )
-            for c in finals[0].outputs
-        ]
+        choices = []
+        for c in finals[0].outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": echo + c.text}
+            reason = finish_reason(c)
+            extracted = self._extract(mode, named, c)
+            if extracted is not None and extracted.tools_called:
+                message["content"] = extracted.content
+                message["tool_calls"] = [t.to_openai() for t in extracted.tool_calls]
+                reason = "tool_calls" if mode != "named" else reason
+            choice = {
+                "index": c.index,
+                "message": message,
+                "logprobs": logprobs_of(c, 0),
+                "finish_reason": reason,
+            }
+            choices.append(with_ids(choice, c, 0))
         return {**header, "choices": choices, "usage": usage(finals), **prompt_ids}
 
+    # ------------------------------------------------------------------ tool calling
+    def tool_mode(
+        self, req: ChatCompletionRequest
+    ) -> tuple[str, tuple[StructuredOutputsParams, str] | None]:
+        """("none" | "auto" | "required" | "named", the forced call's constraint if any)."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none"):
+                raise OpenAIError("tool_choice needs tools", param="tool_choice")
+            if req.parallel_tool_calls is not None:
+                raise OpenAIError("parallel_tool_calls needs tools", param="parallel_tool_calls")
+            return "none", None
+        if choice is None:
+            choice = "auto"  # OpenAI's default when tools are given
+        if choice == "none":
+            return "none", None
+        if choice == "auto":
+            if not (self.enable_auto_tool_choice and self.tool_parser is not None):
+                raise OpenAIError(
+                    '"auto" tool choice requires --enable-auto-tool-choice and '
+                    "--tool-call-parser to be set",
+                    param="tool_choice",
+                )
+            return "auto", None
+        constrained = (req.response_format is not None and req.response_format.type != "text") or (
+            req.structured_outputs is not None
+        )
+        if constrained:
+            raise OpenAIError(
+                "a forced tool call cannot be combined with response_format or structured_outputs",
+                param="tool_choice",
+            )
+        if choice == "required":
+            schema = required_schema(req.tools, req.parallel_tool_calls is not False)
+            return "required", (StructuredOutputsParams(json=schema), "tools")
+        by_name = {t.function.name: t for t in req.tools}
+        name = choice.function.name
+        if name not in by_name:
+            raise OpenAIError(
+                f"tool_choice names the function {name!r}, which is not in tools",
+                param="tool_choice",
+            )
+        schema = named_schema(by_name[name].function.parameters)
+        return "named", (StructuredOutputsParams(json=schema), "tools")
+
+    def _extract(
+        self, mode: str, named: str | None, c: CompletionOutput
+    ) -> ExtractedToolCalls | None:
+        if mode == "named" and c.finish_reason != "length":
+            return ExtractedToolCalls(True, [ExtractedToolCall(named or "", c.text)], None)
+        if mode == "required":
+            calls = parse_required(c.text) if c.finish_reason != "length" else None
+            return ExtractedToolCalls(True, calls, None) if calls else None
+        if mode == "auto" and self.tool_parser is not None:
+            return self.tool_parser.extract_tool_calls(c.text)
+        return None
+
+    def _tool_delta(
+        self, mode: str, c: CompletionOutput, sent: dict[int, int], reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """A stream's delta in "required"/"auto": plain content as soon as it is surely not a
+        call; the calls whole, in the last chunk, once the text is complete."""
+        done = c.finish_reason is not None
+        if mode == "auto" and self.tool_parser is not None and not done:
+            end = self.tool_parser.content_end(c.text)
+        else:
+            end = 0 if mode == "required" else len(c.text)
+        if done:
+            extracted = self._extract(mode, None, c)
+            if extracted is not None and extracted.tools_called:
+                head = sent.get(c.index, 0)
+                content = extracted.content or ""
+                delta: dict[str, Any] = {"content": content[head:] or None}
+                delta["tool_calls"] = [
+                    {"index": i, **t.to_openai()} for i, t in enumerate(extracted.tool_calls)
+                ]
+                return delta, "tool_calls"
+            end = len(c.text)
+        head = sent.get(c.index, 0)
+        end = max(end, head)
+        sent[c.index] = end
+        return {"content": c.text[head:end]}, reason
+
+    # ------------------------------------------------------------------ the prompt
     def apply_chat_template(
         self,
         messages: list[Any],
@@ -112,23 +230,28 @@ class OpenAIServingChat(OpenAIServing):
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         documents: list[dict[str, str]] | None = None,
+        tools: list[Any] | None = None,
+        needs_tools: bool = False,
     ) -> list[int]:
         if add_generation_prompt and continue_final_message:  # vLLM's rule and wording
             raise OpenAIError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                 param="continue_final_message",
             )
-        conversation = [
-            {
-                **(m.model_extra or {}),
-                "role": "system" if m.role == "developer" else m.role,
-                "content": m.text(),
-                **({"name": m.name} if m.name is not None else {}),
-            }
-            for m in messages
-        ]
+        conversation = [_message_dict(m) for m in messages]
+        carries_calls = any(m.role == "tool" or m.tool_calls for m in messages)
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        if (needs_tools or carries_calls) and "tool" not in str(template):
+            raise OpenAIError(
+                "the model's chat template has no tool support (it never reads tools, tool "
+                "calls or tool messages)",
+                param="tools" if needs_tools else "messages",
+            )
         kwargs = dict(chat_template_kwargs or {})
-        reserved = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message"}
+        reserved = {
+            "conversation", "tokenize", "add_generation_prompt", "continue_final_message", "tools",
+            "documents",
+        }  # fmt: skip
         clash = sorted(reserved & set(kwargs))
         if clash:
             raise OpenAIError(
@@ -136,6 +259,8 @@ class OpenAIServingChat(OpenAIServing):
                 "decided by the server",
                 param="chat_template_kwargs",
             )
+        if tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
         try:
             ids = self.tokenizer.apply_chat_template(
                 conversation,
@@ -150,3 +275,28 @@ class OpenAIServingChat(OpenAIServing):
         if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
+
+
+def _message_dict(m: Any) -> dict[str, Any]:
+    """A message as chat templates read it; a call's arguments as a dict (as vLLM passes them:
+    templates write them with `tojson`)."""
+    out: dict[str, Any] = {
+        **(m.model_extra or {}),  # other fields (reasoning_content, ...) reach the template too
+        "role": "system" if m.role == "developer" else m.role,
+        "content": m.text(),
+    }
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            try:
+                args: Any = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                args = call.function.arguments
+            fn = {"name": call.function.name, "arguments": args}
+            calls.append({"id": call.id, "type": "function", "function": fn})
+        out["tool_calls"] = calls
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out

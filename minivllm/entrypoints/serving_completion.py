@@ -34,9 +34,13 @@ class OpenAIServingCompletion(OpenAIServing):
             kept = self.truncate(req, ids)
             tokenized.append((text, ids) if len(kept) == len(ids) else (None, kept))
         cap = "max_tokens" in from_model
+        structured = await self.structured_outputs(req)
         params = [
             self.sampling_params(
-                req, self.max_tokens(req.max_tokens, len(ids), "max_tokens", cap), req.logprobs
+                req,
+                self.max_tokens(req.max_tokens, len(ids), "max_tokens", cap),
+                req.logprobs,
+                structured,
             )
             for _, ids in tokenized
         ]

@@ -92,11 +92,15 @@ class OpenAIServingResponses(OpenAIServing):
     def _messages(req: ResponsesRequest) -> list[ChatMessage]:
         messages = []
         if req.instructions is not None:
-            messages.append(ChatMessage(role="system", content=req.instructions))
+            messages.append(
+                ChatMessage.model_validate({"role": "system", "content": req.instructions})
+            )
         if isinstance(req.input, str):
-            messages.append(ChatMessage(role="user", content=req.input))
+            messages.append(ChatMessage.model_validate({"role": "user", "content": req.input}))
         else:
-            messages += [ChatMessage(role=m.role, content=m.text()) for m in req.input]
+            messages += [
+                ChatMessage.model_validate({"role": m.role, "content": m.text()}) for m in req.input
+            ]
         return messages
 
     def _stream_events(

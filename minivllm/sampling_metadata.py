@@ -1,0 +1,148 @@
+"""What the sampler reads for one step: each row's parameters as [B] tensors, built once.
+
+vLLM v1 keeps the same split (`vllm/v1/sample/metadata.py`): the sampler (`sampler.py`) and the
+logits processors (`logits_processors.py`) are pure functions of the step's logits and this
+metadata, so neither imports the other's module to know what a row asked for. `from_rows` turns
+the scheduled sequences' `SamplingParams` into tensors once per step; everything per-token
+(penalty counts, the min_tokens mask, the grammar bitmask) is gathered here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from minivllm.sampling_params import SamplingParams
+from minivllm.stop_checker import stops_allowed
+from minivllm.structured_output import StructuredOutputGrammar, StructuredOutputManager
+
+
+@dataclass
+class SamplingRow:
+    """One sequence to sample the next token for."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None = None  # on the logits' device; None: the global RNG
+    eos_token_id: int | None = None
+    grammar: StructuredOutputGrammar | None = None  # structured outputs: the sequence's matcher
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs as tensors, built once per step by `from_rows`."""
+
+    temperature: Tensor  # float32 [B]  0.0 on greedy rows
+    top_k: Tensor  # int64 [B]          vocab size where disabled
+    top_p: Tensor  # float32 [B]
+    min_p: Tensor  # float32 [B]
+    presence_penalty: Tensor  # float32 [B]
+    frequency_penalty: Tensor  # float32 [B]
+    repetition_penalty: Tensor  # float32 [B]
+    output_token_counts: Tensor | None  # float32 [B, V]  None when no row has a penalty
+    prompt_token_mask: Tensor | None  # bool [B, V]  None when no row has a repetition penalty
+    # (row, token id) pairs set to -inf: the stop tokens of rows still short of min_tokens.
+    min_tokens_rows: Tensor  # int64 [M]
+    min_tokens_token_ids: Tensor  # int64 [M]
+    # Structured outputs: the rows under a grammar and what each allows next (None: no such row).
+    grammar_rows: Tensor  # int64 [G]
+    grammar_bitmask: Tensor | None  # int32 [G, ceil(V/32)], on the host (xgrammar fills it there)
+    generators: list[torch.Generator | None]  # [B]  None for greedy rows: they draw nothing
+    max_num_logprobs: int | None  # largest `logprobs` in the batch; None when nobody asked
+    all_greedy: bool
+    all_random: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+    no_penalties: bool
+
+    @classmethod
+    def from_rows(
+        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+    ) -> SamplingMetadata:
+        params = [row.params for row in rows]
+
+        def floats(values: list[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        greedy = [p.is_greedy for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        presence = [p.presence_penalty for p in params]
+        frequency = [p.frequency_penalty for p in params]
+        repetition = [p.repetition_penalty for p in params]
+        has_repetition = any(r != 1.0 for r in repetition)
+        no_penalties = not has_repetition and not any(presence) and not any(frequency)
+
+        counts = prompt_mask = None
+        if not no_penalties:
+            counts = _token_counts([r.output_token_ids for r in rows], vocab_size, device)
+        if has_repetition:
+            prompt_counts = _token_counts([r.prompt_token_ids for r in rows], vocab_size, device)
+            prompt_mask = prompt_counts > 0
+
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
+        for i, row in enumerate(rows):
+            # The next token is output token number len(output) + 1.
+            if not stops_allowed(len(row.output_token_ids) + 1, row.params):
+                ids = sorted(row.params.all_stop_token_ids(row.eos_token_id))
+                ids = [t for t in ids if t < vocab_size]
+                mask_rows += [i] * len(ids)
+                mask_ids += ids
+
+        grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
+        bitmask = None
+        if grammar_rows:
+            bitmask = torch.full(
+                (len(grammar_rows), (vocab_size + 31) // 32), -1, dtype=torch.int32
+            )
+            for g, i in enumerate(grammar_rows):
+                grammar = rows[i].grammar
+                assert grammar is not None
+                StructuredOutputManager.sync(grammar, rows[i].output_token_ids)
+                grammar.fill_bitmask(bitmask, g)
+
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=floats([0.0 if g else p.temperature for g, p in zip(greedy, params)]),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=floats([p.top_p for p in params]),
+            min_p=floats([p.min_p for p in params]),
+            presence_penalty=floats(presence),
+            frequency_penalty=floats(frequency),
+            repetition_penalty=floats(repetition),
+            output_token_counts=counts,
+            prompt_token_mask=prompt_mask,
+            min_tokens_rows=torch.tensor(mask_rows, dtype=torch.int64, device=device),
+            min_tokens_token_ids=torch.tensor(mask_ids, dtype=torch.int64, device=device),
+            grammar_rows=torch.tensor(grammar_rows, dtype=torch.int64, device=device),
+            grammar_bitmask=bitmask,
+            # Greedy rows draw no noise, so a seeded row's stream depends on its own steps only.
+            generators=[None if g else row.generator for g, row in zip(greedy, rows)],
+            max_num_logprobs=max(requested) if requested else None,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            no_top_k=all(k == vocab_size for k in top_k),
+            no_top_p=all(p.top_p == 1.0 for p in params),
+            no_min_p=all(p.min_p == 0.0 for p in params),
+            no_penalties=no_penalties,
+        )
+
+
+def _token_counts(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
+) -> Tensor:
+    """How often each token id occurs in each row: float32 [B, V], by one scatter_add.
+
+    Rows are padded with the id `vocab_size`, which lands in an extra column that is dropped.
+    """
+    width = max((len(ids) for ids in token_ids), default=0)
+    padded = [list(ids) + [vocab_size] * (width - len(ids)) for ids in token_ids]
+    index = torch.tensor(padded, dtype=torch.int64, device=device).view(len(token_ids), width)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab_size]

@@ -1,0 +1,27 @@
+"""Structured outputs: a grammar masks the logits of its own request's row, inside the batch.
+
+- `params.py`   what a request asks for (`StructuredOutputsParams`) and the engine's settings
+- `backend.py`  the seam to a grammar library: compile once, then a cheap matcher per sequence
+- `xgrammar_backend.py`  that seam filled by xgrammar (vLLM's default backend)
+- `manager.py`  compiled-grammar cache, compile timing, matcher creation and re-sync
+
+The mask itself is applied by the sampler's logits-processor pipeline
+(`minivllm/logits_processors.py`). See docs/concepts/structured-outputs.md.
+"""
+
+from minivllm.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
+from minivllm.structured_output.manager import StructuredOutputManager
+from minivllm.structured_output.params import (
+    StructuredOutputError,
+    StructuredOutputsConfig,
+    StructuredOutputsParams,
+)
+
+__all__ = [
+    "StructuredOutputBackend",
+    "StructuredOutputError",
+    "StructuredOutputGrammar",
+    "StructuredOutputManager",
+    "StructuredOutputsConfig",
+    "StructuredOutputsParams",
+]
