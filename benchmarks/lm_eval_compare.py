@@ -46,7 +46,12 @@ def export_bundled_model(out: Path) -> Path:
     gguf = bundled_model_path()
     if not (out / "config.json").exists():
         kwargs: dict[str, Any] = {"gguf_file": gguf.name}
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, torch_dtype="float32", **kwargs)
+        dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype="float32", **kwargs)
+        # transformers will not save a model it loaded from GGUF: rebuild it from its config.
+        config = dequantized.config
+        del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype="float32")
+        model.load_state_dict(dequantized.state_dict())
         model.save_pretrained(out)
         AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(out)
     return out

@@ -128,8 +128,9 @@ class BlockManager:
         token_ids: Sequence[int],
         num_new_tokens: int,
         extra_keys: ExtraKeys = None,
+        use_cache: bool = True,
     ) -> bool:
-        hit_blocks = self._find_cached_blocks(token_ids, extra_keys)
+        hit_blocks = self._find_cached_blocks(token_ids, extra_keys) if use_cache else []
         return self._num_blocks_to_take(hit_blocks, num_new_tokens) <= self.num_free_blocks
 
     def can_append_slots(self, seq_id: SeqId, num_new_tokens: int) -> bool:
@@ -145,14 +146,16 @@ class BlockManager:
         num_new_tokens: int,
         extra_keys: ExtraKeys = None,
         count_as_query: bool = True,
+        use_cache: bool = True,
     ) -> int:
         """Admit a sequence: take its prefix-cache hit, then fresh blocks for `num_new_tokens` more
         tokens. `token_ids` is everything known (prompt + generated tokens, after a preemption).
         Returns the hit in tokens; the model computes tokens from there on. `count_as_query=False`
-        keeps a re-admission after preemption out of the prompt lookup counters."""
+        keeps a re-admission after preemption out of the prompt lookup counters; `use_cache=False`
+        computes every token (a request that wants its prompt's logprobs: cached blocks have none)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already holds blocks; free it before allocating")
-        hit_blocks = self._find_cached_blocks(token_ids, extra_keys)
+        hit_blocks = self._find_cached_blocks(token_ids, extra_keys) if use_cache else []
         num_cached_tokens = len(hit_blocks) * self.block_size
         if not 0 <= num_new_tokens <= len(token_ids) - num_cached_tokens:
             raise ValueError(

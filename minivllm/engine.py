@@ -275,9 +275,12 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         try:
-            logits = self.executor.execute_model(sched)
-            seqs, sampled = self._sample(sched, logits)
+            ran = self.executor.execute_model(sched)
+            seqs, sampled = self._sample(sched, ran.logits)
             self.scheduler.update_after_step(sched)  # the commit: progress, final cache names
+            for seq_id, scored in ran.prompt_logprobs.items():
+                request = self.scheduler.seqs[seq_id].request
+                self.output_processor.record_prompt_logprobs(request, scored)
             step_outputs = self._process_outputs(seqs, sampled)
         except BaseException as exc:  # Ctrl-C too: the step's requests cannot be trusted
             return outputs + self._fail_step(sched, exc)

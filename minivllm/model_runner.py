@@ -23,6 +23,10 @@ so does a forward hook on the model (the replay would skip it).
 
 Logits are computed only at the last new token of sequences that will sample this step (those
 whose new tokens reach the end of what they know); a prompt chunk that is not the last needs none.
+A request that asks for its prompt's logprobs (`prompt_logprobs`, what evaluation harnesses score)
+also gets logits at its prompt rows, chunk by chunk, reduced here to the prompt token's logprob
+and rank and the top k (vLLM computes them in its runner too): a [rows, vocab] float32 tensor
+never leaves the runner, and is made a slice of rows at a time.
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ from minivllm.attention import AttentionBackend, AttentionMetadata
 from minivllm.config import CacheConfig
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.platforms import DecodeReplay, platform_for
+from minivllm.sampler import LogprobsTensors, gather_logprobs
 from minivllm.scheduler import SchedulerOutput
+
+# Prompt rows scored at once: [rows, vocab] float32 logits (about 100 MB for a 49k vocabulary).
+PROMPT_LOGPROBS_ROWS = 512
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -71,6 +79,17 @@ class ModelInput:
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [S]  rows of the flat batch whose logits are sampled
+    # seq_id -> (rows of the flat batch, int64 [R]; the prompt tokens they predict, int64 [R]; k)
+    prompt_rows: dict[int, tuple[torch.Tensor, torch.Tensor, int]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step's model run hands back (vLLM's name; there the runner samples too)."""
+
+    logits: torch.Tensor | None  # float32 [S, vocab] for the sampled rows; None: none, or rank > 0
+    # seq_id -> the step's scored prompt rows (`LogprobsTensors`, row r: the token at start + 1 + r)
+    prompt_logprobs: dict[int, LogprobsTensors]
 
 
 class ModelRunner:
@@ -128,6 +147,8 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
+        prompt_rows: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        dev = self.device
         for item in sched.scheduled:
             table = item.block_table
             input_ids += item.new_token_ids
@@ -138,12 +159,17 @@ class ModelRunner:
             seq_lens.append(item.seq_len)
             if item.sample:
                 logits_indices.append(query_start_loc[-1] - 1)
+            scored = item.prompt_logprobs
+            if scored is not None:
+                first = query_start_loc[-2] + scored.start - item.num_computed_tokens
+                rows = torch.arange(first, first + len(scored.target_ids), device=dev)
+                targets = torch.tensor(scored.target_ids, dtype=torch.int64, device=dev)
+                prompt_rows[item.seq_id] = (rows, targets, scored.num_logprobs)
         max_blocks = max(len(item.block_table) for item in sched.scheduled)
         padded = [
             item.block_table + [0] * (max_blocks - len(item.block_table))
             for item in sched.scheduled
         ]
-        dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
@@ -158,20 +184,46 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            prompt_rows=prompt_rows,
         )
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> torch.Tensor | None:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: copy-on-write copies first, then the model over every new token. Returns
         float32 [S, vocab] logits for the scheduled sequences that sample (in schedule order), or
         None when none does (every sequence computed a non-final prompt chunk) or when this runner
-        is not rank 0 of a tensor-parallel group."""
+        is not rank 0 of a tensor-parallel group; and the scored prompt rows of the sequences
+        that asked for prompt logprobs (rank 0 only)."""
         self.copy_blocks(sched.block_copies)
         inp = self.prepare_inputs(sched)
         hidden = self.run_model(inp)  # [T, hidden_size]
-        if not inp.logits_indices.numel():
+        logits = None
+        if inp.logits_indices.numel():
+            logits = self.model.compute_logits(hidden[inp.logits_indices])
+        prompt_logprobs = {}
+        for seq_id, (rows, targets, k) in inp.prompt_rows.items():
+            scored = self.score_prompt_rows(hidden, rows, targets, k)
+            if scored is not None:
+                prompt_logprobs[seq_id] = scored
+        return ModelRunnerOutput(logits, prompt_logprobs)
+
+    def score_prompt_rows(
+        self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, k: int
+    ) -> LogprobsTensors | None:
+        """Each row's logprob of the prompt token that follows it, its rank and the top k, from
+        the raw logits (as the sampler's logprobs: what the model thinks). None off rank 0. Every
+        rank runs this: with tensor parallelism the LM head gathers the vocabulary across ranks."""
+        parts = []
+        for lo in range(0, rows.numel(), PROMPT_LOGPROBS_ROWS):
+            chunk = rows[lo : lo + PROMPT_LOGPROBS_ROWS]
+            logits = self.model.compute_logits(hidden[chunk])  # [rows, vocab] on rank 0
+            if logits is None:
+                continue
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            parts.append(gather_logprobs(logprobs, targets[lo : lo + chunk.numel()], k))
+        if not parts:
             return None
-        return self.model.compute_logits(hidden[inp.logits_indices])
+        return LogprobsTensors(*(torch.cat(t) for t in zip(*parts)))
 
     def run_model(self, inp: ModelInput) -> torch.Tensor:  # [T, hidden_size]
         """The model's forward over the step, or its replay where the replay applies."""

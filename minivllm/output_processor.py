@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.detokenizer import IncrementalDetokenizer
-from minivllm.sampler import SampledLists
+from minivllm.sampler import LogprobsTensors, SampledLists
 from minivllm.sequence import Logprob, Request, Sequence, SequenceStatus
 from minivllm.stop_checker import check_stop
 
@@ -100,6 +100,18 @@ class OutputProcessor:
         assert seq.logprobs is not None
         seq.logprobs.append(entry)
         seq.cumulative_logprob += sampled_lp[j]
+
+    def record_prompt_logprobs(self, request: Request, scored: LogprobsTensors) -> None:
+        """A step's scored prompt rows, appended to the request's prompt logprobs (vLLM's entry:
+        the prompt token first, with its rank, then the top k by rank)."""
+        assert request.prompt_logprobs is not None
+        ids, lps, target_lps, ranks = (t.tolist() for t in scored)
+        start = len(request.prompt_logprobs)
+        for r, target in enumerate(request.prompt_token_ids[start : start + len(ranks)]):
+            entry = {target: Logprob(target_lps[r], ranks[r], self.decode_one(target))}
+            for rank, (tid, val) in enumerate(zip(ids[r], lps[r]), start=1):
+                entry.setdefault(tid, Logprob(val, rank, self.decode_one(tid)))
+            request.prompt_logprobs.append(entry)
 
     def decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else str(self.tokenizer.decode([token_id]))

@@ -33,6 +33,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # With `prompt_logprobs`: per prompt token, None for the first, else the prompt token's and the
+    # top-k's logprobs (vLLM's shape).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token, finish times
 
@@ -66,6 +69,7 @@ def make_request_output(req: Request) -> RequestOutput:
         outputs=outs,
         finished=req.is_finished,
         num_cached_tokens=(req.seqs[0].num_cached_tokens or 0) if req.seqs else 0,
+        prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         error=req.error,
         metrics=metrics,
     )

@@ -8,9 +8,9 @@ stop checker never re-validate.
 `structured_outputs` constrains the output with a grammar (a JSON schema, a regex, a choice, an
 EBNF grammar or any JSON object): see `minivllm/structured_output/`.
 
-Deviations from vLLM, on purpose: no `best_of`, `logit_bias`, `bad_words`, `prompt_logprobs`,
+Deviations from vLLM, on purpose: no `best_of`, `logit_bias`, `bad_words`,
 `allowed_token_ids` or `output_kind` (out of scope); non-finite floats are rejected;
-`logprobs=-1` (the full vocabulary) is not supported.
+`logprobs=-1` / `prompt_logprobs=-1` (the full vocabulary) are not supported.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = until the model's context is full
     min_tokens: int = 0  # output tokens before EOS / stop_token_ids / stop strings may end it
     logprobs: int | None = None  # top logprobs per output token (the sampled one is always given)
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (the prompt's own given too)
     skip_special_tokens: bool = True  # drop special tokens from the text
     spaces_between_special_tokens: bool = True  # slow tokenizers only, as in transformers
     include_stop_str_in_output: bool = (
@@ -154,10 +155,13 @@ class SamplingParams:
                 f"got {self.min_tokens}."
             )
 
-        if self.logprobs is not None:
-            self.logprobs = _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+                setattr(self, name, value)
 
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)

@@ -38,6 +38,17 @@ from minivllm.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
+class PromptLogprobsSlice:
+    """Prompt positions of a step whose next-token logprobs the runner computes (vLLM's
+    `prompt_logprobs`): rows `start .. start + len(target_ids) - 1` of the sequence, each row's
+    logits scored against the prompt token that follows it."""
+
+    num_logprobs: int  # the top k reported beside each prompt token
+    start: int  # the first row's position in the sequence (inside this step's chunk)
+    target_ids: list[int]  # [R]  the prompt token each row predicts: token start + 1 + r
+
+
+@dataclass(frozen=True)
 class ScheduledSequence:
     """One sequence's share of a step, as plain data."""
 
@@ -46,6 +57,7 @@ class ScheduledSequence:
     new_token_ids: list[int]  # [num_new_tokens]  the tokens whose K/V the step computes
     block_table: list[int]  # [ceil(seq_len / block_size)]  physical blocks, after allocation
     sample: bool  # the new tokens reach the newest known token: a next token is sampled
+    prompt_logprobs: PromptLogprobsSlice | None = None  # prompt rows to score, if asked
 
     @property
     def num_new_tokens(self) -> int:
@@ -137,13 +149,18 @@ class Scheduler:
             seq = self.waiting[0]
             if num_seqs + self._num_seqs_at_admission(seq) > self.config.max_num_seqs:
                 break
-            num_cached = bm.get_num_cached_tokens(seq.token_ids)
+            lookup = not seq.request.needs_prompt_logprobs  # a cache hit has no logits
+            num_cached = bm.get_num_cached_tokens(seq.token_ids) if lookup else 0
             num_new = min(seq.num_tokens - num_cached, budget)
-            if not bm.can_allocate(seq.token_ids, num_new):
+            if not bm.can_allocate(seq.token_ids, num_new, use_cache=lookup):
                 break  # first come, first served: nobody overtakes the head of the queue
             first_admission = seq.num_cached_tokens is None
             num_cached = bm.allocate(
-                seq.seq_id, seq.token_ids, num_new, count_as_query=first_admission
+                seq.seq_id,
+                seq.token_ids,
+                num_new,
+                count_as_query=first_admission and lookup,
+                use_cache=lookup,
             )
             if first_admission:  # vLLM v1 reports the first admission's hit, not a recompute's
                 seq.num_cached_tokens = num_cached
@@ -168,7 +185,23 @@ class Scheduler:
             new_token_ids=seq.token_ids[start : start + num_new],
             block_table=list(self.block_manager.get_block_table(seq.seq_id)),
             sample=start + num_new == seq.num_tokens,
+            prompt_logprobs=self._prompt_logprobs_slice(seq, start, start + num_new),
         )
+
+    @staticmethod
+    def _prompt_logprobs_slice(seq: Sequence, start: int, end: int) -> PromptLogprobsSlice | None:
+        """The rows in [start, end) that score a prompt token not scored yet: row p predicts
+        token p + 1, and a recompute after preemption skips the tokens already scored."""
+        request = seq.request
+        if not request.needs_prompt_logprobs:
+            return None
+        assert request.prompt_logprobs is not None and request.params.prompt_logprobs is not None
+        first = max(start, len(request.prompt_logprobs) - 1)
+        last = min(end, seq.num_prompt_tokens - 1)  # the last prompt token predicts no prompt token
+        if first >= last:
+            return None
+        targets = seq.token_ids[first + 1 : last + 1]
+        return PromptLogprobsSlice(request.params.prompt_logprobs, first, targets)
 
     @staticmethod
     def _num_seqs_at_admission(seq: Sequence) -> int:

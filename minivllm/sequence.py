@@ -101,6 +101,10 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
 
+    # With `params.prompt_logprobs`: one entry per prompt token so far, the first None (nothing
+    # predicts it); filled chunk by chunk as the prompt is computed (`ScheduledSequence.prompt_logprobs`).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
     # The most sequences it runs at once: n samples, or a beam search's beam_width (0: n).
     max_num_seqs: int = 0
     # n > 1 (or beams): the first sequence computes the prompt; at its first sample it is forked.
@@ -108,6 +112,16 @@ class Request:
 
     def __post_init__(self) -> None:
         self.max_num_seqs = self.max_num_seqs or self.params.n
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt tokens still lack their logprobs: its prompt must be computed, not taken from
+        the prefix cache (a cached block has K/V but no logits; vLLM v1 skips the lookup too)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids
+        )
 
     @property
     def is_finished(self) -> bool:

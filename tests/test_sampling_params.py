@@ -28,6 +28,7 @@ VLLM_DEFAULTS = {
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "include_stop_str_in_output": False,
+    "prompt_logprobs": None,
     "truncate_prompt_tokens": None,
     "structured_outputs": None,
 }
@@ -96,6 +97,8 @@ INVALID = [
         "seed must be in [-9223372036854775808, 9223372036854775807], got -9223372036854775809.",
     ),
     ({"logprobs": -1}, "logprobs must be in [0, 20], got -1."),
+    ({"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20], got 21."),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be -1 or at least 1, got 0."),
     ({"logprobs": False}, "logprobs must be an int, got False."),
     ({"structured_outputs": 3}, "structured_outputs must be a StructuredOutputsParams, got 3."),
     (

@@ -318,3 +318,86 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server: InProcessServer) -
     assert chat.json()["usage"]["prompt_tokens"] == 7
     bad = httpx.post(server.base_url + "/completions", json={**body, "truncate_prompt_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+# ---------------------------------------------------------------------- prompt logprobs
+SCORED = [1000 + 7 * i for i in range(11)]
+
+
+def test_prompt_logprobs_field_matches_the_offline_engine(
+    server: InProcessServer, tiny_model: Path
+) -> None:
+    from minivllm import LLM, SamplingParams
+
+    body = {"prompt": SCORED, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0}
+    got = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+    entries = got["choices"][0]["prompt_logprobs"]
+    llm = LLM(str(tiny_model), num_gpu_blocks_override=32, max_model_len=128)
+    sp = SamplingParams(prompt_logprobs=2, max_tokens=1, temperature=0)
+    ref = llm.generate([{"prompt_token_ids": SCORED}], sp, use_tqdm=False)[0].prompt_logprobs
+    assert ref is not None and entries[0] is None and len(entries) == len(SCORED)
+    for entry, expected in zip(entries[1:], ref[1:]):
+        assert expected is not None
+        assert {int(t) for t in entry} == set(expected)
+        for t, lp in expected.items():
+            assert entry[str(t)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+            assert entry[str(t)]["rank"] == lp.rank
+    chat = httpx.post(
+        server.base_url + "/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+        },
+        timeout=60,
+    ).json()
+    assert chat["prompt_logprobs"][0] is None
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # k = 0: the token itself
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server: InProcessServer) -> None:
+    """What EleutherAI's lm-eval sends for a log-likelihood: echo + logprobs=1 + max_tokens=1."""
+    body = {"prompt": SCORED, "max_tokens": 1, "temperature": 0}
+    scored = httpx.post(
+        server.base_url + "/completions", json={**body, "prompt_logprobs": 1}, timeout=60
+    ).json()["choices"][0]["prompt_logprobs"]
+    echoed = httpx.post(
+        server.base_url + "/completions", json={**body, "logprobs": 1, "echo": True}, timeout=60
+    ).json()["choices"][0]["logprobs"]
+    n = len(SCORED)
+    assert echoed["tokens"][:n] == [f"token_id:{t}" for t in SCORED]  # an as-ids server
+    assert echoed["token_logprobs"][0] is None and echoed["top_logprobs"][0] is None
+    assert len(echoed["token_logprobs"]) == n + 1  # the prompt, then the one completion token
+    for i in range(1, n):
+        own = scored[i][str(SCORED[i])]
+        assert echoed["token_logprobs"][i] == pytest.approx(own["logprob"], abs=1e-6)
+        top = echoed["top_logprobs"][i]  # the top 1 and the prompt token
+        assert f"token_id:{SCORED[i]}" in top and len(top) == (1 if own["rank"] == 1 else 2)
+        # lm-eval's greedy check: the token's logprob is the dict's maximum
+        assert (max(top.values()) == echoed["token_logprobs"][i]) == (own["rank"] == 1)
+    assert echoed["text_offset"] == sorted(echoed["text_offset"])
+    streamed = []
+    with httpx.stream(
+        "POST",
+        server.base_url + "/completions",
+        json={**body, "logprobs": 1, "echo": True, "stream": True},
+        timeout=60,
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["logprobs"]["token_logprobs"]
+    assert streamed == echoed["token_logprobs"]
+
+
+def test_logprobs_zero_gives_the_sampled_token_and_past_the_limit_is_a_400(
+    server: InProcessServer,
+) -> None:
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 0}
+    lps = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+    lps = lps["choices"][0]["logprobs"]
+    assert [list(top) for top in lps["top_logprobs"]] == [[t] for t in lps["tokens"]]
+    for field, value in (("logprobs", 21), ("prompt_logprobs", 21)):
+        bad = httpx.post(server.base_url + "/completions", json={**body, field: value})
+        assert bad.status_code == 400 and "20" in bad.json()["error"]["message"]
+        assert bad.json()["error"]["param"] == field

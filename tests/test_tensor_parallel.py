@@ -25,6 +25,7 @@ from engine_utils import assert_no_blocks_held, hf_greedy, save_tiny_llama
 from tp_utils import kv_blocks, no_leftover_processes
 
 from minivllm import LLM, SamplingParams
+from minivllm.model_runner import ModelRunnerOutput
 from minivllm.scheduler import ScheduledSequence, SchedulerOutput
 
 # Small enough that the workload below is chunked (prompts of up to 102 tokens, 32 per step),
@@ -98,7 +99,7 @@ def test_greedy_tokens_equal_transformers_and_one_rank_under_chunking_preemption
         executor = llm.llm_engine.executor
         execute, chunks = executor.execute_model, []
 
-        def recording(sched: SchedulerOutput) -> torch.Tensor | None:
+        def recording(sched: SchedulerOutput) -> ModelRunnerOutput:
             chunks.extend(item for item in sched.scheduled if not item.sample)
             return execute(sched)
 
@@ -129,7 +130,7 @@ def test_forks_seeds_and_copy_on_write_give_one_rank_s_samples(tmp_path: Path) -
         copies: list[tuple[int, int]] = []
         execute = engine.executor.execute_model
 
-        def recording(sched: SchedulerOutput) -> torch.Tensor | None:
+        def recording(sched: SchedulerOutput) -> ModelRunnerOutput:
             copies.extend(sched.block_copies)
             return execute(sched)
 
@@ -140,7 +141,7 @@ def test_forks_seeds_and_copy_on_write_give_one_rank_s_samples(tmp_path: Path) -
         ]
         engine.executor.execute_model = execute  # type: ignore[method-assign]
         assert llm.reset_prefix_cache()  # the hand-made steps overwrite blocks: nothing cached
-        logits = [engine.executor.execute_model(s) for s in steps][-1]
+        logits = [engine.executor.execute_model(s) for s in steps][-1].logits
         return samples, logits, len(copies)
 
     with tp_llm(path, 1, num_gpu_blocks_override=64) as one:

@@ -94,11 +94,11 @@ with tempfile.TemporaryFile() as log:  # the server's log, shown if it fails to 
         except openai.BadRequestError as e:
             print(f"top_p=1.5 -> HTTP {e.status_code}: {e.body['message']!r}")
 
-        # Operators read Prometheus metrics with vLLM's names (under a minivllm: prefix).
+        # Operators read Prometheus metrics with vLLM's own names: a vLLM dashboard reads them.
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
             metrics = r.read().decode()
         lines = [
-            m for m in metrics.splitlines() if m.startswith("minivllm:generation_tokens_total")
+            m for m in metrics.splitlines() if m.startswith("vllm:generation_tokens_total")
         ]
         print(f"GET /metrics -> {lines[0]}")
     finally:

@@ -45,6 +45,7 @@ import torch
 from minivllm.benchmarks.machine import synchronize
 from minivllm.llm import LLM
 from minivllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from minivllm.model_runner import ModelRunnerOutput
 from minivllm.scheduler import SchedulerOutput
 
 REPLAYS_PER_SHAPE = 3  # at most this many timings of one distinct T or S; the median counts
@@ -65,7 +66,7 @@ def record_shapes(llm: LLM) -> Iterator[StepShapes]:
     shapes = StepShapes()
     inner = executor.execute_model
 
-    def execute_model(sched: SchedulerOutput) -> torch.Tensor | None:
+    def execute_model(sched: SchedulerOutput) -> ModelRunnerOutput:
         shapes.tokens.append(sum(item.num_new_tokens for item in sched.scheduled))
         shapes.sampled.append(sum(1 for item in sched.scheduled if item.sample))
         return inner(sched)

@@ -25,7 +25,6 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from minivllm.attention import AttentionBackend
@@ -42,7 +41,7 @@ from minivllm.distributed.worker import (
     build_runner,
     rank_device,
 )
-from minivllm.model_runner import ModelRunner
+from minivllm.model_runner import ModelRunner, ModelRunnerOutput
 from minivllm.scheduler import SchedulerOutput
 
 logger = logging.getLogger("minivllm")
@@ -120,7 +119,7 @@ class DistributedExecutor:
         return True
 
     # ------------------------------------------------------------------ the step
-    def execute_model(self, sched: SchedulerOutput) -> torch.Tensor | None:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         with self.lock:
             self.check_alive()
             try:

@@ -36,7 +36,7 @@ from minivllm.distributed.parallel_state import (
 )
 from minivllm.distributed.worker import WorkerConfig, build_runner, run_torchrun_worker
 from minivllm.model.parallel_layers import check_tensor_parallel_size
-from minivllm.model_runner import ModelRunner
+from minivllm.model_runner import ModelRunner, ModelRunnerOutput
 from minivllm.scheduler import SchedulerOutput
 
 __all__ = [
@@ -55,7 +55,7 @@ class Executor(Protocol):
     driver_runner: ModelRunner  # rank 0's runner, in this process
     num_blocks: int  # KV blocks on every rank
 
-    def execute_model(self, sched: SchedulerOutput) -> torch.Tensor | None: ...
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def collective_rpc(self, fn: Callable[[ModelRunner], T]) -> list[T]: ...
 
@@ -98,13 +98,13 @@ class UniProcExecutor:
         self.num_blocks = runner.kv_cache.shape[2]
         self.fault_injector: FaultInjector | None = None  # tests only: see FaultInjector
 
-    def execute_model(self, sched: SchedulerOutput) -> torch.Tensor | None:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self.fault_injector is None:
             return self.driver_runner.execute_model(sched)
         self.fault_injector.check("before_model", sched)
-        logits = self.driver_runner.execute_model(sched)
+        output = self.driver_runner.execute_model(sched)
         self.fault_injector.check("after_model", sched)
-        return logits
+        return output
 
     def collective_rpc(self, fn: Callable[[ModelRunner], T]) -> list[T]:
         return [fn(self.driver_runner)]

@@ -4,8 +4,15 @@
   (one `{token: logprob}` dict per position) and `text_offset` (each token's character offset).
 - /v1/chat/completions: `content`, a list of `{token, logprob, bytes, top_logprobs: [...]}`.
 
-The engine's dict holds the sampled token and the top k by rank; the sampled token may rank below
-k, in which case it is reported as the token but not among the top k, as OpenAI does.
+The engine's dict holds the sampled token and the top k by rank. In the legacy format each
+position's `top_logprobs` holds the top k and the sampled token (vLLM's rule: `logprobs: 0` gives
+the sampled token's own entry; a harness compares the token's logprob with the dict's maximum to
+tell a greedy continuation). In the chat format `top_logprobs` is the top k only, as OpenAI's.
+
+`echo` with `logprobs` (completions) puts the prompt's tokens ahead of the completion's: the first
+prompt token with null logprobs (nothing predicts it), the others from the request's prompt
+logprobs. `prompt_logprobs` (vLLM's field) is returned as vLLM does: per prompt token None or
+`{token_id: {"logprob", "rank", "decoded_token"}}`.
 
 With `as_ids` (the server's `--return-tokens-as-token-ids`, vLLM's flag) every token is the string
 `token_id:N` instead of its text: a client that must map logprobs back to ids (some tokens do not
@@ -14,6 +21,7 @@ decode to text on their own) gets them exactly; `text_offset` still counts the t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from minivllm.sequence import Logprob
@@ -46,7 +54,9 @@ def completion_logprobs(
         chosen = entry[token]
         tokens.append(_token(token, chosen, as_ids))
         token_logprobs.append(chosen.logprob)
-        top_logprobs.append({_token(t, lp, as_ids): lp.logprob for t, lp in _top(entry, k)})
+        top = {_token(t, lp, as_ids): lp.logprob for t, lp in _top(entry, k)}
+        top.setdefault(_token(token, chosen, as_ids), chosen.logprob)
+        top_logprobs.append(top)
         offsets.append(text_offset)
         text_offset += len(_text(chosen))
     return {
@@ -55,6 +65,59 @@ def completion_logprobs(
         "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
+
+
+def echo_logprobs(
+    prompt_token_ids: list[int],
+    prompt_logprobs: list[dict[int, Logprob] | None],
+    k: int,
+    decode: Callable[[int], str],
+    as_ids: bool = False,
+) -> tuple[dict[str, Any], int]:
+    """The legacy lists for an echoed prompt, and the text offset where the completion starts."""
+    out: dict[str, Any] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    offset = 0
+    for token, entry in zip(prompt_token_ids, prompt_logprobs):
+        text = decode(token) if entry is None else _text(entry[token])
+        out["tokens"].append(f"token_id:{token}" if as_ids else text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        chosen = entry[token]
+        out["token_logprobs"].append(chosen.logprob)
+        top = {_token(t, lp, as_ids): lp.logprob for t, lp in _top(entry, k)}
+        top.setdefault(_token(token, chosen, as_ids), chosen.logprob)
+        out["top_logprobs"].append(top)
+    return out, offset
+
+
+def prompt_logprobs_json(
+    entries: list[dict[int, Logprob] | None] | None, as_ids: bool = False
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` in JSON: token ids as keys (strings, as JSON needs)."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {
+                "logprob": lp.logprob,
+                "rank": lp.rank,
+                "decoded_token": _token(t, lp, as_ids),
+            }
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def _chat_entry(token_id: int, lp: Logprob, as_ids: bool) -> dict[str, Any]:

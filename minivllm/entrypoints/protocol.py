@@ -148,7 +148,11 @@ class _SamplingFields(_Request):
     # OpenAI's and vLLM's fields that minivllm cannot honour
     logit_bias: Any = _unsupported("logit_bias is not supported by minivllm")
     best_of: Any = Field(None, description="Only equal to `n`: every sample (or beam) is returned.")
-    prompt_logprobs: Any = _unsupported("prompt_logprobs is not supported by minivllm")
+    prompt_logprobs: int | None = Field(
+        None,
+        description="vLLM's extra: top logprobs (0..20) of every prompt token, returned as "
+        "`prompt_logprobs` (the prompt is computed, not taken from the prefix cache).",
+    )
     # Structured outputs (minivllm/structured_output/): at most one of these four ways.
     response_format: ResponseFormat | None = Field(
         None, description="OpenAI's: text, json_object, or json_schema with a schema."
@@ -260,6 +264,7 @@ class DetokenizeRequest(_Request):
 BEAM_SEARCH_REFUSED = (
     "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "echo",
+    "prompt_logprobs",
 )  # fmt: skip
 
 
@@ -316,9 +321,18 @@ class UsageInfo(_Response):
 
 class CompletionLogprobs(_Response):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(description="None: an echoed first prompt token.")
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(_Response):
+    logprob: float
+    rank: int
+    decoded_token: str | None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(_Response):
@@ -328,6 +342,7 @@ class CompletionChoice(_Response):
     finish_reason: FinishReason
     prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
     token_ids: list[int] | None = Field(None, description="With return_token_ids.")
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="With prompt_logprobs.")
 
 
 class CompletionResponse(_Response):
@@ -388,6 +403,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="With prompt_logprobs.")
 
 
 class ChatDelta(_Response):

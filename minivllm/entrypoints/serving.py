@@ -32,8 +32,9 @@ logger = logging.getLogger("minivllm")
 # Fields of SamplingParams whose ValueError messages name them (and so the 400's `param`).
 _PARAM_NAMES = {f for f in SamplingParams.__dataclass_fields__} | {"top_logprobs"}
 
-# Builds one stream event: (prompt index, choice so far, characters sent, tokens sent, first?).
-ChunkFn = Callable[[int, CompletionOutput, int, int, bool], dict[str, Any]]
+# Builds one stream event: (prompt index, choice so far, characters sent, tokens sent, first?,
+# the request's whole output so far: its prompt logprobs, say).
+ChunkFn = Callable[[int, CompletionOutput, int, int, bool, RequestOutput], dict[str, Any]]
 
 
 class OpenAIServing:
@@ -123,6 +124,7 @@ class OpenAIServing:
         max_tokens: int,
         logprobs: int | None,
         structured: tuple[StructuredOutputsParams, str] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams | BeamSearchParams:
         """`structured`: the request's constraint, from `structured_outputs()`."""
         if req.n > self.max_num_seqs:
@@ -165,6 +167,7 @@ class OpenAIServing:
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
@@ -175,6 +178,10 @@ class OpenAIServing:
         except ValueError as exc:  # SamplingParams' messages name the field and the range
             name = str(exc).split(" ", 1)[0]
             raise OpenAIError(str(exc), param=name if name in _PARAM_NAMES else None) from None
+
+    def decode_one(self, token_id: int) -> str:
+        """One token's text on its own (what logprobs name a token by)."""
+        return str(self.tokenizer.decode([token_id]))
 
     def truncate(self, req: Any, ids: list[int]) -> list[int]:
         """The prompt as the engine will see it: `truncate_prompt_tokens` cuts it from the left
@@ -316,7 +323,7 @@ class OpenAIServing:
                         if not (grew or (first and emit_first)):
                             continue  # text held back (a possible stop string): nothing to send
                         prev[key] = (len(c.text), len(c.token_ids))
-                        event = chunk(pi, c, p_text, p_tok, first)
+                        event = chunk(pi, c, p_text, p_tok, first, out)
                         if continuous_usage:  # vLLM's extra: this choice's usage so far
                             event["usage"] = _usage_of(num_prompt[pi], len(c.token_ids))
                         yield _sse(event)

@@ -17,13 +17,13 @@ import time
 import uuid
 from typing import Any
 
-from minivllm.entrypoints.logprobs import chat_logprobs
+from minivllm.entrypoints.logprobs import chat_logprobs, prompt_logprobs_json
 from minivllm.entrypoints.protocol import ChatCompletionRequest, OpenAIError, unsupported_fields
 from minivllm.entrypoints.serving import OpenAIServing, finish_reason, usage
 from minivllm.entrypoints.tool_parsers import ExtractedToolCall, ExtractedToolCalls, ToolParser
 from minivllm.entrypoints.tool_parsers.forced import named_schema, parse_required, required_schema
 from minivllm.inputs import PromptType
-from minivllm.outputs import CompletionOutput
+from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.structured_output import StructuredOutputsParams
 
 
@@ -59,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
         k = (req.top_logprobs or 0) if req.logprobs else None
         budget = self.max_tokens(requested, len(ids), field, cap)
         structured = await self.structured_outputs(req, forced)
-        params = [self.sampling_params(req, budget, k, structured)]
+        params = [self.sampling_params(req, budget, k, structured, req.prompt_logprobs)]
         self.check_capacity()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         header = {
@@ -81,14 +81,19 @@ class OpenAIServingChat(OpenAIServing):
         def with_ids(ch: dict[str, Any], c: CompletionOutput, start: int) -> dict[str, Any]:
             return {**ch, "token_ids": c.token_ids[start:]} if req.return_token_ids else ch
 
-        prompt_ids = {"prompt_token_ids": ids} if req.return_token_ids else {}
+        prompt_ids: dict[str, Any] = {"prompt_token_ids": ids} if req.return_token_ids else {}
 
         if req.stream:
             chunk_header = {**header, "object": "chat.completion.chunk"}
             sent: dict[int, int] = {}  # choice -> characters of content sent (tool modes)
 
             def chunk(
-                _pi: int, c: CompletionOutput, prev_text: int, prev_tok: int, _f: bool
+                _pi: int,
+                c: CompletionOutput,
+                prev_text: int,
+                prev_tok: int,
+                _f: bool,
+                _out: RequestOutput,
             ) -> Any:
                 delta: dict[str, Any] = {"content": c.text[prev_text:]}
                 reason = finish_reason(c)
@@ -137,6 +142,9 @@ class OpenAIServingChat(OpenAIServing):
                 "finish_reason": reason,
             }
             choices.append(with_ids(choice, c, 0))
+        if req.prompt_logprobs is not None:  # vLLM's extra: on the response, as its prompt's
+            as_ids = self.return_tokens_as_token_ids
+            prompt_ids["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs, as_ids)
         return {**header, "choices": choices, "usage": usage(finals), **prompt_ids}
 
     # ------------------------------------------------------------------ tool calling

@@ -10,11 +10,15 @@ import time
 import uuid
 from typing import Any
 
-from minivllm.entrypoints.logprobs import completion_logprobs
+from minivllm.entrypoints.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    prompt_logprobs_json,
+)
 from minivllm.entrypoints.protocol import CompletionRequest, OpenAIError, unsupported_fields
 from minivllm.entrypoints.serving import OpenAIServing, finish_reason, usage
 from minivllm.inputs import PromptType
-from minivllm.outputs import CompletionOutput
+from minivllm.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -22,8 +26,6 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.check_model(req.model)
         unsupported_fields(req)
         self.check_stream_options(req.stream, req.stream_options)
-        if req.echo and req.logprobs is not None:
-            raise OpenAIError("echo with logprobs (prompt logprobs) is not supported", param="echo")
         req, from_model = self.with_model_defaults(req)
         tokenized: list[tuple[str | None, list[int]]] = []
         for p in _split_prompts(req.prompt):
@@ -35,12 +37,17 @@ class OpenAIServingCompletion(OpenAIServing):
             tokenized.append((text, ids) if len(kept) == len(ids) else (None, kept))
         cap = "max_tokens" in from_model
         structured = await self.structured_outputs(req)
+        # echo + logprobs (OpenAI's legacy way to score a text, what lm-eval sends): the prompt's
+        # tokens need their logprobs too, so the request asks for its prompt's (vLLM does so).
+        echo_k = req.logprobs if req.echo else None
+        prompt_k = req.prompt_logprobs if req.prompt_logprobs is not None else echo_k
         params = [
             self.sampling_params(
                 req,
                 self.max_tokens(req.max_tokens, len(ids), "max_tokens", cap),
                 req.logprobs,
                 structured,
+                prompt_k,
             )
             for _, ids in tokenized
         ]
@@ -61,30 +68,50 @@ class OpenAIServingCompletion(OpenAIServing):
         as_ids = self.return_tokens_as_token_ids
 
         def choice(
-            i: int, c: CompletionOutput, text: str, start: int, offset: int, first: bool = True
+            i: int,
+            c: CompletionOutput,
+            text: str,
+            start: int,
+            offset: int,
+            whole: RequestOutput,
+            first: bool = True,
         ) -> Any:
             lps = None
             if k is not None and c.logprobs is not None:
+                head = None
+                if req.echo and first and whole.prompt_logprobs is not None:
+                    head, offset = echo_logprobs(
+                        tokenized[i // n][1], whole.prompt_logprobs, k, self.decode_one, as_ids
+                    )
                 lps = completion_logprobs(
                     c.token_ids[start:], c.logprobs[start:], k, offset, as_ids
                 )
+                if head is not None:
+                    lps = {key: head[key] + lps[key] for key in lps}
             out = {"index": i, "text": text, "logprobs": lps, "finish_reason": finish_reason(c)}
             if req.return_token_ids:  # vLLM: the prompt's ids once, then each chunk's new ids
                 if first:
                     out["prompt_token_ids"] = tokenized[i // n][1]
                 out["token_ids"] = c.token_ids[start:]
+            if req.prompt_logprobs is not None and first:
+                out["prompt_logprobs"] = prompt_logprobs_json(whole.prompt_logprobs, as_ids)
             return out
 
         ids_in: list[PromptType] = [{"prompt_token_ids": ids} for _, ids in tokenized]
         if req.stream:
 
             def chunk(
-                pi: int, c: CompletionOutput, prev_text: int, prev_tok: int, first: bool
+                pi: int,
+                c: CompletionOutput,
+                prev_text: int,
+                prev_tok: int,
+                first: bool,
+                whole: RequestOutput,
             ) -> Any:
                 echo = echo_texts[pi] if first else ""
                 offset = len(echo_texts[pi]) + prev_text
                 text = echo + c.text[prev_text:]
-                ch = choice(pi * n + c.index, c, text, prev_tok, offset, first)
+                ch = choice(pi * n + c.index, c, text, prev_tok, offset, whole, first)
                 return {**header, "choices": [ch]}
 
             return self._stream(
@@ -94,12 +121,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 header,
                 chunk,
                 req.stream_options,
-                emit_first=req.echo or req.return_token_ids,
+                emit_first=req.echo or req.return_token_ids or req.prompt_logprobs is not None,
             )
 
         finals = await self._collect(rid, ids_in, params, is_disconnected)
         choices = [
-            choice(pi * n + c.index, c, echo_texts[pi] + c.text, 0, len(echo_texts[pi]))
+            choice(pi * n + c.index, c, echo_texts[pi] + c.text, 0, len(echo_texts[pi]), out)
             for pi, out in enumerate(finals)
             for c in out.outputs
         ]
