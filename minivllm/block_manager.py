@@ -127,6 +127,7 @@ class BlockManager:
         token_ids: Sequence[int],
         num_new_tokens: int,
         extra_keys: ExtraKeys = None,
+        num_final_tokens: int | None = None,  # what a reservation policy reserves for; unused here
     ) -> bool:
         hit_blocks = self._find_cached_blocks(token_ids, extra_keys)
         return self._num_blocks_to_take(hit_blocks, num_new_tokens) <= self.num_free_blocks
@@ -144,6 +145,7 @@ class BlockManager:
         num_new_tokens: int,
         extra_keys: ExtraKeys = None,
         count_as_query: bool = True,
+        num_final_tokens: int | None = None,  # see can_allocate
     ) -> int:
         """Admit a sequence: take its prefix-cache hit, then fresh blocks for `num_new_tokens` more
         tokens. `token_ids` is everything known (prompt + generated tokens, after a preemption).
@@ -285,6 +287,9 @@ class BlockManager:
             kv_slot_utilization=self._utilization(),
             min_kv_slot_utilization=self._min_util,
             peak_kv_slot_utilization=self._peak_util,
+            num_reserved_slots=used * self.block_size,
+            num_filled_slots=self._num_filled_slots,
+            internal_fragmentation_slots=used * self.block_size - self._num_filled_slots,
         )
 
     # ------------------------------------------------------------------------------------ helpers

@@ -27,10 +27,10 @@ import torch
 
 from minivllm.attention import get_attention_backend, resolve_backend_name
 from minivllm.beam_search import BeamSearchParams, BeamSearchProcessor, BeamState
-from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
-from minivllm.distributed.executor import make_executor
+from minivllm.distributed.executor import Executor, make_executor
 from minivllm.inputs import PromptType, process_prompt
+from minivllm.kv_allocation import make_block_manager
 from minivllm.model.loader import (
     load_config,
     load_generation_defaults,
@@ -65,7 +65,10 @@ def resolve_device(device: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        """`executor`: run the steps there instead of loading the model's weights (the
+        simulated-time executor, minivllm/distributed/simulated.py); the model folder then needs
+        only its config.json."""
         self.config = config
         mc = config.model
         self.device = resolve_device(mc.device)
@@ -87,7 +90,7 @@ class LLMEngine:
         generation = load_generation_defaults(self.source)  # read before any worker starts
         # The model runner in this process (tensor_parallel_size 1), or rank 0's of N ranks that
         # each hold 1/N of the model and get every step (paper §4.6; minivllm/distributed/).
-        self.executor = make_executor(
+        self.executor = executor or make_executor(
             config, self.source, model_config, backend, self.dtype, self.device, self.max_model_len
         )
         self.runner = self.executor.driver_runner
@@ -104,7 +107,7 @@ class LLMEngine:
                 )
             logger.warning("max_model_len lowered to the KV cache's %d tokens", capacity)
             self.max_model_len = capacity
-        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.block_manager = make_block_manager(cc, num_blocks, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         # Unseeded random sampling draws from the engine's own generator, seeded by `seed`: a
         # whole offline run is reproducible, and torch's global RNG stays the user's.
@@ -181,6 +184,11 @@ class LLMEngine:
             width = beam.params.beam_width
             raise ValueError(
                 f"beam_width must be at most max_num_seqs ({max_num_seqs}), got {width}"
+            )
+        if self.config.cache.kv_allocation != "paged" and (params.n > 1 or beam is not None):
+            raise ValueError(
+                f"n > 1 and beam search need kv_allocation='paged' (forked sequences share "
+                f"blocks), got kv_allocation={self.config.cache.kv_allocation!r}"
             )
         if params.n > max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}")
@@ -403,4 +411,8 @@ class LLMEngine:
             peak_kv_blocks_used=self.peak_blocks_used,
             kv_slot_utilization=bm.kv_slot_utilization,
             peak_kv_slot_utilization=self.peak_slot_utilization,
+            num_reserved_kv_slots=bm.num_reserved_slots,
+            num_filled_kv_slots=bm.num_filled_slots,
+            kv_internal_fragmentation_slots=bm.internal_fragmentation_slots,
+            kv_external_fragmentation=bm.external_fragmentation,
         )

@@ -26,6 +26,11 @@ class EngineStats:
     peak_kv_blocks_used: int  # the most blocks ever held at once
     kv_slot_utilization: float  # filled slots / allocated slots, now
     peak_kv_slot_utilization: float  # the same, at the step with the most blocks in use
+    # How the slots held by requests split (BlockManagerStats has each field's meaning).
+    num_reserved_kv_slots: int = 0
+    num_filled_kv_slots: int = 0
+    kv_internal_fragmentation_slots: int = 0
+    kv_external_fragmentation: float = 0.0
 
 
 @dataclass
@@ -42,3 +47,15 @@ class BlockManagerStats:
     kv_slot_utilization: float  # filled slots / (used blocks * block_size) now; 1.0 when none used
     min_kv_slot_utilization: float  # lowest seen after any operation while blocks were used
     peak_kv_slot_utilization: float  # the utilization when used blocks were at their peak (latest)
+    # The paper's Fig. 2 split of the slots held by sequences (minivllm/kv_allocation.py):
+    # reserved = filled (token states) + future (reserved for tokens still to come) + internal
+    # fragmentation (never filled: past the request's end, or the unfilled tail of a paged block).
+    kv_allocation: str = "paged"
+    num_reserved_slots: int = 0  # used blocks * block_size
+    num_filled_slots: int = 0  # slots holding a token's K/V
+    num_future_slots: int = 0  # reserved for tokens the sequences will still write (reservations)
+    internal_fragmentation_slots: int = 0
+    # Free slots outside the longest free contiguous run, as a fraction of the free slots: memory a
+    # contiguous reservation cannot use. Always 0 for paged blocks, which need no contiguity.
+    external_fragmentation: float = 0.0
+    num_fragmentation_stalls: int = 0  # admissions refused with enough blocks free, none contiguous

@@ -1,0 +1,475 @@
+"""`minivllm bench paper`: the paper's headline, paged vs reservation under load (§6.2, Figs. 12-13).
+
+Requests arrive as a Poisson process at a swept rate; each is served by the same engine with one
+of the four `kv_allocation` policies (minivllm/kv_allocation.py): `paged`, and the paper's Orca
+baselines `orca-max`, `orca-pow2` and `orca-oracle`, which reserve a contiguous range per request.
+For each (policy, rate) it reports the paper's metrics:
+
+    normalized latency      the mean over requests of end-to-end latency / output length (s/token)
+    batched requests        the mean number of requests in a step (Fig. 13)
+
+and, per policy, the highest rate it sustains while the normalized latency stays under a bound
+(linearly interpolated between the last swept rate under it and the first above it).
+
+Workloads are generated, not downloaded: prompt and output lengths are drawn from exponential
+distributions with the means of the paper's Fig. 11 (ShareGPT: 161.31 in, 337.99 out; Alpaca:
+19.31 in, 58.45 out), times `--length-scale`, at least 1 token each, a request's prompt + output
+capped at max_model_len (output cut first). Every request ignores EOS and generates exactly its
+drawn output length, as the paper's oracle assumes.
+
+Two modes:
+  --simulate a100-40gb/opt-13b   the paper's first column, in simulated time: the real scheduler
+                                 and block manager, a roofline cost per step (distributed/simulated.py)
+  (no --simulate)                the real engine on this machine (SmolLM2 by default) with a KV
+                                 cache small enough that memory, not compute, limits the batch; its
+                                 clock is the sum of the measured step times (idle gaps between
+                                 arrivals are skipped, not slept: the engine has nothing to do then)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from minivllm.benchmarks.common import (
+    add_run_arguments,
+    machine_load,
+    print_table,
+    run_main,
+    set_epilog,
+    write_json,
+)
+from minivllm.benchmarks.paper_plots import plot_batch, plot_latency
+from minivllm.benchmarks.sharing import WORKLOADS
+from minivllm.config import KV_ALLOCATIONS
+from minivllm.distributed.simulated import SimulatedExecutor, SimulatedSetup, build_simulated_engine
+from minivllm.engine import LLMEngine
+from minivllm.engine_args import EngineArgs
+from minivllm.sampling_params import SamplingParams
+from minivllm.scheduler import SchedulerOutput
+
+# §6.2: at the same normalized latency, vLLM sustains this many times the request rate (ShareGPT,
+# Fig. 12 top row) and batches this many times the requests (Fig. 13a, OPT-13B, ShareGPT 2 req/s).
+PAPER_RATE_RATIO = {"orca-oracle": (1.7, 2.7), "orca-max": (2.7, 8.0)}
+PAPER_BATCH_RATIO = {"orca-oracle": 2.2, "orca-max": 4.3}
+PAPER = {"rate_ratio": PAPER_RATE_RATIO, "batch_ratio": PAPER_BATCH_RATIO}
+# Request rates swept by default (req/s), simulated and real.
+SIM_RATES = {"sharegpt": "0.5,1,1.5,2,2.5,3,3.5,4,5,6", "alpaca": "5,10,15,20,25,30,35,40,50,60"}
+CPU_RATES = {"sharegpt": "0.5,1,2,3,4,6", "alpaca": "1,2,4,8,12,16"}
+
+EPILOG = """\
+Paper scale, in simulated time (a few minutes on a CPU):
+  minivllm bench paper --simulate a100-40gb/opt-13b --json paper-sim.json --plot-dir img/
+For real, on this CPU with SmolLM2 and a 48-block KV cache (several minutes):
+  minivllm bench paper --workloads sharegpt --json paper-cpu.json"""
+
+
+@dataclass(frozen=True)
+class PaperRequest:
+    arrival: float  # seconds after the start
+    prompt_len: int
+    output_len: int
+
+
+@dataclass
+class PointResult:
+    workload: str
+    policy: str
+    rate: float  # requests / s offered
+    normalized_latency: float  # mean of (e2e latency / output tokens), s/token
+    mean_latency: float  # s
+    mean_batched_requests: float  # Fig. 13: requests in a step, averaged over steps
+    num_requests: int
+    num_steps: int
+    duration: float  # clock seconds from the first arrival to the last finish
+    num_preemptions: int
+    # Mean over steps of each share of the KV cache's slots (the paper's Fig. 2 split).
+    kv_shares: dict[str, float] = field(default_factory=dict)
+
+
+def draw_requests(
+    workload: str, num: int, rate: float, seed: int, max_model_len: int, length_scale: float = 1.0
+) -> list[PaperRequest]:
+    """Poisson arrivals at `rate`; exponential lengths around the workload's Fig. 11 means."""
+    rng = random.Random(f"{workload}-{seed}")
+    mean_in, mean_out = (m * length_scale for m in WORKLOADS[workload])
+    requests = []
+    clock = 0.0
+    for _ in range(num):
+        clock += rng.expovariate(rate)
+        prompt = max(1, min(max_model_len - 1, round(rng.expovariate(1 / mean_in))))
+        output = max(1, min(max_model_len - prompt, round(rng.expovariate(1 / mean_out))))
+        requests.append(PaperRequest(clock, prompt, output))
+    return requests
+
+
+class _StepProbe:
+    """Stands in for the engine's executor for one run: counts the requests of each step and
+    passes the step on (the engine calls `execute_model` once per step that runs anything)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.num_scheduled = 0
+
+    def execute_model(self, sched: SchedulerOutput) -> Any:
+        self.num_scheduled = len(sched.scheduled)
+        return self.inner.execute_model(sched)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def serve(
+    engine: LLMEngine, requests: Sequence[PaperRequest], on_step: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """Feed `requests` to `engine` at their arrival times and step it until all finish.
+
+    The clock advances by each step's duration: simulated when the engine runs on the simulated
+    executor, measured otherwise; when the engine is idle it jumps to the next arrival."""
+    simulated = isinstance(engine.executor, SimulatedExecutor)
+    probe = _StepProbe(engine.executor)
+    engine.executor = probe
+    clock = 0.0
+    nxt = 0
+    finished: dict[str, float] = {}
+    batched = steps = 0
+    shares: dict[str, float] = {}
+    preempt0 = engine.scheduler.num_preemptions
+    bm = engine.block_manager
+    total = bm.num_blocks * bm.block_size
+    try:
+        while nxt < len(requests) or engine.has_unfinished_requests():
+            if not engine.has_unfinished_requests():
+                clock = max(clock, requests[nxt].arrival)
+            while nxt < len(requests) and requests[nxt].arrival <= clock:
+                r = requests[nxt]
+                params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
+                prompt = {"prompt_token_ids": [0] * r.prompt_len}
+                engine.add_request(str(nxt), prompt, params, arrival_time=r.arrival)
+                nxt += 1
+            probe.num_scheduled = 0
+            before = probe.inner.clock if simulated else time.perf_counter()
+            outputs = engine.step()
+            after = probe.inner.clock if simulated else time.perf_counter()
+            clock += after - before
+            if probe.num_scheduled:
+                steps += 1
+                batched += probe.num_scheduled
+                stats = bm.get_stats()
+                for key, value in (
+                    ("filled", stats.num_filled_slots),
+                    ("future", stats.num_future_slots),
+                    ("internal_fragmentation", stats.internal_fragmentation_slots),
+                    ("free", total - stats.num_reserved_slots),
+                ):
+                    shares[key] = shares.get(key, 0.0) + value / total
+            for out in outputs:
+                if out.finished:
+                    finished[out.request_id] = clock
+            if on_step is not None:
+                on_step()
+    finally:
+        engine.executor = probe.inner
+    latencies = [finished[str(i)] - r.arrival for i, r in enumerate(requests)]
+    norm = [lat / r.output_len for lat, r in zip(latencies, requests)]
+    return {
+        "normalized_latency": sum(norm) / len(norm),
+        "mean_latency": sum(latencies) / len(latencies),
+        "mean_batched_requests": batched / max(steps, 1),
+        "num_steps": steps,
+        "duration": clock - requests[0].arrival,
+        "num_preemptions": engine.scheduler.num_preemptions - preempt0,
+        "kv_shares": {k: v / max(steps, 1) for k, v in shares.items()},
+    }
+
+
+# ---------------------------------------------------------------------------------- the sweep
+def num_requests_at(rate: float, duration: float, lo: int, hi: int) -> int:
+    """Requests arriving in `duration` seconds at `rate` (the paper serves fixed-length traces),
+    at least `lo` (a point needs a few) and at most `hi` (an overloaded point costs steps)."""
+    return max(lo, min(hi, round(rate * duration)))
+
+
+def sweep(
+    make_engine: Callable[[str], LLMEngine],
+    workloads: dict[str, list[float]],
+    policies: Sequence[str],
+    num_requests: Callable[[float], int],
+    seed: int,
+    max_model_len: int,
+    length_scale: float = 1.0,
+    progress: bool = True,
+    stop_above: float | None = None,
+    keep_rates: dict[str, float] | None = None,
+) -> list[PointResult]:
+    """Every (workload, policy, rate) point; `make_engine(policy)` gives the engine to serve it,
+    `num_requests(rate)` how many requests a point serves. A policy whose normalized latency
+    passed `stop_above` skips its higher rates (they are past its knee, and an overloaded point
+    is the costliest to run), except each workload's `keep_rates` rate (Fig. 13's)."""
+    points = [(w, p, r) for w, rates in workloads.items() for p in policies for r in sorted(rates)]
+    results = []
+    bar = tqdm(points, desc="paper sweep", unit="point", disable=not progress)
+    engines: dict[str, LLMEngine] = {}
+    over: set[tuple[str, str]] = set()  # (workload, policy) past stop_above
+    for workload, policy, rate in bar:
+        if (workload, policy) in over and rate != (keep_rates or {}).get(workload):
+            continue
+        bar.set_postfix_str(f"{workload} {policy} {rate:g} req/s")
+        engine = engines.get(policy) or make_engine(policy)
+        engines[policy] = engine
+        n = num_requests(rate)
+        requests = draw_requests(workload, n, rate, seed, max_model_len, length_scale)
+        out = serve(engine, requests)
+        results.append(PointResult(workload, policy, rate, num_requests=n, **out))
+        if stop_above is not None and out["normalized_latency"] > stop_above:
+            over.add((workload, policy))
+    for engine in engines.values():
+        engine.shutdown()
+    return results
+
+
+def max_sustained_rate(points: Sequence[PointResult], bound: float) -> tuple[float, str]:
+    """The rate at which normalized latency crosses `bound` (linear between swept rates), and
+    how it was found: "crossing", "above-sweep" (never crossed: at least the highest rate) or
+    "below-sweep" (already over at the lowest rate: 0)."""
+    pts = sorted(points, key=lambda p: p.rate)
+    for prev, cur in zip([None, *pts], pts):
+        if cur.normalized_latency > bound:
+            if prev is None:
+                return 0.0, "below-sweep"
+            dl = cur.normalized_latency - prev.normalized_latency
+            frac = (bound - prev.normalized_latency) / dl if dl > 0 else 0.0
+            return prev.rate + frac * (cur.rate - prev.rate), "crossing"
+    return pts[-1].rate, "above-sweep"
+
+
+def summarize(
+    results: Sequence[PointResult], bound: float, batch_rates: dict[str, float]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per workload and policy: the sustained rate, paged's ratio to it, and the mean batch at
+    the workload's Fig. 13 rate (the swept rate nearest `batch_rates[workload]`)."""
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    for workload in dict.fromkeys(r.workload for r in results):
+        rows = summary.setdefault(workload, {})
+        of = {
+            p: [r for r in results if r.workload == workload and r.policy == p]
+            for p in KV_ALLOCATIONS
+        }
+        of = {p: pts for p, pts in of.items() if pts}
+        for policy, pts in of.items():
+            rate, how = max_sustained_rate(pts, bound)
+            near = min(pts, key=lambda r: abs(r.rate - batch_rates[workload]))
+            rows[policy] = {
+                "max_rate": rate,
+                "found": how,
+                "batch_rate": near.rate,
+                "mean_batched_requests": near.mean_batched_requests,
+            }
+        if "paged" in rows:
+            for row in rows.values():
+                row["paged_rate_ratio"] = (
+                    rows["paged"]["max_rate"] / row["max_rate"] if row["max_rate"] else None
+                )
+                row["paged_batch_ratio"] = (
+                    rows["paged"]["mean_batched_requests"] / row["mean_batched_requests"]
+                    if row["mean_batched_requests"]
+                    else None
+                )
+    return summary
+
+
+# ---------------------------------------------------------------------------------- the CLI
+# Real mode: a KV cache of 48 blocks x 16 = 768 slots and 256-token requests at most, so that a
+# handful of SmolLM2 requests fill it: memory, not this CPU's compute, limits the batch.
+CPU_NUM_BLOCKS = 48
+CPU_MAX_MODEL_LEN = 256
+ENGINE_DEFAULTS = EngineArgs(enable_prefix_caching=False)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("experiment")
+    g.add_argument(
+        "--simulate", default=None, metavar="GPU/MODEL",
+        help="simulated time on a modelled GPU, e.g. a100-40gb/opt-13b or h200/tinyllama-1.1b; "
+        "unset: run the engine for real on this machine",
+    )  # fmt: skip
+    g.add_argument(
+        "--workloads", default="sharegpt,alpaca", help=f"comma-separated, of {sorted(WORKLOADS)}"
+    )
+    g.add_argument(
+        "--policies", default=",".join(KV_ALLOCATIONS), help="comma-separated kv_allocation values"
+    )
+    for name in WORKLOADS:
+        g.add_argument(f"--{name}-rates", default=None, help=f"request rates (req/s) for {name}; "
+                       f"default: {SIM_RATES[name]} simulated, {CPU_RATES[name]} real")  # fmt: skip
+    g.add_argument("--duration", type=float, default=None,
+                   help="seconds of arrivals per point (requests = rate x duration, clamped to "
+                   "--min-requests..--max-requests); default 150 simulated, 12 real")  # fmt: skip
+    g.add_argument("--min-requests", type=int, default=None, help="default 60 simulated, 8 real")
+    g.add_argument("--max-requests", type=int, default=None, help="default 400 simulated, 40 real")
+    g.add_argument("--length-scale", type=float, default=None,
+                   help="times the Fig. 11 mean lengths; default 1 simulated, 0.125 real")  # fmt: skip
+    g.add_argument("--latency-bound", type=float, default=None,
+                   help="normalized latency (s/token) a sustained rate stays under; default 0.2 "
+                   "simulated, 0.5 real")  # fmt: skip
+    g.add_argument("--batch-rates", default=None,
+                   help="Fig. 13's rate per workload, e.g. sharegpt=2,alpaca=30 (the paper's); "
+                   "default: each workload's highest swept rate, where every policy is "
+                   "memory-bound")  # fmt: skip
+    g.add_argument(
+        "--plot-dir", type=Path, default=Path("."), help="where the two PNGs go; '' for none"
+    )
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    EngineArgs.add_cli_args(parser, defaults=ENGINE_DEFAULTS)
+    add_run_arguments(parser)
+    set_epilog(parser, EPILOG)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def main(args: argparse.Namespace) -> int:
+    sim = args.simulate is not None
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), enable_prefix_caching=False)
+    workloads = {
+        w: _floats(getattr(args, f"{w}_rates") or (SIM_RATES if sim else CPU_RATES)[w])
+        for w in args.workloads.split(",")
+    }
+    policies = args.policies.split(",")
+    duration = args.duration or (150.0 if sim else 12.0)
+    lo, hi = args.min_requests or (60 if sim else 8), args.max_requests or (400 if sim else 40)
+
+    def num_requests(rate: float) -> int:
+        return num_requests_at(rate, duration, lo, hi)
+
+    scale = args.length_scale or (1.0 if sim else 0.125)
+    bound = args.latency_bound or (0.2 if sim else 0.5)
+    if args.batch_rates:
+        batch_rates = {
+            k: float(v) for k, v in (kv.split("=") for kv in args.batch_rates.split(","))
+        }
+    else:
+        batch_rates = {w: max(r) for w, r in workloads.items()}
+    setup_info: dict[str, Any]
+    if sim:
+        setup = SimulatedSetup.named(args.simulate)
+        max_model_len = engine_args.max_model_len or setup.model.max_model_len
+        keep = ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed")
+        overrides = {k: getattr(engine_args, k) for k in keep}
+        if engine_args.num_gpu_blocks_override is not None:
+            overrides["num_gpu_blocks_override"] = engine_args.num_gpu_blocks_override
+
+        def make_engine(policy: str) -> LLMEngine:
+            return build_simulated_engine(
+                setup, kv_allocation=policy, enable_prefix_caching=False,
+                max_model_len=max_model_len, **overrides,
+            )  # fmt: skip
+
+        num_blocks = overrides.get(
+            "num_gpu_blocks_override", setup.num_kv_blocks(engine_args.block_size)
+        )
+        setup_info = {
+            "gpu": dataclasses.asdict(setup.gpu), "model": dataclasses.asdict(setup.model),
+            "kv_cache_bytes": setup.kv_cache_bytes, "step_overhead_s": setup.step_overhead_s,
+        }  # fmt: skip
+        title = f"simulated {setup.model.name} on {setup.gpu.name}"
+    else:
+        max_model_len = engine_args.max_model_len or CPU_MAX_MODEL_LEN
+        num_blocks = engine_args.num_gpu_blocks_override or CPU_NUM_BLOCKS
+        real_args = dataclasses.replace(
+            engine_args, max_model_len=max_model_len, num_gpu_blocks_override=num_blocks
+        )
+
+        def make_engine(policy: str) -> LLMEngine:
+            engine = LLMEngine(
+                dataclasses.replace(real_args, kv_allocation=policy).create_engine_config()
+            )
+            warm = [PaperRequest(0.0, 8, 4)]
+            serve(engine, warm)  # first-call costs (kernel builds, allocator) out of the numbers
+            return engine
+
+        setup_info = {
+            "model": real_args.model or "SmolLM2-135M-Instruct (bundled)",
+            "machine": machine_load(),
+        }
+        title = f"real run on this CPU: {setup_info['model']}"
+    title += f", {num_blocks} KV blocks x {engine_args.block_size}, max_model_len {max_model_len}"
+    start = time.perf_counter()
+    results = sweep(make_engine, workloads, policies, num_requests, engine_args.seed,
+                    max_model_len, scale, progress=not args.no_progress,
+                    stop_above=3 * bound, keep_rates=batch_rates)  # fmt: skip
+    summary = summarize(results, bound, batch_rates)
+    for workload, rows in summary.items():
+        print(f"\n{workload}: normalized latency (s/token) and mean batched requests per point")
+        print_table(
+            ["policy", "rate", "norm. latency", "batched", "preemptions"],
+            [[r.policy, r.rate, r.normalized_latency, r.mean_batched_requests, r.num_preemptions]
+             for r in results if r.workload == workload],
+        )  # fmt: skip
+        print(
+            f"\n{workload}: highest rate under {bound:g} s/token; paged's ratio beside the paper's"
+        )
+        table = []
+        for policy, row in rows.items():
+            paper_rate = PAPER_RATE_RATIO.get(policy)
+            paper_batch = PAPER_BATCH_RATIO.get(policy)
+            table.append([
+                policy, f"{row['max_rate']:.2f} ({row['found']})", _ratio(row.get("paged_rate_ratio")),
+                f"{paper_rate[0]}-{paper_rate[1]}x" if paper_rate else "-",
+                row["mean_batched_requests"], _ratio(row.get("paged_batch_ratio")),
+                f"{paper_batch}x" if paper_batch else "-",
+            ])  # fmt: skip
+        print_table(
+            ["policy", "max rate", "paged/it", "paper", "batched", "paged/it", "paper"], table
+        )
+    data = {
+        "mode": f"simulate {args.simulate}" if sim else "real",
+        "setup": setup_info,
+        "num_kv_blocks": num_blocks,
+        "block_size": engine_args.block_size,
+        "max_model_len": max_model_len,
+        "workload": {
+            "distribution": "Poisson arrivals; exponential prompt and output lengths around the "
+            "Fig. 11 means times length_scale, at least 1, prompt + output <= max_model_len",
+            "means": {w: WORKLOADS[w] for w in workloads},
+            "length_scale": scale,
+            "duration": duration,
+            "min_requests": lo,
+            "max_requests": hi,
+            "seed": engine_args.seed,
+        },
+        "latency_bound": bound,
+        "batch_rates": batch_rates,
+        "points": [dataclasses.asdict(r) for r in results],
+        "summary": summary,
+        "paper": PAPER,
+        "seconds": time.perf_counter() - start,
+    }
+    write_json(args.json, data)
+    if str(args.plot_dir):
+        tag = "sim" if sim else "cpu"
+        plot_latency(results, bound, args.plot_dir / f"paper-{tag}-latency.png", title)
+        plot_batch(summary, args.plot_dir / f"paper-{tag}-batch.png", title)
+        print(f"figures written to {args.plot_dir}/paper-{tag}-{{latency,batch}}.png")
+    return 0
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_main(add_arguments, main, __doc__))
