@@ -112,7 +112,7 @@ def test_paged_sustains_a_higher_rate_than_reservations_at_paper_scale():
     bound = 0.03  # s/token: ~1.3x the unloaded 0.023
     results = sweep(
         make_engine, {"sharegpt": [1.0, 2.5]}, ["paged", "orca-oracle", "orca-max"],
-        lambda rate: round(40 * rate), seed=0, max_model_len=2048, progress=False,
+        lambda workload, rate: round(40 * rate), seed=0, max_model_len=2048, progress=False,
         stop_above=bound,  # a policy over the bound at 1 req/s is over it at 2.5 too: skipped
     )  # fmt: skip
     summary = summarize(results, bound, batch_rates={"sharegpt": 1.0})["sharegpt"]

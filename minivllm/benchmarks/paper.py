@@ -62,13 +62,17 @@ PAPER_RATE_RATIO = {"orca-oracle": (1.7, 2.7), "orca-max": (2.7, 8.0)}
 PAPER_BATCH_RATIO = {"orca-oracle": 2.2, "orca-max": 4.3}
 PAPER = {"rate_ratio": PAPER_RATE_RATIO, "batch_ratio": PAPER_BATCH_RATIO}
 # Request rates swept by default (req/s), simulated and real.
-SIM_RATES = {"sharegpt": "0.5,1,1.5,2,2.5,3,3.5,4,5,6", "alpaca": "5,10,15,20,25,30,35,40,50,60"}
-CPU_RATES = {"sharegpt": "0.5,1,2,3,4,6", "alpaca": "1,2,4,8,12,16"}
+SIM_RATES = {"sharegpt": "0.5,1,1.5,2,2.5,3,3.5,4,5,6", "alpaca": "5,10,20,30,40,50,60,80,100"}
+CPU_RATES = {"sharegpt": "0.25,0.5,0.75,1", "alpaca": "0.5,1,2,3"}
+# Seconds of arrivals per point: long enough for a queue to build past a policy's knee (an
+# Alpaca request lasts ~1.5 s on the simulated A100, a ShareGPT one ~8 s).
+SIM_DURATION = {"sharegpt": 150.0, "alpaca": 10.0}
+CPU_DURATION = {"sharegpt": 24.0, "alpaca": 12.0}
 
 EPILOG = """\
 Paper scale, in simulated time (a few minutes on a CPU):
   minivllm bench paper --simulate a100-40gb/opt-13b --json paper-sim.json --plot-dir img/
-For real, on this CPU with SmolLM2 and a 48-block KV cache (several minutes):
+For real, on this CPU with SmolLM2 and a 24-block KV cache (several minutes):
   minivllm bench paper --workloads sharegpt --json paper-cpu.json"""
 
 
@@ -202,7 +206,7 @@ def sweep(
     make_engine: Callable[[str], LLMEngine],
     workloads: dict[str, list[float]],
     policies: Sequence[str],
-    num_requests: Callable[[float], int],
+    num_requests: Callable[[str, float], int],
     seed: int,
     max_model_len: int,
     length_scale: float = 1.0,
@@ -211,7 +215,7 @@ def sweep(
     keep_rates: dict[str, float] | None = None,
 ) -> list[PointResult]:
     """Every (workload, policy, rate) point; `make_engine(policy)` gives the engine to serve it,
-    `num_requests(rate)` how many requests a point serves. A policy whose normalized latency
+    `num_requests(workload, rate)` how many requests a point serves. A policy whose normalized latency
     passed `stop_above` skips its higher rates (they are past its knee, and an overloaded point
     is the costliest to run), except each workload's `keep_rates` rate (Fig. 13's)."""
     points = [(w, p, r) for w, rates in workloads.items() for p in policies for r in sorted(rates)]
@@ -225,7 +229,7 @@ def sweep(
         bar.set_postfix_str(f"{workload} {policy} {rate:g} req/s")
         engine = engines.get(policy) or make_engine(policy)
         engines[policy] = engine
-        n = num_requests(rate)
+        n = num_requests(workload, rate)
         requests = draw_requests(workload, n, rate, seed, max_model_len, length_scale)
         out = serve(engine, requests)
         results.append(PointResult(workload, policy, rate, num_requests=n, **out))
@@ -287,10 +291,10 @@ def summarize(
 
 
 # ---------------------------------------------------------------------------------- the CLI
-# Real mode: a KV cache of 48 blocks x 16 = 768 slots and 256-token requests at most, so that a
+# Real mode: a KV cache of 24 blocks x 16 = 384 slots and 128-token requests at most, so that a
 # handful of SmolLM2 requests fill it: memory, not this CPU's compute, limits the batch.
-CPU_NUM_BLOCKS = 48
-CPU_MAX_MODEL_LEN = 256
+CPU_NUM_BLOCKS = 24
+CPU_MAX_MODEL_LEN = 128
 ENGINE_DEFAULTS = EngineArgs(enable_prefix_caching=False)
 
 
@@ -312,13 +316,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        f"default: {SIM_RATES[name]} simulated, {CPU_RATES[name]} real")  # fmt: skip
     g.add_argument("--duration", type=float, default=None,
                    help="seconds of arrivals per point (requests = rate x duration, clamped to "
-                   "--min-requests..--max-requests); default 150 simulated, 12 real")  # fmt: skip
+                   "--min-requests..--max-requests); default: ShareGPT 150 simulated, 24 real; Alpaca 10 "
+                   "simulated, 12 real")  # fmt: skip
     g.add_argument("--min-requests", type=int, default=None, help="default 60 simulated, 8 real")
-    g.add_argument("--max-requests", type=int, default=None, help="default 400 simulated, 40 real")
+    g.add_argument("--max-requests", type=int, default=None, help="default 600 simulated, 32 real")
     g.add_argument("--length-scale", type=float, default=None,
                    help="times the Fig. 11 mean lengths; default 1 simulated, 0.125 real")  # fmt: skip
     g.add_argument("--latency-bound", type=float, default=None,
-                   help="normalized latency (s/token) a sustained rate stays under; default 0.2 "
+                   help="normalized latency (s/token) a sustained rate stays under; default 0.1 "
                    "simulated, 0.5 real")  # fmt: skip
     g.add_argument("--batch-rates", default=None,
                    help="Fig. 13's rate per workload, e.g. sharegpt=2,alpaca=30 (the paper's); "
@@ -349,14 +354,14 @@ def main(args: argparse.Namespace) -> int:
         for w in args.workloads.split(",")
     }
     policies = args.policies.split(",")
-    duration = args.duration or (150.0 if sim else 12.0)
-    lo, hi = args.min_requests or (60 if sim else 8), args.max_requests or (400 if sim else 40)
+    durations = {w: args.duration or (SIM_DURATION if sim else CPU_DURATION)[w] for w in workloads}
+    lo, hi = args.min_requests or (60 if sim else 8), args.max_requests or (600 if sim else 32)
 
-    def num_requests(rate: float) -> int:
-        return num_requests_at(rate, duration, lo, hi)
+    def num_requests(workload: str, rate: float) -> int:
+        return num_requests_at(rate, durations[workload], lo, hi)
 
     scale = args.length_scale or (1.0 if sim else 0.125)
-    bound = args.latency_bound or (0.2 if sim else 0.5)
+    bound = args.latency_bound or (0.1 if sim else 0.5)
     if args.batch_rates:
         batch_rates = {
             k: float(v) for k, v in (kv.split("=") for kv in args.batch_rates.split(","))
@@ -446,7 +451,7 @@ def main(args: argparse.Namespace) -> int:
             "Fig. 11 means times length_scale, at least 1, prompt + output <= max_model_len",
             "means": {w: WORKLOADS[w] for w in workloads},
             "length_scale": scale,
-            "duration": duration,
+            "duration": durations,
             "min_requests": lo,
             "max_requests": hi,
             "seed": engine_args.seed,
