@@ -122,6 +122,7 @@ def test_create_engine_config_carries_every_argument() -> None:
         num_gpu_blocks_override=11,
         gpu_memory_utilization=0.5,
         cpu_kv_cache_space=1.5,
+        kv_allocation="orca-oracle",
         max_num_seqs=3,
         max_num_batched_tokens=50,
         tensor_parallel_size=1,
@@ -137,6 +138,7 @@ def test_create_engine_config_carries_every_argument() -> None:
 INVALID = [
     ({"dtype": "int8"}, "dtype must be one of ("),
     ({"device": "tpu"}, "device must be 'auto', 'cpu' or 'cuda[:N]', got 'tpu'"),
+    ({"kv_allocation": "orca"}, "kv_allocation must be one of ('paged', 'orca-max', "),
     ({"seed": 1.5}, "seed must be an integer, got 1.5"),
     ({"max_model_len": 0}, "max_model_len must be a positive integer, got 0"),
     ({"attention_backend": "flash"}, "attention_backend must be one of ("),

@@ -233,3 +233,13 @@ TestReservationMachine.settings = settings(
 )  # fmt: skip
 TestPagedMachine = PagedMachine.TestCase
 TestPagedMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def test_the_trace_records_each_steps_kv_split():
+    from minivllm.trace.recorder import _kv_slots
+
+    bm = ReservationBlockManager(16, 4, "orca-oracle", max_model_len=32)
+    bm.allocate("a", [1] * 5, 5, num_final_tokens=9)
+    assert _kv_slots(bm.get_stats()) == {
+        "reserved": 12, "filled": 5, "future": 4, "internal_fragmentation": 3,
+    }  # fmt: skip

@@ -22,7 +22,8 @@ keys are strings, so seq ids and block ids are strings as keys):
      "num_computed_tokens": {seq_id: n}, "ref_counts": {block id: n > 0}, "cached_blocks",
      "copies": [[src, dst]], "preempted", "forked", "finished", "finish_reasons",
      "cache_hits": [{"seq_id", "num_cached_tokens", "blocks"}], "evicted", "num_free_blocks",
-     "num_running", "num_waiting"}
+     "kv_slots": {"reserved", "filled", "future", "internal_fragmentation"}, "num_running",
+     "num_waiting"}
 
 Thread safety (the live dashboard reads from the server's thread while the engine thread
 records): records are built outside the lock and never changed afterwards; the lock only guards
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from minivllm.block_pool import BlockHash
+from minivllm.stats import BlockManagerStats
 
 if TYPE_CHECKING:
     from minivllm.engine import LLMEngine
@@ -183,6 +185,8 @@ class StepRecorder:
             "cache_hits": cache_hits,
             "evicted": evicted,
             "num_free_blocks": bm.num_free_blocks,
+            # How the held slots split under the engine's kv_allocation (BlockManagerStats).
+            "kv_slots": _kv_slots(bm.get_stats()),
             "num_running": len(scheduler.running),
             "num_waiting": len(scheduler.waiting),
         }
@@ -285,3 +289,12 @@ def record(engine: LLMEngine, max_steps: int | None = None) -> Iterator[StepReco
         yield recorder
     finally:
         recorder.detach(engine)
+
+
+def _kv_slots(stats: BlockManagerStats) -> dict[str, int]:
+    return {
+        "reserved": stats.num_reserved_slots,
+        "filled": stats.num_filled_slots,
+        "future": stats.num_future_slots,
+        "internal_fragmentation": stats.internal_fragmentation_slots,
+    }
