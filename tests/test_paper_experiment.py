@@ -31,6 +31,7 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-paper"))
 
 
+@pytest.mark.slow
 def test_every_policy_generates_what_paged_generates(tiny_dir):
     prompts = [
         {"prompt_token_ids": [(7 * i + j) % 900 + 3 for j in range(5 + 9 * i)]} for i in range(6)
@@ -98,6 +99,7 @@ def test_simulated_clock_measures_latency_in_model_time():
     assert 1 <= out["mean_batched_requests"] <= 5
 
 
+@pytest.mark.slow
 def test_paged_sustains_a_higher_rate_than_reservations_at_paper_scale():
     """OPT-13B on an A100-40GB, ShareGPT-like: the paper's Fig. 12a, in a small sweep."""
     setup = SimulatedSetup.named("a100-40gb/opt-13b")

@@ -22,8 +22,9 @@ Two modes:
                                  and block manager, a roofline cost per step (distributed/simulated.py)
   (no --simulate)                the real engine on this machine (SmolLM2 by default) with a KV
                                  cache small enough that memory, not compute, limits the batch; its
-                                 clock is the sum of the measured step times (idle gaps between
-                                 arrivals are skipped, not slept: the engine has nothing to do then)
+                                 clock is the sum of the steps' measured CPU time (this process's:
+                                 other jobs on a shared machine do not count), and idle gaps
+                                 between arrivals are skipped, not slept (nothing runs then)
 """
 
 from __future__ import annotations
@@ -63,16 +64,16 @@ PAPER_BATCH_RATIO = {"orca-oracle": 2.2, "orca-max": 4.3}
 PAPER = {"rate_ratio": PAPER_RATE_RATIO, "batch_ratio": PAPER_BATCH_RATIO}
 # Request rates swept by default (req/s), simulated and real.
 SIM_RATES = {"sharegpt": "0.5,1,1.5,2,2.5,3,3.5,4,5,6", "alpaca": "5,10,20,30,40,50,60,80,100"}
-CPU_RATES = {"sharegpt": "0.25,0.5,0.75,1", "alpaca": "0.5,1,2,3"}
+CPU_RATES = {"sharegpt": "2,4,6,8,12", "alpaca": "4,8,16,24,32"}
 # Seconds of arrivals per point: long enough for a queue to build past a policy's knee (an
 # Alpaca request lasts ~1.5 s on the simulated A100, a ShareGPT one ~8 s).
 SIM_DURATION = {"sharegpt": 150.0, "alpaca": 10.0}
-CPU_DURATION = {"sharegpt": 24.0, "alpaca": 12.0}
+CPU_DURATION = {"sharegpt": 4.0, "alpaca": 2.0}
 
 EPILOG = """\
 Paper scale, in simulated time (a few minutes on a CPU):
   minivllm bench paper --simulate a100-40gb/opt-13b --json paper-sim.json --plot-dir img/
-For real, on this CPU with SmolLM2 and a 24-block KV cache (several minutes):
+For real, on this CPU with SmolLM2 and a 16-block KV cache (a few minutes):
   minivllm bench paper --workloads sharegpt --json paper-cpu.json"""
 
 
@@ -132,12 +133,18 @@ class _StepProbe:
 
 
 def serve(
-    engine: LLMEngine, requests: Sequence[PaperRequest], on_step: Callable[[], None] | None = None
+    engine: LLMEngine,
+    requests: Sequence[PaperRequest],
+    on_step: Callable[[], None] | None = None,
+    clock_fn: Callable[[], float] = time.process_time,
 ) -> dict[str, Any]:
     """Feed `requests` to `engine` at their arrival times and step it until all finish.
 
     The clock advances by each step's duration: simulated when the engine runs on the simulated
-    executor, measured otherwise; when the engine is idle it jumps to the next arrival."""
+    executor, else measured with `clock_fn`: by default this process's CPU time, which on a CPU
+    shared with other jobs is the step's own compute (wall time would measure the other jobs
+    too; with one torch thread the two agree on an idle machine). When the engine is idle the
+    clock jumps to the next arrival."""
     simulated = isinstance(engine.executor, SimulatedExecutor)
     probe = _StepProbe(engine.executor)
     engine.executor = probe
@@ -160,9 +167,9 @@ def serve(
                 engine.add_request(str(nxt), prompt, params, arrival_time=r.arrival)
                 nxt += 1
             probe.num_scheduled = 0
-            before = probe.inner.clock if simulated else time.perf_counter()
+            before = probe.inner.clock if simulated else clock_fn()
             outputs = engine.step()
-            after = probe.inner.clock if simulated else time.perf_counter()
+            after = probe.inner.clock if simulated else clock_fn()
             clock += after - before
             if probe.num_scheduled:
                 steps += 1
@@ -291,9 +298,9 @@ def summarize(
 
 
 # ---------------------------------------------------------------------------------- the CLI
-# Real mode: a KV cache of 24 blocks x 16 = 384 slots and 128-token requests at most, so that a
+# Real mode: a KV cache of 16 blocks x 16 = 256 slots and 128-token requests at most, so that a
 # handful of SmolLM2 requests fill it: memory, not this CPU's compute, limits the batch.
-CPU_NUM_BLOCKS = 24
+CPU_NUM_BLOCKS = 16
 CPU_MAX_MODEL_LEN = 128
 ENGINE_DEFAULTS = EngineArgs(enable_prefix_caching=False)
 
@@ -316,15 +323,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        f"default: {SIM_RATES[name]} simulated, {CPU_RATES[name]} real")  # fmt: skip
     g.add_argument("--duration", type=float, default=None,
                    help="seconds of arrivals per point (requests = rate x duration, clamped to "
-                   "--min-requests..--max-requests); default: ShareGPT 150 simulated, 24 real; Alpaca 10 "
-                   "simulated, 12 real")  # fmt: skip
+                   "--min-requests..--max-requests); default: ShareGPT 150 simulated, 4 real; Alpaca 10 "
+                   "simulated, 2 real")  # fmt: skip
     g.add_argument("--min-requests", type=int, default=None, help="default 60 simulated, 8 real")
     g.add_argument("--max-requests", type=int, default=None, help="default 600 simulated, 32 real")
     g.add_argument("--length-scale", type=float, default=None,
-                   help="times the Fig. 11 mean lengths; default 1 simulated, 0.125 real")  # fmt: skip
+                   help="times the Fig. 11 mean lengths; default 1 simulated, 1/16 real")  # fmt: skip
     g.add_argument("--latency-bound", type=float, default=None,
                    help="normalized latency (s/token) a sustained rate stays under; default 0.1 "
-                   "simulated, 0.5 real")  # fmt: skip
+                   "simulated and real")  # fmt: skip
     g.add_argument("--batch-rates", default=None,
                    help="Fig. 13's rate per workload, e.g. sharegpt=2,alpaca=30 (the paper's); "
                    "default: each workload's highest swept rate, where every policy is "
@@ -360,8 +367,8 @@ def main(args: argparse.Namespace) -> int:
     def num_requests(workload: str, rate: float) -> int:
         return num_requests_at(rate, durations[workload], lo, hi)
 
-    scale = args.length_scale or (1.0 if sim else 0.125)
-    bound = args.latency_bound or (0.1 if sim else 0.5)
+    scale = args.length_scale or (1.0 if sim else 0.0625)
+    bound = args.latency_bound or 0.1
     if args.batch_rates:
         batch_rates = {
             k: float(v) for k, v in (kv.split("=") for kv in args.batch_rates.split(","))
