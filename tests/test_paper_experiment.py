@@ -9,6 +9,8 @@ simulated time at the paper's scale.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from engine_utils import save_tiny_llama
 
@@ -123,3 +125,20 @@ def test_paged_sustains_a_higher_rate_than_reservations_at_paper_scale():
     for policy in ("orca-oracle", "orca-max"):
         assert paged["max_rate"] > summary[policy]["max_rate"], summary
     assert summary["orca-oracle"]["max_rate"] > summary["orca-max"]["max_rate"]
+
+
+def test_bench_paper_writes_json_and_both_figures(tmp_path, capsys):
+    from minivllm.entrypoints.cli import main
+
+    out = tmp_path / "paper.json"
+    argv = ["bench", "paper", "--simulate", "a100-40gb/opt-13b", "--workloads", "alpaca",
+            "--alpaca-rates", "5,10", "--policies", "paged,orca-max", "--min-requests", "10",
+            "--max-requests", "10", "--json", str(out), "--plot-dir", str(tmp_path),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert {p["policy"] for p in data["points"]} == {"paged", "orca-max"}
+    assert data["summary"]["alpaca"]["orca-max"]["paged_rate_ratio"] >= 1.0
+    for name in ("paper-sim-latency.png", "paper-sim-batch.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    assert "highest rate under 0.1 s/token" in capsys.readouterr().out

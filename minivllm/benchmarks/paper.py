@@ -336,9 +336,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Fig. 13's rate per workload, e.g. sharegpt=2,alpaca=30 (the paper's); "
                    "default: each workload's highest swept rate, where every policy is "
                    "memory-bound")  # fmt: skip
-    g.add_argument(
-        "--plot-dir", type=Path, default=Path("."), help="where the two PNGs go; '' for none"
-    )
+    g.add_argument("--plot-dir", default=".", help="where the two PNGs go; '' for none")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     EngineArgs.add_cli_args(parser, defaults=ENGINE_DEFAULTS)
     add_run_arguments(parser)
@@ -471,10 +469,10 @@ def main(args: argparse.Namespace) -> int:
         "seconds": time.perf_counter() - start,
     }
     write_json(args.json, data)
-    if str(args.plot_dir):
+    if args.plot_dir:
         tag = "sim" if sim else "cpu"
-        plot_latency(results, bound, args.plot_dir / f"paper-{tag}-latency.png", title)
-        plot_batch(summary, args.plot_dir / f"paper-{tag}-batch.png", title)
+        plot_latency(results, bound, Path(args.plot_dir) / f"paper-{tag}-latency.png", title)
+        plot_batch(summary, Path(args.plot_dir) / f"paper-{tag}-batch.png", title)
         print(f"figures written to {args.plot_dir}/paper-{tag}-{{latency,batch}}.png")
     return 0
 

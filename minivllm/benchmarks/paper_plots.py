@@ -4,6 +4,7 @@ Fig. 13 (the mean number of requests in a step), drawn from its results with mat
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,9 @@ def plot_latency(results: Sequence[PointResult], bound: float, path: Path, title
     import matplotlib.pyplot as plt
 
     workloads = list(dict.fromkeys(r.workload for r in results))
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 3.6), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(workloads), figsize=(max(6.5, 5 * len(workloads)), 3.8), squeeze=False
+    )
     for ax, workload in zip(axes[0], workloads):
         for policy in KV_ALLOCATIONS:
             pts = sorted(
@@ -45,7 +48,7 @@ def plot_latency(results: Sequence[PointResult], bound: float, path: Path, title
         ax.set_ylabel("normalized latency (s/token)")
         ax.set_title(f"{workload}")
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 70), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -59,7 +62,9 @@ def plot_batch(summary: dict[str, dict[str, dict[str, Any]]], path: Path, title:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(summary), figsize=(4.5 * len(summary), 3.4), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(summary), figsize=(max(6.5, 4.5 * len(summary)), 3.6), squeeze=False
+    )
     for ax, (workload, rows) in zip(axes[0], summary.items()):
         names = [p for p in KV_ALLOCATIONS if p in rows]
         values = [rows[p]["mean_batched_requests"] for p in names]
@@ -69,7 +74,7 @@ def plot_batch(summary: dict[str, dict[str, dict[str, Any]]], path: Path, title:
         ax.set_title(f"{workload} at {rate:g} req/s")
         ax.set_ylabel("mean batched requests")
         ax.tick_params(axis="x", labelsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 70), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
