@@ -14,7 +14,7 @@ import json
 import pytest
 from engine_utils import save_tiny_llama
 
-from minivllm.benchmarks.paper import (
+from minivllm.benchmarks.paper_sweep import (
     PointResult,
     draw_requests,
     max_sustained_rate,

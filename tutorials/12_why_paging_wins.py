@@ -24,7 +24,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from minivllm.benchmarks.paper import max_sustained_rate, sweep
+from minivllm.benchmarks.paper_sweep import max_sustained_rate, sweep
 from minivllm.distributed.simulated import SimulatedSetup, build_simulated_engine
 
 plt.switch_backend("Agg")  # write files, never open a window

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from minivllm.config import KV_ALLOCATIONS
 
 if TYPE_CHECKING:
-    from minivllm.benchmarks.paper import PointResult
+    from minivllm.benchmarks.paper_sweep import PointResult
 
 COLORS = {
     "paged": "tab:red",
