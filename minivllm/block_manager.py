@@ -129,6 +129,7 @@ class BlockManager:
         num_new_tokens: int,
         extra_keys: ExtraKeys = None,
         use_cache: bool = True,
+        num_final_tokens: int | None = None,  # what a reservation policy reserves for; unused here
     ) -> bool:
         hit_blocks = self._find_cached_blocks(token_ids, extra_keys) if use_cache else []
         return self._num_blocks_to_take(hit_blocks, num_new_tokens) <= self.num_free_blocks
@@ -147,6 +148,7 @@ class BlockManager:
         extra_keys: ExtraKeys = None,
         count_as_query: bool = True,
         use_cache: bool = True,
+        num_final_tokens: int | None = None,  # see can_allocate
     ) -> int:
         """Admit a sequence: take its prefix-cache hit, then fresh blocks for `num_new_tokens` more
         tokens. `token_ids` is everything known (prompt + generated tokens, after a preemption).
@@ -286,6 +288,7 @@ class BlockManager:
             lambda: {s: tuple(seq.block_table) for s, seq in seqs.items()},
             lambda: {b: blocks[b].ref_cnt for seq in seqs.values() for b in seq.block_table},
             lambda: {block.block_id: key for key, block in cached.items()},
+            self.get_stats,
         )
 
     def get_stats(self) -> BlockManagerStats:
@@ -302,6 +305,9 @@ class BlockManager:
             min_kv_slot_utilization=self._min_util,
             peak_kv_slot_utilization=self._peak_util,
             peak_used_blocks=self._peak_used,
+            num_reserved_slots=used * self.block_size,
+            num_filled_slots=self._num_filled_slots,
+            internal_fragmentation_slots=used * self.block_size - self._num_filled_slots,
         )
 
     # ------------------------------------------------------------------------------------ helpers

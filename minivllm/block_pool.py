@@ -180,6 +180,7 @@ class BlockPoolSnapshot:
     _read_tables: Callable[[], dict[Hashable, tuple[int, ...]]] = field(repr=False)
     _read_ref_counts: Callable[[], dict[int, int]] = field(repr=False)
     _read_cached: Callable[[], dict[int, BlockHash]] = field(repr=False)
+    _read_stats: Callable[[], BlockManagerStats] = field(repr=False)
 
     @cached_property
     def block_tables(self) -> Mapping[Hashable, tuple[int, ...]]:
@@ -195,6 +196,11 @@ class BlockPoolSnapshot:
     def cached_blocks(self) -> Mapping[int, BlockHash]:
         """block id -> its prefix-cache name, for every named block (held or free)."""
         return MappingProxyType(self._read_cached())
+
+    @cached_property
+    def stats(self) -> BlockManagerStats:
+        """The pool's counters and its slot accounting under the engine's `kv_allocation`."""
+        return self._read_stats()
 
 
 @dataclass
@@ -212,3 +218,15 @@ class BlockManagerStats:
     min_kv_slot_utilization: float  # lowest seen after any operation while blocks were used
     peak_kv_slot_utilization: float  # the utilization when used blocks were at their peak (latest)
     peak_used_blocks: int = 0  # the most blocks held at once, after any operation
+    # The paper's Fig. 2 split of the slots held by sequences (minivllm/kv_allocation.py):
+    # reserved = filled (token states) + future (reserved for tokens still to come) + internal
+    # fragmentation (never filled: past the request's end, or the unfilled tail of a paged block).
+    kv_allocation: str = "paged"
+    num_reserved_slots: int = 0  # used blocks * block_size
+    num_filled_slots: int = 0  # slots holding a token's K/V
+    num_future_slots: int = 0  # reserved for tokens the sequences will still write (reservations)
+    internal_fragmentation_slots: int = 0
+    # Free slots outside the longest free contiguous run, as a fraction of the free slots: memory a
+    # contiguous reservation cannot use. Always 0 for paged blocks, which need no contiguity.
+    external_fragmentation: float = 0.0
+    num_fragmentation_stalls: int = 0  # admissions refused with enough blocks free, none contiguous

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from minivllm.model.loader import GenerationDefaults, ModelSource
 
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
+# How the KV cache is handed out (minivllm/kv_allocation.py): paged blocks, or the paper's Orca
+# baselines, which reserve a contiguous range per request at admission (§6.2).
+KV_ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 
 
 def _positive(name: str, value: object) -> None:
@@ -67,9 +70,20 @@ class CacheConfig:
     num_gpu_blocks_override: int | None  # None: sized from the memory limits below
     gpu_memory_utilization: float  # fraction of CUDA memory
     cpu_kv_cache_space: float  # GiB
+    kv_allocation: str  # one of KV_ALLOCATIONS
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(
+                f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}"
+            )
+        if self.kv_allocation != "paged" and self.enable_prefix_caching:
+            # A prefix-cache hit shares blocks between requests; a reservation is one request's.
+            raise ValueError(
+                f"enable_prefix_caching is not supported with kv_allocation={self.kv_allocation}; "
+                "pass enable_prefix_caching=False (--no-enable-prefix-caching)"
+            )
         if self.num_gpu_blocks_override is not None:
             _positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -28,10 +28,10 @@ import torch
 
 from minivllm.after_sampling import AfterSampling, ParallelSampling, RequestContext, RequestParams
 from minivllm.attention import get_attention_backend
-from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
-from minivllm.distributed.executor import make_executor
+from minivllm.distributed.executor import Executor, make_executor
 from minivllm.inputs import PromptType, process_prompt, truncate_prompt
+from minivllm.kv_allocation import make_block_manager
 from minivllm.model.loader import load_tokenizer
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput, make_request_output
@@ -51,7 +51,10 @@ class PromptTooLongError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        """`executor`: run the steps there instead of loading the model's weights (the
+        simulated-time executor, minivllm/distributed/simulated.py); the model folder then needs
+        only its config.json."""
         self.config = config
         mc, cc, resolved = config.model, config.cache, config.resolved
         self.device, self.dtype, self.source = resolved.device, resolved.dtype, resolved.source
@@ -63,12 +66,12 @@ class LLMEngine:
         self.max_model_len = resolved.max_model_len
         # The model runner in this process (tensor_parallel_size 1), or rank 0's of N ranks that
         # each hold 1/N of the model and get every step (paper §4.6; minivllm/distributed/).
-        self.executor = make_executor(config, backend)
+        self.executor = executor or make_executor(config, backend)
         self.runner = self.executor.driver_runner
         self.model = self.runner.model  # rank 0's shard when tensor_parallel_size > 1
         num_blocks = self.executor.num_blocks  # the same on every rank: the smallest any can hold
         self._fit_max_model_len(num_blocks * cc.block_size)
-        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.block_manager = make_block_manager(cc, num_blocks, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         # Unseeded random sampling draws from the engine's own generator, seeded by `seed`: a
         # whole offline run is reproducible, and torch's global RNG stays the user's.
@@ -173,6 +176,13 @@ class LLMEngine:
             width, params = params.max_num_seqs, params.sampling_params()
         params = params or SamplingParams(**self._diff_sampling_param)
         max_num_seqs = self.config.scheduler.max_num_seqs
+        if self.config.cache.kv_allocation != "paged" and (
+            params.n > 1 or hook is not self.parallel_sampling
+        ):
+            raise ValueError(
+                f"n > 1 and beam search need kv_allocation='paged' (forked sequences share "
+                f"blocks), got kv_allocation={self.config.cache.kv_allocation!r}"
+            )
         if params.n > max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}")
         if self._extra_eos_token_ids and not params.ignore_eos:

@@ -30,6 +30,7 @@ import torch
 from minivllm.attention import BACKEND_NAMES, resolve_backend_name
 from minivllm.config import (
     DTYPES,
+    KV_ALLOCATIONS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -101,6 +102,14 @@ class EngineArgs:
     )
     cpu_kv_cache_space: float = _arg(
         4.0, "CPU: GiB of memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE)"
+    )
+    kv_allocation: str = _arg(
+        "paged",
+        "paged: KV blocks on demand (PagedAttention); orca-max / orca-pow2 / orca-oracle: the "
+        "paper's baselines, a contiguous reservation per request of max_model_len slots, the next "
+        "power of two of its final length, or exactly prompt + max_tokens (these need "
+        "--no-enable-prefix-caching and n = 1)",
+        choices=KV_ALLOCATIONS,
     )
     # ---------------------------------------------------------------------- the scheduler
     max_num_seqs: int = _arg(256, "most sequences running at once (the batch's rows)")
@@ -192,6 +201,7 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 cpu_kv_cache_space=self.cpu_kv_cache_space,
+                kv_allocation=self.kv_allocation,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -221,6 +231,7 @@ class EngineKwargs(TypedDict, total=False):
     num_gpu_blocks_override: int | None
     gpu_memory_utilization: float
     cpu_kv_cache_space: float
+    kv_allocation: str
     max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int

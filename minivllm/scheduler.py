@@ -152,7 +152,12 @@ class Scheduler:
             lookup = not seq.request.needs_prompt_logprobs  # a cache hit has no logits
             num_cached = bm.get_num_cached_tokens(seq.token_ids) if lookup else 0
             num_new = min(seq.num_tokens - num_cached, budget)
-            if not bm.can_allocate(seq.token_ids, num_new, use_cache=lookup):
+            # A reservation policy (kv_allocation orca-*) reserves up to the request's end.
+            max_tokens = seq.request.params.max_tokens
+            final = seq.num_prompt_tokens + max_tokens if max_tokens is not None else None
+            if not bm.can_allocate(
+                seq.token_ids, num_new, use_cache=lookup, num_final_tokens=final
+            ):
                 break  # first come, first served: nobody overtakes the head of the queue
             first_admission = seq.num_cached_tokens is None
             num_cached = bm.allocate(
@@ -161,6 +166,7 @@ class Scheduler:
                 num_new,
                 count_as_query=first_admission and lookup,
                 use_cache=lookup,
+                num_final_tokens=final,
             )
             if first_admission:  # vLLM v1 reports the first admission's hit, not a recompute's
                 seq.num_cached_tokens = num_cached

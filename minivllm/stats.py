@@ -35,6 +35,11 @@ class EngineStats:
     peak_kv_blocks_used: int  # the most blocks ever held at once
     kv_slot_utilization: float  # filled slots / allocated slots, now
     peak_kv_slot_utilization: float  # the same, at the step with the most blocks in use
+    # How the slots held by requests split (BlockManagerStats has each field's meaning).
+    num_reserved_kv_slots: int = 0
+    num_filled_kv_slots: int = 0
+    kv_internal_fragmentation_slots: int = 0
+    kv_external_fragmentation: float = 0.0
 
 
 class StatsCollector:
@@ -70,4 +75,8 @@ class StatsCollector:
             peak_kv_blocks_used=bm.peak_used_blocks,
             kv_slot_utilization=bm.kv_slot_utilization,
             peak_kv_slot_utilization=bm.peak_kv_slot_utilization,
+            num_reserved_kv_slots=bm.num_reserved_slots,
+            num_filled_kv_slots=bm.num_filled_slots,
+            kv_internal_fragmentation_slots=bm.internal_fragmentation_slots,
+            kv_external_fragmentation=bm.external_fragmentation,
         )

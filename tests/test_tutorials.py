@@ -238,6 +238,16 @@ def test_11_a_schema_masks_the_vocabulary_and_the_output_parses(tmp_path: Path) 
     assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "11_mask_sizes.png")
 
 
+@pytest.mark.slow
+def test_12_paging_sustains_a_higher_rate_than_reservations(tmp_path: Path) -> None:
+    out = run_tutorial("12_why_paging_wins.py", tmp_path)
+    paged = number(r"paged serves ([\d.]+) req/s", out)
+    oracle = number(r"orca-oracle ([\d.]+) and", out)
+    orca_max = number(r"orca-max ([\d.]+)\.", out)
+    assert paged > oracle > orca_max
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "12_why_paging_wins.png")
+
+
 def test_08_two_ranks_hold_half_the_model_each_and_give_the_same_tokens(tmp_path: Path) -> None:
     out = run_tutorial("08_tensor_parallel.py", tmp_path)
     ranks = re.findall(

@@ -97,9 +97,7 @@ with tempfile.TemporaryFile() as log:  # the server's log, shown if it fails to 
         # Operators read Prometheus metrics with vLLM's own names: a vLLM dashboard reads them.
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
             metrics = r.read().decode()
-        lines = [
-            m for m in metrics.splitlines() if m.startswith("vllm:generation_tokens_total")
-        ]
+        lines = [m for m in metrics.splitlines() if m.startswith("vllm:generation_tokens_total")]
         print(f"GET /metrics -> {lines[0]}")
     finally:
         server.terminate()  # SIGTERM: uvicorn shuts down, the engine thread stops

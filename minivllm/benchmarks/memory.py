@@ -111,16 +111,22 @@ def trace_minivllm(args: argparse.Namespace) -> tuple[list[StepUsage], dict[str,
     requests = workload_for(llm, args)
     engine = llm.llm_engine
     bm = engine.block_manager
-    bs = bm.block_size
     steps: list[StepUsage] = []
 
     def after_step() -> None:
         st = bm.get_stats()
-        used = st.num_used_blocks * bs
-        filled = round(st.kv_slot_utilization * used) if used else 0
-        # No slot is held ahead of need: a block is taken when its first token is scheduled, so
-        # the only slack is the unfilled end of each sequence's last block.
-        steps.append(StepUsage(used, filled, 0, used - filled, len(engine.scheduler.running)))
+        # The block manager's split of the held slots (`--kv-allocation`): with paged blocks
+        # nothing is held ahead of need and the only slack is each last block's unfilled end;
+        # a reservation policy (orca-*) also holds slots for future tokens.
+        steps.append(
+            StepUsage(
+                st.num_reserved_slots,
+                st.num_filled_slots,
+                st.num_future_slots,
+                st.internal_fragmentation_slots,
+                len(engine.scheduler.running),
+            )
+        )
 
     params = [fixed_params(r.output_len) for r in requests]
     drive_engine(llm, requests, params, after_step=after_step, desc="minivllm")
@@ -249,7 +255,10 @@ def main(args: argparse.Namespace) -> int:
     if args.plot and str(args.plot):
         plot(
             args.plot,
-            {"minivllm (paged)": mini_steps, f"naive (reserve {args.max_model_len})": naive_steps},
+            {
+                f"minivllm ({args.kv_allocation})": mini_steps,
+                f"naive (reserve {args.max_model_len})": naive_steps,
+            },
             budget_slots,
             f"KV memory over the run, {len(requests)} requests, budget {budget_slots:,} slots",
         )

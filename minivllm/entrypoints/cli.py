@@ -23,6 +23,7 @@ BENCHMARKS = {
     "prefix": "prefix caching speed-up",
     "serve": "load test a running server: TTFT, TPOT, ITL, throughput",
     "sharing": "KV memory saved by sharing in parallel sampling and beam search (Fig. 15)",
+    "paper": "paged vs reservation (Orca) under load: latency vs request rate (Figs. 12-13)",
 }
 
 SERVE_DESCRIPTION = "Serve a model over vLLM's OpenAI-compatible HTTP API (under /v1)."

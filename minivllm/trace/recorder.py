@@ -23,7 +23,8 @@ keys are strings, so seq ids and block ids are strings as keys):
      "num_computed_tokens": {seq_id: n}, "ref_counts": {block id: n > 0}, "cached_blocks",
      "copies": [[src, dst]], "preempted", "forked", "finished", "finish_reasons",
      "cache_hits": [{"seq_id", "num_cached_tokens", "blocks"}], "evicted", "num_free_blocks",
-     "num_running", "num_waiting"}
+     "kv_slots": {"reserved", "filled", "future", "internal_fragmentation"}, "num_running",
+     "num_waiting"}
 
 Thread safety (the live dashboard reads from the server's thread while the engine thread
 records): records are built outside the lock and never changed afterwards; the lock only guards
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from minivllm.block_pool import BlockHash, BlockPoolSnapshot
+from minivllm.block_pool import BlockHash, BlockManagerStats, BlockPoolSnapshot
 from minivllm.scheduler import SchedulerOutput
 from minivllm.sequence import Sequence as EngineSequence
 from minivllm.step_listener import StepOutputs
@@ -170,6 +171,8 @@ class StepRecorder:
             "cache_hits": cache_hits,
             "evicted": evicted,
             "num_free_blocks": blocks.num_free_blocks,
+            # How the held slots split under the engine's kv_allocation (BlockManagerStats).
+            "kv_slots": _kv_slots(blocks.stats),
             "num_running": outputs.num_running,
             "num_waiting": outputs.num_waiting,
         }
@@ -272,3 +275,12 @@ def record(engine: LLMEngine, max_steps: int | None = None) -> Iterator[StepReco
         yield recorder
     finally:
         recorder.detach(engine)
+
+
+def _kv_slots(stats: BlockManagerStats) -> dict[str, int]:
+    return {
+        "reserved": stats.num_reserved_slots,
+        "filled": stats.num_filled_slots,
+        "future": stats.num_future_slots,
+        "internal_fragmentation": stats.internal_fragmentation_slots,
+    }
