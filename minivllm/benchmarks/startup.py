@@ -121,6 +121,16 @@ def main(args: argparse.Namespace) -> int:
     print_rows(rows)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=2) + "\n")
+        load = load_average()
+        report = {
+            "benchmark": "startup",
+            "machine": f"load {load:.2f} on {os.cpu_count()} cores after the runs"
+            if load is not None
+            else f"{os.cpu_count()} cores",
+            "args": {"model": args.model, "repeat": args.repeat, "threads": args.threads},
+            "text": warm[-1]["text"],
+            "rows": rows,
+        }
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"results written to {args.json}")
     return 0

@@ -39,7 +39,8 @@
   function seqName(seqId) {
     const info = seqInfo(seqId);
     if (!info) return `seq ${seqId}`;
-    return `seq ${seqId} · req ${info.request_id}` + (info.index ? ` #${info.index}` : "");
+    // The one naming of the tutorials: "seq 3 (request 2)", "#1" for a second sample.
+    return `seq ${seqId} (request ${info.request_id}${info.index ? ` #${info.index}` : ""})`;
   }
 
   function seqColour(seqId) {
@@ -136,8 +137,11 @@
     const end = start + item.num_new_tokens;
     const hit = step.cache_hits.find((h) => h.seq_id === item.seq_id);
     const cachedNote = hit ? ` after a ${hit.num_cached_tokens}-token cache hit` : "";
+    // "resume": a preempted sequence coming back, its tokens recomputed or found in the cache
+    // (one word for it here, in the events, in tutorial 09 and in the docs).
+    if (hit && start >= prompt) return `resume tokens ${start}–${end - 1}${cachedNote}`;
     if (start >= prompt && item.num_new_tokens === 1) return "decode";
-    if (end > prompt) return `recompute tokens ${start}–${end - 1}${cachedNote}`;
+    if (end > prompt) return `resume tokens ${start}–${end - 1}${cachedNote}`;
     const whole = start === (hit ? hit.num_cached_tokens : 0) && end === prompt;
     return (whole ? "prefill" : "prefill chunk") + ` tokens ${start}–${end - 1}${cachedNote}`;
   }
@@ -166,7 +170,7 @@
       el("span", { class: "kind", text: kind + ": " }), text,
     ]));
     for (const s of step.preempted) {
-      add("preempted", `${seqName(s)} — its blocks are freed; it waits at the front of the queue and will be recomputed`);
+      add("preempted", `${seqName(s)} — its blocks are freed; it waits at the front of the queue and will resume, recomputing what the prefix cache no longer holds`);
     }
     for (const [src, dst] of step.copies) {
       add("copy-on-write", `block ${src} → block ${dst}: a sequence wrote into a shared, partly filled block`);
