@@ -108,3 +108,16 @@ def test_pages_link_to_files_and_search_answers_offline(site: Path, offline_page
     )
     assert page.locator(".md-search-result__item").count() > 0
     assert page.errors == [] and page.refused == []
+
+
+def test_text_diagrams_fit_a_laptop_screen(site: Path, offline_page: Any) -> None:
+    """The Paging page's text diagram is shown whole on a 1280 px laptop screen, not clipped on the right."""
+    page = offline_page
+    page.set_viewport_size({"width": 1280, "height": 800})  # both sidebars: the narrowest column
+    page.goto((site / "concepts" / "paging.html").as_uri())
+    widths = page.evaluate(
+        "[...document.querySelectorAll('pre > code')].map(c => [c.scrollWidth, c.clientWidth])"
+    )
+    assert widths
+    for scroll, client in widths[:1]:  # the pool diagram is the page's first block
+        assert scroll <= client, (scroll, client)

@@ -251,6 +251,7 @@ def test_08_two_ranks_hold_half_the_model_each_and_give_the_same_tokens(tmp_path
         assert all_reduce == number(r"= ([\d,]+) B per token", out)  # no recomputation here
     assert one[2] == 0  # one rank: no collective at all
     assert "outputs equal at tensor_parallel_size 1 and 2: True" in out
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "08_shards.png")
 
 
 # ------------------------------------------------------------------------- the docs quote them

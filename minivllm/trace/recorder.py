@@ -22,7 +22,7 @@ keys are strings, so seq ids and block ids are strings as keys):
      "num_computed_tokens": {seq_id: n}, "ref_counts": {block id: n > 0}, "cached_blocks",
      "copies": [[src, dst]], "preempted", "forked", "finished", "finish_reasons",
      "cache_hits": [{"seq_id", "num_cached_tokens", "blocks"}], "evicted", "num_free_blocks",
-     "num_running", "num_waiting"}
+     "num_running", "num_waiting", "waiting"}
 
 Thread safety (the live dashboard reads from the server's thread while the engine thread
 records): records are built outside the lock and never changed afterwards; the lock only guards
@@ -185,6 +185,7 @@ class StepRecorder:
             "num_free_blocks": bm.num_free_blocks,
             "num_running": len(scheduler.running),
             "num_waiting": len(scheduler.waiting),
+            "waiting": [seq.seq_id for seq in scheduler.waiting],  # queue order, front first
         }
         mentioned = scheduled_ids | set(holders) | set(finished) | set(sched.preempted_seq_ids)
         with self._lock:

@@ -100,6 +100,11 @@
     const copied = new Set(step.copies.map((c) => c[1]));
     const evicted = new Set(step.evicted);
     const hits = new Set(step.cache_hits.flatMap((h) => h.blocks));
+    // A preempted sequence leaves the tables at once: mark the blocks it held the step before.
+    const before = trace.steps[trace.steps.indexOf(step) - 1];
+    const freed = new Set(
+      before ? step.preempted.flatMap((s) => before.block_tables[String(s)] || []) : []
+    );
     let shared = 0;
     for (const node of $("grid").children) {
       const b = Number(node.dataset.block);
@@ -112,6 +117,7 @@
       if (copied.has(b)) classes.push("copied");
       if (evicted.has(b)) classes.push("evicted");
       if (hits.has(b)) classes.push("hit");
+      if (freed.has(b) && rc === 0) classes.push("freed");  // shared ones are still held
       node.className = classes.join(" ");
       node.dataset.refcount = rc;
       node.dataset.owners = seqs.join(" ");
@@ -162,6 +168,11 @@
       `${step.scheduled.length} sequences, ${step.num_batched_tokens} of ` +
       `${trace.max_num_batched_tokens} tokens; ${step.num_running} running, ` +
       `${step.num_waiting} waiting after the step`;
+    // The waiting queue, front first (traces recorded before it was kept have only its length).
+    const queue = step.waiting || [];
+    $("waiting").textContent = step.num_waiting
+      ? `Waiting, front of the queue first: ${queue.length ? queue.map(seqName).join(", ") : step.num_waiting + " sequences"}`
+      : "Waiting: nobody";
   }
 
   function renderEvents(step) {
@@ -246,7 +257,21 @@
     cursor.setAttribute("y2", "120");
     const title = document.createElementNS(ns, "title");
     title.textContent = "blocks held / all blocks, per step; click to go to a step";
-    svg.append(title, area, curve, cursor);
+    const line = (cls, x1, y1, x2, y2) => {
+      const l = document.createElementNS(ns, "line");
+      l.setAttribute("class", cls);
+      [["x1", x1], ["y1", y1], ["x2", x2], ["y2", y2]].forEach(([k, v]) => l.setAttribute(k, v));
+      return l;
+    };
+    const marks = [line("axis", 0, 118, 1000, 118), line("axis", 0, 10, 0, 118)];
+    steps.forEach((s, i) => {  // preemptions as red ticks along the top, copies orange below them
+      if (s.preempted.length) marks.push(line("preempt", x(i), 0, x(i), 40));
+      if (s.copies.length) marks.push(line("copy", x(i), 42, x(i), 62));
+    });
+    svg.append(title, area, curve, ...marks, cursor);
+    $("usage-ymax").textContent = String(trace.num_blocks);
+    $("usage-xmin").textContent = String(steps[0].step);
+    $("usage-xmax").textContent = String(steps[steps.length - 1].step);
   }
 
   function moveCursor() {
