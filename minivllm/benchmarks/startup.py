@@ -106,7 +106,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.repeat < 1:
-        raise SystemExit(f"minivllm bench startup: --repeat must be >= 1, got {args.repeat}")
+        raise ValueError(f"repeat must be at least 1, got {args.repeat}")  # the CLI names --repeat
     rows = []
     if args.cold:
         with tempfile.TemporaryDirectory(prefix="minivllm-cold-") as cache:
