@@ -352,7 +352,12 @@ class LLMEngine:
     ) -> None:
         scheduler = self.scheduler
         step = StepOutputs(
-            seqs, outputs, scheduler.seqs, len(scheduler.running), len(scheduler.waiting)
+            seqs,
+            outputs,
+            scheduler.seqs,
+            len(scheduler.running),
+            len(scheduler.waiting),
+            tuple(seq.seq_id for seq in scheduler.waiting),
         )
         blocks = self.block_manager.snapshot()
         for listener in self.step_listeners:

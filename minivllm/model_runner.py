@@ -108,8 +108,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         cfg = model.config
-        # Zero-filled so that padding positions read by a batched gather are finite numbers.
-        self.kv_cache = torch.zeros(
+        # Not zero-filled: no kernel reads a slot before writing it (the reference masks the
+        # padding its batched gather reads), so start-up does not touch all of the default 4 GiB.
+        self.kv_cache = torch.empty(
             (
                 cfg.num_hidden_layers,
                 2,

@@ -42,6 +42,7 @@ class StepOutputs:
     seqs: Mapping[int, Sequence]  # seq_id -> every sequence the scheduler holds after the commit
     num_running: int  # sequences holding blocks
     num_waiting: int  # sequences queued (new or preempted)
+    waiting: tuple[int, ...] = ()  # their seq ids in queue order, the next admitted first
 
 
 class StepListener(Protocol):

@@ -66,15 +66,28 @@ def test_architecture_diagrams_render_from_the_vendored_library_offline(
     page = offline_page
     page.goto((site / "architecture.html").as_uri())
     page.wait_for_function(
-        "document.querySelectorAll('div.mermaid').length === 2 && [...document.querySelectorAll("
+        "document.querySelectorAll('div.mermaid').length === 4 && [...document.querySelectorAll("
         "'div.mermaid')].every(d => d.shadowRoot && d.shadowRoot.querySelector('svg g'))",
         timeout=30_000,
     )
     texts = page.evaluate(
         "[...document.querySelectorAll('div.mermaid')].map(d => d.shadowRoot.textContent)"
     )
-    assert "OutputProcessor" in texts[0] and "SchedulerOutput" in texts[0]
-    assert "execute_model" in texts[1]
+    layers, listener, step, life = texts
+    for layer in ("Engine", "Scheduler", "Executor", "Model runner", "Custom ops", "Platform"):
+        assert layer in layers, layer
+    assert "StepListener" in listener and "Trace recorder" in listener and "Stats" in listener
+    assert "OutputProcessor" in step and "SchedulerOutput" in step
+    assert "execute_model" in life
+    # Readable at the page's normal size: the smallest rendered label is at least 11 px high
+    # (a 688 px wide drawing of a wide diagram once put its text at ~5 px).
+    smallest = page.evaluate(
+        """[...document.querySelectorAll('div.mermaid')].map(d => Math.min(...[
+            ...d.shadowRoot.querySelectorAll('text, foreignObject span, foreignObject p')]
+            .filter(t => t.textContent.trim() && t.getClientRects().length === 1)
+            .map(t => t.getBoundingClientRect().height)))"""
+    )
+    assert all(h >= 11 for h in smallest), smallest
     for height in page.evaluate(
         "[...document.querySelectorAll('div.mermaid')].map(d => d.getBoundingClientRect().height)"
     ):
@@ -95,3 +108,16 @@ def test_pages_link_to_files_and_search_answers_offline(site: Path, offline_page
     )
     assert page.locator(".md-search-result__item").count() > 0
     assert page.errors == [] and page.refused == []
+
+
+def test_text_diagrams_fit_a_laptop_screen(site: Path, offline_page: Any) -> None:
+    """The Paging page's text diagram is shown whole on a 1280 px laptop screen, not clipped on the right."""
+    page = offline_page
+    page.set_viewport_size({"width": 1280, "height": 800})  # both sidebars: the narrowest column
+    page.goto((site / "concepts" / "paging.html").as_uri())
+    widths = page.evaluate(
+        "[...document.querySelectorAll('pre > code')].map(c => [c.scrollWidth, c.clientWidth])"
+    )
+    assert widths
+    for scroll, client in widths[:1]:  # the pool diagram is the page's first block
+        assert scroll <= client, (scroll, client)

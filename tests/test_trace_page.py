@@ -184,3 +184,44 @@ def test_the_block_table_shows_the_tokens_each_block_holds(
             cell = page.locator(f'#tables .seqrow[data-seq="{seq}"] [data-logical="{i}"] .tok')
             expected = info["tokens"][i * bs : min((i + 1) * bs, computed)]
             assert cell.all_text_contents() == expected
+
+
+def test_a_preemption_shows_the_freed_blocks_the_queue_and_its_mark(
+    page: Any, traced: dict[str, Any]
+) -> None:
+    """A preempted sequence does not just vanish: the blocks it freed are marked, the waiting queue
+    is listed by name, the usage chart has a red tick at each preemption and an orange one at each
+    copy, and the legend names every ring and mark the page draws."""
+    trace = traced["trace"]
+    steps = trace["steps"]
+    k = next(i for i, s in enumerate(steps) if s["preempted"])
+    step, before = steps[k], steps[k - 1]
+    open_step(page, traced, step["step"])
+    freed = {
+        b
+        for s in step["preempted"]
+        for b in before["block_tables"][str(s)]
+        if step["ref_counts"].get(str(b), 0) == 0
+    }
+    shown = page.eval_on_selector_all("#grid .freed", "ns => ns.map(n => Number(n.dataset.block))")
+    assert set(shown) == freed and freed
+    waiting = page.locator("#waiting").inner_text()
+    for seq in step["waiting"]:
+        assert f"seq {seq} (request " in waiting, waiting
+    marks = page.evaluate(
+        "({p: document.querySelectorAll('#usage .preempt').length,"
+        " c: document.querySelectorAll('#usage .copy').length})"
+    )
+    assert marks["p"] == sum(1 for s in steps if s["preempted"])
+    assert marks["c"] == sum(1 for s in steps if s["copies"])
+    cursor = page.evaluate("getComputedStyle(document.querySelector('#usage-cursor')).stroke")
+    assert cursor != "rgb(198, 40, 40)"  # red means a preemption, not the step on screen
+    legend = " ".join(page.locator(".legend").all_inner_texts())
+    for word in ("copy-on-write", "prefix-cache hit", "evicted", "preemption", "freed"):
+        assert word in legend, word
+    # A preempted sequence coming back is a "resume", never a "decode" or a "recompute".
+    back = next(s for s in steps[k:] for h in s["cache_hits"] if h["seq_id"] in step["preempted"])
+    open_step(page, traced, back["step"])
+    kinds = page.eval_on_selector_all("#batch tbody tr", "rows => rows.map(r => r.innerText)")
+    victim_rows = [r for r in kinds if r.split()[0] in {str(s) for s in step["preempted"]}]
+    assert victim_rows and all("resume" in r for r in victim_rows), kinds

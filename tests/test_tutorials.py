@@ -94,20 +94,23 @@ def test_02_block_tables_interleave_and_attention_is_unchanged(tmp_path: Path) -
     out = run_tutorial("02_block_table.py", tmp_path)
     tables = {
         m.group(1): ast.literal_eval(m.group(2))
-        for m in re.finditer(r"request (\w): +\d+ tokens -> block table (\[[\d, ]*\])", out)
+        for m in re.finditer(
+            r"(seq \d \(request \d\)): +\d+ tokens -> block table (\[[\d, ]*\])", out
+        )
     }
-    assert set(tables) == {"a", "b"}
-    assert not set(tables["a"]) & set(tables["b"])  # no block is held twice
-    assert tables["a"] != list(range(tables["a"][0], tables["a"][0] + len(tables["a"])))
+    a, b = "seq 1 (request 0)", "seq 2 (request 1)"  # the naming of the engine and the page
+    assert set(tables) == {a, b}
+    assert not set(tables[a]) & set(tables[b])  # no block is held twice
+    assert tables[a] != list(range(tables[a][0], tables[a][0] + len(tables[a])))
     for empty in re.findall(r"slots for \d+ tokens, (\d+) empty", out):
         assert int(empty) < 4  # at most block_size - 1
     assert number(r"max \|difference\| = ([\d.e+-]+)", out) < 1e-5
     assert "6 of 8 blocks free again" in out
     trace = assert_trace(tmp_path / "02_trace")  # the same two requests in the engine
-    engine_tables = ast.literal_eval(
-        re.search(r"in the engine, step \d+: block tables (\{.*?\})", out)[1]
-    )
-    assert sorted(len(t) for t in engine_tables.values()) == [2, 3]  # 6+4 and 3+4 tokens
+    engine_tables = re.search(r"in the engine, step \d+: block tables (.*)", out)[1]
+    found = dict(re.findall(r"(seq \d \(request \d\)): (\[[\d, ]*\])", engine_tables))
+    assert sorted(len(ast.literal_eval(t)) for t in found.values()) == [2, 3]  # 6+4, 3+4 tokens
+    assert set(found) == {a, b}
     assert trace["block_size"] == 4
     assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "02_block_map.png")
 
@@ -205,7 +208,10 @@ def test_09_the_trace_shows_a_shared_prefix_a_preemption_and_a_copy_on_write(
     for event in ("cache_hits", "preempted", "forked", "copies", "finished"):
         assert any(step[event] for step in trace["steps"]), event
     assert re.search(r"blocks \[[\d, ]+\] are held twice \(reference count 2\)", out)
-    assert re.search(r"was preempted;\s+at step \d+ it came back and took \d+ of its tokens", out)
+    assert re.search(r"was preempted;\s+at step \d+ it resumed and took \d+ of its tokens", out)
+    preemptions = sum(len(step["preempted"]) for step in trace["steps"])
+    assert f"preempted {preemptions} times" in out  # the LESSON counts the run's preemptions
+    assert re.search(r"first scheduled at step \d+: its two samples need 2 of the 4 rows", out)
     assert re.search(r"shared block \d+, partly filled; the first to write got a copy", out)
     assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "09_block_map.png")
 
@@ -226,7 +232,10 @@ def test_10_beams_share_blocks_fork_copy_and_prune(tmp_path: Path) -> None:
     assert re.search(r"beam +\d+: \[\d+\*4", out)  # a block shared by all four beams
     assert number(r"copy-on-write copies: (\d+)", out) > 0
     assert len(re.findall(r"^  +-?[\d.]+  '", out, re.M)) == 4  # four beams, with scores
-    assert_png(tmp_path / "10_beam_blocks.png")
+    assert re.search(r"a dip to one block: all 4 survivors of step \d+ extend the same parent", out)
+    picture = re.search(r"^picture: (.*)$", out, re.M)[1]
+    assert Path(picture).is_absolute()  # a path the reader can open from anywhere
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "10_beam_blocks.png")
 
 
 def test_11_a_schema_masks_the_vocabulary_and_the_output_parses(tmp_path: Path) -> None:
@@ -261,6 +270,7 @@ def test_08_two_ranks_hold_half_the_model_each_and_give_the_same_tokens(tmp_path
         assert all_reduce == number(r"= ([\d,]+) B per token", out)  # no recomputation here
     assert one[2] == 0  # one rank: no collective at all
     assert "outputs equal at tensor_parallel_size 1 and 2: True" in out
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "08_shards.png")
 
 
 # ------------------------------------------------------------------------- the docs quote them

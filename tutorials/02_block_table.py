@@ -30,7 +30,15 @@ BLOCK_SIZE = 4  # tiny, so that the tables are readable; minivllm's default is 1
 bm = BlockManager(num_blocks=8, block_size=BLOCK_SIZE, enable_prefix_caching=False)
 
 # --- 1. Two requests arrive, then decode in turns, as they would in one batch ----------------------
-tokens = {"a": [11, 12, 13, 14, 15, 16], "b": [21, 22, 23]}  # prompt token ids
+# The block manager knows sequences, not requests. We name them as the engine below (and the trace
+# page, and every tutorial) will: seq 1 is request 0's one sequence, seq 2 is request 1's.
+tokens = {1: [11, 12, 13, 14, 15, 16], 2: [21, 22, 23]}  # seq id -> prompt token ids
+
+
+def name(seq_id: int) -> str:
+    return f"seq {seq_id} (request {seq_id - 1})"
+
+
 for seq_id, ids in tokens.items():
     bm.allocate(seq_id, ids, num_new_tokens=len(ids))  # blocks for the whole prompt
 for _ in range(4):  # each decode step appends one token per request
@@ -41,10 +49,10 @@ for _ in range(4):  # each decode step appends one token per request
 print(f"block size {BLOCK_SIZE}; pool of {bm.num_blocks} blocks, {bm.num_free_blocks} still free")
 for seq_id, ids in tokens.items():
     table = bm.get_block_table(seq_id)
-    print(f"request {seq_id}: {len(ids):2d} tokens -> block table {table}")
+    print(f"{name(seq_id)}: {len(ids):2d} tokens -> block table {table}")
 # The two requests' blocks interleave in the pool: neither needs contiguous memory, and neither
 # reserved room for tokens it has not generated yet.
-table_a, table_b = bm.get_block_table("a"), bm.get_block_table("b")
+table_a, table_b = bm.get_block_table(1), bm.get_block_table(2)
 assert sorted(table_a + table_b) == list(range(len(table_a) + len(table_b)))
 
 
@@ -56,13 +64,13 @@ def slot_mapping(table: list[int], positions: range) -> list[int]:
 
 for seq_id, ids in tokens.items():
     slots = slot_mapping(bm.get_block_table(seq_id), range(len(ids)))
-    print(f"request {seq_id}: token positions 0..{len(ids) - 1} live in slots {slots}")
+    print(f"{name(seq_id)}: token positions 0..{len(ids) - 1} live in slots {slots}")
 
 # Waste is bounded by the last block: at most block_size - 1 empty slots per request.
 for seq_id, ids in tokens.items():
     slots_held = len(bm.get_block_table(seq_id)) * BLOCK_SIZE
     empty = slots_held - len(ids)
-    print(f"request {seq_id}: {slots_held} slots for {len(ids)} tokens, {empty} empty")
+    print(f"{name(seq_id)}: {slots_held} slots for {len(ids)} tokens, {empty} empty")
 
 # --- 3. Attention through the block table ----------------------------------------------------------
 # A one-layer cache, shaped as minivllm's: [num_blocks, block_size, num_kv_heads, head_dim].
@@ -86,7 +94,7 @@ for seq_id, (k, v) in kv.items():
 
 # One decode step: each request's newest token attends over its whole context.
 query = torch.randn(2, num_heads, head_dim)  # [T=2 new tokens, num_heads, head_dim]
-seq_lens = [len(tokens["a"]), len(tokens["b"])]
+seq_lens = [len(tokens[1]), len(tokens[2])]
 width = max(len(table_a), len(table_b))
 padded = [t + [0] * (width - len(t)) for t in (table_a, table_b)]  # [B=2, width], padded with 0
 meta = AttentionMetadata(
@@ -112,8 +120,8 @@ print(f"attention through the block tables vs contiguous K/V: max |difference| =
 assert worst < 1e-5
 
 # --- 4. Finishing frees the blocks at once, for any other request to use --------------------------
-bm.free("a")
-print(f"request a finished: {bm.num_free_blocks} of {bm.num_blocks} blocks free again")
+bm.free(1)
+print(f"{name(1)} finished: {bm.num_free_blocks} of {bm.num_blocks} blocks free again")
 # --- 5. The same in the engine, recorded step by step -------------------------------------------
 llm = LLM(block_size=BLOCK_SIZE, num_gpu_blocks_override=64 // BLOCK_SIZE, max_model_len=32)
 with llm.trace() as trace:
@@ -122,8 +130,14 @@ with llm.trace() as trace:
         SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
         use_tqdm=False,
     )
+# The engine numbered them as we did: seq 1 is request 0's, seq 2 request 1's.
+assert {int(s): i["request_id"] for s, i in trace.to_dict()["sequences"].items()} == {
+    1: "0",
+    2: "1",
+}
 last = trace.steps[-2]  # the last step before both finish and free their blocks
-print(f"in the engine, step {last['step']}: block tables {last['block_tables']} (seq id: table)")
+tables = "; ".join(f"{name(int(s))}: {t}" for s, t in last["block_tables"].items())
+print(f"in the engine, step {last['step']}: block tables {tables}")
 page = trace.save(OUT / "02_trace")
 print(f"page: {page}  (open it; the arrow keys step through: watch each table grow by one block")
 print("  exactly when its last block is full, and the two requests' blocks interleave)")
@@ -136,6 +150,6 @@ print(
     f"(difference {worst:.0e})."
 )
 print(
-    "TRY THIS: set BLOCK_SIZE = 8. Predict before you run: shorter block tables (a: 2 blocks, "
-    "b: 1), but more empty slots at the end of a's last block (at most 7 now)."
+    "TRY THIS: set BLOCK_SIZE = 8. Predict before you run: shorter block tables (seq 1: 2 "
+    "blocks, seq 2: 1), but more empty slots at the end of seq 1's last block (at most 7 now)."
 )

@@ -6,13 +6,21 @@ batch the scheduler chose, every block table, the reference count of every block
 
 The pool is deliberately tiny (20 blocks of 8 tokens) so that four requests cannot all fit:
 
-- two prompts start with the same system prompt; a story prompt between them fills the first
-  step's token budget, so the second is admitted a step later and finds the first one's full
-  blocks in the prefix cache (reference counts 2);
+- two prompts start with the same system prompt, and the second finds the first one's full
+  blocks in the prefix cache (reference counts 2). A block is named in the cache when it is
+  allocated, so the hit could happen in the same step; here the story prompt between them fills
+  the first step's token budget, and the second is admitted a step later;
 - one request asks for n = 2 samples: they share the prompt's blocks, and the first write into
   the shared, partly filled last block copies it (copy-on-write, paper §4.4);
 - when a running sequence needs a block and none is free, the newest one is preempted: its blocks
-  are freed, and it is recomputed later, partly from the prefix cache (paper §4.5).
+  are freed, and it *resumes* later, recomputing what the prefix cache no longer holds (paper
+  §4.5). The samples of the n = 2 request are preempted one at a time, as vLLM v1 does; the paper
+  preempts all sequences of a request together (its "sequence group", §4.5).
+
+The prompts are raw text, not chat messages, and `ignore_eos` keeps every sample going for its
+whole `max_tokens`: SmolLM2-Instruct ends the would-be user turn (its end-of-turn token is the
+EOS, ignored, and special tokens are left out of the text), then opens an assistant turn itself.
+That is why two of the outputs start with `assistant\n`.
 
 The script prints the run step by step, writes the trace and its page (OUT_DIR/09_trace/index.html:
 open it in a browser, drag the slider or use the arrow keys), and draws the whole run as one
@@ -108,10 +116,24 @@ else:
     tokens_back = next(h for h in back["cache_hits"] if h["seq_id"] == victim)
     print(
         f"step {preempt_step['step']}: no free block for the older sequences, so the newest, "
-        f"{name(victim)}, was preempted;\n  at step {back['step']} it came back and took "
+        f"{name(victim)}, was preempted;\n  at step {back['step']} it resumed and took "
         f"{tokens_back['num_cached_tokens']} of its tokens from the prefix cache instead of "
         "recomputing them"
     )
+
+# The n = 2 request: two samples need two of the max_num_seqs=4 rows, and three sequences run
+# from step 2. Admission is first come, first served, and a preempted sequence waits at the
+# front of the queue: nothing is admitted past it, so the request waits for a sequence to finish.
+first_step = {}  # request id -> the step its first token was computed
+for step in steps:
+    for item in step["scheduled"]:
+        first_step.setdefault(sequences[str(item["seq_id"])]["request_id"], step["step"])
+n2 = outputs[3].request_id
+print(
+    f"request {n2} (n = 2) arrived with the others but was first scheduled at step "
+    f"{first_step[n2]}: its two samples need 2 of the 4 rows (max_num_seqs) and 3 were taken; "
+    "once a preempted sequence waited ahead of it, it waited for that one too"
+)
 
 copy_step = next(s for s in steps if s["copies"])
 src, dst = copy_step["copies"][0]
@@ -131,7 +153,10 @@ figure = plot_block_map(trace.to_dict(), OUT / "09_block_map.png")
 print(f"figure: {figure}")
 
 assert shared and src != dst
-preempted = f"preempted {name(victim)} when the pool ran out" if victim else "preempted nobody"
+num_preempted = sum(len(s["preempted"]) for s in steps)
+preempted = (
+    f"preempted {num_preempted} times when the pool ran out" if victim else "preempted nobody"
+)
 print(
     f"LESSON: in {len(steps)} steps the scheduler shared a cached prefix, {preempted}, and "
     "copied one block on write for n = 2: the block manager did it all with block tables and "

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from minivllm import LLM, BeamSearchParams
 
-OUT = Path(sys.argv[1] if len(sys.argv) > 1 else "tutorials/out")
+OUT = (Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "out").resolve()
 OUT.mkdir(parents=True, exist_ok=True)
 WIDTH, MAX_TOKENS = 4, 24
 
@@ -60,9 +60,18 @@ while engine.has_unfinished_requests():
     step += 1
     held.append(bm.num_blocks - bm.num_free_blocks)
     separate.append(bm.num_blocks_without_sharing())
-    if step in (1, 2, 12, MAX_TOKENS - 1):
+    # The first step after step 1 at which the beams hold one block between them (a "dip").
+    dip = step > 1 and held[-1] == 1 and 1 not in held[1:-1]
+    if step in (1, 2, 12, MAX_TOKENS - 1) or dip:
         print(f"step {step}: {held[-1]} blocks held, {separate[-1]} if every beam had its own copy")
         print(block_map() or "    (search over: every block freed)")
+    if dip:
+        print(
+            f"    a dip to one block: all {WIDTH} survivors of step {step} extend the same parent "
+            "beam.\n    The other parents were pruned and their blocks freed; the survivors are "
+            "forks of\n    that one parent, and its history still fits in one block, so they all "
+            "point at it."
+        )
     result = next((o for o in outputs if o.finished), result)
 
 assert result is not None
@@ -97,4 +106,9 @@ print(
     f"LESSON: beams share their history's blocks: {saving:.0%} of the KV memory saved over the "
     f"run, at the cost of {len(copies)} one-block copies; a pruned beam frees only what no "
     "other beam still points at."
+)
+print(
+    f"TRY THIS: change WIDTH from {WIDTH} to 8. Predict before you run: does the saving grow or "
+    "shrink? (The beams still share one prompt and most of their history, while separate copies "
+    "grow with the width.)"
 )

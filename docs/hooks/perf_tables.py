@@ -99,6 +99,17 @@ def render(path: Path) -> str:
     elif kind == "sharing":
         ranges = data.get("paper_ranges", {})
         body = _table(SHARING_HEADERS, [sharing_row(r, ranges) for r in data["results"]])
+    elif kind == "startup":
+        phases = ["import", "LLM()", "first token", "total"]
+        body = _table(
+            ["cache", "runs"] + [f"{p} wall / CPU s" for p in phases] + ["load (1 min)"],
+            [
+                [r["runs"], r["n"]]
+                + [f"{r[p]['wall_s']:.2f} / {r[p]['cpu_s']:.2f}" for p in phases]
+                + [", ".join(f"{x:.1f}" for x in r["load"] if x is not None)]
+                for r in data["rows"]
+            ],
+        )
     else:  # e.g. bench serve's flat summary: one row per scalar
         rows = [[k, v] for k, v in data.items() if isinstance(v, int | float | str)]
         body = _table(["metric", "value"], rows)

@@ -199,8 +199,11 @@ class ReferenceBackend:
         )
         out = torch.empty_like(query)
         for group in plan.decode_groups:
-            k = gather_kv(k_cache, group.block_tables)  # [G, L, num_kv_heads, head_dim]
-            v = gather_kv(v_cache, group.block_tables)
+            # The padding of a short row reads never-written slots (the cache is not zero-filled):
+            # the mask alone would not do, since 0 * NaN is NaN, so its keys and values become 0.
+            pad = ~group.valid.view(group.valid.shape[0], -1, 1, 1)  # [G, L, 1, 1]
+            k = gather_kv(k_cache, group.block_tables).masked_fill(pad, 0)  # [G, L, Hkv, D]
+            v = gather_kv(v_cache, group.block_tables).masked_fill(pad, 0)
             q = query[group.token_idx].unsqueeze(2)  # [G, num_heads, 1, head_dim]
             o = F.scaled_dot_product_attention(
                 q,

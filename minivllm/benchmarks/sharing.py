@@ -45,6 +45,8 @@ from minivllm.sampling_params import SamplingParams
 
 # Mean (prompt, output) lengths of the paper's Fig. 11 datasets.
 WORKLOADS = {"alpaca": (19.31, 58.45), "sharegpt": (161.31, 337.99)}
+# Length profiles, not the datasets: random tokens with the datasets' mean lengths.
+WORKLOAD_LABELS = {"alpaca": "Alpaca-like lengths", "sharegpt": "ShareGPT-like lengths"}
 PAPER_RANGES = {"parallel": (6.1, 30.5), "beam": (37.6, 66.3)}  # % saved, §6.3
 
 EPILOG = (
@@ -165,7 +167,12 @@ def plot(results: list[SharingResult], path: Path) -> None:
         for k, workload in enumerate(workloads):
             mine = {r.width: r.saving * 100 for r in rows if r.workload == workload}
             xs = [i + k * bar for i, w in enumerate(widths) if w in mine]
-            ax.bar(xs, [mine[w] for w in widths if w in mine], bar, label=workload)
+            ax.bar(
+                xs,
+                [mine[w] for w in widths if w in mine],
+                bar,
+                label=WORKLOAD_LABELS.get(workload, workload),
+            )
         lo, hi = PAPER_RANGES[method]
         ax.axhspan(lo, hi, color="grey", alpha=0.15, label="paper's range")
         ax.set_xticks([i + bar * (len(workloads) - 1) / 2 for i in range(len(widths))])

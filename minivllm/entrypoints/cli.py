@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 BENCHMARKS = {
     "throughput": "offline generation throughput",
@@ -24,6 +26,7 @@ BENCHMARKS = {
     "serve": "load test a running server: TTFT, TPOT, ITL, throughput",
     "sharing": "KV memory saved by sharing in parallel sampling and beam search (Fig. 15)",
     "paper": "paged vs reservation (Orca) under load: latency vs request rate (Figs. 12-13)",
+    "startup": "time to the first text: import, LLM(), first token; warm and cold cache",
 }
 
 SERVE_DESCRIPTION = "Serve a model over vLLM's OpenAI-compatible HTTP API (under /v1)."
@@ -45,6 +48,40 @@ def setup_logging() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
+
+
+def name_flags(parser: argparse.ArgumentParser, message: str) -> str | None:
+    """`message` with each option's name (`max_num_seqs`) written as its flag (`--max-num-seqs`),
+    or None when it names no option of `parser`."""
+    flags = {
+        action.dest: next(o for o in action.option_strings if o.startswith("--"))
+        for action in parser._actions
+        if any(o.startswith("--") for o in action.option_strings)
+    }
+    names = "|".join(re.escape(d) for d in sorted(flags, key=len, reverse=True))
+    pattern = re.compile(rf"(?<![\w-])({names})(?![\w'-])")  # not "the model's"
+    if not pattern.search(message):
+        return None
+    return pattern.sub(lambda m: flags[m.group(1)], message)
+
+
+@contextmanager
+def usage_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
+    """Errors in what the command line asked for end as argparse's own do: one line
+    (`minivllm trace: error: --max-num-batched-tokens (64) must be ...`) and exit status 2, not
+    a traceback. A `ValueError` counts when it names one of the flags (the configs' messages say
+    `field must be ..., got value`); a model that cannot be found or read always does."""
+    from minivllm.model.errors import ModelLoadError
+
+    try:
+        yield
+    except ModelLoadError as exc:
+        parser.error(str(exc))
+    except ValueError as exc:
+        message = name_flags(parser, str(exc))
+        if message is None:
+            raise
+        parser.error(message)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -187,6 +224,7 @@ def parse_serve_args(
 ) -> argparse.Namespace:
     """Parse, then merge the positional MODEL into `args.model` (an error if both differ)."""
     args = parser.parse_args(argv)
+    args.parser = parser  # errors found later are reported as the parser's (`usage_errors`)
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             parser.error(
@@ -204,7 +242,8 @@ def serve(args: argparse.Namespace) -> int:
     from minivllm.engine_args import EngineArgs
     from minivllm.entrypoints.api_server import build_app
 
-    engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
+    with usage_errors(args.parser):
+        engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     names = args.served_model_name or [args.model or engine.source.name]
 
     def ready() -> None:  # logged once the engine thread runs, before uvicorn's own line
@@ -250,13 +289,14 @@ def trace(args: argparse.Namespace) -> int:
     from minivllm import LLM, SamplingParams
     from minivllm.engine_args import EngineArgs
 
-    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
-    params = SamplingParams(
-        n=args.n,
-        temperature=args.temperature,
-        max_tokens=args.max_tokens,
-        ignore_eos=args.ignore_eos,
-    )
+    with usage_errors(args.parser):
+        params = SamplingParams(
+            n=args.n,
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+            ignore_eos=args.ignore_eos,
+        )
+        llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     with llm.trace() as recorder:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
     page = recorder.save(args.out)
@@ -303,7 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             prog=f"minivllm bench {argv[1]}", formatter_class=HelpFormatter
         )
         module.add_arguments(bench_parser)
-        return int(module.main(bench_parser.parse_args(argv[2:])))
+        bench_args = bench_parser.parse_args(argv[2:])
+        with usage_errors(bench_parser):
+            return int(module.main(bench_args))
     build_parser().parse_args(argv)  # prints usage, or the error for an unknown command
     return 2
 

@@ -10,8 +10,8 @@ serve them all.
 builds its CPU kernels ahead of time. Doing it at first use keeps `pip install` free of a compiler
 step, at the price of three things this module takes care of:
 
-- **A user sees what happens.** One line when a compile really starts (it takes ~20 s), and on
-  failure one line saying why; `get_attention_backend("auto")` then adds that the pure-PyTorch
+- **A user sees what happens.** One line when a compile really starts (it takes about a minute on
+  2 idle cores), and on failure one line saying why; `get_attention_backend("auto")` then adds that the pure-PyTorch
   reference backend is used instead. Later processes load the built library directly: no
   compiler, no ninja, no lock.
 - **A failure is remembered.** The reason and the compiler's whole output go to a marker file in
@@ -69,8 +69,8 @@ SIMD_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 LDFLAGS = ("-lm", "-fopenmp")
-# How long a process waits for another one to finish compiling (a build takes ~20 s on 2 cores,
-# more on a loaded machine). A process that died while building holds nothing to wait for.
+# How long a process waits for another one to finish compiling (a build takes about a minute on 2
+# idle cores, several on a loaded machine). A process that died while building holds nothing to wait for.
 LOCK_TIMEOUT_S = 600.0
 BUILT_STAMP = "built.txt"  # holds the library's file name; written once it has built and loaded
 
@@ -281,7 +281,7 @@ def _build(build_dir: Path) -> None:
         if failure := _remembered_failure(marker):
             raise failure
         logger.warning(
-            "compiling minivllm's CPU kernels (once per machine, ~20 s) into %s",
+            "compiling minivllm's CPU kernels (once per machine, about a minute) into %s",
             build_dir,
         )
         try:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from minivllm.attention import AttentionBackend
 from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
@@ -237,7 +238,13 @@ def build_model(
     the reference attention backend)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_positions, tp).to(dtype)
-    model.to_empty(device=device)
+    # `to_empty`, with `torch.empty` for its `empty_like`: on meta tensors `empty_like` runs
+    # torch's Python reference ops, whose first use imports sympy (~1 s of start-up). Parameters
+    # only: the one buffer (the RoPE table) is rebuilt below.
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+            setattr(module, name, nn.Parameter(empty, requires_grad=False))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, weights)
@@ -278,10 +285,38 @@ _TOKENIZER_HINT = (
 )
 
 
-def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
-    """`transformers.AutoTokenizer` for the model (or for `tokenizer`: a folder or a hub id)."""
-    from transformers import AutoTokenizer
+# `tokenizer_class` values that name transformers' generic tokenizers.json-backed class, which
+# can be imported from its own module (v5 calls it TokenizersBackend; v4 PreTrainedTokenizerFast).
+_GENERIC_FAST_TOKENIZERS = {
+    "TokenizersBackend": ("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
+    "PreTrainedTokenizerFast": ("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast"),
+}
 
+
+def generic_tokenizer_class(folder: Path) -> Any | None:
+    """The generic fast-tokenizer class a local folder asks for, imported from its own module, or
+    None. `AutoTokenizer` answers the same for such a folder, but first reads the model's config
+    through `AutoConfig`, which imports much of transformers' model zoo: about 2 s of a 5 s
+    start-up on two cores (`python -X importtime`)."""
+    config = folder / "tokenizer_config.json"
+    if not (folder / "tokenizer.json").is_file() or not config.is_file():
+        return None
+    try:
+        wanted = json.loads(config.read_text()).get("tokenizer_class")
+    except (OSError, json.JSONDecodeError):
+        return None  # AutoTokenizer reports it
+    if wanted not in _GENERIC_FAST_TOKENIZERS:
+        return None
+    module, name = _GENERIC_FAST_TOKENIZERS[wanted]
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):  # another transformers version: AutoTokenizer decides
+        return None
+
+
+def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
+    """The model's transformers tokenizer (or `tokenizer`'s: a folder or a hub id), as
+    `AutoTokenizer` would build it."""
     name = tokenizer or str(source.path)
     folder = Path(name).expanduser()
     # Checked before transformers is asked: for a folder without tokenizer files it answers with
@@ -293,6 +328,11 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
             + _TOKENIZER_HINT
         )
     try:
+        generic = generic_tokenizer_class(folder) if folder.is_dir() else None
+        if generic is not None:
+            return generic.from_pretrained(name)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(name)
     except Exception as exc:
         raise ModelLoadError(

@@ -66,12 +66,17 @@ class RotaryEmbedding(CustomOp):
 
     def __init__(self, config: LlamaConfig, max_positions: int) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(config)  # [head_dim // 2]
-        t = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        # Computed on the CPU, then moved: on the `meta` device the loader builds the model on,
+        # these few ops would import torch._dynamo (~1 s of start-up) for a table never used.
+        device = torch.get_default_device()
+        with torch.device("cpu"):
+            inv_freq = rope_inverse_frequencies(config)  # [head_dim // 2]
+            t = torch.arange(max_positions, dtype=torch.int64).float()
+            freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+            cos_sin = torch.stack((emb.cos(), emb.sin()))  # [2, max_positions, head_dim]
         # Kept in float32 whatever the model dtype: angles for large positions need the precision.
-        self.register_buffer("cos_sin", torch.stack((emb.cos(), emb.sin())), persistent=False)
+        self.register_buffer("cos_sin", cos_sin.to(device), persistent=False)
         # [2, max_positions, head_dim]
 
     def forward_native(

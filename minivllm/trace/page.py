@@ -53,7 +53,18 @@ TEMPLATE = """<!doctype html>
 </form>
 <section id="usage-section">
   <h2>KV cache usage over the run</h2>
-  <svg id="usage" viewBox="0 0 1000 120" preserveAspectRatio="none" role="img"></svg>
+  <div id="usage-frame">
+    <span class="ylabel">blocks held</span>
+    <span id="usage-ymax" class="ytick"></span><span class="ytick y0">0</span>
+    <svg id="usage" viewBox="0 0 1000 120" preserveAspectRatio="none" role="img"></svg>
+    <span id="usage-xmin" class="xtick"></span><span class="xlabel">engine step</span>
+    <span id="usage-xmax" class="xtick xmax"></span>
+  </div>
+  <p class="legend">
+    <span class="mark preempt"></span> preemption
+    <span class="mark copy"></span> copy-on-write
+    <span class="mark cursor"></span> the step on screen (click the chart to move it)
+  </p>
 </section>
 <main>
   <section id="pool-section">
@@ -65,11 +76,18 @@ TEMPLATE = """<!doctype html>
       <span class="block swatch cached"></span> cached, free (a prefix-cache hit waiting)
       <span class="block swatch"></span> free
     </p>
+    <p class="legend">
+      <span class="block swatch copied"></span> copy-on-write destination
+      <span class="block swatch hit"></span> prefix-cache hit taken
+      <span class="block swatch evicted"></span> cache name evicted
+      <span class="block swatch freed"></span> freed by a preemption
+    </p>
   </section>
   <section id="batch-section">
     <h2>This step's batch <small id="batch-summary"></small></h2>
     <table id="batch"><thead><tr><th>seq</th><th>request</th><th>computed before</th>
       <th>new tokens</th><th>kind</th></tr></thead><tbody></tbody></table>
+    <p id="waiting"></p>
     <h2>Events</h2>
     <ul id="events"></ul>
   </section>

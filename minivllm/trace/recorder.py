@@ -24,7 +24,7 @@ keys are strings, so seq ids and block ids are strings as keys):
      "copies": [[src, dst]], "preempted", "forked", "finished", "finish_reasons",
      "cache_hits": [{"seq_id", "num_cached_tokens", "blocks"}], "evicted", "num_free_blocks",
      "kv_slots": {"reserved", "filled", "future", "internal_fragmentation"}, "num_running",
-     "num_waiting"}
+     "num_waiting", "waiting"}
 
 Thread safety (the live dashboard reads from the server's thread while the engine thread
 records): records are built outside the lock and never changed afterwards; the lock only guards
@@ -175,6 +175,7 @@ class StepRecorder:
             "kv_slots": _kv_slots(blocks.stats),
             "num_running": outputs.num_running,
             "num_waiting": outputs.num_waiting,
+            "waiting": list(outputs.waiting),  # queue order, front first
         }
         mentioned = scheduled_ids | set(holders) | set(finished) | set(sched.preempted_seq_ids)
         with self._lock:

@@ -39,7 +39,8 @@
   function seqName(seqId) {
     const info = seqInfo(seqId);
     if (!info) return `seq ${seqId}`;
-    return `seq ${seqId} · req ${info.request_id}` + (info.index ? ` #${info.index}` : "");
+    // The one naming of the tutorials: "seq 3 (request 2)", "#1" for a second sample.
+    return `seq ${seqId} (request ${info.request_id}${info.index ? ` #${info.index}` : ""})`;
   }
 
   function seqColour(seqId) {
@@ -99,6 +100,11 @@
     const copied = new Set(step.copies.map((c) => c[1]));
     const evicted = new Set(step.evicted);
     const hits = new Set(step.cache_hits.flatMap((h) => h.blocks));
+    // A preempted sequence leaves the tables at once: mark the blocks it held the step before.
+    const before = trace.steps[trace.steps.indexOf(step) - 1];
+    const freed = new Set(
+      before ? step.preempted.flatMap((s) => before.block_tables[String(s)] || []) : []
+    );
     let shared = 0;
     for (const node of $("grid").children) {
       const b = Number(node.dataset.block);
@@ -111,6 +117,7 @@
       if (copied.has(b)) classes.push("copied");
       if (evicted.has(b)) classes.push("evicted");
       if (hits.has(b)) classes.push("hit");
+      if (freed.has(b) && rc === 0) classes.push("freed");  // shared ones are still held
       node.className = classes.join(" ");
       node.dataset.refcount = rc;
       node.dataset.owners = seqs.join(" ");
@@ -136,8 +143,11 @@
     const end = start + item.num_new_tokens;
     const hit = step.cache_hits.find((h) => h.seq_id === item.seq_id);
     const cachedNote = hit ? ` after a ${hit.num_cached_tokens}-token cache hit` : "";
+    // "resume": a preempted sequence coming back, its tokens recomputed or found in the cache
+    // (one word for it here, in the events, in tutorial 09 and in the docs).
+    if (hit && start >= prompt) return `resume tokens ${start}–${end - 1}${cachedNote}`;
     if (start >= prompt && item.num_new_tokens === 1) return "decode";
-    if (end > prompt) return `recompute tokens ${start}–${end - 1}${cachedNote}`;
+    if (end > prompt) return `resume tokens ${start}–${end - 1}${cachedNote}`;
     const whole = start === (hit ? hit.num_cached_tokens : 0) && end === prompt;
     return (whole ? "prefill" : "prefill chunk") + ` tokens ${start}–${end - 1}${cachedNote}`;
   }
@@ -158,6 +168,11 @@
       `${step.scheduled.length} sequences, ${step.num_batched_tokens} of ` +
       `${trace.max_num_batched_tokens} tokens; ${step.num_running} running, ` +
       `${step.num_waiting} waiting after the step`;
+    // The waiting queue, front first (traces recorded before it was kept have only its length).
+    const queue = step.waiting || [];
+    $("waiting").textContent = step.num_waiting
+      ? `Waiting, front of the queue first: ${queue.length ? queue.map(seqName).join(", ") : step.num_waiting + " sequences"}`
+      : "Waiting: nobody";
   }
 
   function renderEvents(step) {
@@ -166,7 +181,7 @@
       el("span", { class: "kind", text: kind + ": " }), text,
     ]));
     for (const s of step.preempted) {
-      add("preempted", `${seqName(s)} — its blocks are freed; it waits at the front of the queue and will be recomputed`);
+      add("preempted", `${seqName(s)} — its blocks are freed; it waits at the front of the queue and will resume, recomputing what the prefix cache no longer holds`);
     }
     for (const [src, dst] of step.copies) {
       add("copy-on-write", `block ${src} → block ${dst}: a sequence wrote into a shared, partly filled block`);
@@ -242,7 +257,21 @@
     cursor.setAttribute("y2", "120");
     const title = document.createElementNS(ns, "title");
     title.textContent = "blocks held / all blocks, per step; click to go to a step";
-    svg.append(title, area, curve, cursor);
+    const line = (cls, x1, y1, x2, y2) => {
+      const l = document.createElementNS(ns, "line");
+      l.setAttribute("class", cls);
+      [["x1", x1], ["y1", y1], ["x2", x2], ["y2", y2]].forEach(([k, v]) => l.setAttribute(k, v));
+      return l;
+    };
+    const marks = [line("axis", 0, 118, 1000, 118), line("axis", 0, 10, 0, 118)];
+    steps.forEach((s, i) => {  // preemptions as red ticks along the top, copies orange below them
+      if (s.preempted.length) marks.push(line("preempt", x(i), 0, x(i), 40));
+      if (s.copies.length) marks.push(line("copy", x(i), 42, x(i), 62));
+    });
+    svg.append(title, area, curve, ...marks, cursor);
+    $("usage-ymax").textContent = String(trace.num_blocks);
+    $("usage-xmin").textContent = String(steps[0].step);
+    $("usage-xmax").textContent = String(steps[steps.length - 1].step);
   }
 
   function moveCursor() {
