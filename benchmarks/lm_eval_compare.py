@@ -34,7 +34,7 @@ from typing import Any
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 TASKS = ("minivllm_mc", "minivllm_gen")
-METRICS = {"minivllm_mc": ("acc,none", "acc_norm,none"), "minivllm_gen": ("exact_match,none",)}
+METRICS = {"minivllm_mc": ("acc,none", "acc_norm,none"), "minivllm_gen": ("exact_match,last_word",)}
 
 
 def export_bundled_model(out: Path) -> Path:

@@ -189,6 +189,7 @@ class LLMEngine:
             # Every EOS of generation_config.json stops, reported as a stop token (as vLLM does).
             stops = set(params.stop_token_ids or []) | self._extra_eos_token_ids
             params = dataclasses.replace(params, stop_token_ids=sorted(stops))
+        bad_words = self._check_token_params(params)
         text, ids = self.tokenize_prompt(prompt)
         kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(kept) < len(ids):  # the text no longer matches the ids
@@ -199,6 +200,7 @@ class LLMEngine:
                 "it must be shorter, to leave room for at least one output token"
             )
         request = Request(request_id, text, ids, params, max_num_seqs=width)
+        request.bad_words_token_ids = bad_words
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.after_sampling[request_id] = hook
@@ -211,6 +213,34 @@ class LLMEngine:
         request.seqs.append(seq)
         self.scheduler.add_seq(seq)
         return request
+
+    def _check_token_params(self, params: SamplingParams) -> list[list[int]]:
+        """Token ids the request names must be in the vocabulary (vLLM's check, here where the
+        vocabulary is known); `bad_words` become token-id sequences, as vLLM tokenizes them: each
+        word on its own and after a space, since a tokenizer spells the two differently."""
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or {})),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} contains out-of-vocab token id {bad[0]}: token ids must be in "
+                    f"[0, {self.vocab_size - 1}]"
+                )
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer (skip_tokenizer_init is set)")
+        words: list[list[int]] = []
+        for word in params.bad_words:
+            alone = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            words.append(alone)
+            # The spaced spelling counts when it is a different word of the same length.
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                words.append(spaced)
+        return words
 
     def _new_seq(self, request: Request, index: int) -> Sequence:
         params = request.params
@@ -321,6 +351,7 @@ class LLMEngine:
                 s.generator,
                 self.eos_token_id,
                 s.grammar,
+                s.request.bad_words_token_ids,
             )
             for s in seqs
         ]

@@ -7,10 +7,11 @@ Each processor is a pure function `(logits, meta) -> logits` of the step's `Samp
 returns its input unchanged (and costs nothing) when no row of the batch uses it, and touches only
 the rows that ask for it. The order, each before temperature, min_p, top-k and top-p:
 
-    min_tokens  -> penalties -> grammar bitmask
+    allowed_token_ids -> bad words -> min_tokens -> logit_bias -> penalties -> grammar bitmask
 
-A new processor (logit_bias, allowed_token_ids, bad words) is one function and one entry in
-`LOGITS_PROCESSORS`; its per-row inputs go into `SamplingMetadata.from_rows`.
+(vLLM v1's order: the whitelist and the bans first, then the processors that change values.) A
+new processor is one function and one entry in `LOGITS_PROCESSORS`; its per-row inputs go into
+`SamplingMetadata.from_rows`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,33 @@ import torch
 from torch import Tensor
 
 from minivllm.sampling_metadata import SamplingMetadata
+
+
+def apply_allowed_token_ids(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Every token outside a row's `allowed_token_ids` to -inf, on the rows that have them."""
+    if meta.allowed_mask is None:
+        return logits
+    rows = meta.allowed_rows
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill(~meta.allowed_mask, float("-inf"))
+    return logits
+
+
+def apply_bad_words(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """The token that would complete a bad word to -inf (its only token, or its last one right
+    after the rest of it)."""
+    if meta.bad_words_rows.numel() == 0:
+        return logits
+    index = (meta.bad_words_rows, meta.bad_words_token_ids)
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_logit_bias(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """OpenAI's `logit_bias`: each (row, token)'s bias added to its logit."""
+    if meta.logit_bias_rows.numel() == 0:
+        return logits
+    index = (meta.logit_bias_rows, meta.logit_bias_token_ids)
+    return logits.index_put(index, meta.logit_bias_values.to(logits.dtype), accumulate=True)
 
 
 def apply_min_tokens(logits: Tensor, meta: SamplingMetadata) -> Tensor:
@@ -84,7 +112,10 @@ LogitsProcessor = Callable[[Tensor, SamplingMetadata], Tensor]
 
 # The pipeline, in order. Logprobs are taken before it (they describe the model).
 LOGITS_PROCESSORS: tuple[LogitsProcessor, ...] = (
+    apply_allowed_token_ids,
+    apply_bad_words,
     apply_min_tokens,
+    apply_logit_bias,
     apply_penalties,
     apply_grammar_bitmask,
 )

@@ -30,6 +30,7 @@ class SamplingRow:
     generator: torch.Generator | None = None  # on the logits' device; None: the global RNG
     eos_token_id: int | None = None
     grammar: StructuredOutputGrammar | None = None  # structured outputs: the sequence's matcher
+    bad_words_token_ids: Sequence[Sequence[int]] = ()  # the request's bad words, tokenized
 
 
 @dataclass
@@ -51,6 +52,17 @@ class SamplingMetadata:
     # Structured outputs: the rows under a grammar and what each allows next (None: no such row).
     grammar_rows: Tensor  # int64 [G]
     grammar_bitmask: Tensor | None  # int32 [G, ceil(V/32)], on the host (xgrammar fills it there)
+    # allowed_token_ids: the rows that have it and, per such row, which tokens may come.
+    allowed_rows: Tensor  # int64 [A]
+    allowed_mask: Tensor | None  # bool [A, V]  None: no row restricts its tokens
+    # (row, token id) pairs set to -inf: bad words' next tokens (one-token words, or a word's
+    # last token right after the rest of it).
+    bad_words_rows: Tensor  # int64 [W]
+    bad_words_token_ids: Tensor  # int64 [W]
+    # logit_bias as (row, token id, bias) triples, added to the logits.
+    logit_bias_rows: Tensor  # int64 [L]
+    logit_bias_token_ids: Tensor  # int64 [L]
+    logit_bias_values: Tensor  # float32 [L]
     generators: list[torch.Generator | None]  # [B]  None for greedy rows: they draw nothing
     max_num_logprobs: int | None  # largest `logprobs` in the batch; None when nobody asked
     all_greedy: bool
@@ -106,6 +118,27 @@ class SamplingMetadata:
                 StructuredOutputManager.sync(grammar, rows[i].output_token_ids)
                 grammar.fill_bitmask(bitmask, g)
 
+        allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        allowed_mask = None
+        if allowed_rows:
+            allowed_mask = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool)
+            for a, i in enumerate(allowed_rows):
+                allowed_mask[a, params[i].allowed_token_ids] = True
+            allowed_mask = allowed_mask.to(device)
+        bad_rows: list[int] = []
+        bad_ids: list[int] = []
+        for i, row in enumerate(rows):
+            output = list(row.output_token_ids)
+            for word in row.bad_words_token_ids:
+                *prefix, last = word
+                if not prefix or output[len(output) - len(prefix) :] == prefix:
+                    bad_rows.append(i)
+                    bad_ids.append(last)
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+
+        def ints(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
         requested = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=floats([0.0 if g else p.temperature for g, p in zip(greedy, params)]),
@@ -121,6 +154,13 @@ class SamplingMetadata:
             min_tokens_token_ids=torch.tensor(mask_ids, dtype=torch.int64, device=device),
             grammar_rows=torch.tensor(grammar_rows, dtype=torch.int64, device=device),
             grammar_bitmask=bitmask,
+            allowed_rows=ints(allowed_rows),
+            allowed_mask=allowed_mask,
+            bad_words_rows=ints(bad_rows),
+            bad_words_token_ids=ints(bad_ids),
+            logit_bias_rows=ints([i for i, _, _ in bias]),
+            logit_bias_token_ids=ints([t for _, t, _ in bias]),
+            logit_bias_values=floats([b for _, _, b in bias]),
             # Greedy rows draw no noise, so a seeded row's stream depends on its own steps only.
             generators=[None if g else row.generator for g, row in zip(greedy, rows)],
             max_num_logprobs=max(requested) if requested else None,

@@ -8,8 +8,12 @@ stop checker never re-validate.
 `structured_outputs` constrains the output with a grammar (a JSON schema, a regex, a choice, an
 EBNF grammar or any JSON object): see `minivllm/structured_output/`.
 
-Deviations from vLLM, on purpose: no `best_of`, `logit_bias`, `bad_words`,
-`allowed_token_ids` or `output_kind` (out of scope); non-finite floats are rejected;
+`logit_bias`, `allowed_token_ids` and `bad_words` are logits processors
+(`minivllm/logits_processors.py`); token ids beyond the vocabulary are refused by the engine,
+which knows its size.
+
+Deviations from vLLM, on purpose: no `best_of` or `output_kind` (out of scope); non-finite floats
+are rejected; `logit_bias` values outside OpenAI's [-100, 100] are refused, not clamped;
 `logprobs=-1` / `prompt_logprobs=-1` (the full vocabulary) are not supported.
 """
 
@@ -79,6 +83,9 @@ class SamplingParams:
         False  # keep the matched stop string (and stop token) in text
     )
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words that must not be generated (any of their tokens)
     # A grammar the output must follow (vLLM's field; a dict is read as its keywords).
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -162,6 +169,39 @@ class SamplingParams:
                 if not 0 <= value <= MAX_LOGPROBS:
                     raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
                 setattr(self, name, value)
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(
+                    f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}."
+                )
+            bias = {}
+            for token, value in self.logit_bias.items():
+                token = _check_int("logit_bias token id", token)
+                value = _check_float("logit_bias value", value)
+                if not -100.0 <= value <= 100.0:
+                    raise ValueError(
+                        f"logit_bias values must be in [-100, 100], got {value} for token {token}."
+                    )
+                bias[token] = value
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids:
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of token ids, got "
+                    f"{self.allowed_token_ids!r}."
+                )
+            self.allowed_token_ids = [
+                _check_int("allowed_token_ids", t) for t in self.allowed_token_ids
+            ]
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list | tuple) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words
+            ):
+                raise ValueError(
+                    f"bad_words must be a list of non-empty strings, got {self.bad_words!r}."
+                )
+            self.bad_words = list(self.bad_words)
 
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)

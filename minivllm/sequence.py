@@ -104,6 +104,9 @@ class Request:
     # With `params.prompt_logprobs`: one entry per prompt token so far, the first None (nothing
     # predicts it); filled chunk by chunk as the prompt is computed (`ScheduledSequence.prompt_logprobs`).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # `params.bad_words` as token-id sequences (each word alone and after a space), set by the
+    # engine, which has the tokenizer; the sampler bans a word's last token after its prefix.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     # The most sequences it runs at once: n samples, or a beam search's beam_width (0: n).
     max_num_seqs: int = 0

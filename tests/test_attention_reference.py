@@ -36,7 +36,7 @@ TOLERANCES = {
 def batch_shape(mode: str, bs: int) -> tuple[list[int], list[int]]:
     """(seq_lens, query_lens) of one call: several requests of different lengths.
 
-    The Triton and CPU backend tests (tests/test_attention_kernels.py, test_attention_cpu.py)
+    The Triton and CPU backend tests (tests/test_attention_kernels.py, test_kernels_cpu_attention.py)
     check every mode against the reference."""
     if mode == "decode":  # every length at a block edge, plus a long one
         return [1, bs - 1, bs, bs + 1, 300], [1] * 5

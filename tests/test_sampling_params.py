@@ -30,6 +30,9 @@ VLLM_DEFAULTS = {
     "include_stop_str_in_output": False,
     "prompt_logprobs": None,
     "truncate_prompt_tokens": None,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
     "structured_outputs": None,
 }
 
@@ -99,6 +102,9 @@ INVALID = [
     ({"logprobs": -1}, "logprobs must be in [0, 20], got -1."),
     ({"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20], got 21."),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be -1 or at least 1, got 0."),
+    ({"logit_bias": {1: 101}}, "logit_bias values must be in [-100, 100], got 101.0 for token 1."),
+    ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list of token ids, got []."),
+    ({"bad_words": "word"}, "bad_words must be a list of non-empty strings, got 'word'."),
     ({"logprobs": False}, "logprobs must be an int, got False."),
     ({"structured_outputs": 3}, "structured_outputs must be a StructuredOutputsParams, got 3."),
     (

@@ -146,7 +146,15 @@ class _SamplingFields(_Request):
         "a stream: the prompt's in the first chunk, each chunk's new ids).",
     )
     # OpenAI's and vLLM's fields that minivllm cannot honour
-    logit_bias: Any = _unsupported("logit_bias is not supported by minivllm")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> a bias in [-100, 100] added to its logit."
+    )
+    allowed_token_ids: list[int] | None = Field(
+        None, description="vLLM's extra: only these tokens may be sampled."
+    )
+    bad_words: list[str] | None = Field(
+        None, description="vLLM's extra: words that must not be generated."
+    )
     best_of: Any = Field(None, description="Only equal to `n`: every sample (or beam) is returned.")
     prompt_logprobs: int | None = Field(
         None,
@@ -264,7 +272,7 @@ class DetokenizeRequest(_Request):
 BEAM_SEARCH_REFUSED = (
     "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "echo",
-    "prompt_logprobs",
+    "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words",
 )  # fmt: skip
 
 
