@@ -30,8 +30,13 @@ from minivllm.after_sampling import AfterSampling, ParallelSampling, RequestCont
 from minivllm.attention import get_attention_backend
 from minivllm.config import EngineConfig
 from minivllm.distributed.executor import Executor, make_executor
-from minivllm.inputs import PromptType, process_prompt, truncate_prompt
-from minivllm.kv_allocation import make_block_manager
+from minivllm.inputs import (
+    PromptType,
+    prepare_prompt,
+    process_prompt,
+    process_token_params,
+)
+from minivllm.kv_allocation import check_forks_allowed, make_block_manager
 from minivllm.model.loader import load_tokenizer
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput, make_request_output
@@ -44,10 +49,6 @@ from minivllm.step_listener import StepListener, StepOutputs
 from minivllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("minivllm")
-
-
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room for output within max_model_len."""
 
 
 class LLMEngine:
@@ -176,29 +177,22 @@ class LLMEngine:
             width, params = params.max_num_seqs, params.sampling_params()
         params = params or SamplingParams(**self._diff_sampling_param)
         max_num_seqs = self.config.scheduler.max_num_seqs
-        if self.config.cache.kv_allocation != "paged" and (
-            params.n > 1 or hook is not self.parallel_sampling
-        ):
-            raise ValueError(
-                f"n > 1 and beam search need kv_allocation='paged' (forked sequences share "
-                f"blocks), got kv_allocation={self.config.cache.kv_allocation!r}"
-            )
+        forks = params.n > 1 or hook is not self.parallel_sampling
+        check_forks_allowed(self.config.cache.kv_allocation, forks)
         if params.n > max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}")
         if self._extra_eos_token_ids and not params.ignore_eos:
             # Every EOS of generation_config.json stops, reported as a stop token (as vLLM does).
             stops = set(params.stop_token_ids or []) | self._extra_eos_token_ids
             params = dataclasses.replace(params, stop_token_ids=sorted(stops))
-        bad_words = self._check_token_params(params)
-        text, ids = self.tokenize_prompt(prompt)
-        kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
-        if len(kept) < len(ids):  # the text no longer matches the ids
-            text, ids = None, kept
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
-                "it must be shorter, to leave room for at least one output token"
-            )
+        bad_words = process_token_params(params, self.tokenizer, self.vocab_size)
+        text, ids = prepare_prompt(
+            prompt,
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            params.truncate_prompt_tokens,
+        )
         request = Request(request_id, text, ids, params, max_num_seqs=width)
         request.bad_words_token_ids = bad_words
         if arrival_time is not None:
@@ -213,34 +207,6 @@ class LLMEngine:
         request.seqs.append(seq)
         self.scheduler.add_seq(seq)
         return request
-
-    def _check_token_params(self, params: SamplingParams) -> list[list[int]]:
-        """Token ids the request names must be in the vocabulary (vLLM's check, here where the
-        vocabulary is known); `bad_words` become token-id sequences, as vLLM tokenizes them: each
-        word on its own and after a space, since a tokenizer spells the two differently."""
-        for name, ids in (
-            ("logit_bias", list(params.logit_bias or {})),
-            ("allowed_token_ids", params.allowed_token_ids or []),
-        ):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"{name} contains out-of-vocab token id {bad[0]}: token ids must be in "
-                    f"[0, {self.vocab_size - 1}]"
-                )
-        if not params.bad_words:
-            return []
-        if self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer (skip_tokenizer_init is set)")
-        words: list[list[int]] = []
-        for word in params.bad_words:
-            alone = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            words.append(alone)
-            # The spaced spelling counts when it is a different word of the same length.
-            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
-                words.append(spaced)
-        return words
 
     def _new_seq(self, request: Request, index: int) -> Sequence:
         params = request.params

@@ -12,6 +12,10 @@ from typing import Any
 PromptType = str | list[int] | dict[str, Any]
 
 
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for output within max_model_len."""
+
+
 def process_prompt(
     prompt: PromptType, tokenizer: Any, vocab_size: int
 ) -> tuple[str | None, list[int]]:
@@ -55,3 +59,49 @@ def truncate_prompt(
         return ids
     keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
     return ids[-keep:]
+
+
+def prepare_prompt(
+    prompt: PromptType, tokenizer: Any, vocab_size: int, max_model_len: int, truncate: int | None
+) -> tuple[str | None, list[int]]:
+    """The prompt the engine runs: tokenized, cut to its last `truncate` tokens, and short enough
+    to leave room for one output token (else `PromptTooLongError`)."""
+    text, ids = process_prompt(prompt, tokenizer, vocab_size)
+    kept = truncate_prompt(ids, truncate, max_model_len)
+    if len(kept) < len(ids):  # the text no longer matches the ids
+        text, ids = None, kept
+    if len(ids) >= max_model_len:
+        raise PromptTooLongError(
+            f"the prompt has {len(ids)} tokens, but max_model_len is {max_model_len}: "
+            "it must be shorter, to leave room for at least one output token"
+        )
+    return text, ids
+
+
+def process_token_params(params: Any, tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """Token ids a request names must be in the vocabulary (vLLM's check, made where the
+    vocabulary is known); `bad_words` become token-id sequences, as vLLM tokenizes them: each
+    word on its own and after a space, since a tokenizer spells the two differently."""
+    for name, ids in (
+        ("logit_bias", list(params.logit_bias or {})),
+        ("allowed_token_ids", params.allowed_token_ids or []),
+    ):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"{name} contains out-of-vocab token id {bad[0]}: token ids must be in "
+                f"[0, {vocab_size - 1}]"
+            )
+    if not params.bad_words:
+        return []
+    if tokenizer is None:
+        raise ValueError("bad_words needs a tokenizer (skip_tokenizer_init is set)")
+    words: list[list[int]] = []
+    for word in params.bad_words:
+        alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        words.append(alone)
+        # The spaced spelling counts when it is a different word of the same length.
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            words.append(spaced)
+    return words

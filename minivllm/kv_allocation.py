@@ -243,6 +243,16 @@ class ReservationBlockManager(BlockManager):
         seq.num_slots = slots
 
 
+def check_forks_allowed(kv_allocation: str, forks: bool) -> None:
+    """A request that forks (n > 1, beam search) shares blocks between its sequences, which a
+    private reservation cannot: refused when it is added, not at its first fork."""
+    if kv_allocation != "paged" and forks:
+        raise ValueError(
+            f"n > 1 and beam search need kv_allocation='paged' (forked sequences share "
+            f"blocks), got kv_allocation={kv_allocation!r}"
+        )
+
+
 def make_block_manager(cache: CacheConfig, num_blocks: int, max_model_len: int) -> BlockManager:
     """The block manager of `cache.kv_allocation`: paged blocks, or contiguous reservations."""
     if cache.kv_allocation == "paged":

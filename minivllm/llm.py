@@ -16,9 +16,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from minivllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from minivllm.engine import LLMEngine, PromptTooLongError
+from minivllm.engine import LLMEngine
 from minivllm.engine_args import EngineArgs, EngineKwargs, document_engine_args
-from minivllm.inputs import PromptType
+from minivllm.inputs import PromptTooLongError, PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Request

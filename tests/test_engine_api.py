@@ -10,7 +10,7 @@ import math
 import pytest
 from engine_utils import assert_no_blocks_held
 
-from minivllm.engine import PromptTooLongError
+from minivllm.inputs import PromptTooLongError
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 

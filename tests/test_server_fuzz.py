@@ -33,7 +33,7 @@ import pytest
 from engine_utils import save_tiny_llama
 from server_utils import RemoteServer, run_server
 
-from minivllm.entrypoints import protocol
+from minivllm.entrypoints import protocol, response_schemas
 
 SEED = 17
 MAX_EXAMPLES = 25  # per operation, in the fuzzing phase
@@ -108,7 +108,7 @@ def test_no_request_got_a_5xx_and_every_4xx_is_an_openai_error(fuzz: dict[str, A
     for entry in fuzz["entries"]:
         status = entry["response"]["status"]
         if status >= 400:
-            error = protocol.ErrorResponse.model_validate_json(_body(entry)).error
+            error = response_schemas.ErrorResponse.model_validate_json(_body(entry)).error
             assert error.code == status and error.message, entry["request"]["url"]
 
 

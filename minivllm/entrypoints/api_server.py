@@ -18,7 +18,6 @@ client disconnects from streaming responses) check the API key and the body size
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -30,12 +29,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import minivllm
 from minivllm.beam_search import BeamSearchParams
 from minivllm.engine import LLMEngine
 from minivllm.entrypoints import protocol as p
+from minivllm.entrypoints import response_schemas as rs
 from minivllm.entrypoints.async_engine import AsyncLLMEngine
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.openapi import install_openapi, json_body, responses
@@ -46,6 +45,7 @@ from minivllm.entrypoints.protocol_responses import (
     ResponsesStreamEvent,
 )
 from minivllm.entrypoints.server_extras import (
+    GuardMiddleware,
     LoadMiddleware,
     RequestIdMiddleware,
     ServerLoad,
@@ -55,6 +55,7 @@ from minivllm.entrypoints.serving import error_response
 from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.serving_responses import OpenAIServingResponses
+from minivllm.entrypoints.serving_tokenization import OpenAIServingTokenization
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("minivllm")
@@ -66,68 +67,6 @@ API_DESCRIPTION = (
     "Fields that OpenAI or vLLM define but minivllm cannot honour are refused by name (a 400), "
     "never ignored."
 )
-
-
-# ---------------------------------------------------------------------- middleware
-class _BodyTooLarge(Exception):
-    pass
-
-
-async def _send_error(send: Send, exc: OpenAIError) -> None:
-    resp = error_response(exc)
-    await send(
-        {"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers}
-    )
-    await send({"type": "http.response.body", "body": resp.body})
-
-
-class GuardMiddleware:
-    """401 on /v1/* without the API key; 413 for a body over `max_body_bytes`, known from
-    Content-Length up front or found while reading a chunked body."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"].startswith("/v1"):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):  # constant time: no timing oracle
-                await _send_error(send, OpenAIError("Unauthorized: missing or wrong API key", 401))
-                return
-        limit = self.max_body_bytes
-        too_large = OpenAIError(f"the request body is larger than {limit} bytes", 413)
-        length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            await _send_error(send, too_large)
-            return
-        seen = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise _BodyTooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await _send_error(send, too_large)
 
 
 # ---------------------------------------------------------------------- the app
@@ -189,6 +128,7 @@ def build_app(
     completion = OpenAIServingCompletion(async_engine, *limits, return_tokens_as_token_ids)
     chat = OpenAIServingChat(async_engine, *limits, return_tokens_as_token_ids)
     responses_api = OpenAIServingResponses(chat, async_engine, *limits)
+    tokenization = OpenAIServingTokenization(chat)
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if tool_call_parser is not None:
@@ -261,7 +201,7 @@ def build_app(
             return error_response(OpenAIError("the engine is not running", 503))
         return Response(status_code=200)
 
-    @app.get("/version", response_model=None, responses=responses(p.VersionResponse, ()))
+    @app.get("/version", response_model=None, responses=responses(rs.VersionResponse, ()))
     async def version() -> dict[str, str]:
         return {"version": minivllm.__version__}
 
@@ -275,7 +215,7 @@ def build_app(
 
     models_errors = (401,) if api_key else ()
 
-    @app.get("/v1/models", response_model=None, responses=responses(p.ModelList, models_errors))
+    @app.get("/v1/models", response_model=None, responses=responses(rs.ModelList, models_errors))
     async def models() -> dict[str, Any]:
         cards = [
             {
@@ -298,7 +238,7 @@ def build_app(
             {"model": names[0], "prompt": "The capital of France is", "max_tokens": 16},
         ),
         responses=responses(
-            p.CompletionResponse, v1_errors, "A completion", stream=p.CompletionStreamResponse
+            rs.CompletionResponse, v1_errors, "A completion", stream=rs.CompletionStreamResponse
         ),
     )
     async def completions(request: Request) -> Any:
@@ -317,10 +257,10 @@ def build_app(
             },
         ),
         responses=responses(
-            p.ChatCompletionResponse,
+            rs.ChatCompletionResponse,
             v1_errors,
             "A chat completion",
-            stream=p.ChatCompletionStreamResponse,
+            stream=rs.ChatCompletionStreamResponse,
         ),
     )
     async def chat_completions(request: Request) -> Any:
@@ -348,51 +288,21 @@ def build_app(
         "/tokenize",
         response_model=None,
         openapi_extra=json_body(p.TokenizeRequest, {"prompt": "Hello, world"}),
-        responses=responses(p.TokenizeResponse, (400, 404, 413)),
+        responses=responses(rs.TokenizeResponse, (400, 404, 413)),
     )
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, p.TokenizeRequest)
-        chat.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise OpenAIError("give exactly one of prompt and messages", param="prompt")
-        if req.messages is not None:
-            ids = chat.apply_chat_template(
-                req.messages,
-                req.add_generation_prompt,
-                req.continue_final_message,
-                req.chat_template_kwargs,
-            )
-        else:
-            assert req.prompt is not None
-            ids = list(
-                engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-            )
-        resp: dict[str, Any] = {
-            "count": len(ids),
-            "max_model_len": engine.max_model_len,
-            "tokens": ids,
-        }
-        if req.return_token_strs:
-            resp["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
-        return resp
+        return tokenization.tokenize(await _parse(request, p.TokenizeRequest))
 
     @app.post(
         "/detokenize",
         response_model=None,
         openapi_extra=json_body(p.DetokenizeRequest),
-        responses=responses(p.DetokenizeResponse, (400, 404, 413)),
+        responses=responses(rs.DetokenizeResponse, (400, 404, 413)),
     )
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, p.DetokenizeRequest)
-        chat.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
-        if bad:
-            raise OpenAIError(
-                f"tokens must be in [0, {engine.vocab_size - 1}], got {bad[0]}", param="tokens"
-            )
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        return tokenization.detokenize(await _parse(request, p.DetokenizeRequest))
 
-    @app.get("/load", response_model=None, responses=responses(p.LoadResponse, ()))
+    @app.get("/load", response_model=None, responses=responses(rs.LoadResponse, ()))
     async def get_load() -> dict[str, int]:
         return {"server_load": server_load.in_flight}
 
@@ -401,7 +311,7 @@ def build_app(
         @app.get(
             "/tokenizer_info",
             response_model=None,
-            responses=responses(p.TokenizerInfoResponse, ()),
+            responses=responses(rs.TokenizerInfoResponse, ()),
         )
         async def get_tokenizer_info() -> dict[str, Any]:
             return tokenizer_info(engine.tokenizer)
@@ -411,10 +321,10 @@ def build_app(
         response_model=None,
         openapi_extra=json_body(p.ChatCompletionRequest),
         responses=responses(
-            p.ChatCompletionResponse,
+            rs.ChatCompletionResponse,
             v1_errors,
             "A chat completion (or, for a body with `prompt`, a text completion)",
-            stream=p.ChatCompletionStreamResponse,
+            stream=rs.ChatCompletionStreamResponse,
         ),
     )
     async def invocations(request: Request) -> Any:

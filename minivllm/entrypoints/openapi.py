@@ -23,6 +23,7 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from minivllm.entrypoints import protocol as p
 from minivllm.entrypoints import protocol_responses as pr
+from minivllm.entrypoints import response_schemas as rs
 
 _REQUEST_MODELS: list[type[BaseModel]] = [
     p.CompletionRequest,
@@ -32,17 +33,17 @@ _REQUEST_MODELS: list[type[BaseModel]] = [
     pr.ResponsesRequest,
 ]
 _RESPONSE_MODELS: list[type[BaseModel]] = [
-    p.ErrorResponse,
-    p.CompletionResponse,
-    p.CompletionStreamResponse,
-    p.ChatCompletionResponse,
-    p.ChatCompletionStreamResponse,
-    p.TokenizeResponse,
-    p.DetokenizeResponse,
-    p.ModelList,
-    p.VersionResponse,
-    p.LoadResponse,
-    p.TokenizerInfoResponse,
+    rs.ErrorResponse,
+    rs.CompletionResponse,
+    rs.CompletionStreamResponse,
+    rs.ChatCompletionResponse,
+    rs.ChatCompletionStreamResponse,
+    rs.TokenizeResponse,
+    rs.DetokenizeResponse,
+    rs.ModelList,
+    rs.VersionResponse,
+    rs.LoadResponse,
+    rs.TokenizerInfoResponse,
     pr.ResponsesResponse,
     pr.ResponsesStreamEvent,
 ]
@@ -82,7 +83,7 @@ def sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
     describe each event; 3.2 would call it `itemSchema`.)"""
     json_data = {
         "contentMediaType": "application/json",
-        "contentSchema": {"anyOf": [ref(chunk), ref(p.ErrorResponse)]},
+        "contentSchema": {"anyOf": [ref(chunk), ref(rs.ErrorResponse)]},
     }
     data = {"type": "string", "if": {"const": "[DONE]"}, "else": json_data}
     return {"type": "object", "required": ["data"], "properties": {"data": data}}
@@ -110,7 +111,7 @@ def responses(
     }
     for code in errors:
         error = {"description": ERROR_DESCRIPTIONS[code]}
-        out[code] = {**error, "content": {"application/json": {"schema": ref(p.ErrorResponse)}}}
+        out[code] = {**error, "content": {"application/json": {"schema": ref(rs.ErrorResponse)}}}
     return out
 
 

@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from minivllm.entrypoints.protocol import _Request, _Response, _unsupported
+from minivllm.entrypoints.protocol import _Request, _unsupported
+from minivllm.entrypoints.response_schemas import _Response
 
 
 class InputTextPart(_Request):

@@ -1,5 +1,8 @@
-"""The parts of vLLM's server that are about operating it, not about generating: request ids in
-headers, the server load, and the tokenizer's configuration.
+"""The parts of vLLM's server that are about operating it, not about generating: the API key and
+the body-size limit, request ids in headers, the server load, and the tokenizer's configuration.
+
+- `GuardMiddleware`: 401 on /v1/* without the API key (compared in constant time); 413 for a
+  body over `--max-request-body-bytes`, known from Content-Length or found while reading.
 
 - `RequestIdMiddleware` (vLLM's `--enable-request-id-headers`): every response carries an
   `X-Request-Id` header, the client's own when it sent one, so a proxy's logs and the client's
@@ -16,11 +19,15 @@ disconnects from streaming responses, which the abort-on-disconnect path needs.
 
 from __future__ import annotations
 
+import hmac
 import json
 import uuid
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from minivllm.entrypoints.protocol import OpenAIError
+from minivllm.entrypoints.serving import error_response
 
 REQUEST_ID_HEADER = b"x-request-id"
 # The routes that run the model: what "load" means to vLLM's `/load`.
@@ -87,3 +94,64 @@ def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
     if template is not None:
         info["chat_template"] = template
     return info
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _send_error(send: Send, exc: OpenAIError) -> None:
+    resp = error_response(exc)
+    await send(
+        {"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers}
+    )
+    await send({"type": "http.response.body", "body": resp.body})
+
+
+class GuardMiddleware:
+    """401 on /v1/* without the API key; 413 for a body over `max_body_bytes`, known from
+    Content-Length up front or found while reading a chunked body."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"].startswith("/v1"):
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):  # constant time: no timing oracle
+                await _send_error(send, OpenAIError("Unauthorized: missing or wrong API key", 401))
+                return
+        limit = self.max_body_bytes
+        too_large = OpenAIError(f"the request body is larger than {limit} bytes", 413)
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            await _send_error(send, too_large)
+            return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await _send_error(send, too_large)

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from minivllm.beam_search import BeamSearchParams
 from minivllm.entrypoints.async_engine import AsyncLLMEngine, StreamItem
 from minivllm.entrypoints.protocol import OpenAIError, StreamOptions
-from minivllm.inputs import PromptType, truncate_prompt
+from minivllm.inputs import PromptType, process_token_params, truncate_prompt
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output import StructuredOutputsParams
@@ -156,7 +156,7 @@ class OpenAIServing:
             if v is not None
         }
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n,
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
@@ -172,40 +172,20 @@ class OpenAIServing:
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
-                logit_bias=self._logit_bias(req.logit_bias),
-                allowed_token_ids=self._in_vocab("allowed_token_ids", req.allowed_token_ids),
+                logit_bias=_logit_bias(req.logit_bias),
+                allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words,
                 structured_outputs=structured[0] if structured is not None else None,
                 **extras,
             )
-        except ValueError as exc:  # SamplingParams' messages name the field and the range
+            # The engine's own checks of token ids (it repeats them): a 400 here, not a failure
+            # in the engine thread.
+            engine = self.engine.engine
+            process_token_params(params, engine.tokenizer, engine.vocab_size)
+            return params
+        except ValueError as exc:  # the messages name the field and the range
             name = str(exc).split(" ", 1)[0]
             raise OpenAIError(str(exc), param=name if name in _PARAM_NAMES else None) from None
-
-    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
-        """OpenAI's map from token ids (JSON keys, so strings) to biases, as ints in the vocab."""
-        if bias is None:
-            return None
-        try:
-            ids = {int(key): value for key, value in bias.items()}
-        except ValueError:
-            bad = next(k for k in bias if not k.lstrip("-").isdigit())
-            raise OpenAIError(
-                f"logit_bias keys must be token ids, got {bad!r}", param="logit_bias"
-            ) from None
-        self._in_vocab("logit_bias", list(ids))
-        return ids
-
-    def _in_vocab(self, field: str, ids: list[int] | None) -> list[int] | None:
-        vocab = self.engine.engine.vocab_size
-        bad = [t for t in ids or [] if not 0 <= t < vocab]
-        if bad:
-            raise OpenAIError(
-                f"{field} contains out-of-vocab token id {bad[0]}: token ids must be in "
-                f"[0, {vocab - 1}]",
-                param=field,
-            )
-        return ids
 
     def decode_one(self, token_id: int) -> str:
         """One token's text on its own (what logprobs name a token by)."""
@@ -370,6 +350,16 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's map from token ids (JSON keys, so strings) to biases, with int keys."""
+    if bias is None:
+        return None
+    bad = [k for k in bias if not k.lstrip("-").isdigit()]
+    if bad:
+        raise OpenAIError(f"logit_bias keys must be token ids, got {bad[0]!r}", param="logit_bias")
+    return {int(key): value for key, value in bias.items()}
 
 
 def prompt_ids(prompt: PromptType) -> list[int]:
