@@ -36,6 +36,7 @@ from minivllm.logits_processors import (
     apply_min_tokens,
     apply_penalties,
 )
+from minivllm.platforms import platform_for
 from minivllm.sampling_metadata import SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SAMPLING_EPS
 
@@ -144,8 +145,8 @@ def random_sample(
     Either way a row with its own generator draws only from it; the other rows draw from
     `generator` (the engine's own, seeded by its `seed`), or torch's global one when None.
     """
-    if method == "auto":
-        method = "exponential" if probs.is_cuda else "multinomial"
+    if method == "auto":  # the platform's choice
+        method = platform_for(probs.device).sampling_method
     rows_global = [i for i, g in enumerate(meta.generators) if g is None]
     if method == "multinomial":
         out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)

@@ -7,6 +7,8 @@ checked end to end in tests/test_engine_greedy.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -99,3 +101,15 @@ def test_an_op_runs_forward_native_until_a_platform_forward_is_dispatched() -> N
     assert platform_forward(QKVParallelLinear, "cpu") is not None
     qkv = QKVParallelLinear(16, 4, 2, 1, False, SINGLE_DEVICE)
     assert CpuPlatform().dispatch_custom_ops(qkv, "none") == 0 and qkv.dispatched_to == "native"
+
+
+def test_the_platform_chooses_how_a_random_row_is_sampled() -> None:
+    """A CPU draws one uniform per row (B x V exponentials would cost more than the LM head); a
+    GPU races exponentials, which needs no host sync. The sampler asks, it does not branch."""
+    from minivllm.platforms.cpu import CpuPlatform
+    from minivllm.platforms.cuda import CudaPlatform
+
+    assert CpuPlatform.sampling_method == "multinomial"
+    assert CudaPlatform.sampling_method == "exponential"
+    source = (Path(__file__).parent.parent / "minivllm" / "sampler.py").read_text()
+    assert ".is_cuda" not in source and "device.type" not in source

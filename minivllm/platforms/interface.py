@@ -10,6 +10,7 @@ no other module asks `device.type` to pick its code:
 - the attention backend that `"auto"` means, and the backends that run on the device;
 - the dtype that `"auto"` means, and how many bytes the KV cache may take;
 - the collective library between tensor-parallel ranks (`dist_backend`, vLLM's name);
+- how the sampler draws a random row (`sampling_method`);
 - whether a decode step may be replayed as one captured call (`capture_decode_layers`, which the
   model runner owns, as vLLM's runner owns CUDA-graph capture).
 
@@ -53,6 +54,9 @@ class Platform:
     default_attention_backend: str = "reference"
     attention_backends: tuple[str, ...] = ("reference",)  # those that run on this device
     dist_backend: str = "gloo"  # torch.distributed's library for collectives between ranks
+    # How the sampler draws a row's token (sampler.random_sample): inverse-CDF sampling with one
+    # uniform per row, or the exponential race, which needs no host sync (a GPU's choice).
+    sampling_method: str = "multinomial"
 
     def default_dtype(self) -> torch.dtype:
         """What dtype "auto" means."""
