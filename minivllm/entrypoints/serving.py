@@ -178,10 +178,11 @@ class OpenAIServing:
                 structured_outputs=structured[0] if structured is not None else None,
                 **extras,
             )
-            # The engine's own checks of token ids (it repeats them): a 400 here, not a failure
-            # in the engine thread.
-            engine = self.engine.engine
-            process_token_params(params, engine.tokenizer, engine.vocab_size)
+            if params.logit_bias or params.allowed_token_ids or params.bad_words:
+                # The engine's own checks of token ids (it repeats them): a 400 here, not a
+                # failure in the engine thread.
+                engine = self.engine.engine
+                process_token_params(params, engine.tokenizer, engine.vocab_size)
             return params
         except ValueError as exc:  # the messages name the field and the range
             name = str(exc).split(" ", 1)[0]
