@@ -77,7 +77,7 @@ class CacheConfig:
     gpu_memory_utilization: float  # fraction of CUDA memory
     cpu_kv_cache_space: float  # GiB
     kv_allocation: str  # one of KV_ALLOCATIONS
-    cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES (EngineArgs.kv_cache_dtype, vLLM's name)
+    cache_dtype: str  # one of KV_CACHE_DTYPES (EngineArgs.kv_cache_dtype; vLLM's names both)
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
