@@ -19,7 +19,10 @@ host-side check for skipped slots) against the fused `reshape_and_cache` op.
 
 Not a test (no timing is asserted anywhere); run it as
 
-    python benchmarks/cpu_decode.py [--threads 2] [--dtype float32]
+    python benchmarks/cpu_decode.py [--threads 2] [--dtype float32] [--kv-cache-dtype bfloat16]
+
+`--kv-cache-dtype` stores the caches narrower than the queries, as the engine's option of that name
+does (a bfloat16 cache under float32 weights: half the bytes to read).
 
 It times the kernels of the tree it runs in (they are built on first use, one build per version
 of the sources), so a before/after is the same command on the two commits. On a machine shared
@@ -44,7 +47,11 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 class DecodeBatch:
     """One decode step of `len(seq_lens)` requests over `layers` layers' paged caches."""
 
-    def __init__(self, seq_lens: list[int], layers: int, dtype: torch.dtype, seed: int) -> None:
+    def __init__(
+        self, seq_lens: list[int], layers: int, dtype: torch.dtype, seed: int,
+        cache_dtype: torch.dtype | None = None,
+    ) -> None:  # fmt: skip
+        cache_dtype = cache_dtype or dtype
         gen = torch.Generator().manual_seed(seed)
         b = len(seq_lens)
         blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
@@ -53,8 +60,8 @@ class DecodeBatch:
         self.caches = []  # per layer: (k_cache, v_cache, block_tables)
         for _ in range(layers):
             shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-            k = torch.randn(shape, generator=gen).to(dtype)
-            v = torch.randn(shape, generator=gen).to(dtype)
+            k = torch.randn(shape, generator=gen).to(cache_dtype)
+            v = torch.randn(shape, generator=gen).to(cache_dtype)
             order = torch.randperm(num_blocks, generator=gen, dtype=torch.int32)
             tables = torch.zeros(b, max(blocks), dtype=torch.int32)  # [B, max_blocks]
             taken = 0
@@ -79,10 +86,10 @@ class DecodeBatch:
         )  # fmt: skip
 
 
-def bench_write_kv(tokens: int, dtype: torch.dtype) -> dict[str, float]:
+def bench_write_kv(tokens: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> dict[str, float]:
     """One layer's cache write of a decode step: `tokens` new K/V rows, token-major views of a
     feature-major qkv (strides (1, head_dim * T, T)), scattered into 4096 blocks' worth of cache."""
-    k_cache = torch.zeros(4096, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
+    k_cache = torch.zeros(4096, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=cache_dtype)
     v_cache = torch.zeros_like(k_cache)
     qkv = torch.randn((HEADS + 2 * KV_HEADS) * HEAD_DIM, tokens).to(dtype).t()  # [T, N]
     key = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
@@ -104,9 +111,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--layers", type=int, default=30, help="caches the calls rotate through")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="the caches' dtype; auto: --dtype",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    cache_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
 
     gen = torch.Generator().manual_seed(0)
     workloads = {
@@ -119,10 +131,13 @@ def main() -> None:
         "8 req, 16..512": torch.randint(16, 513, (8,), generator=gen).tolist(),
     }
     copy_gbs = measure_copy_bandwidth(torch.device("cpu"), nbytes=256 * 2**20) / 1e9
-    print(f"threads={args.threads} dtype={args.dtype}; copy of 256 MB: {copy_gbs:.1f} GB/s")
+    print(
+        f"threads={args.threads} dtype={args.dtype} kv_cache_dtype={cache_dtype}; "
+        f"copy of 256 MB: {copy_gbs:.1f} GB/s"
+    )
     rows = []
     for name, lens in workloads.items():
-        batch = DecodeBatch(lens, args.layers, dtype, seed=1)
+        batch = DecodeBatch(lens, args.layers, dtype, seed=1, cache_dtype=cache_dtype)
         median, best = timed_us(batch.step)
         gbs = batch.bytes_read / (best * 1e-6) / 1e9
         rows.append(
@@ -140,7 +155,7 @@ def main() -> None:
     ]
     print_table(headers, rows)
     for tokens in (32, 64):
-        times = bench_write_kv(tokens, dtype)
+        times = bench_write_kv(tokens, dtype, cache_dtype)
         cells = "  ".join(f"{name} {us:.1f} us" for name, us in times.items())
         print(f"write_kv, {tokens} tokens: {cells}")
 

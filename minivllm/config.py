@@ -29,6 +29,12 @@ DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 # How the KV cache is handed out (minivllm/kv_allocation.py): paged blocks, or the paper's Orca
 # baselines, which reserve a contiguous range per request at admission (§6.2).
 KV_ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
+# What the KV cache stores (vLLM's `kv_cache_dtype`): "auto" is the model's dtype. A narrower cache
+# holds more blocks in the same memory and halves the bytes attention reads per token; every
+# backend converts on write and reads it back up to the query's dtype (minivllm/attention/).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# vLLM's fp8 values: accepted by vLLM (with a per-tensor k_scale / v_scale), refused here by name.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 
 
 def _positive(name: str, value: object) -> None:
@@ -71,9 +77,19 @@ class CacheConfig:
     gpu_memory_utilization: float  # fraction of CUDA memory
     cpu_kv_cache_space: float  # GiB
     kv_allocation: str  # one of KV_ALLOCATIONS
+    cache_dtype: str  # one of KV_CACHE_DTYPES (EngineArgs.kv_cache_dtype; vLLM's names both)
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if self.cache_dtype in FP8_KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.cache_dtype!r} is not supported: minivllm has no fp8 "
+                f"kernels; kv_cache_dtype must be one of {KV_CACHE_DTYPES}"
+            )
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}"
+            )
         if self.kv_allocation not in KV_ALLOCATIONS:
             raise ValueError(
                 f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}"

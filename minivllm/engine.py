@@ -70,6 +70,7 @@ class LLMEngine:
         self.executor = executor or make_executor(config, backend)
         self.runner = self.executor.driver_runner
         self.model = self.runner.model  # rank 0's shard when tensor_parallel_size > 1
+        self.kv_cache_dtype = self.runner.kv_cache.dtype  # kv_cache_dtype resolved ("auto": dtype)
         num_blocks = self.executor.num_blocks  # the same on every rank: the smallest any can hold
         self._fit_max_model_len(num_blocks * cc.block_size)
         self.block_manager = make_block_manager(cc, num_blocks, self.max_model_len)
@@ -114,14 +115,15 @@ class LLMEngine:
         self.stats = StatsCollector(self.scheduler, self.block_manager)
         self.step_listeners: list[StepListener] = [self.stats]
         logger.info(
-            "minivllm engine: model=%s dtype=%s device=%s backend=%s kv_blocks=%d (block_size=%d) "
-            "max_model_len=%d tensor_parallel_size=%d",
+            "minivllm engine: model=%s dtype=%s device=%s backend=%s kv_blocks=%d (block_size=%d, "
+            "kv_cache_dtype=%s) max_model_len=%d tensor_parallel_size=%d",
             self.source.name,
             str(self.dtype).removeprefix("torch."),
             self.device,
             self.attention_backend,
             num_blocks,
             cc.block_size,
+            str(self.kv_cache_dtype).removeprefix("torch."),
             self.max_model_len,
             config.parallel.tensor_parallel_size,
         )

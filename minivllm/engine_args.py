@@ -31,6 +31,7 @@ from minivllm.attention import BACKEND_NAMES, resolve_backend_name
 from minivllm.config import (
     DTYPES,
     KV_ALLOCATIONS,
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -110,6 +111,14 @@ class EngineArgs:
         "power of two of its final length, or exactly prompt + max_tokens (these need "
         "--no-enable-prefix-caching and n = 1)",
         choices=KV_ALLOCATIONS,
+    )
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "what the KV cache stores (vLLM's flag); auto: the model's dtype. bfloat16 under float32 "
+        "weights holds 2x the blocks in the same memory and halves the bytes attention reads; "
+        "keys and values are rounded to it on write and attention still computes in float32. "
+        "fp8 is not supported",
+        choices=KV_CACHE_DTYPES,
     )
     # ---------------------------------------------------------------------- the scheduler
     max_num_seqs: int = _arg(256, "most sequences running at once (the batch's rows)")
@@ -202,6 +211,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 cpu_kv_cache_space=self.cpu_kv_cache_space,
                 kv_allocation=self.kv_allocation,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -232,6 +242,7 @@ class EngineKwargs(TypedDict, total=False):
     gpu_memory_utilization: float
     cpu_kv_cache_space: float
     kv_allocation: str
+    kv_cache_dtype: str
     max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int

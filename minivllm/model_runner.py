@@ -46,8 +46,16 @@ from minivllm.scheduler import SchedulerOutput
 PROMPT_LOGPROBS_ROWS = 512
 
 
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: `kv_cache_dtype` ("auto": the model's dtype, as in vLLM)."""
+    if cache_dtype == "auto":
+        return model_dtype
+    return getattr(torch, cache_dtype)  # validated by CacheConfig: "bfloat16", "float16", ...
+
+
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block on this rank: its KV heads only (all of them on one device)."""
+    """Bytes of one KV block on this rank: its KV heads only (all of them on one device), at the
+    cache's dtype (`kv_cache_dtype`: a bfloat16 cache under float32 weights fits 2x the blocks)."""
     cfg = model.config
     per_token = 2 * cfg.num_hidden_layers * model.num_kv_heads * cfg.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
@@ -57,7 +65,7 @@ def determine_num_blocks(
     model: LlamaForCausalLM, cache: CacheConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
     """`num_gpu_blocks_override` wins; else the platform's budget (CUDA's free memory share, or
-    the CPU's GiB)."""
+    the CPU's GiB). `dtype` is the cache's (`kv_cache_torch_dtype`), not the weights'."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     per_block = kv_bytes_per_block(model, cache.block_size, dtype)
@@ -99,7 +107,7 @@ class ModelRunner:
         backend: AttentionBackend,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype,  # the KV cache's (kv_cache_dtype resolved), not necessarily the model's
         device: torch.device,
         enforce_eager: bool = False,
     ) -> None:

@@ -21,6 +21,7 @@ from test_attention_kernels import (
     F32,
     GPU_TILE_CASES,
     HEAD_DIM_256_CASES,
+    KV_DTYPE_CASES,
     PARITY_GRID,
     ParityCase,
     check_attend_parity,
@@ -75,6 +76,12 @@ def _require_compiled_cuda(request: pytest.FixtureRequest) -> None:
 
 @pytest.mark.parametrize("case", PARITY_GRID, ids=lambda c: c.id)
 def test_compiled_triton_matches_reference_on_the_parity_grid(case: ParityCase) -> None:
+    check_attend_parity(case, "cuda")
+
+
+@pytest.mark.parametrize("case", KV_DTYPE_CASES, ids=lambda c: c.id)
+def test_compiled_triton_matches_reference_over_a_narrower_cache(case: ParityCase) -> None:
+    """kv_cache_dtype="bfloat16" under float32 queries, compiled: K/V widened on load."""
     check_attend_parity(case, "cuda")
 
 

@@ -47,6 +47,7 @@ class ParityCase:
     block_size: int
     num_splits: int | None = None  # decode kernel's KV splits; None = the backend's choice
     gpu_tiles: bool = False  # the sm_90 tile sizes, even in the interpreter
+    cache_dtype: torch.dtype | None = None  # kv_cache_dtype narrower than dtype; None: dtype
 
     @property
     def id(self) -> str:
@@ -54,7 +55,11 @@ class ParityCase:
         dt = str(self.dtype).removeprefix("torch.")
         splits = f"-s{self.num_splits}" if self.num_splits else ""
         tiles = "-gputiles" if self.gpu_tiles else ""
-        return f"{self.mode}-{h}q{hkv}kv-{dt}-d{self.head_dim}-bs{self.block_size}{splits}{tiles}"
+        cache = f"-{str(self.cache_dtype).removeprefix('torch.')}cache" if self.cache_dtype else ""
+        return (
+            f"{self.mode}-{h}q{hkv}kv-{dt}-d{self.head_dim}-bs{self.block_size}{splits}{tiles}"
+            f"{cache}"
+        )
 
 
 # Pairwise covering grid over mode(5) × heads(4) × dtype(3) × head_dim(2) × block_size(2):
@@ -102,6 +107,15 @@ GPU_TILE_CASES = [
     ParityCase("extend", (8, 2), F16, 256, 16, gpu_tiles=True),
 ]
 HEAD_DIM_256_CASES = [ParityCase("mixed", (4, 2), F32, 256, 16, 2)]  # the interpreter's tiles
+# kv_cache_dtype="bfloat16" (and float16) under float32 queries: small shapes for the interpreter,
+# GQA, partial and several blocks, several sequences of different lengths, split decodes.
+KV_DTYPE_CASES = [
+    ParityCase("decode", (4, 2), F32, 64, 16, 1, cache_dtype=BF16),
+    ParityCase("decode_split", (6, 2), F32, 80, 16, 3, cache_dtype=BF16),
+    ParityCase("mixed", (4, 2), F32, 64, 16, 2, cache_dtype=BF16),
+    ParityCase("extend", (8, 1), F32, 64, 32, cache_dtype=F16),
+    ParityCase("decode_split", (4, 2), F32, 64, 16, 4, gpu_tiles=True, cache_dtype=BF16),
+]
 
 
 def check_attend_parity(case: ParityCase, device: str, use_plan: bool = True) -> float:
@@ -114,7 +128,7 @@ def check_attend_parity(case: ParityCase, device: str, use_plan: bool = True) ->
     seq_lens, query_lens = batch_shape(case.mode, case.block_size)
     b = make_paged_batch(
         seq_lens, query_lens, h, hkv, case.head_dim, case.block_size, case.dtype, device,
-        seed=zlib.crc32(case.id.encode()),
+        seed=zlib.crc32(case.id.encode()), cache_dtype=case.cache_dtype,
     )  # fmt: skip
     # Q, K and V as views of one fused projection output, as the model produces them: the kernels
     # must honour the token stride rather than assume contiguous inputs.
@@ -197,6 +211,14 @@ def test_triton_matches_reference_on_the_parity_grid(case: ParityCase) -> None:
 @interpreter_only
 @pytest.mark.parametrize("case", GPU_TILE_CASES + HEAD_DIM_256_CASES, ids=lambda c: c.id)
 def test_triton_matches_reference_with_the_gpu_tiles_and_head_dim_256(case: ParityCase) -> None:
+    check_attend_parity(case, "cpu")
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", KV_DTYPE_CASES, ids=lambda c: c.id)
+def test_triton_matches_reference_over_a_cache_narrower_than_the_query(case: ParityCase) -> None:
+    """Both backends round K/V into the same bits; over them, the float32 queries' attention
+    agrees to float32's tolerance (the reference widens the cache, the kernels widen on load)."""
     check_attend_parity(case, "cpu")
 
 

@@ -78,6 +78,7 @@ def make_paged_batch(
     seed: int = 0,
     shuffle: bool = True,
     spare_blocks: int = 3,
+    cache_dtype: torch.dtype | None = None,  # the KV cache's (kv_cache_dtype); None: `dtype`
 ) -> PagedBatch:
     """Request i has seq_lens[i] tokens in cache after the step, the last query_lens[i] of them new.
 
@@ -121,8 +122,8 @@ def make_paged_batch(
         query=randn(num_tokens, num_heads, head_dim),
         key=randn(num_tokens, num_kv_heads, head_dim),
         value=randn(num_tokens, num_kv_heads, head_dim),
-        k_cache=randn(num_blocks, block_size, num_kv_heads, head_dim),
-        v_cache=randn(num_blocks, block_size, num_kv_heads, head_dim),
+        k_cache=randn(num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype or dtype),
+        v_cache=randn(num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype or dtype),
         meta=meta,
         scale=head_dim**-0.5,
     )
@@ -212,3 +213,26 @@ def test_reference_write_kv_skips_minus_one_slots() -> None:
     untouched[slots[kept]] = False
     assert torch.equal(flat_k[untouched], k_before.view(-1, 2, 8)[untouched])
     assert torch.equal(batch.v_cache.view(-1, 2, 8)[untouched], v_before.view(-1, 2, 8)[untouched])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_rounds_on_write_and_attends_in_the_query_dtype_over_a_narrower_cache(
+    name: str, cache_dtype: torch.dtype
+) -> None:
+    """kv_cache_dtype's specification: float32 K/V are rounded to the cache's dtype as they are
+    written (as `.to` rounds), and attention over the rounded cache is float32 attention."""
+    seq_lens, query_lens, h, hkv, d, bs = CASES[name]
+    batch = make_paged_batch(
+        seq_lens, query_lens, h, hkv, d, bs, seed=len(name), cache_dtype=cache_dtype
+    )
+    ref = ReferenceBackend()
+    ref.write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    slots = batch.meta.slot_mapping
+    assert torch.equal(batch.k_cache.view(-1, hkv, d)[slots], batch.key.to(cache_dtype))
+    assert torch.equal(batch.v_cache.view(-1, hkv, d)[slots], batch.value.to(cache_dtype))
+    out = ref.attend(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert out.dtype == torch.float32
+    # The cache's values widen exactly; only float32 rounding separates SDPA from float64.
+    expected = naive_attention(batch, batch.k_cache, batch.v_cache)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

@@ -127,6 +127,7 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         gpu_memory_utilization=0.5,
         cpu_kv_cache_space=1.5,
         kv_allocation="orca-oracle",
+        kv_cache_dtype="bfloat16",
         max_num_seqs=3,
         max_num_batched_tokens=50,
         tensor_parallel_size=1,
@@ -141,6 +142,7 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
             "structured_outputs",
         ):  # one JSON flag -> one typed config
             carried.update(dataclasses.asdict(getattr(config, section.name)))
+    carried["kv_cache_dtype"] = carried.pop("cache_dtype")  # vLLM's names: CacheConfig.cache_dtype
     assert carried == {k: v for k, v in values.items() if k != "structured_outputs_config"}
     assert config.structured_outputs.backend == "xgrammar"
     assert config.structured_outputs.disable_any_whitespace is True
@@ -165,6 +167,7 @@ INVALID = [
     ({"structured_outputs_config": '{"bakend": "x"}'}, "structured_outputs_config has unknown"),
     ({"device": "tpu"}, "device must be 'auto', 'cpu' or 'cuda[:N]', got 'tpu'"),
     ({"kv_allocation": "orca"}, "kv_allocation must be one of ('paged', 'orca-max', "),
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype must be one of ('auto', 'bfloat16', "),
     ({"seed": 1.5}, "seed must be an integer, got 1.5"),
     ({"max_model_len": 0}, "max_model_len must be a positive integer, got 0"),
     ({"attention_backend": "flash"}, "attention_backend must be one of ("),

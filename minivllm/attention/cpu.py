@@ -19,6 +19,11 @@ this backend needs one kernel, one plan and one call per layer for a whole step.
 The cache write is a C++ op too, vLLM's `reshape_and_cache`: one call writes K and V and skips
 slots of -1 without the reference's host-side check.
 
+The cache may be narrower than the model (`kv_cache_dtype="bfloat16"` under float32 weights): the
+write rounds to it, the kernel widens each value back to float32 as it reads it and accumulates
+in float32, so the result is the reference backend's on the same rounded cache, read at half the
+bytes.
+
 The kernels live with the other compiled code in `minivllm/kernels/` (`cpu_attention.cpp`, their
 wrappers in `cpu_ops.py`) and are compiled on first use, into one library with the layer ops
 (about 20 s, once per machine; `minivllm/kernels/cpu_build.py` says how, and what a user sees).
@@ -96,10 +101,9 @@ class CpuBackend(ReferenceBackend):
     ) -> None:
         # One C++ call per layer: the reference's `(slot_mapping < 0).any()` check, a host sync,
         # and its two index_copy_ calls become a loop that skips -1 slots as it goes; k and v are
-        # read at their strides (the CPU linears' feature-major view included), never copied.
-        reshape_and_cache(
-            key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, slot_mapping
-        )
+        # read at their strides (the CPU linears' feature-major view included), never copied; a
+        # narrower cache (kv_cache_dtype) is rounded to as they are written, as `.to` rounds.
+        reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(
         self,

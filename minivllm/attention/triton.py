@@ -257,7 +257,9 @@ class TritonBackend:
             block_size=k_cache.shape[1],
             dtype=query.dtype,
             gpu_tiles=self.gpu_tiles,
-            upcast=INTERPRETED,
+            # A cache narrower than the query (kv_cache_dtype="bfloat16" under float32 weights)
+            # is widened on load, so the dots run in the query's float32.
+            upcast=INTERPRETED or query.dtype != k_cache.dtype,
         )
 
 
@@ -302,8 +304,11 @@ def _check_inputs(
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"query dtype {query.dtype} must match the KV cache dtype {k_cache.dtype}")
+    if query.dtype != k_cache.dtype and query.dtype != torch.float32:
+        raise ValueError(
+            f"a {k_cache.dtype} KV cache needs {k_cache.dtype} or float32 queries (kv_cache_dtype "
+            f"narrower than float32 weights), got {query.dtype}"
+        )
 
 
 __all__ = [

@@ -39,6 +39,9 @@ the reference to ~1e-6. Under Triton's CPU interpreter the kernels upcast K/V/Q 
 loading (`UPCAST`): the interpreter keeps bfloat16 as raw uint16 bits and would do arithmetic on
 them. On a GPU the operands stay in 16 bits for the tensor cores and only `p` is rounded, as in
 FlashAttention.
+A cache narrower than the queries (kv_cache_dtype="bfloat16" under float32 weights) takes the same
+`UPCAST` path on a GPU too: K/V are widened as they are loaded and the dots run in float32, so the
+cache's rounding is the only difference from a float32 cache.
 
 This module only defines the kernels; their tile sizes and per-step work lists are in
 `minivllm.attention.triton_plan`, their launches in `minivllm.attention.triton`. Import it through

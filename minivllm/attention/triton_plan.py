@@ -198,7 +198,7 @@ class LayerShape:
     block_size: int
     dtype: torch.dtype
     gpu_tiles: bool  # the sm_90 tiles (compiled kernels, or tests of them in the interpreter)
-    upcast: bool  # the interpreter's float32 upcast (see triton_kernels)
+    upcast: bool  # float32 after loading: the interpreter's, or a cache narrower than the query
 
 
 @dataclass

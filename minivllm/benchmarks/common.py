@@ -132,7 +132,8 @@ class ModelCost:
         lm_head = model.lm_head.weight.numel()
         body = total - embed - (0 if cfg.tie_word_embeddings else lm_head)
         elem = torch.empty((), dtype=engine.dtype).element_size()
-        kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+        kv_elem = torch.empty((), dtype=engine.kv_cache_dtype).element_size()  # kv_cache_dtype
+        kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_elem
         return cls(body, lm_head, total * elem, kv)
 
     def useful_flops(self, requests: Sequence[BenchRequest], n: int = 1) -> float:

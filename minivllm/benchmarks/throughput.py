@@ -207,9 +207,11 @@ def minivllm_process(args: argparse.Namespace) -> dict[str, Any]:
     requests = workload_for(llm, args)
     cost = ModelCost.of(llm)
     config = engine.model.config
+    kv_dtype = str(engine.kv_cache_dtype).removeprefix("torch.")
     header = (
         f"model {engine.source.name}, {str(dtype).removeprefix('torch.')}, {device}, "
-        f"{engine.attention_backend} attention"
+        f"{engine.attention_backend} attention, {kv_dtype} KV cache of "
+        f"{engine.executor.num_blocks} blocks"
     )
     warm_up(llm)
     before = rank_reports(llm)

@@ -44,7 +44,7 @@ from minivllm.distributed.parallel_state import (
     min_over_ranks,
 )
 from minivllm.model.loader import ModelSource, load_model
-from minivllm.model_runner import ModelRunner, determine_num_blocks
+from minivllm.model_runner import ModelRunner, determine_num_blocks, kv_cache_torch_dtype
 from minivllm.scheduler import SchedulerOutput
 
 
@@ -135,11 +135,12 @@ def build_runner(
     backend = backend or get_attention_backend(wc.attention_backend, device)
     source = ModelSource(Path(wc.model_path), wc.model_name)
     model = load_model(source, backend, wc.dtype, device, wc.max_model_len, tp)
-    num_blocks = determine_num_blocks(model, wc.cache, wc.dtype, device)
+    kv_dtype = kv_cache_torch_dtype(wc.cache.cache_dtype, wc.dtype)
+    num_blocks = determine_num_blocks(model, wc.cache, kv_dtype, device)
     if control is not None:
         num_blocks = min_over_ranks(num_blocks, control)
     return ModelRunner(
-        model, backend, num_blocks, wc.cache.block_size, wc.dtype, device, wc.enforce_eager
+        model, backend, num_blocks, wc.cache.block_size, kv_dtype, device, wc.enforce_eager
     )
 
 

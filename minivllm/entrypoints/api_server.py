@@ -112,7 +112,7 @@ def build_app(
     cache = engine.config.cache
     cache_info = {
         "block_size": cache.block_size,
-        "cache_dtype": "auto",
+        "cache_dtype": cache.cache_dtype,  # vLLM reports the option as given ("auto")
         "enable_prefix_caching": cache.enable_prefix_caching,
         "num_gpu_blocks": engine.get_stats().num_kv_blocks,
     }

@@ -25,6 +25,12 @@
 //
 // The file's second op, reshape_and_cache (vLLM's name), is the cache write that comes before
 // the read: the new tokens' K and V into their slots, both caches in one call.
+//
+// The cache may be narrower than the activations (vLLM's kv_cache_dtype): a bfloat16 or float16
+// cache under float32 queries. reshape_and_cache rounds each value to the cache's dtype as it
+// writes (round to nearest even, as torch's `.to` does), and paged_decode widens each cached value
+// to float32 as it reads it; scores, softmax and the weighted sum stay in float32, so the cache's
+// rounding is the only difference from a float32 cache, and decode reads half the bytes.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -46,6 +52,13 @@ void decode_scores(const float* q, const float* k_cache, const int32_t* table, i
                    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    float* scores);
 void decode_values(const float* p, const float* v_cache, const int32_t* table, int64_t seq_len,
+                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   float* acc);
+// The same loops over a bfloat16 cache (its raw 16-bit patterns), widened to float32 on load.
+void decode_scores(const float* q, const uint16_t* k_cache, const int32_t* table, int64_t seq_len,
+                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   float* scores);
+void decode_values(const float* p, const uint16_t* v_cache, const int32_t* table, int64_t seq_len,
                    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    float* acc);
 }  // namespace minivllm_cpu_avx512
@@ -84,15 +97,21 @@ inline void for_each_cached_token(
 }
 // --8<-- [end:walk]
 
+// The AVX-512 loops' view of a cache element: float32 as it is, bfloat16 as its 16-bit pattern.
+template <typename cache_t>
+using avx512_elem_t = std::conditional_t<std::is_same_v<cache_t, c10::BFloat16>, uint16_t, float>;
+
 // HEAD_DIM > 0 is head_dim known at compile time (0: read at run time). With it the compiler
 // unrolls each 64-long dot product and value update into a few vector instructions with no loop
 // or remainder handling: measured 1.2x faster per core on cached data (SmolLM2, float32).
-template <typename scalar_t, int64_t HEAD_DIM>
+// query_t is the activations' dtype, cache_t the cache's (kv_cache_dtype): the same, or a
+// bfloat16 / float16 cache under float32 queries.
+template <typename query_t, typename cache_t, int64_t HEAD_DIM>
 void paged_decode_kernel(
     float* __restrict__ out,              // [T, num_heads, head_dim] float32 output rows
-    const scalar_t* __restrict__ query,   // [T, num_heads, head_dim] at strides q_stride
-    const scalar_t* __restrict__ k_cache, // [num_blocks, block_size, num_kv_heads, head_dim]
-    const scalar_t* __restrict__ v_cache, // [num_blocks, block_size, num_kv_heads, head_dim]
+    const query_t* __restrict__ query,    // [T, num_heads, head_dim] at strides q_stride
+    const cache_t* __restrict__ k_cache,  // [num_blocks, block_size, num_kv_heads, head_dim]
+    const cache_t* __restrict__ v_cache,  // [num_blocks, block_size, num_kv_heads, head_dim]
     const int32_t* __restrict__ block_tables, // [B, max_blocks]
     const int32_t* __restrict__ seq_lens,     // [B]
     const int64_t* __restrict__ token_rows,   // [B] row of request b's query in query/out
@@ -101,9 +120,13 @@ void paged_decode_kernel(
   const int64_t hd = HEAD_DIM > 0 ? HEAD_DIM : head_dim;  // the loops' head_dim
   const int64_t group = num_heads / num_kv_heads;        // query heads per KV head
   const int64_t row_elems = num_kv_heads * head_dim;     // one token's K (or V), all KV heads
-  // float32 on an AVX-512 CPU: the loops of cpu_attention_avx512.cpp (~2x faster; see there).
-  const bool avx512 =
-      std::is_same_v<scalar_t, float> && minivllm_cpu_avx512::decode_avx512_applies(head_dim);
+  // float32 queries over a float32 or bfloat16 cache on an AVX-512 CPU: the loops of
+  // cpu_attention_avx512.cpp (~2x faster; see there).
+  using avx_t = avx512_elem_t<cache_t>;
+  constexpr bool avx512_types =
+      std::is_same_v<query_t, float> &&
+      (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>);
+  const bool avx512 = avx512_types && minivllm_cpu_avx512::decode_avx512_applies(head_dim);
   // Load balance: a request costs its seq_len, and a decode batch mixes lengths 16..512, so the
   // contiguous ranges at::parallel_for hands each thread can leave one thread idle while the
   // other finishes. Instead every thread takes the next request from a shared counter, longest
@@ -127,14 +150,14 @@ void paged_decode_kernel(
       const int32_t* table = block_tables + b * max_blocks;
       // The query is read once per request (num_heads * head_dim values), so its strides cost
       // nothing here and any layout the model hands over is read where it lies.
-      const scalar_t* src = query + token_rows[b] * q_stride[0];  // [num_heads, head_dim]
+      const query_t* src = query + token_rows[b] * q_stride[0];  // [num_heads, head_dim]
       for (int64_t h = 0; h < num_heads; ++h)
         for (int64_t d = 0; d < head_dim; ++d)
           q[h * head_dim + d] = float(src[h * q_stride[1] + d * q_stride[2]]) * scale;
       scores.resize(num_heads * seq_len);
 
       if (avx512) {
-        minivllm_cpu_avx512::decode_scores(q.data(), reinterpret_cast<const float*>(k_cache), table,
+        minivllm_cpu_avx512::decode_scores(q.data(), reinterpret_cast<const avx_t*>(k_cache), table,
                                            seq_len, block_size, num_heads, num_kv_heads, head_dim,
                                            scores.data());
       } else {
@@ -143,9 +166,9 @@ void paged_decode_kernel(
         // as one contiguous run of memory; with GQA, the `group` query heads of a KV head meet its
         // K row one after the other, while it is in L1.
         for_each_cached_token(k_cache, table, seq_len, block_size, row_elems,
-                              [&](int64_t t, const scalar_t* k_row) {
+                              [&](int64_t t, const cache_t* k_row) {
           for (int64_t kv = 0, h = 0; kv < num_kv_heads; ++kv) {
-            const scalar_t* k = k_row + kv * hd;  // [head_dim]
+            const cache_t* k = k_row + kv * hd;  // [head_dim]
             for (int64_t g = 0; g < group; ++g, ++h) {  // query heads kv * group + g
               const float* qh = q.data() + h * hd;
               float dot = 0.f;
@@ -171,14 +194,14 @@ void paged_decode_kernel(
       // Output: the probability-weighted sum of the values, walked the same way.
       std::fill(acc.begin(), acc.end(), 0.f);
       if (avx512) {
-        minivllm_cpu_avx512::decode_values(scores.data(), reinterpret_cast<const float*>(v_cache),
+        minivllm_cpu_avx512::decode_values(scores.data(), reinterpret_cast<const avx_t*>(v_cache),
                                            table, seq_len, block_size, num_heads, num_kv_heads,
                                            head_dim, acc.data());
       } else {
         for_each_cached_token(v_cache, table, seq_len, block_size, row_elems,
-                              [&](int64_t t, const scalar_t* v_row) {
+                              [&](int64_t t, const cache_t* v_row) {
           for (int64_t kv = 0, h = 0; kv < num_kv_heads; ++kv) {
-            const scalar_t* v = v_row + kv * hd;  // [head_dim]
+            const cache_t* v = v_row + kv * hd;  // [head_dim]
             for (int64_t g = 0; g < group; ++g, ++h) {
               const float p = scores[h * seq_len + t];
               float* a = acc.data() + h * hd;
@@ -192,6 +215,19 @@ void paged_decode_kernel(
         for (int64_t d = 0; d < head_dim; ++d) dst[h * head_dim + d] = acc[h * head_dim + d] * inv_sum[h];
     }
   });
+}
+
+// Calls run(cache_t{}) with the cache's C++ type for activations of type act_t: the same type, or
+// a bfloat16 / float16 cache under float32 activations (kv_cache_dtype); anything else is refused.
+template <typename act_t, typename Run>
+void dispatch_cache_type(at::ScalarType act, at::ScalarType cache, const char* op, Run&& run) {
+  if (cache == act) return run(act_t{});
+  if constexpr (std::is_same_v<act_t, float>) {
+    if (cache == at::kBFloat16) return run(c10::BFloat16{});
+    if (cache == at::kHalf) return run(c10::Half{});
+  }
+  TORCH_CHECK(false, op, ": a ", cache, " KV cache needs ", cache,
+              " or float32 activations (kv_cache_dtype narrower than float32 weights), got ", act);
 }
 
 // out[token_rows[b]] = softmax(q · Kᵀ · scale) · V over request b's seq_lens[b] cached tokens.
@@ -212,9 +248,7 @@ void paged_decode(
   // its strides are passed to the kernel instead of copying the queries out.
   TORCH_CHECK(query.dim() == 3, "query must be 3-D [T, num_heads, head_dim], got ", query.dim(),
               "-D");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "query and caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt &&
                   seq_lens.scalar_type() == at::kInt && token_rows.scalar_type() == at::kLong,
               "block_tables/seq_lens int32, token_rows int64");
@@ -225,17 +259,22 @@ void paged_decode(
   const auto rows = token_rows.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-        auto kernel = head_dim == 64    ? paged_decode_kernel<scalar_t, 64>
-                      : head_dim == 128 ? paged_decode_kernel<scalar_t, 128>
-                      : head_dim == 32  ? paged_decode_kernel<scalar_t, 32>
-                                        : paged_decode_kernel<scalar_t, 0>;
-        kernel(
-            out.data_ptr<float>(), query.const_data_ptr<scalar_t>(),
-            k_cache.const_data_ptr<scalar_t>(), v_cache.const_data_ptr<scalar_t>(),
-            block_tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
-            rows.const_data_ptr<int64_t>(), block_tables.size(0), block_tables.size(1),
-            num_heads, num_kv_heads, head_dim, block_size, query.strides().data(),
-            static_cast<float>(scale));
+        using query_t = scalar_t;
+        dispatch_cache_type<query_t>(query.scalar_type(), k_cache.scalar_type(), "paged_decode",
+                                     [&](auto cache_tag) {
+          using cache_t = decltype(cache_tag);
+          auto kernel = head_dim == 64    ? paged_decode_kernel<query_t, cache_t, 64>
+                        : head_dim == 128 ? paged_decode_kernel<query_t, cache_t, 128>
+                        : head_dim == 32  ? paged_decode_kernel<query_t, cache_t, 32>
+                                          : paged_decode_kernel<query_t, cache_t, 0>;
+          kernel(
+              out.data_ptr<float>(), query.const_data_ptr<query_t>(),
+              k_cache.const_data_ptr<cache_t>(), v_cache.const_data_ptr<cache_t>(),
+              block_tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
+              rows.const_data_ptr<int64_t>(), block_tables.size(0), block_tables.size(1),
+              num_heads, num_kv_heads, head_dim, block_size, query.strides().data(),
+              static_cast<float>(scale));
+        });
       });
 }
 
@@ -243,12 +282,13 @@ void paged_decode(
 // vLLM's reshape_and_cache: each new token's K and V rows go into their slot of the paged cache,
 // both caches in one call. The reference backend does it with index_copy_ after a host-side
 // check for skipped slots, a sync per layer; here a slot of -1 is skipped inside the loop.
-template <typename scalar_t>
+// A cache narrower than the activations (kv_cache_dtype) is rounded to as it is written.
+template <typename scalar_t, typename cache_t>
 void reshape_and_cache_kernel(
     const scalar_t* __restrict__ key,    // [T, num_kv_heads, head_dim] at strides k_stride
     const scalar_t* __restrict__ value,  // [T, num_kv_heads, head_dim] at strides v_stride
-    scalar_t* __restrict__ k_cache,      // [num_slots, num_kv_heads, head_dim]
-    scalar_t* __restrict__ v_cache,      // [num_slots, num_kv_heads, head_dim]
+    cache_t* __restrict__ k_cache,       // [num_slots, num_kv_heads, head_dim]
+    cache_t* __restrict__ v_cache,       // [num_slots, num_kv_heads, head_dim]
     const int64_t* __restrict__ slots,   // [T] slot of token t, -1: skip
     int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, const int64_t* k_stride,
     const int64_t* v_stride) {
@@ -256,21 +296,21 @@ void reshape_and_cache_kernel(
   // One row is 192 values on SmolLM2: a decode step's few dozen tokens are copied faster by one
   // thread than the pool could be woken; long prompts share out in runs of 64 tokens.
   // Token t's row of src (at strides stride) into its slot's row of cache.
-  auto copy_row = [&](const scalar_t* src, const int64_t* stride, scalar_t* cache, int64_t t,
+  auto copy_row = [&](const scalar_t* src, const int64_t* stride, cache_t* cache, int64_t t,
                       int64_t slot) {
-    const scalar_t* row = src + t * stride[0];    // [num_kv_heads, head_dim] at stride[1:]
-    scalar_t* cached = cache + slot * row_elems;  // [num_kv_heads, head_dim]
+    const scalar_t* row = src + t * stride[0];   // [num_kv_heads, head_dim] at stride[1:]
+    cache_t* cached = cache + slot * row_elems;  // [num_kv_heads, head_dim]
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const scalar_t* in = row + h * stride[1];
-      scalar_t* o = cached + h * head_dim;
+      cache_t* o = cached + h * head_dim;
       // A token-major row is contiguous: a plain copy the compiler vectorizes. A feature-major
       // one (the CPU linears' transposed output, strides (1, head_dim * T, T)) has its values
       // T apart; consecutive tokens read the next value of the same lines of memory, so these
       // lines stay in L1 from one token to the next.
       if (stride[2] == 1) {
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = in[d];
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<cache_t>(in[d]);
       } else {
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = in[d * stride[2]];
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<cache_t>(in[d * stride[2]]);
       }
     }
   };
@@ -307,10 +347,9 @@ void reshape_and_cache(
                   key.size(2) == head_dim,
               "reshape_and_cache: key and value must be [T, ", num_kv_heads, ", ", head_dim,
               "], got ", key.sizes(), " and ", value.sizes());
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() &&
-                  value.scalar_type() == k_cache.scalar_type() &&
+  TORCH_CHECK(value.scalar_type() == key.scalar_type() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "reshape_and_cache: key, value and the caches must share a dtype");
+              "reshape_and_cache: key and value must share a dtype, and so must the caches");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                   slot_mapping.size(0) == key.size(0),
               "reshape_and_cache: slot_mapping must be int64 [T] with T = ", key.size(0));
@@ -322,10 +361,14 @@ void reshape_and_cache(
                       "] = ", s[t], " is not in [-1, ", num_slots, ")");
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, key.scalar_type(), "reshape_and_cache", [&] {
-        reshape_and_cache_kernel<scalar_t>(
-            key.const_data_ptr<scalar_t>(), value.const_data_ptr<scalar_t>(),
-            k_cache.mutable_data_ptr<scalar_t>(), v_cache.mutable_data_ptr<scalar_t>(), s,
-            key.size(0), num_kv_heads, head_dim, key.strides().data(), value.strides().data());
+        dispatch_cache_type<scalar_t>(key.scalar_type(), k_cache.scalar_type(),
+                                      "reshape_and_cache", [&](auto cache_tag) {
+          using cache_t = decltype(cache_tag);
+          reshape_and_cache_kernel<scalar_t, cache_t>(
+              key.const_data_ptr<scalar_t>(), value.const_data_ptr<scalar_t>(),
+              k_cache.mutable_data_ptr<cache_t>(), v_cache.mutable_data_ptr<cache_t>(), s,
+              key.size(0), num_kv_heads, head_dim, key.strides().data(), value.strides().data());
+        });
       });
 }
 

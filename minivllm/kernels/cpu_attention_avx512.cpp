@@ -19,9 +19,14 @@
 // guess where the next one starts). Results differ from the portable loops' only in the order of
 // the float32 sums; tests/test_kernels_cpu_attention.py holds both to the reference backend.
 //
+// The loops also read a bfloat16 cache (kv_cache_dtype="bfloat16" under float32 weights): half the
+// bytes per token. bfloat16 is float32's top 16 bits, so widening 16 of them is one zero-extend to
+// 32 bits and one shift left by 16 (`load16`); the arithmetic is the float32 loops' own.
+//
 // Compiled into the library where PyTorch detected AVX-512 (minivllm/kernels/cpu_build.py).
 // Elsewhere `decode_avx512_applies` is false and cpu_attention.cpp keeps its portable loops, as it
-// does for bfloat16 and float16 caches and for head sizes other than 32, 64 and 128.
+// does for float32 queries over a float16 cache, for bfloat16 or float16 queries, and for head
+// sizes other than 32, 64 and 128.
 
 #include <algorithm>
 #include <cstdint>
@@ -36,6 +41,14 @@ namespace minivllm_cpu_avx512 {
 namespace {
 
 constexpr int kTokens = 16;  // tokens per register tile: one vector of scores
+
+// 16 cached values as float32: a float32 cache's as they are, a bfloat16 cache's (their 16-bit
+// patterns) zero-extended to 32 bits and shifted into float32's top half, which is exact.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
 
 // Each lane of the result is the sum of the 16 lanes of one input: lane t = Σ a[t]. A transpose
 // and add in four rounds, halving the number of vectors each round: 45 instructions for 16 sums.
@@ -68,9 +81,10 @@ struct BlockPrefetcher {
   const char* next = nullptr;  // the next block, or null
   int64_t bytes = 0, done = 0, step = 0;  // its size, how much is asked for, bytes per pass
 
-  void start(const float* block, int64_t elems, int64_t passes) {
+  template <typename T>
+  void start(const T* block, int64_t elems, int64_t passes) {
     next = reinterpret_cast<const char*>(block);
-    bytes = block == nullptr ? 0 : elems * int64_t(sizeof(float));
+    bytes = block == nullptr ? 0 : elems * int64_t(sizeof(T));
     done = 0;
     step = (bytes / passes + 63) & ~int64_t(63);
   }
@@ -81,8 +95,8 @@ struct BlockPrefetcher {
 };
 
 // Scores of one query head (C vectors) against n <= 16 consecutive rows of a block.
-template <int C>
-inline __m512 scores16(const __m512 (&q)[C], const float* k, int64_t row_elems, int64_t n) {
+template <int C, typename T>
+inline __m512 scores16(const __m512 (&q)[C], const T* k, int64_t row_elems, int64_t n) {
   __m512 acc[kTokens];  // [16 tokens] running dot products, 16 lanes each
 #pragma GCC unroll 16
   for (int t = 0; t < kTokens; ++t) {
@@ -90,21 +104,21 @@ inline __m512 scores16(const __m512 (&q)[C], const float* k, int64_t row_elems, 
     if (t < n) {
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c)
-        acc[t] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + t * row_elems + 16 * c), acc[t]);
+        acc[t] = _mm512_fmadd_ps(q[c], load16(k + t * row_elems + 16 * c), acc[t]);
     }
   }
   return fold16(acc);
 }
 
-template <int C>
-void scores_kernel(const float* q, const float* k_cache, const int32_t* table, int64_t seq_len,
+template <int C, typename T>
+void scores_kernel(const float* q, const T* k_cache, const int32_t* table, int64_t seq_len,
                    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, float* scores) {
   constexpr int64_t hd = 16 * C;
   const int64_t group = num_heads / num_kv_heads, row_elems = num_kv_heads * hd;
   const int64_t block_elems = block_size * row_elems;
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   for (int64_t j = 0; j < num_blocks; ++j) {
-    const float* block = k_cache + int64_t(table[j]) * block_elems;  // [block_size, kv, hd]
+    const T* block = k_cache + int64_t(table[j]) * block_elems;  // [block_size, kv, hd]
     const int64_t t0 = j * block_size, n_block = std::min(block_size, seq_len - t0);
     BlockPrefetcher prefetch;
     prefetch.start(j + 1 < num_blocks ? k_cache + int64_t(table[j + 1]) * block_elems : nullptr,
@@ -113,7 +127,7 @@ void scores_kernel(const float* q, const float* k_cache, const int32_t* table, i
       const int64_t n = std::min<int64_t>(kTokens, n_block - r);
       const __mmask16 mask = __mmask16((1u << n) - 1);
       for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-        const float* k = block + r * row_elems + kv * hd;  // token r's K row of this KV head
+        const T* k = block + r * row_elems + kv * hd;  // token r's K row of this KV head
         for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
           __m512 qh[C];
 #pragma GCC unroll 8
@@ -127,15 +141,15 @@ void scores_kernel(const float* q, const float* k_cache, const int32_t* table, i
   }
 }
 
-template <int C>
-void values_kernel(const float* p, const float* v_cache, const int32_t* table, int64_t seq_len,
+template <int C, typename T>
+void values_kernel(const float* p, const T* v_cache, const int32_t* table, int64_t seq_len,
                    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, float* acc) {
   constexpr int64_t hd = 16 * C;
   const int64_t group = num_heads / num_kv_heads, row_elems = num_kv_heads * hd;
   const int64_t block_elems = block_size * row_elems;
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   for (int64_t j = 0; j < num_blocks; ++j) {
-    const float* block = v_cache + int64_t(table[j]) * block_elems;  // [block_size, kv, hd]
+    const T* block = v_cache + int64_t(table[j]) * block_elems;  // [block_size, kv, hd]
     const int64_t t0 = j * block_size, n_block = std::min(block_size, seq_len - t0);
     BlockPrefetcher prefetch;
     prefetch.start(j + 1 < num_blocks ? v_cache + int64_t(table[j + 1]) * block_elems : nullptr,
@@ -151,22 +165,22 @@ void values_kernel(const float* p, const float* v_cache, const int32_t* table, i
           even[c] = _mm512_loadu_ps(acc + h * hd + 16 * c);
           odd[c] = _mm512_setzero_ps();
         }
-        const float* v = block + kv * hd;  // row 0 of this KV head
+        const T* v = block + kv * hd;  // row 0 of this KV head
         prefetch.pass();
         int64_t t = 0;
         for (; t + 2 <= n_block; t += 2) {
           const __m512 p0 = _mm512_set1_ps(ph[t]), p1 = _mm512_set1_ps(ph[t + 1]);
 #pragma GCC unroll 8
           for (int c = 0; c < C; ++c) {
-            even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + t * row_elems + 16 * c), even[c]);
-            odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v + (t + 1) * row_elems + 16 * c), odd[c]);
+            even[c] = _mm512_fmadd_ps(p0, load16(v + t * row_elems + 16 * c), even[c]);
+            odd[c] = _mm512_fmadd_ps(p1, load16(v + (t + 1) * row_elems + 16 * c), odd[c]);
           }
         }
         if (t < n_block) {
           const __m512 p0 = _mm512_set1_ps(ph[t]);
 #pragma GCC unroll 8
           for (int c = 0; c < C; ++c)
-            even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + t * row_elems + 16 * c), even[c]);
+            even[c] = _mm512_fmadd_ps(p0, load16(v + t * row_elems + 16 * c), even[c]);
         }
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c)
@@ -191,26 +205,58 @@ bool decode_avx512_applies(int64_t head_dim) {
 // scores[h * seq_len + t] = q[h] · k_t for every query head h < num_heads and cached token
 // t < seq_len; q is [num_heads, head_dim] (already scaled), the cache
 // [num_blocks, block_size, num_kv_heads, head_dim], table the request's block table.
-void decode_scores(const float* q, const float* k_cache, const int32_t* table, int64_t seq_len,
-                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   float* scores) {
+template <typename T>
+static void decode_scores_impl(const float* q, const T* k_cache, const int32_t* table,
+                               int64_t seq_len, int64_t block_size, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t head_dim, float* scores) {
 #if defined(__AVX512F__)
-  auto kernel = head_dim == 32 ? scores_kernel<2> : head_dim == 64 ? scores_kernel<4>
-                                                                   : scores_kernel<8>;
+  auto kernel = head_dim == 32 ? scores_kernel<2, T> : head_dim == 64 ? scores_kernel<4, T>
+                                                                      : scores_kernel<8, T>;
   kernel(q, k_cache, table, seq_len, block_size, num_heads, num_kv_heads, scores);
 #endif
 }
 
+void decode_scores(const float* q, const float* k_cache, const int32_t* table, int64_t seq_len,
+                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   float* scores) {
+  decode_scores_impl(q, k_cache, table, seq_len, block_size, num_heads, num_kv_heads, head_dim,
+                     scores);
+}
+
+// The same over a bfloat16 cache, given as its 16-bit patterns.
+void decode_scores(const float* q, const uint16_t* k_cache, const int32_t* table, int64_t seq_len,
+                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   float* scores) {
+  decode_scores_impl(q, k_cache, table, seq_len, block_size, num_heads, num_kv_heads, head_dim,
+                     scores);
+}
+
 // acc[h] += Σ_t p[h * seq_len + t] · v_t over the request's cached tokens; acc is
 // [num_heads, head_dim].
+template <typename T>
+static void decode_values_impl(const float* p, const T* v_cache, const int32_t* table,
+                               int64_t seq_len, int64_t block_size, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t head_dim, float* acc) {
+#if defined(__AVX512F__)
+  auto kernel = head_dim == 32 ? values_kernel<2, T> : head_dim == 64 ? values_kernel<4, T>
+                                                                      : values_kernel<8, T>;
+  kernel(p, v_cache, table, seq_len, block_size, num_heads, num_kv_heads, acc);
+#endif
+}
+
 void decode_values(const float* p, const float* v_cache, const int32_t* table, int64_t seq_len,
                    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    float* acc) {
-#if defined(__AVX512F__)
-  auto kernel = head_dim == 32 ? values_kernel<2> : head_dim == 64 ? values_kernel<4>
-                                                                   : values_kernel<8>;
-  kernel(p, v_cache, table, seq_len, block_size, num_heads, num_kv_heads, acc);
-#endif
+  decode_values_impl(p, v_cache, table, seq_len, block_size, num_heads, num_kv_heads, head_dim,
+                     acc);
+}
+
+// The same over a bfloat16 cache, given as its 16-bit patterns.
+void decode_values(const float* p, const uint16_t* v_cache, const int32_t* table, int64_t seq_len,
+                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   float* acc) {
+  decode_values_impl(p, v_cache, table, seq_len, block_size, num_heads, num_kv_heads, head_dim,
+                     acc);
 }
 
 }  // namespace minivllm_cpu_avx512
