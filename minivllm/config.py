@@ -33,6 +33,7 @@ KV_ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 # holds more blocks in the same memory and halves the bytes attention reads per token; every
 # backend converts on write and reads it back up to the query's dtype (minivllm/attention/).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # vLLM's fp8 values: accepted by vLLM (with a per-tensor k_scale / v_scale), refused here by name.
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 
@@ -158,3 +159,16 @@ class EngineConfig:
     parallel: ParallelConfig
     resolved: ResolvedConfig
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+
+    def __post_init__(self) -> None:
+        # A cache wider than the model stores nothing the model computed (its K and V are already
+        # rounded to the model's dtype) and the fast kernels widen only on read: refuse it here,
+        # before any weight loads, rather than at the first attention call.
+        cache = self.cache.cache_dtype
+        model = self.resolved.dtype
+        if cache != "auto" and KV_CACHE_DTYPE_BYTES[cache] > model.itemsize:
+            raise ValueError(
+                f"kv_cache_dtype={cache!r} is wider than the model's dtype "
+                f"{str(model).removeprefix('torch.')}: use 'auto' or a dtype of at most "
+                f"{model.itemsize} bytes"
+            )

@@ -150,3 +150,9 @@ def test_reference_and_cpu_backends_agree_over_a_bfloat16_cache(tiny_llama: Path
     for a, b in zip(eager, replay):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+
+
+def test_a_cache_wider_than_the_model_is_refused_before_loading(tiny_llama: Path) -> None:
+    args = EngineArgs(model=str(tiny_llama), dtype="bfloat16", kv_cache_dtype="float32")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='float32' is wider than .*bfloat16"):
+        args.create_engine_config()
