@@ -21,6 +21,7 @@ parent goes (even in the middle of a step), and the loop also exits on the pipe'
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -120,10 +121,8 @@ def run_engine_core(
         pass  # the frontend went away: nothing to tell anyone
     except BaseException:
         logger.exception("the engine core died")
-        try:
+        with contextlib.suppress(OSError):
             conn.send(CoreFailed(traceback.format_exc()))
-        except OSError:
-            pass
     finally:
         core.engine.shutdown()
 

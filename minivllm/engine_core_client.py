@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -114,17 +115,15 @@ class EngineCoreClient:
 
     # ------------------------------------------------------------------ the pipe
     def send(self, message: AddRequest | AbortRequests | Shutdown) -> None:
-        with self._send_lock:  # handlers send from the loop, shutdown from another thread
+        """Send, or nothing when the core is gone (the reader then fails every open request)."""
+        with self._send_lock, contextlib.suppress(OSError):  # loop thread vs. shutdown's
             self.conn.send(message)
 
     def shutdown(self) -> None:
         """Stop the core and join it (SIGKILL after a grace period); idempotent."""
         if self.process.pid is None or self.process.exitcode is not None:
             return
-        try:
-            self.send(Shutdown())
-        except OSError:
-            pass
+        self.send(Shutdown())
         self.process.join(SHUTDOWN_TIMEOUT_S)
         if self.process.is_alive():
             logger.warning("the engine core did not exit in time; killing it")
@@ -165,10 +164,7 @@ class AsyncMPClient:
     def shutdown(self) -> None:
         self._stopping = True
         if self._thread is not None and self.dead_error is None:
-            try:
-                self.engine.send(Shutdown())
-            except OSError:
-                pass
+            self.engine.send(Shutdown())
             self._thread.join(timeout=SHUTDOWN_TIMEOUT_S)
         self._thread = None
         self.engine.shutdown()
@@ -207,18 +203,12 @@ class AsyncMPClient:
             self._sinks[request_id] = sink
             self._params[request_id] = params
         self._num_adds_queued += 1
-        try:
-            self.engine.send(AddRequest(request_id, prompt, params))
-        except OSError:  # the core is gone; the reader fails this request with the others
-            pass
+        self.engine.send(AddRequest(request_id, prompt, params))
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests (a client went away); the core frees their KV blocks at once."""
         if request_ids and self.dead_error is None:
-            try:
-                self.engine.send(AbortRequests(list(request_ids)))
-            except OSError:
-                pass
+            self.engine.send(AbortRequests(list(request_ids)))
 
     # ------------------------------------------------------------------ the reader thread
     def _read(self) -> None:

@@ -267,7 +267,9 @@ def serve(args: argparse.Namespace) -> int:
                 "--tensor-parallel-size > 1 (they need the engine in the server's process); "
                 "give --no-engine-core-process"
             )
-        use_core = args.engine_core_process if args.engine_core_process is not None else not in_process
+        use_core = (
+            args.engine_core_process if args.engine_core_process is not None else not in_process
+        )
         engine: LLMEngine | EngineCoreClient = (
             EngineCoreClient(config, args.engine_core_threads) if use_core else LLMEngine(config)
         )
