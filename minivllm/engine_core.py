@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import pickle
 import signal
 import sys
 import traceback
@@ -84,7 +85,19 @@ class CoreOutputs:  # core -> frontend, after each step (empty `outputs`: an idl
 
 @dataclass
 class CoreFailed:  # core -> frontend: the engine could not be built, or the loop died
-    message: str
+    message: str  # the traceback
+    error: Exception | None = (
+        None  # the exception itself, when it pickles: the frontend re-raises it
+    )
+
+
+def failure(exc: BaseException) -> CoreFailed:
+    error = exc if isinstance(exc, Exception) else None
+    try:
+        pickle.dumps(error)
+    except Exception:
+        error = None
+    return CoreFailed(traceback.format_exc(), error)
 
 
 # ---------------------------------------------------------------------- the process
@@ -112,17 +125,17 @@ def run_engine_core(
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         core = EngineCoreProc(conn, config)
-    except BaseException:
-        conn.send(CoreFailed(traceback.format_exc()))
+    except BaseException as exc:  # a config the KV cache cannot hold, say: the frontend says so
+        conn.send(failure(exc))
         return
     try:
         core.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the frontend went away: nothing to tell anyone
-    except BaseException:
+    except BaseException as exc:
         logger.exception("the engine core died")
         with contextlib.suppress(OSError):
-            conn.send(CoreFailed(traceback.format_exc()))
+            conn.send(failure(exc))
     finally:
         core.engine.shutdown()
 

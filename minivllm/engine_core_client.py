@@ -99,6 +99,8 @@ class EngineCoreClient:
             raise
         if isinstance(message, CoreFailed):
             self.shutdown()
+            if isinstance(message.error, ValueError):  # a configuration error: as in-process
+                raise message.error
             raise RuntimeError(f"the engine core failed to start: {message.message}")
         assert isinstance(message, CoreReady), message
         return message
