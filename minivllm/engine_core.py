@@ -124,6 +124,7 @@ def run_engine_core(
 
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
+        logger.info("engine core: pid %d, torch threads %d", os.getpid(), torch.get_num_threads())
         core = EngineCoreProc(conn, config)
     except BaseException as exc:  # a config the KV cache cannot hold, say: the frontend says so
         conn.send(failure(exc))

@@ -54,6 +54,16 @@ SHUTDOWN_TIMEOUT_S = 30.0  # a graceful exit, then SIGKILL
 StreamItem = RequestOutput | BaseException
 
 
+def default_core_threads() -> int:
+    """torch's threads for the core: every core but one, which the frontend keeps. Measured on 2
+    cores (docs/serving.md): with all of them, the frontend's work between steps preempts one of
+    the core's OpenMP threads in the middle of a parallel region, and the other waits at the
+    barrier; the core then spent twice the CPU time per token."""
+    import torch
+
+    return max(1, torch.get_num_threads() - 1)
+
+
 class EngineCoreClient:
     """Owns the core process. Build it in the thread that lives as long as the server (the main
     thread): the core's parent-death signal is tied to the thread that started it."""
@@ -69,7 +79,7 @@ class EngineCoreClient:
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(
             target=run_engine_core,
-            args=(child_conn, config, os.getpid(), torch_threads),
+            args=(child_conn, config, os.getpid(), torch_threads or default_core_threads()),
             name="minivllm-engine-core",
         )
         self.process.start()

@@ -191,7 +191,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine-core-threads",
         type=int,
         default=None,
-        help="torch's intra-op threads in the engine-core process (unset: torch's default)",
+        help="torch's intra-op threads in the engine-core process (unset: all cores but one, "
+        "which the server's own work keeps)",
     )
     g.add_argument(
         "--enable-auto-tool-choice",
