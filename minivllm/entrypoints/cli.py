@@ -181,11 +181,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--engine-core-process",
         action=argparse.BooleanOptionalAction,
-        default=None,
+        default=False,
         help="run the engine in a process of its own, so the server's host work (HTTP, JSON, "
         "tokenization) never takes the model's core (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); "
-        "unset: on, except with --enable-dashboard or --tensor-parallel-size > 1, which need "
-        "the engine in the server's process",
+        "off by default: on 2 cores it measured no faster (docs/serving.md)",
     )
     g.add_argument(
         "--engine-core-threads",
@@ -261,18 +260,17 @@ def serve(args: argparse.Namespace) -> int:
 
     with usage_errors(args.parser):
         config = EngineArgs.from_cli_args(args).create_engine_config()
-        in_process = args.enable_dashboard or config.parallel.tensor_parallel_size > 1
-        if args.engine_core_process and in_process:
+        if args.engine_core_process and (
+            args.enable_dashboard or config.parallel.tensor_parallel_size > 1
+        ):
             raise ValueError(
                 "--engine-core-process cannot serve --enable-dashboard or "
-                "--tensor-parallel-size > 1 (they need the engine in the server's process); "
-                "give --no-engine-core-process"
+                "--tensor-parallel-size > 1 (they need the engine in the server's process)"
             )
-        use_core = (
-            args.engine_core_process if args.engine_core_process is not None else not in_process
-        )
         engine: LLMEngine | EngineCoreClient = (
-            EngineCoreClient(config, args.engine_core_threads) if use_core else LLMEngine(config)
+            EngineCoreClient(config, args.engine_core_threads)
+            if args.engine_core_process
+            else LLMEngine(config)
         )
     names = args.served_model_name or [args.model or engine.source.name]
 
