@@ -139,16 +139,30 @@ def test_a_killed_core_fails_open_and_new_requests_and_health(
 ) -> None:
     client = doomed_server.app.state.async_engine.engine
     responses: list[httpx.Response] = []
+    events: list[str] = []
     body = {"prompt": PROMPTS[1], "max_tokens": LONG, "ignore_eos": True}
-    request = threading.Thread(
-        target=lambda: responses.append(
-            httpx.post(doomed_server.base_url + "/completions", json=body, timeout=60)
-        )
-    )
-    request.start()
-    wait_stats(doomed_server, lambda s: s.num_running == 1)
+
+    def stream() -> None:
+        url = doomed_server.base_url + "/completions"
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+            events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+
+    requests = [
+        threading.Thread(
+            target=lambda: responses.append(
+                httpx.post(doomed_server.base_url + "/completions", json=body, timeout=60)
+            )
+        ),
+        threading.Thread(target=stream),
+    ]
+    for r in requests:
+        r.start()
+    wait_stats(doomed_server, lambda s: s.num_running == 2)
     os.kill(client.pid, signal.SIGKILL)
-    request.join(60)
+    for r in requests:
+        r.join(60)
+    assert events[-1] == "[DONE]"  # the stream had begun: the error comes in-band
+    assert "engine core process exited" in json.loads(events[-2])["error"]["message"]
     assert responses[0].status_code == 500
     error = responses[0].json()["error"]
     assert error["code"] == 500 and "engine core process exited" in error["message"]
