@@ -89,6 +89,10 @@ def test_core_process_answers_as_the_in_thread_engine(
         in_thread_stream = completions(thread_server.base_url, True)
     assert core == (in_thread, in_thread_stream)
     assert in_thread == in_thread_stream and all(in_thread)
+    # The metrics hooks ran in the frontend, from what the core sent.
+    metrics = httpx.get(core_server.url + "/metrics").text
+    lines = [line for line in metrics.splitlines() if line.startswith("vllm:request_success_total")]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in lines) >= 2 * len(PROMPTS)
 
 
 def wait_stats(server: InProcessServer, done: Any, timeout: float = 60.0) -> Any:
