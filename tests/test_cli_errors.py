@@ -85,3 +85,11 @@ def test_the_installed_command_exits_2_without_traceback(tiny, tmp_path):
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("minivllm trace: error: --max-num-")
+
+
+@pytest.mark.parametrize("core", ["--engine-core-process", "--no-engine-core-process"])
+def test_a_kv_cache_too_small_for_max_model_len_is_one_line_from_the_core_too(tiny, capsys, core):
+    # Found while the engine is built: in the engine-core process, it comes back to be reported.
+    argv = ["serve", str(tiny), core, "--max-model-len", "512", "--num-gpu-blocks-override", "8"]
+    line = _error_line(capsys, argv)
+    assert "--max-model-len (512)" in line and "KV cache" in line, line

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import minivllm
 from minivllm.beam_search import BeamSearchParams
 from minivllm.engine import LLMEngine
+from minivllm.engine_core_client import AsyncMPClient, EngineCoreClient
 from minivllm.entrypoints import protocol as p
 from minivllm.entrypoints import response_schemas as rs
 from minivllm.entrypoints.async_engine import AsyncLLMEngine
@@ -91,7 +92,7 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
 
 
 def build_app(
-    engine: LLMEngine,
+    engine: LLMEngine | EngineCoreClient,
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -107,7 +108,9 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
 ) -> FastAPI:
-    """An app serving `engine`; its engine thread starts and stops with the app's lifespan."""
+    """An app serving `engine`: an `LLMEngine` stepped by a thread of this process, or the client
+    of an engine-core process (engine_core_client.py); either starts and stops with the app's
+    lifespan."""
     names = served_model_names or [engine.source.name]
     cache = engine.config.cache
     cache_info = {
@@ -123,7 +126,13 @@ def build_app(
         if log_requests:  # vLLM's --enable-log-requests line
             logger.info("Received request %s: params: %s", request_id, params)
 
-    async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step, on_add=on_add)
+    async_engine: AsyncLLMEngine | AsyncMPClient
+    if isinstance(engine, EngineCoreClient):
+        if enable_dashboard:
+            raise ValueError("the dashboard needs the engine in the server's process")
+        async_engine = AsyncMPClient(engine, on_step=metrics.on_step, on_add=on_add)
+    else:
+        async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step, on_add=on_add)
     limits = (names, max_waiting_requests, engine.config.scheduler.max_num_seqs)
     completion = OpenAIServingCompletion(async_engine, *limits, return_tokens_as_token_ids)
     chat = OpenAIServingChat(async_engine, *limits, return_tokens_as_token_ids)
@@ -162,6 +171,7 @@ def build_app(
     if enable_dashboard:  # the live trace page at /dashboard (minivllm/entrypoints/dashboard.py)
         from minivllm.entrypoints.dashboard import add_dashboard
 
+        assert isinstance(engine, LLMEngine)
         add_dashboard(app, engine, api_key, dashboard_max_steps)
     install_openapi(app, bearer_auth=api_key is not None)
     v1_errors = (400, 401, 404, 413, 500, 503) if api_key else (400, 404, 413, 500, 503)

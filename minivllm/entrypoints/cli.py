@@ -179,6 +179,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="the dashboard keeps this many recent engine steps (bounded memory)",
     )
     g.add_argument(
+        "--engine-core-process",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the engine in a process of its own, so the server's host work (HTTP, JSON, "
+        "tokenization) never takes the model's core (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); "
+        "off by default: on 2 cores it measured no faster (docs/serving.md)",
+    )
+    g.add_argument(
+        "--engine-core-threads",
+        type=int,
+        default=None,
+        help="torch's intra-op threads in the engine-core process (unset: all cores but one, "
+        "which the server's own work keeps)",
+    )
+    g.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser',
@@ -240,10 +255,23 @@ def serve(args: argparse.Namespace) -> int:
 
     from minivllm.engine import LLMEngine
     from minivllm.engine_args import EngineArgs
+    from minivllm.engine_core_client import EngineCoreClient
     from minivllm.entrypoints.api_server import build_app
 
     with usage_errors(args.parser):
-        engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
+        config = EngineArgs.from_cli_args(args).create_engine_config()
+        if args.engine_core_process and (
+            args.enable_dashboard or config.parallel.tensor_parallel_size > 1
+        ):
+            raise ValueError(
+                "--engine-core-process cannot serve --enable-dashboard or "
+                "--tensor-parallel-size > 1 (they need the engine in the server's process)"
+            )
+        engine: LLMEngine | EngineCoreClient = (
+            EngineCoreClient(config, args.engine_core_threads)
+            if args.engine_core_process
+            else LLMEngine(config)
+        )
     names = args.served_model_name or [args.model or engine.source.name]
 
     def ready() -> None:  # logged once the engine thread runs, before uvicorn's own line

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from minivllm.beam_search import BeamSearchParams
+from minivllm.engine_core_client import AsyncMPClient
 from minivllm.entrypoints.async_engine import AsyncLLMEngine, StreamItem
 from minivllm.entrypoints.protocol import OpenAIError, StreamOptions
 from minivllm.inputs import PromptType, process_token_params, truncate_prompt
@@ -40,7 +41,7 @@ ChunkFn = Callable[[int, CompletionOutput, int, int, bool, RequestOutput], dict[
 class OpenAIServing:
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: AsyncLLMEngine | AsyncMPClient,
         served_model_names: list[str],
         max_waiting_requests: int,
         max_num_seqs: int,
