@@ -29,6 +29,16 @@ BLOCK_SIZE = 16
 needs_avx512 = pytest.mark.skipif(
     not skinny_gemm_fast(), reason="the op applies where the skinny GEMM has its AVX-512 path"
 )
+# bfloat16 models replay where their linears are prepacked for oneDNN: a CPU with bf16 dot products.
+BF16_HW = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+DTYPES = [
+    pytest.param(torch.float32, marks=needs_avx512, id="float32"),
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(not BF16_HW, reason="no AVX512-BF16/AMX"),
+        id="bfloat16",
+    ),
+]
 
 
 def load(path: Path, backend: str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
@@ -76,7 +86,13 @@ def prefilled(model: LlamaForCausalLM, prompt_lens: list[int]) -> tuple[torch.Te
     ids = torch.randperm(num_blocks, generator=gen)[: blocks_each * len(prompt_lens)]
     tables = ids.view(len(prompt_lens), blocks_each).to(torch.int32)
     kv = torch.zeros(
-        cfg.num_hidden_layers, 2, num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim
+        cfg.num_hidden_layers,
+        2,
+        num_blocks,
+        BLOCK_SIZE,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        dtype=next(model.parameters()).dtype,
     )  # [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     tokens = torch.randint(0, cfg.vocab_size, (sum(prompt_lens),), generator=gen)
     positions = torch.cat([torch.arange(n) for n in prompt_lens])
@@ -85,11 +101,13 @@ def prefilled(model: LlamaForCausalLM, prompt_lens: list[int]) -> tuple[torch.Te
     return kv, tables
 
 
-@needs_avx512
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["mha-hd32", "gqa4-hd64", "mqa-hd64-theta5e5", "tinyllama-shape"])
-def test_a_decode_step_equals_the_python_loop_bit_for_bit(tmp_path: Path, name: str) -> None:
+def test_a_decode_step_equals_the_python_loop_bit_for_bit(
+    tmp_path: Path, name: str, dtype: torch.dtype
+) -> None:
     _, path = save_tiny_llama(tmp_path, CONFIGS[name])
-    model = load(path)
+    model = load(path, dtype=dtype)
     fused = capture(model)
     assert fused is not None
     prompt_lens = [5, 16, 17, 40, 33]  # contexts ending mid-block and at block edges
@@ -129,9 +147,9 @@ def test_it_applies_to_decode_steps_of_at_most_the_skinny_gemm_s_rows(tmp_path: 
         ({"attention_bias": True}, "cpu", torch.float32),  # biases: the op has none
         ({"mlp_bias": True}, "cpu", torch.float32),
         ({}, "reference", torch.float32),  # the plain-PyTorch model stays plain
-        ({}, "cpu", torch.bfloat16),  # the skinny GEMM is float32's
+        ({}, "cpu", torch.float16),  # neither the skinny GEMM (float32) nor packed (bf16)
     ],
-    ids=["attention-bias", "mlp-bias", "reference-backend", "bfloat16"],
+    ids=["attention-bias", "mlp-bias", "reference-backend", "float16"],
 )
 def test_models_it_cannot_run_exactly_keep_the_python_loop(
     tmp_path: Path, overrides: dict, backend: str, dtype: torch.dtype
@@ -140,9 +158,14 @@ def test_models_it_cannot_run_exactly_keep_the_python_loop(
     assert capture(load(path, backend, dtype)) is None
 
 
-@needs_avx512
+def test_a_bfloat16_model_replays_exactly_where_its_linears_are_packed(tmp_path: Path) -> None:
+    _, path = save_tiny_llama(tmp_path, CONFIGS["mha-hd32"])
+    assert (capture(load(path, "cpu", torch.bfloat16)) is not None) is BF16_HW
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_engine_runs_its_decode_steps_through_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
     """Every decode step of a plain batch goes through the op, and greedy output is what the
     Python loop gives."""
@@ -157,7 +180,13 @@ def test_the_engine_runs_its_decode_steps_through_it(
         return inner(self, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(CpuDecodeLayers, "__call__", counted)
-    llm = LLM(str(path), skip_tokenizer_init=True, block_size=BLOCK_SIZE)
+    llm = LLM(
+        str(path),
+        skip_tokenizer_init=True,
+        block_size=BLOCK_SIZE,
+        dtype=str(dtype).removeprefix("torch."),
+        cpu_kv_cache_space=0.25,
+    )
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert len(calls) == 11  # one prefill step, then 11 decode steps
     llm.llm_engine.runner.decode_replay = None

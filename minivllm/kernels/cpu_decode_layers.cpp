@@ -10,20 +10,27 @@
 // the same order, on the same layouts, so that its result is bit for bit the Python path's
 // (tests/test_kernels_cpu_decode_layers.py checks exactly that).
 //
-// Per layer, with T token rows (T <= 64, float32), the same sequence as minivllm/model/llama.py:
+// Per layer, with T token rows (T <= 64), the same sequence as minivllm/model/llama.py:
 //   input norm (the first layer: rms_norm; later: fused_add_rms_norm, adding the residual)
 //   qkv = skinny_gemm(hidden, W_qkv); rotary_embedding on its query and key heads, in place
 //   reshape_and_cache(k, v); attention = paged_decode(q) over each request's blocks
 //   hidden = skinny_gemm(attention, W_o); post-attention fused_add_rms_norm
 //   hidden = skinny_gemm(silu_and_mul(skinny_gemm(hidden, W_gate_up)), W_down)
 // then the final fused_add_rms_norm. minivllm/kernels/cpu_decode_layers.py decides when it applies
-// (decode-only steps, one device, no biases, float32) and hands it the weights.
+// (decode-only steps, one device, no biases, float32 or prepacked bfloat16) and hands it the
+// weights. A bfloat16 model's linear weights come prepacked in oneDNN's layout (an MKLDNN tensor,
+// minivllm/platforms/cpu_ops.py `prepack_linear`): those linears call oneDNN, as the Python path
+// does, and the attention output is computed in float32 and rounded to bf16, as the backend does.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <ATen/core/stack.h>
+
 #include <cstdint>
+#include <optional>
+#include <string>
 
 namespace {
 
@@ -58,7 +65,25 @@ struct Kernels {
     return kernels;
   }
 
+  // oneDNN's linear on a prepacked weight (`mkldnn::_linear_pointwise`, what `packed_linear` in
+  // minivllm/platforms/cpu_ops.py calls), found on first use: a build without oneDNN lacks it.
+  static Tensor onednn_linear(const Tensor& x, const Tensor& packed) {
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack;
+    stack.reserve(6);
+    stack.emplace_back(x.contiguous());
+    stack.emplace_back(packed);
+    stack.emplace_back(c10::IValue());  // no bias
+    stack.emplace_back(std::string("none"));
+    stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+    stack.emplace_back(c10::IValue());
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+
   Tensor linear(const Tensor& x, const Tensor& weight) const {  // [T, K] x [N, K] -> [T, N]
+    if (weight.is_mkldnn()) return onednn_linear(x, weight);
     Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
     skinny_gemm.call(out, x, weight);
     return out;
@@ -81,8 +106,9 @@ Tensor decode_layers(
     double eps, double scale, int64_t num_heads) {
   const char* op = "minivllm_cpu::decode_layers";
   const int64_t layers = kv_caches.size(0);
-  TORCH_CHECK(embeds.dim() == 2 && embeds.is_contiguous() && embeds.scalar_type() == at::kFloat,
-              op, ": embeds must be contiguous float32 [T, hidden]");
+  TORCH_CHECK(embeds.dim() == 2 && embeds.is_contiguous() &&
+                  (embeds.scalar_type() == at::kFloat || embeds.scalar_type() == at::kBFloat16),
+              op, ": embeds must be contiguous float32 or bfloat16 [T, hidden]");
   TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(1) == 2, op,
               ": kv_caches must be [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(int64_t(weights.size()) == kWeightsPerLayer * layers, op, ": expected ",
@@ -113,8 +139,10 @@ Tensor decode_layers(
     const Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
     const Tensor k_cache = kv_caches[l][0], v_cache = kv_caches[l][1];
     k.reshape_and_cache.call(key, value, k_cache, v_cache, slot_mapping);
-    Tensor attention = at::empty({T, num_heads, head_dim}, embeds.options());
+    // The kernel writes float32 (it accumulates in float32); a bf16 model rounds it after.
+    Tensor attention = at::empty({T, num_heads, head_dim}, embeds.options().dtype(at::kFloat));
     k.paged_decode.call(attention, q, k_cache, v_cache, block_tables, seq_lens, rows, scale);
+    if (embeds.scalar_type() != at::kFloat) attention = attention.to(embeds.scalar_type());
     hidden = k.linear(attention.view({T, q_size}), w[2]);
     k.fused_add_rms_norm.call(hidden, residual, w[3], eps);
     Tensor gate_up = k.linear(hidden, w[4]);  // [T, 2 * intermediate]

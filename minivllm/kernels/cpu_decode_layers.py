@@ -18,7 +18,9 @@ It applies where the whole of a step is what the C++ loop knows how to do:
 - the CPU attention backend (the op attends through its plan: every row is a work item of the
   paged kernel) and every custom op on its CPU forward (`custom_ops="all"`);
 - one device: with tensor parallelism, each layer's two all-reduces happen in Python;
-- float32 weights on a CPU where the skinny GEMM runs its AVX-512 path, and no biases;
+- no biases, and float32 weights on a CPU where the skinny GEMM runs its AVX-512 path, or
+  bfloat16 weights that every linear has prepacked for oneDNN (`prepack_linear` in
+  minivllm/platforms/cpu_ops.py; the C++ loop then calls oneDNN on them, as the Python path does);
 - a step of decodes only, with at most `SKINNY_GEMM_MAX_ROWS` rows, since above that the linears
   go to MKL;
 - no forward hook on the model, its body or their modules: a hook is Python, and a user who
@@ -49,6 +51,27 @@ def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
     return cast("list[LlamaDecoderLayer]", list(model.model.layers))
 
 
+def linear_weight(op: nn.Module) -> torch.Tensor:  # [out, in]
+    """The weight a linear's CPU forward multiplies by: its prepacked copy where it has one."""
+    packed = getattr(op, "packed_weight", None)
+    return packed if packed is not None else cast("torch.Tensor", op.weight)
+
+
+def all_linears_packed(model: LlamaForCausalLM) -> bool:
+    """Whether every decoder layer's linear runs oneDNN on a prepacked bf16 weight."""
+    return all(
+        getattr(op, "packed_weight", None) is not None
+        and cast("torch.Tensor", op.weight).dtype == torch.bfloat16
+        for layer in decoder_layers(model)
+        for op in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    )
+
+
 class CpuDecodeLayers:
     """`LlamaForCausalLM.forward` for a decode step: the embedding, then the layers and the final
     norm as one `decode_layers` op call."""
@@ -59,17 +82,18 @@ class CpuDecodeLayers:
         self.embed_tokens = body.embed_tokens
         self.rotary_emb = body.rotary_emb
         self.final_norm = body.norm
-        # Six per layer, in the op's order: input norm, qkv, o, post-attention norm, gate_up, down.
+        # Six per layer, in the op's order: input norm, qkv, o, post-attention norm, gate_up, down;
+        # a linear's oneDNN-prepacked weight where it has one (bf16), as its CPU forward uses.
         self.weights = [
             w
             for layer in layers
             for w in (
                 layer.input_layernorm.weight,
-                layer.self_attn.qkv_proj.weight,
-                layer.self_attn.o_proj.weight,
+                linear_weight(layer.self_attn.qkv_proj),
+                linear_weight(layer.self_attn.o_proj),
                 layer.post_attention_layernorm.weight,
-                layer.mlp.gate_up_proj.weight,
-                layer.mlp.down_proj.weight,
+                linear_weight(layer.mlp.gate_up_proj),
+                linear_weight(layer.mlp.down_proj),
             )
         ]
         attention = layers[0].self_attn
@@ -93,8 +117,10 @@ class CpuDecodeLayers:
             )
             and not config.attention_bias
             and not config.mlp_bias
-            and layer.self_attn.qkv_proj.weight.dtype == torch.float32
-            and skinny_gemm_fast()
+            and (
+                (layer.self_attn.qkv_proj.weight.dtype == torch.float32 and skinny_gemm_fast())
+                or all_linears_packed(model)
+            )
         )
 
     def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
