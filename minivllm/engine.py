@@ -38,6 +38,7 @@ from minivllm.inputs import (
 )
 from minivllm.kv_allocation import check_forks_allowed, make_block_manager
 from minivllm.model.loader import load_tokenizer
+from minivllm.model_runner import kv_cache_torch_dtype
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput, make_request_output
 from minivllm.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
@@ -70,7 +71,7 @@ class LLMEngine:
         self.executor = executor or make_executor(config, backend)
         self.runner = self.executor.driver_runner
         self.model = self.runner.model  # rank 0's shard when tensor_parallel_size > 1
-        self.kv_cache_dtype = self.runner.kv_cache.dtype  # kv_cache_dtype resolved ("auto": dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(cc.cache_dtype, self.dtype)  # "auto": dtype
         num_blocks = self.executor.num_blocks  # the same on every rank: the smallest any can hold
         self._fit_max_model_len(num_blocks * cc.block_size)
         self.block_manager = make_block_manager(cc, num_blocks, self.max_model_len)
