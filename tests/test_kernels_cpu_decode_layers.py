@@ -101,16 +101,20 @@ def prefilled(model: LlamaForCausalLM, prompt_lens: list[int]) -> tuple[torch.Te
     return kv, tables
 
 
+# 5 rows: float32 linears on the skinny GEMM; 9 and 70 (above SKINNY_GEMM_MAX_ROWS): on oneDNN's
+# prepacked weights, as the Python loop chooses per linear (runs_packed).
+@pytest.mark.parametrize("num_seqs", [5, 9, 70])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["mha-hd32", "gqa4-hd64", "mqa-hd64-theta5e5", "tinyllama-shape"])
 def test_a_decode_step_equals_the_python_loop_bit_for_bit(
-    tmp_path: Path, name: str, dtype: torch.dtype
+    tmp_path: Path, name: str, dtype: torch.dtype, num_seqs: int
 ) -> None:
     _, path = save_tiny_llama(tmp_path, CONFIGS[name])
     model = load(path, dtype=dtype)
     fused = capture(model)
     assert fused is not None
-    prompt_lens = [5, 16, 17, 40, 33]  # contexts ending mid-block and at block edges
+    # contexts ending mid-block and at block edges
+    prompt_lens = ([5, 16, 17, 40, 33] * 14)[:num_seqs]
     kv, tables = prefilled(model, prompt_lens)
     seq_lens = [n + 1 for n in prompt_lens]
     meta = step_meta(model, [1] * len(prompt_lens), seq_lens, tables)
@@ -134,7 +138,12 @@ def test_it_applies_to_decode_steps_of_at_most_the_skinny_gemm_s_rows(tmp_path: 
     tables = torch.arange(4 * 3, dtype=torch.int32).view(4, 3)
     decode = step_meta(model, [1] * 4, [9, 20, 31, 2], tables)
     assert fused.applies(4, decode)
-    assert not fused.applies(SKINNY_GEMM_MAX_ROWS + 1, decode)  # MKL's rows: the Python loop
+    # With every linear prepacked (oneDNN is built into torch here), oneDNN runs any row count in
+    # both paths; without, more rows than the skinny GEMM's go to MKL: the Python loop.
+    assert fused.packed_weights is not None
+    assert fused.applies(SKINNY_GEMM_MAX_ROWS + 1, decode)
+    fused.packed_weights = None
+    assert not fused.applies(SKINNY_GEMM_MAX_ROWS + 1, decode)
     mixed = step_meta(model, [1, 5, 1, 2], [9, 20, 31, 2], tables)
     assert not fused.applies(9, mixed)
     decode.plan = None  # planned by another backend (or not at all)

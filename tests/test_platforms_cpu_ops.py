@@ -83,25 +83,26 @@ def build_ops(dtype: torch.dtype) -> list[torch.nn.Module]:
     return [op.to(dtype) for op in ops]
 
 
+@pytest.mark.parametrize("rows", [5, 9, 70])  # float32: the skinny GEMM, then oneDNN
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_cpu_dispatch_packs_bf16_weights_and_keeps_each_op_s_result(dtype: torch.dtype) -> None:
-    """Dispatched to the CPU, each linear and the LM head packs its weight exactly where bf16 has
-    the hardware (float32 keeps the skinny GEMM / MKL, the LM head its own float32 packing), and
-    computes what its `forward_native` does, to the dtype's rounding."""
+def test_cpu_dispatch_packs_weights_and_keeps_each_op_s_result(
+    dtype: torch.dtype, rows: int
+) -> None:
+    """Dispatched to the CPU, each linear and the LM head packs its weight exactly where oneDNN
+    runs it (float32 wherever oneDNN is built in, bf16 where it has the hardware, never float16),
+    and computes what its `forward_native` does, to the dtype's rounding, at every row count."""
     platform = CpuPlatform()
     for op in build_ops(dtype):
-        x = torch.randn(5, op.weight.shape[1], generator=torch.Generator().manual_seed(7))
+        x = torch.randn(rows, op.weight.shape[1], generator=torch.Generator().manual_seed(7))
         x = x.to(dtype)
         with torch.no_grad():
             expected = op.forward_native(x).float()
             assert op.dispatch_forward(platform.device_type)
             got = op(x)
         packed = getattr(op, "packed_weight", None)
-        if isinstance(op, ParallelLMHead) and dtype == torch.float32:
-            assert packed is not None
-        else:
-            assert (packed is not None) is (dtype == torch.bfloat16 and BF16_HW)
-            assert (packed is not None) is onednn_packs(op.weight)
+        hardware = {torch.float32: True, torch.bfloat16: BF16_HW, torch.float16: False}[dtype]
+        assert (packed is not None) is hardware
+        assert (packed is not None) is onednn_packs(op.weight)
         assert got.dtype == dtype and got.shape == expected.shape
         tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
         scale = expected.abs().max().item()

@@ -40,7 +40,7 @@ from torch import nn
 
 from minivllm.attention import AttentionMetadata
 from minivllm.attention.cpu import CpuPlan
-from minivllm.kernels.cpu_ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
+from minivllm.kernels.cpu_ops import SKINNY_GEMM_MAX_ROWS, runs_packed, skinny_gemm_fast
 from minivllm.model.custom_op import CustomOp
 
 if TYPE_CHECKING:
@@ -51,24 +51,26 @@ def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
     return cast("list[LlamaDecoderLayer]", list(model.model.layers))
 
 
-def linear_weight(op: nn.Module) -> torch.Tensor:  # [out, in]
-    """The weight a linear's CPU forward multiplies by: its prepacked copy where it has one."""
-    packed = getattr(op, "packed_weight", None)
-    return packed if packed is not None else cast("torch.Tensor", op.weight)
+LINEARS_PER_LAYER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def layer_weights(layer: LlamaDecoderLayer, packed: bool) -> list[torch.Tensor]:
+    """A layer's six weights in the op's order (input norm, qkv, o, post-attention norm, gate_up,
+    down): each linear's oneDNN-prepacked copy if `packed`, else its plain weight."""
+    linears = [
+        cast("torch.Tensor", getattr(op, "packed_weight", None) if packed else op.weight)
+        for op in map(layer.get_submodule, LINEARS_PER_LAYER)
+    ]
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    return [norms[0], linears[0], linears[1], norms[1], linears[2], linears[3]]
 
 
 def all_linears_packed(model: LlamaForCausalLM) -> bool:
-    """Whether every decoder layer's linear runs oneDNN on a prepacked bf16 weight."""
+    """Whether every decoder layer's linear has a oneDNN-prepacked weight (prepack_linear)."""
     return all(
-        getattr(op, "packed_weight", None) is not None
-        and cast("torch.Tensor", op.weight).dtype == torch.bfloat16
+        getattr(layer.get_submodule(name), "packed_weight", None) is not None
         for layer in decoder_layers(model)
-        for op in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
+        for name in LINEARS_PER_LAYER
     )
 
 
@@ -82,20 +84,15 @@ class CpuDecodeLayers:
         self.embed_tokens = body.embed_tokens
         self.rotary_emb = body.rotary_emb
         self.final_norm = body.norm
-        # Six per layer, in the op's order: input norm, qkv, o, post-attention norm, gate_up, down;
-        # a linear's oneDNN-prepacked weight where it has one (bf16), as its CPU forward uses.
-        self.weights = [
-            w
-            for layer in layers
-            for w in (
-                layer.input_layernorm.weight,
-                linear_weight(layer.self_attn.qkv_proj),
-                linear_weight(layer.self_attn.o_proj),
-                layer.post_attention_layernorm.weight,
-                linear_weight(layer.mlp.gate_up_proj),
-                linear_weight(layer.mlp.down_proj),
-            )
-        ]
+        # Six per layer, in the op's order. The plain weights run the skinny GEMM; the prepacked
+        # ones (where every linear has one) oneDNN, chosen per step by the rows, as each linear's
+        # CPU forward chooses (`runs_packed` in minivllm/platforms/cpu_ops.py).
+        self.weights = [w for layer in layers for w in layer_weights(layer, packed=False)]
+        self.packed_weights = (
+            [w for layer in layers for w in layer_weights(layer, packed=True)]
+            if all_linears_packed(model)
+            else None
+        )
         attention = layers[0].self_attn
         self.scale = attention.scale
         self.num_heads = attention.num_heads
@@ -129,7 +126,7 @@ class CpuDecodeLayers:
         forward hook on a layer, which the Python loop runs and this call would skip."""
         return (
             meta.is_decode_only
-            and num_tokens <= SKINNY_GEMM_MAX_ROWS
+            and (num_tokens <= SKINNY_GEMM_MAX_ROWS or self.packed_weights is not None)
             and isinstance(meta.plan, CpuPlan)
             and not self.hooked()
         )
@@ -151,6 +148,11 @@ class CpuDecodeLayers:
         plan = meta.plan
         assert isinstance(plan, CpuPlan)  # `applies` checked it
         embeds = self.embed_tokens(input_ids)  # [T, hidden_size]; becomes the residual
+        weights = self.weights
+        if self.packed_weights is not None and runs_packed(
+            input_ids.shape[0], self.weights[1], self.packed_weights[1]
+        ):
+            weights = self.packed_weights
         return torch.ops.minivllm_cpu.decode_layers(
             embeds,
             positions,
@@ -160,7 +162,7 @@ class CpuDecodeLayers:
             plan.seq_lens,
             plan.rows,
             meta.slot_mapping,
-            self.weights,
+            weights,
             self.final_norm.weight,
             self.final_norm.eps,
             self.scale,

@@ -5,16 +5,19 @@ it replaces when the CPU platform runs `custom_ops="all"`; it computes the same 
 tests hold it there (tests/test_model_llama.py, greedy token-exact against transformers). What
 each one buys, measured on SmolLM2-135M with 2 cores:
 
-- **Linears** (`ColumnParallelLinear`, `QKVParallelLinear`, `RowParallelLinear`): a decode step's
-  few float32 rows go to the skinny GEMM (`cpu_skinny_gemm.cpp`), which streams the weight once
-  instead of packing it as MKL does (2.2-2.6x faster at 2-8 rows, 1.5x at 16). More rows go to
-  MKL as (W · xᵀ)ᵀ, the same dot products with the weight as the left operand, ~1.3x faster at
-  16-256 rows; its result is a transposed ("feature-major") view, which the fused ops, RoPE and
-  the CPU attention backend read as it is. bfloat16 weights, where the CPU has bf16 dot-product
-  instructions (AVX512-BF16, AMX), go instead to oneDNN on a copy prepacked at load (vLLM's CPU
-  build does the same): MKL's bf16 `aten::mm` does not use those instructions, and oneDNN's
-  packed GEMM is 1.6-1.9x faster at 1-8 rows (SmolLM2's shapes), ~1.05x at 32; its output is
-  token-major.
+- **Linears** (`ColumnParallelLinear`, `QKVParallelLinear`, `RowParallelLinear`): where oneDNN
+  is built in, each weight is prepacked once at load into oneDNN's blocked layout (vLLM's CPU
+  build does the same), and oneDNN runs every row count but the fewest: per decoder layer of
+  SmolLM2 it is 2.2-2.3x faster than MKL at 96-512 float32 rows (a prompt's), 1.1-1.2x faster
+  than the skinny GEMM at 8-64. Below `cpu_ops.SKINNY_BEFORE_ONEDNN_ROWS` float32 rows the skinny GEMM
+  (`cpu_skinny_gemm.cpp`, which streams the weight once) is still 1.1-1.3x faster. bfloat16
+  weights go to oneDNN at every row count where the CPU has bf16 dot-product instructions
+  (AVX512-BF16, AMX): MKL's bf16 `aten::mm` does not use them (oneDNN 1.6-1.9x faster at 1-8
+  rows). oneDNN's and the skinny GEMM's outputs are token-major. Without oneDNN, more than
+  `SKINNY_GEMM_MAX_ROWS` rows go to MKL as (W · xᵀ)ᵀ (~1.3x faster than `F.linear`), whose
+  result is a transposed ("feature-major") view that the fused ops, RoPE and the CPU attention
+  backend read as it is. The packed copy costs the linears' size again (425 MB for SmolLM2 in
+  float32): the plain weight stays for `forward_native`, the skinny GEMM and the state dict.
 - **RMSNorm, SiLU·mul, RoPE**: one fused pass over memory each (`cpu_layernorm.cpp`,
   `cpu_activation_rope.cpp`), where plain PyTorch runs a chain of ops (RMSNorm alone is eight);
   unfused, that work was a sixth of an engine step (issue 16's profile).
@@ -62,23 +65,24 @@ def cpu_linear(
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:
-    """Whether a bfloat16 linear runs on a oneDNN-prepacked copy of `weight`: where the CPU has
-    bfloat16 dot-product instructions (AVX512-BF16 or AMX), which oneDNN's bf16 GEMM uses and
-    MKL's `aten::mm` does not (2-4x faster per call)."""
-    return (
-        weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
+    """Whether a linear runs on a oneDNN-prepacked copy of `weight`: float32 wherever oneDNN is
+    built in; bfloat16 where the CPU also has bf16 dot-product instructions (AVX512-BF16 or AMX),
+    which oneDNN's bf16 GEMM uses and MKL's `aten::mm` does not."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def prepack_linear(op: ColumnParallelLinear | RowParallelLinear) -> None:
-    """Keep a copy of a bfloat16 weight in oneDNN's blocked layout (`op.packed_weight`; not set
-    where `onednn_packs` is False). The plain weight stays: `forward_native`, the state dict and
-    the reports read it; the copy costs the linears' size again (203 MiB for SmolLM2 in bf16)."""
+def prepack_linear(op: ColumnParallelLinear | RowParallelLinear | ParallelLMHead) -> None:
+    """Keep a copy of a linear's (or the LM head's) weight in oneDNN's blocked layout
+    (`op.packed_weight`; not set where `onednn_packs` is False). The plain weight stays: `forward_native`, the skinny GEMM, the state
+    dict and the reports read it."""
     op.__dict__.pop("packed_weight", None)  # a copy of an earlier dispatch's weight
     if onednn_packs(op.weight):
         with torch.no_grad():
+            # 64 rows is the hint oneDNN plans its blocking for; any row count runs on the result.
             op.packed_weight = torch.ops.mkldnn._reorder_linear_weight(op.weight, 64)
 
 
@@ -94,8 +98,8 @@ def packed_linear(
 def op_linear(
     op: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:  # [M, in] -> [M, out]
-    packed = getattr(op, "packed_weight", None)
-    if packed is not None:
+    packed = getattr(op, "packed_weight", None)  # [out, in]  in oneDNN's layout, or None
+    if packed is not None and cpu_ops.runs_packed(x.shape[0], op.weight, packed):
         return packed_linear(x, packed, bias)
     return cpu_linear(x, op.weight, bias)
 
@@ -142,20 +146,7 @@ def rotary_embedding_forward_cpu(
 
 
 # ---------------------------------------------------------------------------------- LM head
-def prepack_lm_head(head: ParallelLMHead) -> None:
-    """Keep a copy of the weight in oneDNN's blocked layout (`head.packed_weight`; not set where
-    oneDNN is missing, or the weight is float16, or bfloat16 without `onednn_packs`)."""
-    head.__dict__.pop("packed_weight", None)  # a copy of an earlier dispatch's weight
-    weight = head.weight
-    if (weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()) or onednn_packs(
-        weight
-    ):
-        with torch.no_grad():
-            # 64 rows is the hint oneDNN plans its blocking for; any row count runs on the result.
-            head.packed_weight = torch.ops.mkldnn._reorder_linear_weight(head.weight, 64)
-
-
-@register_forward(ParallelLMHead, "cpu", process_weights_after_loading=prepack_lm_head)
+@register_forward(ParallelLMHead, "cpu", process_weights_after_loading=prepack_linear)
 def lm_head_forward_cpu(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
     """[S, R] logits of this rank's vocabulary rows, in the weight's dtype, for hidden [S, h]."""
     weight = head.weight  # [R, hidden]
