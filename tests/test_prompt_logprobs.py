@@ -48,9 +48,14 @@ def values(entries: list[dict[int, Logprob] | None]) -> list[list[tuple[int, flo
 
 
 def assert_close_entries(a: list, b: list) -> None:
+    """The same tokens, logprobs within 1e-4, the top-K ranks equal; a deep rank (a prompt token
+    far down a 32k vocabulary, where neighbours' logprobs lie within float32 rounding of each
+    other) within 0.1 %: two summation orders may order near-ties differently."""
     assert len(a) == len(b)
     for x, y in zip(values(a), values(b)):
-        assert [(t, r) for t, _, r in x] == [(t, r) for t, _, r in y]
+        assert [t for t, _, _ in x] == [t for t, _, _ in y]
+        for (_, _, r1), (_, _, r2) in zip(x, y):
+            assert r1 == r2 if min(r1, r2) <= K else abs(r1 - r2) <= max(r1, r2) // 1000
         assert [v for _, v, _ in x] == pytest.approx([v for _, v, _ in y], abs=1e-4)
 
 
@@ -68,7 +73,11 @@ def test_prompt_logprobs_are_transformers_log_softmax(tiny: Path) -> None:
             assert first == token  # the prompt token first, as vLLM
             row = ref[i - 1]
             assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
-            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            # Its rank: 1 + the tokens above it, counting a token within the logprobs' tolerance
+            # of it either way (near-ties deep in the vocabulary follow the summation order).
+            above = int((row > row[token] + 1e-4).sum()) + 1
+            above_or_tied = int((row > row[token] - 1e-4).sum()) + 1
+            assert above <= entry[token].rank <= above_or_tied
             top = row.topk(K).indices.tolist()
             # The top k by rank (the prompt token, when among them, is listed once, first).
             assert [
