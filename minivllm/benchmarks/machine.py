@@ -35,21 +35,32 @@ def timed(device: torch.device, into: dict[str, float], key: str = "seconds") ->
 def measure_matmul_flops(
     dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5
 ) -> float:
-    """Dense FLOP/s of the machine for `dtype`: the best of several large square matmuls."""
+    """Dense FLOP/s of the machine for `dtype`: the best of several large square matmuls, by
+    torch's matmul and, on a CPU with oneDNN, by oneDNN on a prepacked weight (the GEMM minivllm's
+    CPU linears run, minivllm/platforms/cpu_ops.py; faster than MKL's here, so a peak taken from
+    MKL alone would be one minivllm exceeds)."""
     if device.type == "cuda":
         size = max(size, 8192)
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    torch.matmul(a, b)  # warm-up
+    gemms = [lambda: torch.matmul(a, b)]
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        from minivllm.platforms.cpu_ops import onednn_packs, packed_linear
+
+        if onednn_packs(b):
+            packed = torch.ops.mkldnn._reorder_linear_weight(b, 64)
+            gemms.append(lambda: packed_linear(a, packed))
     best = float("inf")
     inner = 3
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(inner):
-            torch.matmul(a, b)
-        synchronize(device)
-        best = min(best, (time.perf_counter() - start) / inner)
+    for gemm in gemms:
+        gemm()  # warm-up
+        for _ in range(repeats):
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(inner):
+                gemm()
+            synchronize(device)
+            best = min(best, (time.perf_counter() - start) / inner)
     return 2.0 * size**3 / best
 
 
