@@ -38,6 +38,7 @@ from minivllm.engine_core import (
     Shutdown,
     run_engine_core,
 )
+from minivllm.entrypoints.async_engine import StreamItem, threadsafe_sink
 from minivllm.exceptions import EngineDeadError
 from minivllm.inputs import PromptType, process_prompt
 from minivllm.model.loader import load_tokenizer
@@ -50,8 +51,6 @@ logger = logging.getLogger("minivllm")
 
 STARTUP_TIMEOUT_S = 600.0  # a model load on a contended machine
 SHUTDOWN_TIMEOUT_S = 30.0  # a graceful exit, then SIGKILL
-
-StreamItem = RequestOutput | BaseException
 
 
 def default_core_threads() -> int:
@@ -203,10 +202,7 @@ class AsyncMPClient:
         out: asyncio.Queue[StreamItem],
     ) -> None:
         assert self._loop is not None, "start() the engine first"
-        loop = self._loop
-
-        def sink(item: StreamItem) -> None:
-            loop.call_soon_threadsafe(out.put_nowait, item)
+        sink = threadsafe_sink(self._loop, out)
 
         with self._lock:
             if self.dead_error is not None:

@@ -36,6 +36,18 @@ logger = logging.getLogger("minivllm")
 StreamItem = RequestOutput | BaseException
 
 
+def threadsafe_sink(
+    loop: asyncio.AbstractEventLoop, out: asyncio.Queue[StreamItem]
+) -> Callable[[StreamItem], None]:
+    """A callable another thread may call to put an item on `out`: an asyncio queue is not
+    thread-safe, so the put runs in `loop`, the only thread that may touch it."""
+
+    def sink(item: StreamItem) -> None:
+        loop.call_soon_threadsafe(out.put_nowait, item)
+
+    return sink
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -110,13 +122,8 @@ class AsyncLLMEngine:
         their `request_id`.
         """
         assert self._loop is not None, "start() the engine first"
-        loop = self._loop
-
-        def sink(item: StreamItem) -> None:
-            loop.call_soon_threadsafe(out.put_nowait, item)
-
         self._num_adds_queued += 1
-        self._commands.put(_Add(request_id, prompt, params, sink))
+        self._commands.put(_Add(request_id, prompt, params, threadsafe_sink(self._loop, out)))
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests (e.g. the client went away); their KV blocks are freed at the next step."""
