@@ -255,7 +255,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from minivllm.engine import LLMEngine
     from minivllm.engine_args import EngineArgs
-    from minivllm.engine_core_client import EngineCoreClient
+    from minivllm.engine_core.client import EngineCoreClient
     from minivllm.entrypoints.api_server import build_app
 
     with usage_errors(args.parser):
@@ -314,8 +314,9 @@ def serve(args: argparse.Namespace) -> int:
 def trace(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from minivllm import LLM, SamplingParams
     from minivllm.engine_args import EngineArgs
+    from minivllm.llm import LLM
+    from minivllm.sampling_params import SamplingParams
 
     with usage_errors(args.parser):
         params = SamplingParams(

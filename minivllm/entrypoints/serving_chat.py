@@ -20,7 +20,11 @@ from typing import Any
 from minivllm.entrypoints.logprobs import chat_logprobs, prompt_logprobs_json
 from minivllm.entrypoints.protocol import ChatCompletionRequest, OpenAIError, unsupported_fields
 from minivllm.entrypoints.serving import OpenAIServing, finish_reason, usage
-from minivllm.entrypoints.tool_parsers import ExtractedToolCall, ExtractedToolCalls, ToolParser
+from minivllm.entrypoints.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCall,
+    ExtractedToolCalls,
+    ToolParser,
+)
 from minivllm.entrypoints.tool_parsers.forced import named_schema, parse_required, required_schema
 from minivllm.inputs import PromptType
 from minivllm.outputs import CompletionOutput, RequestOutput

@@ -30,7 +30,7 @@ class OpenAIServingCompletion(OpenAIServing):
         tokenized: list[tuple[str | None, list[int]]] = []
         for p in _split_prompts(req.prompt):
             try:
-                text, ids = self.engine.engine.tokenize_prompt(p)
+                text, ids = self.engine_client.tokenize_prompt(p)
             except ValueError as exc:
                 raise OpenAIError(str(exc), param="prompt") from None
             kept = self.truncate(req, ids)
