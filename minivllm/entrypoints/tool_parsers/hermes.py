@@ -10,7 +10,11 @@ from __future__ import annotations
 import json
 import re
 
-from minivllm.entrypoints.tool_parsers.abstract_tool_parser import ExtractedToolCalls, ToolParser, call_from_json
+from minivllm.entrypoints.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls,
+    ToolParser,
+    call_from_json,
+)
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)

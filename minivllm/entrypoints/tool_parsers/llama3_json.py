@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 
-from minivllm.entrypoints.tool_parsers.abstract_tool_parser import ExtractedToolCalls, ToolParser, call_from_json
+from minivllm.entrypoints.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls,
+    ToolParser,
+    call_from_json,
+)
 
 TAG = "<|python_tag|>"
 
