@@ -16,7 +16,7 @@ Request bodies are validated by hand (`Model.model_validate_json(body)`) instead
 FastAPI's parameter injection: it lets bad JSON, wrong types and unknown fields all become OpenAI's
 400 error object (FastAPI's default is a 422 in its own shape), and it lets the body-size limit
 apply before any parsing. The published schema still documents those bodies, from the same
-models (`openapi.py`). The middlewares (middleware.py) are pure ASGI (not `BaseHTTPMiddleware`,
+models (`openapi.py`). The routes live in routes.py, the middlewares (middleware.py) are pure ASGI (not `BaseHTTPMiddleware`,
 which would hide client disconnects from streaming responses).
 
 `build_app` reads as its phases: the engine client and its metrics, the handlers, then the app
@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.beam_search import BeamSearchParams
 from minivllm.engine_core.protocol import EngineClient, EngineFacts
+from minivllm.entrypoints.cli_args import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.middleware import (
     GuardMiddleware,
@@ -63,8 +64,6 @@ from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("minivllm")
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: ~1M tokens of text, far past any context
-DEFAULT_MAX_WAITING_REQUESTS = 1024  # beyond this, new requests get 503 + Retry-After
 API_DESCRIPTION = (
     "OpenAI-compatible API of minivllm, the readable vLLM. Every error is OpenAI's error object. "
     "Fields that OpenAI or vLLM define but minivllm cannot honour are refused by name (a 400), "
