@@ -50,6 +50,7 @@ from minivllm.entrypoints.protocol import OpenAIError
 from minivllm.entrypoints.routes import (
     Handlers,
     add_generation_routes,
+    add_invocations_route,
     add_model_routes,
     add_operations_routes,
     add_tokenization_routes,
@@ -178,6 +179,7 @@ def build_app(
     add_model_routes(app, client, names, api_key)
     v1_errors = (400, 401, 404, 413, 500, 503) if api_key else (400, 404, 413, 500, 503)
     add_generation_routes(app, handlers, names[0], v1_errors)
+    add_invocations_route(app, handlers, v1_errors)
     add_tokenization_routes(app, handlers.tokenization)
     return app
 

@@ -158,7 +158,7 @@ def add_model_routes(
 def add_generation_routes(
     app: FastAPI, handlers: Handlers, model: str, v1_errors: tuple[int, ...]
 ) -> None:
-    """The routes that run the model: completions, chat completions, responses, invocations.
+    """The OpenAI routes that run the model: completions, chat completions, responses.
     `model`: the served name the published examples use."""
 
     @app.post(
@@ -215,6 +215,10 @@ def add_generation_routes(
         req = await parse_body(request, ResponsesRequest)
         return await handlers.responses.create_response(req, disconnect_watcher(request))
 
+
+def add_invocations_route(app: FastAPI, handlers: Handlers, v1_errors: tuple[int, ...]) -> None:
+    """SageMaker's one route (as vLLM): the body says which API it is meant for."""
+
     @app.post(
         "/invocations",
         response_model=None,
@@ -227,16 +231,17 @@ def add_generation_routes(
         ),
     )
     async def invocations(request: Request) -> Any:
-        # SageMaker's one route (as vLLM): the body says which API it is meant for.
         body = await request.body()
         try:
             keys = json.loads(body or b"{}")
         except ValueError:
             keys = None
         if isinstance(keys, dict) and "messages" in keys:
-            return await chat_completions(request)
+            chat = await parse_body(request, p.ChatCompletionRequest)
+            return await handlers.chat.create_chat_completion(chat, disconnect_watcher(request))
         if isinstance(keys, dict) and "prompt" in keys:
-            return await completions(request)
+            req = await parse_body(request, p.CompletionRequest)
+            return await handlers.completion.create_completion(req, disconnect_watcher(request))
         raise OpenAIError(
             "cannot route the request: the body needs 'messages' (chat completions) or "
             "'prompt' (completions)",
