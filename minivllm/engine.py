@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from minivllm.after_sampling import AfterSampling, ParallelSampling, RequestContext, RequestParams
-from minivllm.attention import get_attention_backend
+from minivllm.attention.selector import get_attention_backend
 from minivllm.config import EngineConfig
-from minivllm.distributed.executor import Executor, make_executor
+from minivllm.executor import Executor, make_executor
 from minivllm.inputs import (
     PromptType,
     prepare_prompt,
@@ -55,8 +55,8 @@ logger = logging.getLogger("minivllm")
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         """`executor`: run the steps there instead of loading the model's weights (the
-        simulated-time executor, minivllm/distributed/simulated.py); the model folder then needs
-        only its config.json."""
+        simulated-time executor of minivllm/experiments/); the model folder then needs only its
+        config.json."""
         self.config = config
         mc, cc, resolved = config.model, config.cache, config.resolved
         self.device, self.dtype, self.source = resolved.device, resolved.dtype, resolved.source
@@ -307,7 +307,7 @@ class LLMEngine:
         row_index: list[int] = []  # which logits row each sampled sequence reads
         sampling = [self.scheduler.seqs[s.seq_id] for s in sched.scheduled if s.sample]
         for i, seq in enumerate(sampling):
-            drawn = self.after_sampling[seq.request.request_id].expand(seq)
+            drawn = self.after_sampling[seq.request.request_id].sequences_to_sample(seq)
             seqs += drawn
             row_index += [i] * len(drawn)
         if len(row_index) != len(sampling):

@@ -19,7 +19,7 @@ drawn output length, as the paper's oracle assumes.
 
 Two modes:
   --simulate a100-40gb/opt-13b   the paper's first column, in simulated time: the real scheduler
-                                 and block manager, a roofline cost per step (distributed/simulated.py)
+                                 and block manager, a roofline cost per step (experiments/simulated_executor.py)
   (no --simulate)                the real engine on this machine (SmolLM2 by default) with a KV
                                  cache small enough that memory, not compute, limits the batch; its
                                  clock is the sum of the steps' measured CPU time (this process's:
@@ -47,9 +47,9 @@ from minivllm.benchmarks.paper_sweep import (
 from minivllm.benchmarks.report import machine_load, print_table, write_json
 from minivllm.benchmarks.sharing import WORKLOADS
 from minivllm.config import KV_ALLOCATIONS
-from minivllm.distributed.simulated import SimulatedSetup, build_simulated_engine
 from minivllm.engine import LLMEngine
 from minivllm.engine_args import EngineArgs
+from minivllm.experiments.simulated_executor import SimulatedSetup, build_simulated_engine
 
 # §6.2: at the same normalized latency, vLLM sustains this many times the request rate (ShareGPT,
 # Fig. 12 top row) and batches this many times the requests (Fig. 13a, OPT-13B, ShareGPT 2 req/s).
