@@ -8,9 +8,8 @@ The public names are vLLM's: `LLM`, `SamplingParams`, `RequestOutput`, `Completi
 `EngineArgs` (every engine option, declared once), `BeamSearchParams` and its outputs,
 `StructuredOutputsParams` (a grammar the output must follow).
 
-Tier: the package itself, above every other. Each name is imported on first use (vLLM's
-`vllm/__init__.py` does the same with `MODULE_ATTRS`): importing any one module of the package,
-`minivllm.core.block_pool` say, runs this file first, and must not load the whole engine with it.
+Tier: above every other. Each name is imported on first use (vLLM's `MODULE_ATTRS`): importing
+one module, `minivllm.core.block_pool` say, runs this file first and must not load the engine.
 """
 
 from __future__ import annotations

@@ -35,7 +35,6 @@ from minivllm.model.errors import (
     TokenizerNotFoundError,
     UnsupportedArchitectureError,
 )
-from minivllm.model.gguf import GGUFReadError, convert_gguf
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.parallel_layers import Sliceable
 from minivllm.model.source import GenerationDefaults, ModelSource
@@ -92,6 +91,9 @@ def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
 
 
 def _from_gguf(path: Path, name: str) -> ModelSource:
+    # Imported here: numpy and the gguf reader are only needed when a model comes as GGUF.
+    from minivllm.model.gguf import GGUFReadError, convert_gguf
+
     try:
         return ModelSource(convert_gguf(path), name, gguf_file=path)
     except UnsupportedModelError as exc:
