@@ -20,6 +20,7 @@ step commits), so nothing it half-did is visible to any later request, and no li
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -28,7 +29,9 @@ import torch
 
 from minivllm.after_sampling import AfterSampling, ParallelSampling, RequestContext, RequestParams
 from minivllm.attention import get_attention_backend
-from minivllm.config import EngineConfig
+from minivllm.config import KV_CACHE_MANAGERS, EngineConfig
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.distributed.executor import Executor, make_executor
 from minivllm.inputs import (
     PromptType,
@@ -36,14 +39,12 @@ from minivllm.inputs import (
     process_prompt,
     process_token_params,
 )
-from minivllm.kv_allocation import check_forks_allowed, make_block_manager
 from minivllm.model.loader import load_tokenizer
 from minivllm.model_runner import kv_cache_torch_dtype
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput, make_request_output
 from minivllm.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler, SchedulerOutput
 from minivllm.sequence import Request, Sequence, SequenceStatus
 from minivllm.stats import EngineStats, StatsCollector
 from minivllm.step_listener import StepListener, StepOutputs
@@ -53,10 +54,17 @@ logger = logging.getLogger("minivllm")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        kv_cache_manager_cls: type[KVCacheManager] | None = None,
+    ) -> None:
         """`executor`: run the steps there instead of loading the model's weights (the
         simulated-time executor, minivllm/distributed/simulated.py); the model folder then needs
-        only its config.json."""
+        only its config.json. `kv_cache_manager_cls`: the KV bookkeeping to build (its
+        `from_config`); by default the class `kv_allocation` names (`KV_CACHE_MANAGERS`), which is
+        how the paper's reservation baselines (minivllm/experiments/) plug in."""
         self.config = config
         mc, cc, resolved = config.model, config.cache, config.resolved
         self.device, self.dtype, self.source = resolved.device, resolved.dtype, resolved.source
@@ -74,8 +82,11 @@ class LLMEngine:
         self.kv_cache_dtype = kv_cache_torch_dtype(cc.cache_dtype, self.dtype)  # "auto": dtype
         num_blocks = self.executor.num_blocks  # the same on every rank: the smallest any can hold
         self._fit_max_model_len(num_blocks * cc.block_size)
-        self.block_manager = make_block_manager(cc, num_blocks, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        manager_cls = kv_cache_manager_cls or _resolve_obj_by_qualname(
+            KV_CACHE_MANAGERS[cc.kv_allocation]
+        )
+        self.kv_cache_manager = manager_cls.from_config(cc, num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         # Unseeded random sampling draws from the engine's own generator, seeded by `seed`: a
         # whole offline run is reproducible, and torch's global RNG stays the user's.
         self.generator = torch.Generator(device=self.device).manual_seed(mc.seed)
@@ -113,7 +124,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._aborted_outputs: list[RequestOutput] = []
         # Who hears of every committed step: the counters behind get_stats(), then any other.
-        self.stats = StatsCollector(self.scheduler, self.block_manager)
+        self.stats = StatsCollector(self.scheduler, self.kv_cache_manager)
         self.step_listeners: list[StepListener] = [self.stats]
         logger.info(
             "minivllm engine: model=%s dtype=%s device=%s backend=%s kv_blocks=%d (block_size=%d, "
@@ -181,7 +192,12 @@ class LLMEngine:
         params = params or SamplingParams(**self._diff_sampling_param)
         max_num_seqs = self.config.scheduler.max_num_seqs
         forks = params.n > 1 or hook is not self.parallel_sampling
-        check_forks_allowed(self.config.cache.kv_allocation, forks)
+        if forks and not self.kv_cache_manager.supports_forks:
+            # Refused when the request is added, not at its first fork.
+            raise ValueError(
+                f"n > 1 and beam search need kv_allocation='paged' (forked sequences share "
+                f"blocks), got kv_allocation={self.config.cache.kv_allocation!r}"
+            )
         if params.n > max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}")
         if self._extra_eos_token_ids and not params.ignore_eos:
@@ -359,7 +375,7 @@ class LLMEngine:
             len(scheduler.waiting),
             tuple(seq.seq_id for seq in scheduler.waiting),
         )
-        blocks = self.block_manager.snapshot()
+        blocks = self.kv_cache_manager.snapshot()
         for listener in self.step_listeners:
             listener.on_step(sched, step, blocks)
 
@@ -402,3 +418,10 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         return self.stats.get_stats()
+
+
+def _resolve_obj_by_qualname(qualname: str) -> Any:
+    """The object a qualified name names (vLLM's `resolve_obj_by_qualname`), imported now: the
+    engine names, rather than imports, the classes an option chooses."""
+    module, _, name = qualname.rpartition(".")
+    return getattr(importlib.import_module(module), name)

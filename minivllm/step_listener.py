@@ -25,9 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from minivllm.block_pool import BlockPoolSnapshot
+from minivllm.core.kv_cache_utils import BlockPoolSnapshot
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.outputs import RequestOutput
-from minivllm.scheduler import SchedulerOutput
 from minivllm.sequence import Sequence
 
 __all__ = ["BlockPoolSnapshot", "StepListener", "StepOutputs"]

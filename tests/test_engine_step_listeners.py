@@ -10,9 +10,9 @@ import pytest
 from engine_utils import assert_no_blocks_held, save_tiny_llama
 from test_engine_faults import GREEDY, HOLDER, VICTIM, make_llm
 
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.executor import FaultInjector
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import SchedulerOutput
 
 
 @pytest.fixture(scope="module")

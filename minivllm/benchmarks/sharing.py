@@ -121,7 +121,7 @@ def measure(args: argparse.Namespace, workload: str, method: str, width: int) ->
     llm = build_llm(args, enable_prefix_caching=False)  # only the sharing inside a request
     vocab = llm.llm_engine.vocab_size
     requests = synthetic_requests(workload, args.num_prompts, vocab, args.seed, args.max_len)
-    bm = llm.llm_engine.block_manager
+    bm = llm.llm_engine.kv_cache_manager
     shared: list[int] = []
     private: list[int] = []
 

@@ -23,6 +23,7 @@ import torch
 
 from minivllm.attention import AttentionBackend
 from minivllm.config import EngineConfig
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.driver import (
     EngineDeadError,
     ExecutorWithExternalLauncher,
@@ -37,7 +38,6 @@ from minivllm.distributed.parallel_state import (
 from minivllm.distributed.worker import WorkerConfig, build_runner, run_torchrun_worker
 from minivllm.model.parallel_layers import check_tensor_parallel_size
 from minivllm.model_runner import ModelRunner, ModelRunnerOutput
-from minivllm.scheduler import SchedulerOutput
 
 __all__ = [
     "EngineDeadError",

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from minivllm.attention import AttentionBackend, get_attention_backend
 from minivllm.config import CacheConfig
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.parallel_state import (
     TensorParallelGroup,
     destroy_distributed,
@@ -45,7 +46,6 @@ from minivllm.distributed.parallel_state import (
 )
 from minivllm.model.loader import ModelSource, load_model
 from minivllm.model_runner import ModelRunner, determine_num_blocks, kv_cache_torch_dtype
-from minivllm.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)
