@@ -48,7 +48,7 @@ class Logprob:
 
 @dataclass(eq=False)
 class Sequence:
-    seq_id: int  # unique in the engine; the block manager's key
+    seq_id: int  # unique in the engine; the KV cache manager's key
     request: Request
     index: int  # which of the request's n samples
     token_ids: list[int]  # prompt + output, grows by one per decode step

@@ -169,7 +169,7 @@ class FreeKVCacheBlockQueue:
 @dataclass(frozen=True)
 class BlockPoolSnapshot:
     """The pool as one step left it, read-only (`KVCacheManager.snapshot`): what a step listener
-    (the trace, a metrics exporter) reads instead of the block manager's own structures.
+    (the trace, a metrics exporter) reads instead of the KV cache manager's own structures.
 
     The three mappings are copied when first read, not when the snapshot is taken: listeners run
     right after the step's commit, before anything else touches the pool, and a listener that
