@@ -37,8 +37,12 @@ lint: install
 	$(VENV)/bin/ruff format --check minivllm tests tutorials benchmarks
 	$(VENV)/bin/mypy
 
+# One pytest worker per core (pytest-xdist), each file on one worker so that its module fixtures
+# (a saved tiny model, a running server) are built once; tests/conftest.py gives each worker one
+# thread. PYTEST_ARGS="-n0" runs them in this process.
+PYTEST_ARGS ?= -n auto --dist loadfile
 unit: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 docs: install
 	$(VENV)/bin/mkdocs build --strict --site-dir site

@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.peers.vllm import peer_model_folder
+from benchmarks.peers.vllm_peer import peer_model_folder
 from minivllm.benchmarks import serve as bench_serve
 from minivllm.benchmarks.report import print_table
 

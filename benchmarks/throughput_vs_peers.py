@@ -8,7 +8,7 @@ request run to its exact output length) through
               longest request is done (the paper's HF baseline); only each request's own tokens count
   hf-cb       transformers' own continuous batching with its paged cache (its manager API), each
               request with its own `max_new_tokens`
-  vllm        with `--vllm-python`: vLLM's CPU build in its own interpreter (peers/vllm.py)
+  vllm        with `--vllm-python`: vLLM's CPU build in its own interpreter (peers/vllm_peer.py)
 
 each in a fresh process of its own, one after the other (minivllm/benchmarks/isolated.py), with
 its peak resident set. Beside it, the run's **matmul floor** (matmul_floor.py): the workload's
@@ -33,8 +33,8 @@ import torch
 
 from benchmarks.matmul_floor import record_shapes, replay
 from benchmarks.op_profile import print_profile, profile_run
-from benchmarks.peers.hf import peer_process
-from benchmarks.peers.vllm import HOW_TO_GET_IT, run_vllm_peer, same_outputs
+from benchmarks.peers.hf_peer import peer_process
+from benchmarks.peers.vllm_peer import HOW_TO_GET_IT, run_vllm_peer, same_outputs
 from minivllm.benchmarks import throughput
 from minivllm.benchmarks.common import ModelCost, drive_engine
 from minivllm.benchmarks.isolated import run_isolated

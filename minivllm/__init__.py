@@ -51,10 +51,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def __dir__() -> list[str]:
-    return sorted([*MODULE_ATTRS, "__version__"])
-
-
 __all__ = [
     "LLM",
     "BeamSearchOutput",

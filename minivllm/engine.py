@@ -19,9 +19,10 @@ step commits), so nothing it half-did is visible to any later request, and no li
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,7 +44,9 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Request, Sequence, SequenceStatus
 from minivllm.stats import EngineStats, StatsCollector
 from minivllm.step_listener import StepListener, StepOutputs
-from minivllm.structured_output import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("minivllm")
 
@@ -55,11 +58,9 @@ class LLMEngine:
         executor: Executor | None = None,
         kv_cache_manager_cls: type[KVCacheManager] | None = None,
     ) -> None:
-        """`executor`: run the steps there instead of loading the model's weights (the
-        simulated-time executor of minivllm/experiments/); the model folder then needs only its
-        config.json. `kv_cache_manager_cls`: the KV bookkeeping to build (its `from_config`); by
-        default the class the cache config names, which is how the paper's reservation
-        baselines (minivllm/experiments/) plug in."""
+        """`executor` (the simulated-time one of minivllm/experiments/, say) runs the steps
+        instead of a model loaded here; `kv_cache_manager_cls` replaces the class the cache config
+        names (how the paper's reservation baselines plug in)."""
         self.config = config
         mc, cc, resolved = config.model, config.cache, config.resolved
         self.device, self.dtype, self.source = resolved.device, resolved.dtype, resolved.source
@@ -89,36 +90,27 @@ class LLMEngine:
             if self.tokenizer is not None
             else next(iter(resolved.hf_config.eos_token_ids), None)
         )
-        # generation_config.json, as vLLM reads it by default: its sampling defaults fill the fields
-        # a request leaves unset, and each of its EOS ids stops generation (models whose
-        # end-of-turn token is not the tokenizer's eos_token).
-        extra_eos = set(resolved.generation.eos_token_ids) - {self.eos_token_id}
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_id, self.max_model_len
         )
-        eos_ids = {t for t in (self.eos_token_id, *extra_eos) if t is not None}
-        self.request_context = RequestContext(
-            self.scheduler,
-            self.output_processor,
-            self._new_seq,
-            self._finish,
-            frozenset(eos_ids),
-            config.scheduler.max_num_seqs,
-        )
-        self.parallel_sampling = ParallelSampling(self.request_context)
         self.vocab_size = self.model.config.vocab_size
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.vocab_size,
             self.max_model_len,
             config.scheduler.max_num_seqs,
-            resolved.generation.sampling_defaults,
-            extra_eos,
+            resolved.generation,
+            self.eos_token_id,
         )
-        # Structured outputs: compiles each constraint once (at add_request), hands out matchers.
-        self.structured_output_manager = StructuredOutputManager(
-            self.tokenizer, self.vocab_size, sorted(eos_ids), config.structured_outputs
+        self.request_context = RequestContext(
+            self.scheduler,
+            self.output_processor,
+            self._new_seq,
+            self._finish,
+            self.input_processor.eos_token_ids,
+            config.scheduler.max_num_seqs,
         )
+        self.parallel_sampling = ParallelSampling(self.request_context)
         self.requests: dict[str, Request] = {}
         self.after_sampling: dict[str, AfterSampling] = {}  # request_id -> its hook
         self._next_seq_id = 0
@@ -127,6 +119,19 @@ class LLMEngine:
         self.stats = StatsCollector(self.scheduler, self.kv_cache_manager)
         self.step_listeners: list[StepListener] = [self.stats]
         self._log_start(num_blocks)
+
+    @functools.cached_property
+    def structured_output_manager(self) -> StructuredOutputManager:
+        """Compiles each constraint once (at add_request) and hands out matchers; built at first
+        use, so that an engine that never sees a constrained request never loads it."""
+        from minivllm.structured_output.manager import StructuredOutputManager
+
+        return StructuredOutputManager(
+            self.tokenizer,
+            self.vocab_size,
+            sorted(self.input_processor.eos_token_ids),
+            self.config.structured_outputs,
+        )
 
     def _log_start(self, num_blocks: int) -> None:
         logger.info(
@@ -310,18 +315,7 @@ class LLMEngine:
             row_index += [i] * len(drawn)
         if len(row_index) != len(sampling):
             logits = logits[torch.tensor(row_index, device=logits.device)]
-        rows = [
-            SamplingRow(
-                s.request.params,
-                s.prompt_token_ids,
-                s.output_token_ids,
-                s.generator,
-                self.eos_token_id,
-                s.grammar,
-                s.request.bad_words_token_ids,
-            )
-            for s in seqs
-        ]
+        rows = [SamplingRow.of(s, self.eos_token_id) for s in seqs]
         meta = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
         return seqs, self.sampler(logits, meta)
 

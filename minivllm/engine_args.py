@@ -40,12 +40,8 @@ from minivllm.config import (
     ResolvedConfig,
     SchedulerConfig,
 )
-from minivllm.model.loader import (
-    load_config,
-    load_generation_defaults,
-    resolve_dtype,
-    resolve_model,
-)
+from minivllm.model.loader import load_config
+from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
 from minivllm.structured_output.params import StructuredOutputsConfig
 
 ENGINE_GROUP = "engine"  # the argparse group holding the engine's flags on every parser

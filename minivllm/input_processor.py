@@ -14,10 +14,10 @@ Tier: engine. It imports the inputs, the sampling parameters and the request typ
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 from minivllm.inputs import PromptType, prepare_prompt, process_prompt, process_token_params
+from minivllm.model.source import GenerationDefaults
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Request
 
@@ -29,17 +29,23 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         max_num_seqs: int,
-        sampling_defaults: Mapping[str, Any],
-        extra_eos_token_ids: Iterable[int],
+        generation: GenerationDefaults,
+        eos_token_id: int | None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len  # after the engine fitted it to the KV cache
         self.max_num_seqs = max_num_seqs
-        self.sampling_defaults = dict(sampling_defaults)  # vLLM's `get_diff_sampling_param()`
-        # generation_config.json's EOS ids beyond the tokenizer's: each stops generation, reported
-        # as a stop token (as vLLM does), for models whose end-of-turn token is not `eos_token`.
-        self.extra_eos_token_ids = frozenset(extra_eos_token_ids)
+        # generation_config.json, as vLLM reads it by default: its sampling defaults fill the
+        # fields a request leaves unset (vLLM's `get_diff_sampling_param()`), and each of its EOS
+        # ids beyond the tokenizer's stops generation, reported as a stop token (as vLLM does),
+        # for models whose end-of-turn token is not `eos_token`.
+        self.sampling_defaults: dict[str, Any] = dict(generation.sampling_defaults)
+        self.extra_eos_token_ids = frozenset(generation.eos_token_ids) - {eos_token_id}
+        # Every token that ends a sequence (what a grammar may end on, beam search stops at).
+        self.eos_token_ids = frozenset(
+            t for t in (eos_token_id, *self.extra_eos_token_ids) if t is not None
+        )
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt; see `minivllm.inputs.process_prompt`."""

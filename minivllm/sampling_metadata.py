@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import Sequence as Seq
 from minivllm.stop_checker import stops_allowed
-from minivllm.structured_output import StructuredOutputGrammar, StructuredOutputManager
+from minivllm.structured_output.backend import StructuredOutputGrammar, sync_grammar
 
 
 @dataclass
@@ -31,6 +32,19 @@ class SamplingRow:
     eos_token_id: int | None = None
     grammar: StructuredOutputGrammar | None = None  # structured outputs: the sequence's matcher
     bad_words_token_ids: Sequence[Sequence[int]] = ()  # the request's bad words, tokenized
+
+    @classmethod
+    def of(cls, seq: Seq, eos_token_id: int | None) -> SamplingRow:
+        """The row of an engine sequence: its request's parameters, its tokens, its own state."""
+        return cls(
+            seq.request.params,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            seq.generator,
+            eos_token_id,
+            seq.grammar,
+            seq.request.bad_words_token_ids,
+        )
 
 
 @dataclass
@@ -170,7 +184,7 @@ def _grammar_bitmask(
     for g, i in enumerate(grammar_rows):
         grammar = rows[i].grammar
         assert grammar is not None
-        StructuredOutputManager.sync(grammar, rows[i].output_token_ids)
+        sync_grammar(grammar, rows[i].output_token_ids)
         grammar.fill_bitmask(bitmask, g)
     return grammar_rows, bitmask
 

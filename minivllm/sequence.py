@@ -17,11 +17,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.sampling_params import SamplingParams
-from minivllm.structured_output.backend import StructuredOutputGrammar
+
+if TYPE_CHECKING:  # the request holds them; the engine makes them
+    from minivllm.detokenizer import IncrementalDetokenizer
+    from minivllm.structured_output.backend import StructuredOutputGrammar
 
 
 class SequenceStatus(enum.Enum):

@@ -22,7 +22,7 @@ import torch
 from minivllm.attention import AttentionBackend
 from minivllm.attention.selector import get_attention_backend
 from minivllm.config import CacheConfig
-from minivllm.distributed.parallel_state import TensorParallelGroup, min_over_ranks
+from minivllm.distributed.parallel_state import TensorParallelGroup
 from minivllm.model.loader import load_model
 from minivllm.model.source import ModelSource
 from minivllm.model_runner import ModelRunner, determine_num_blocks, kv_cache_torch_dtype
@@ -69,7 +69,9 @@ def build_runner(
     model = load_model(source, backend, wc.dtype, device, wc.max_model_len, tp)
     kv_dtype = kv_cache_torch_dtype(wc.cache.cache_dtype, wc.dtype)
     num_blocks = determine_num_blocks(model, wc.cache, kv_dtype, device)
-    if control is not None:
+    if control is not None:  # tensor parallelism: every rank the same blocks
+        from minivllm.distributed.process_group import min_over_ranks
+
         num_blocks = min_over_ranks(num_blocks, control)
     return ModelRunner(
         model, backend, num_blocks, wc.cache.block_size, kv_dtype, device, wc.enforce_eager

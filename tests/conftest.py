@@ -35,6 +35,12 @@ def smollm2_hf_tokenizer(smollm2_gguf: Path):
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist each worker has a core of its own: one thread each, for this process and
+    # the servers and tutorials it starts (they inherit the variable). Two OpenMP teams on two
+    # cores would each wait at every barrier for a thread the other worker holds, which turns a
+    # microsecond op into milliseconds.
+    os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Triton kernels run on CPU tensors through Triton's interpreter when no GPU is present. The
@@ -44,6 +50,8 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 except ImportError:  # pragma: no cover - torch is a hard dependency
     pass
 

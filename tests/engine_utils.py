@@ -53,7 +53,7 @@ def save_tiny_llama(out: Path, seed: int = 0, **overrides: Any) -> Path:
     runs whose batches differ then do not hinge on near-ties."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from minivllm.model.loader import resolve_model
+    from minivllm.model.resolver import resolve_model
 
     config = LlamaConfig(
         **{

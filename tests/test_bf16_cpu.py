@@ -23,7 +23,8 @@ from paged import paged_logits
 
 from minivllm.attention.selector import get_attention_backend
 from minivllm.llm import LLM
-from minivllm.model.loader import load_model, resolve_model
+from minivllm.model.loader import load_model
+from minivllm.model.resolver import resolve_model
 from minivllm.sampling_params import SamplingParams
 
 TOP_K = 5

@@ -22,7 +22,8 @@ from minivllm.cpu.decode_loop import CpuDecodeLoop
 from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
 from minivllm.llm import LLM
 from minivllm.model.llama import LlamaForCausalLM
-from minivllm.model.loader import load_model, resolve_model
+from minivllm.model.loader import load_model
+from minivllm.model.resolver import resolve_model
 from minivllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16

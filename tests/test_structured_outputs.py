@@ -19,7 +19,8 @@ from engine_utils import assert_no_blocks_held, save_tiny_llama
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.logits_processors import bitmask_to_bool
-from minivllm.structured_output import StructuredOutputError
+from minivllm.structured_output.backend import sync_grammar
+from minivllm.structured_output.params import StructuredOutputError
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "nested": {
@@ -202,9 +203,9 @@ def test_a_matcher_ahead_of_its_tokens_is_replayed(llm: LLM) -> None:
     so = StructuredOutputsParams(choice=["abc", "abd"])
     grammar = manager.new_grammar(so)
     ids = llm.get_tokenizer().encode("abc", add_special_tokens=False)
-    manager.sync(grammar, ids)
+    sync_grammar(grammar, ids)
     assert grammar.num_processed_tokens == len(ids)
-    manager.sync(grammar, ids[:1])  # behind what it saw: rebuilt from the start
+    sync_grammar(grammar, ids[:1])  # behind what it saw: rebuilt from the start
     assert grammar.num_processed_tokens == 1
 
 

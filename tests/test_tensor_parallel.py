@@ -188,8 +188,8 @@ def test_throughput_bench_reports_each_rank_s_memory_and_communication_per_token
     parser = argparse.ArgumentParser()
     throughput.add_arguments(parser)
     argv = ["--model", str(model), "--num-prompts", "4", "--input-len", "8-24"]
-    argv += ["--output-len", "3-6", "--peers", "none", "--matmul-size", "256"]
-    argv += ["--num-gpu-blocks-override", "64", "--tensor-parallel-size", "2", "--json", str(out)]
+    argv += ["--output-len", "3-6", "--matmul-size", "256", "--num-gpu-blocks-override", "64"]
+    argv += ["--tensor-parallel-size", "2", "--json", str(out)]
     assert throughput.main(parser.parse_args(argv)) == 0
     ranks = json.loads(out.read_text())["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]

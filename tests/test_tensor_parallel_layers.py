@@ -24,8 +24,9 @@ from minivllm.attention import AttentionMetadata
 from minivllm.attention.selector import get_attention_backend
 from minivllm.distributed.parallel_state import TensorParallelGroup
 from minivllm.model.config import LlamaConfig
-from minivllm.model.loader import load_model, resolve_model
+from minivllm.model.loader import load_model
 from minivllm.model.parallel_layers import check_tensor_parallel_size
+from minivllm.model.resolver import resolve_model
 
 CPU = torch.device("cpu")
 BACKEND = get_attention_backend("reference")

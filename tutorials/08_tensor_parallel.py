@@ -27,7 +27,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.distributed.worker import rank_report
-from minivllm.model.loader import resolve_model
+from minivllm.model.resolver import resolve_model
 
 LAYERS, HIDDEN, VOCAB = 4, 128, 49152
 HEADS, KV_HEADS, INTERMEDIATE, BLOCK_SIZE = 4, 2, 256, 16

@@ -12,7 +12,7 @@ def export_bundled_model(out: Path) -> Path:
     """`out`, holding the bundled GGUF as config.json, model.safetensors and the tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from minivllm.model.loader import bundled_model_path
+    from minivllm.model.resolver import bundled_model_path
 
     gguf = bundled_model_path()
     if not (out / "config.json").exists():

@@ -46,7 +46,8 @@ from minivllm.benchmarks.workload import (
     token_pool,
 )
 from minivllm.engine_args import EngineArgs
-from minivllm.model.loader import load_config, resolve_model
+from minivllm.model.loader import load_config
+from minivllm.model.resolver import resolve_model
 from minivllm.sampling_params import SamplingParams
 
 EPILOG = (

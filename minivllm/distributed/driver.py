@@ -29,11 +29,8 @@ import torch.distributed as dist
 
 from minivllm.attention import AttentionBackend
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.distributed.parallel_state import (
-    TensorParallelGroup,
-    destroy_distributed,
-    init_distributed,
-)
+from minivllm.distributed.parallel_state import TensorParallelGroup
+from minivllm.distributed.process_group import destroy_distributed, init_distributed
 from minivllm.distributed.worker import (
     CollectiveRPC,
     ExecuteModel,

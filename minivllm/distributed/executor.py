@@ -25,7 +25,7 @@ from minivllm.distributed.driver import (
     WorkerStartError,
 )
 from minivllm.distributed.multiproc import MultiprocExecutor
-from minivllm.distributed.parallel_state import check_no_process_group, launched_by_torchrun
+from minivllm.distributed.process_group import check_no_process_group, launched_by_torchrun
 from minivllm.distributed.worker import run_torchrun_worker
 from minivllm.model.parallel_layers import check_tensor_parallel_size
 from minivllm.worker import WorkerConfig

@@ -30,7 +30,7 @@ from multiprocessing.process import BaseProcess
 import torch.multiprocessing as mp
 
 from minivllm.distributed.driver import DistributedExecutor, WorkerStartError
-from minivllm.distributed.parallel_state import free_loopback_port
+from minivllm.distributed.process_group import free_loopback_port
 from minivllm.distributed.worker import WorkerConfig, spawned_worker_main
 
 STARTUP_TIMEOUT_S = 600.0  # a worker's imports and model load on a loaded machine

@@ -1,4 +1,4 @@
-"""Process groups for tensor parallelism, and the one handle the model's layers talk through.
+"""The one handle the model's layers talk through: a rank's place in the tensor-parallel group.
 
 Megatron-LM's tensor parallelism as vLLM runs it (paper §4.6): N ranks, one per device, each hold
 1/N of every layer. Inside a step they meet twice per layer in an all-reduce (after the attention
@@ -21,25 +21,17 @@ which return at once when the size is 1. The single-device model is the same cod
 collective call. The group is handed to the model explicitly (not read from a global, as
 nano-vllm's layers read `dist.get_rank()`), so a rank's shard can also be built, for a test or a
 memory estimate, without any process group.
+
+Tier: model (the handle the layers hold). Starting and joining the process groups is
+`process_group.py`, which only tensor parallelism imports.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-from minivllm.platforms import platform_for
-
-# How long a rank waits for the others in one collective before giving up with an error. A dead
-# peer is noticed at once (its sockets close); this only bounds a peer that is alive but stuck.
-COLLECTIVE_TIMEOUT = timedelta(minutes=5)
-# A worker waits for the driver's next step this long: an idle server is not an error.
-IDLE_TIMEOUT = timedelta(days=365)
 
 
 @dataclass
@@ -83,62 +75,3 @@ class TensorParallelGroup:
 
 
 SINGLE_DEVICE = TensorParallelGroup()
-
-
-# ---------------------------------------------------------------------------------- set-up
-def device_backend(device: torch.device) -> str:
-    """The collective library for the model's tensors: NCCL between GPUs, gloo between CPUs."""
-    return platform_for(device).dist_backend
-
-
-def free_loopback_port() -> int:
-    """A TCP port nobody listens on, for the spawned workers' rendezvous with the driver."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def launched_by_torchrun() -> bool:
-    """Did `torchrun` (or another env:// launcher) start this process as one of several ranks?"""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
-
-
-def check_no_process_group() -> None:
-    """torch.distributed has one default group per process, so one tensor-parallel engine."""
-    if dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is already initialized in this process: one tensor-parallel "
-            "engine per process (shut the other one down first: LLM.shutdown())"
-        )
-
-
-def init_distributed(
-    rank: int, world_size: int, init_method: str, device: torch.device
-) -> tuple[TensorParallelGroup, dist.ProcessGroup]:
-    """Join the group: the device group (torch's default) and the control group. Every rank calls
-    this; it returns when all `world_size` ranks have met at `init_method`."""
-    check_no_process_group()
-    dist.init_process_group(
-        device_backend(device),
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
-    # The timeout is each process's own: the driver never waits long, a worker waits for work.
-    control = dist.new_group(
-        backend="gloo", timeout=COLLECTIVE_TIMEOUT if rank == 0 else IDLE_TIMEOUT
-    )
-    return TensorParallelGroup(rank, world_size), control
-
-
-def destroy_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def min_over_ranks(value: int, control: dist.ProcessGroup) -> int:
-    """The smallest `value` any rank holds (the KV blocks every rank can afford)."""
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
-    return int(t.item())

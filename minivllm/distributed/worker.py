@@ -35,10 +35,7 @@ import torch
 import torch.distributed as dist
 
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.distributed.parallel_state import (
-    destroy_distributed,
-    init_distributed,
-)
+from minivllm.distributed.process_group import destroy_distributed, init_distributed
 from minivllm.model_runner import ModelRunner
 from minivllm.worker import WorkerConfig, build_runner, rank_device
 

@@ -46,7 +46,7 @@ from minivllm.inputs import PromptType, process_prompt
 from minivllm.model.loader import load_tokenizer
 from minivllm.sampling_params import SamplingParams
 from minivllm.stats import EngineStats
-from minivllm.structured_output import StructuredOutputManager
+from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("minivllm")
 

@@ -61,7 +61,9 @@ class EngineFacts(Protocol):
     tokenizer: Any
     max_model_len: int
     vocab_size: int
-    structured_output_manager: StructuredOutputManager
+
+    @property
+    def structured_output_manager(self) -> StructuredOutputManager: ...
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]: ...
     def get_diff_sampling_param(self) -> dict[str, Any]: ...

@@ -25,7 +25,7 @@ from minivllm.entrypoints.protocol import OpenAIError, StreamOptions
 from minivllm.inputs import PromptType, process_token_params, truncate_prompt
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.structured_output import StructuredOutputsParams
+from minivllm.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger("minivllm")
 

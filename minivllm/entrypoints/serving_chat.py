@@ -33,7 +33,7 @@ from minivllm.entrypoints.tool_parsers.forced import named_schema, parse_require
 from minivllm.inputs import PromptType
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.structured_output import StructuredOutputsParams
+from minivllm.structured_output.params import StructuredOutputsParams
 
 
 @dataclass

@@ -13,11 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from minivllm.entrypoints.protocol import OpenAIError
-from minivllm.structured_output import (
-    StructuredOutputError,
-    StructuredOutputManager,
-    StructuredOutputsParams,
-)
+from minivllm.structured_output.manager import StructuredOutputManager
+from minivllm.structured_output.params import StructuredOutputError, StructuredOutputsParams
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}  # fmt: skip

@@ -3,7 +3,7 @@
 Everything the model code needs and nothing else. Two readers feed it — HuggingFace's JSON (both
 the `rope_theta`/`rope_scaling` spelling of transformers 4 and the `rope_parameters` spelling of
 transformers 5) and llama.cpp's GGUF key/value metadata — so the model itself never sees where its
-weights came from.
+weights came from. (GGUF's reader is `config_from_gguf_fields` in gguf.py, loaded with GGUF files.)
 """
 
 from __future__ import annotations
@@ -139,45 +139,4 @@ class LlamaConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             architecture=arch,
-        )
-
-    @classmethod
-    def from_gguf_fields(cls, fields: dict[str, Any], tie_word_embeddings: bool) -> LlamaConfig:
-        """Read llama.cpp's GGUF metadata (`general.architecture` must be "llama").
-
-        GGUF does not record tied embeddings; the loader knows from whether `output.weight` exists.
-        """
-        arch = fields.get("general.architecture")
-        if arch != "llama":
-            raise UnsupportedModelError(
-                f"GGUF architecture {arch!r} is not supported; minivllm runs 'llama'"
-            )
-
-        def get(key: str, default: Any = None) -> Any:
-            return fields.get(f"llama.{key}", default)
-
-        heads = int(get("attention.head_count"))
-        hidden = int(get("embedding_length"))
-        scaling: dict[str, Any] | None = None
-        scaling_type = get("rope.scaling.type")
-        if scaling_type not in (None, "none"):
-            scaling = {"rope_type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0))}
-        vocab = get("vocab_size") or len(fields.get("tokenizer.ggml.tokens", []))
-        eos = fields.get("tokenizer.ggml.eos_token_id")
-        return cls(
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=int(get("block_count")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(get("rope.dimension_count") or hidden // heads),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=int(get("context_length", 2048)),
-            tie_word_embeddings=tie_word_embeddings,
-            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=[] if eos is None else [int(eos)],
-            architecture="LlamaForCausalLM",
         )

@@ -26,7 +26,7 @@ import torch
 from einops import rearrange
 
 from minivllm.envs import cache_root
-from minivllm.model.config import LlamaConfig
+from minivllm.model.config import LlamaConfig, UnsupportedModelError
 
 # llama.cpp's per-layer tensor names -> HuggingFace names under model.layers.{i}.
 _LAYER_NAMES = {
@@ -70,7 +70,7 @@ def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         raise GGUFReadError(f"cannot read GGUF file {path}: {exc}") from exc
     fields = {k: f.contents() for k, f in reader.fields.items() if k not in _SKIP_FIELDS}
     names = {t.name for t in reader.tensors}
-    config = LlamaConfig.from_gguf_fields(fields, tie_word_embeddings="output.weight" not in names)
+    config = config_from_gguf_fields(fields, tie_word_embeddings="output.weight" not in names)
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         parts = t.name.split(".")  # e.g. ["blk", "3", "attn_q", "weight"]
@@ -113,3 +113,44 @@ def convert_gguf(path: Path) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)  # atomic: a concurrent reader sees the old folder or the whole new one
     return target
+
+
+def config_from_gguf_fields(fields: dict[str, Any], tie_word_embeddings: bool) -> LlamaConfig:
+    """Read llama.cpp's GGUF metadata (`general.architecture` must be "llama").
+
+    GGUF does not record tied embeddings; the loader knows from whether `output.weight` exists.
+    """
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; minivllm runs 'llama'"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        return fields.get(f"llama.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    scaling: dict[str, Any] | None = None
+    scaling_type = get("rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        scaling = {"rope_type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0))}
+    vocab = get("vocab_size") or len(fields.get("tokenizer.ggml.tokens", []))
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("rope.dimension_count") or hidden // heads),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+        architecture="LlamaForCausalLM",
+    )

@@ -7,21 +7,7 @@
 
 The mask itself is applied by the sampler's logits-processor pipeline
 (`minivllm/logits_processors.py`). See docs/concepts/structured-outputs.md.
+
+Tier: the package imports nothing, so that naming `params.py` (a leaf) or `backend.py` (the seam)
+does not load the manager; the manager and xgrammar load with the first constrained request.
 """
-
-from minivllm.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
-from minivllm.structured_output.manager import StructuredOutputManager
-from minivllm.structured_output.params import (
-    StructuredOutputError,
-    StructuredOutputsConfig,
-    StructuredOutputsParams,
-)
-
-__all__ = [
-    "StructuredOutputBackend",
-    "StructuredOutputError",
-    "StructuredOutputGrammar",
-    "StructuredOutputManager",
-    "StructuredOutputsConfig",
-    "StructuredOutputsParams",
-]

@@ -14,6 +14,7 @@ llguidance or outlines-core could be added as other backends without touching th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -63,3 +64,14 @@ class StructuredOutputBackend(Protocol):
     def allocate_token_bitmask(self, num_rows: int) -> Tensor:
         """int32 [num_rows, ceil(vocab_size / 32)], every token allowed."""
         ...
+
+
+def sync_grammar(grammar: StructuredOutputGrammar, output_token_ids: Sequence[int]) -> None:
+    """Bring `grammar` to the state after `output_token_ids`: accept what it has not seen,
+    or replay from the start when it is ahead (which a committed step never leaves)."""
+    done = grammar.num_processed_tokens
+    if done > len(output_token_ids):
+        grammar.reset()
+        done = 0
+    if done < len(output_token_ids):
+        grammar.accept_tokens(list(output_token_ids[done:]))

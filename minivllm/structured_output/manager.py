@@ -10,7 +10,7 @@ Where the costs land:
   constrained request: an engine that never sees one pays nothing.
 
 The matcher of a sequence is a function of its output tokens. The engine advances it only after a
-step committed (a failed step leaves it untouched), and `sync` rebuilds it by replaying the output
+step committed (a failed step leaves it untouched), and `backend.sync_grammar` rebuilds it by replaying the output
 tokens whenever the two disagree — which is how a matcher could be re-created after preemption
 by recompute, though recompute keeps the output tokens and so the matcher stays valid as it is.
 """
@@ -23,7 +23,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from minivllm.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
+from minivllm.structured_output.backend import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+)
 from minivllm.structured_output.params import (
     StructuredOutputError,
     StructuredOutputsConfig,
@@ -91,14 +94,3 @@ class StructuredOutputManager:
         """A fresh matcher for one sequence of a request constrained by `params`."""
         compiled = self.compile(params)
         return self.backend.new_grammar(compiled)
-
-    @staticmethod
-    def sync(grammar: StructuredOutputGrammar, output_token_ids: Sequence[int]) -> None:
-        """Bring `grammar` to the state after `output_token_ids`: accept what it has not seen,
-        or replay from the start when it is ahead (which a committed step never leaves)."""
-        done = grammar.num_processed_tokens
-        if done > len(output_token_ids):
-            grammar.reset()
-            done = 0
-        if done < len(output_token_ids):
-            grammar.accept_tokens(list(output_token_ids[done:]))

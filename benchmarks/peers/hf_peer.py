@@ -25,7 +25,7 @@ def load_hf_model(name: str | None, dtype: torch.dtype, device: torch.device) ->
     """transformers' own model from the same folder minivllm loads (GGUF: its converted copy)."""
     from transformers import AutoModelForCausalLM
 
-    from minivllm.model.loader import resolve_model
+    from minivllm.model.resolver import resolve_model
 
     path = resolve_model(name).path
     model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)

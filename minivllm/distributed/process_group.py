@@ -1,0 +1,83 @@
+"""Starting, joining and leaving the process groups of tensor parallelism.
+
+The two groups of parallel_state.py's docstring: the *device group* (torch's default group, for
+the model's collectives: NCCL on CUDA, gloo on CPU) and the *control group* (gloo, for the
+driver's messages). Imported by the tensor-parallel executors and workers only, never by the
+single-device engine. Tier: engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from minivllm.distributed.parallel_state import TensorParallelGroup
+from minivllm.platforms import platform_for
+
+# How long a rank waits for the others in one collective before giving up with an error. A dead
+# peer is noticed at once (its sockets close); this only bounds a peer that is alive but stuck.
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+# A worker waits for the driver's next step this long: an idle server is not an error.
+IDLE_TIMEOUT = timedelta(days=365)
+
+
+def device_backend(device: torch.device) -> str:
+    """The collective library for the model's tensors: NCCL between GPUs, gloo between CPUs."""
+    return platform_for(device).dist_backend
+
+
+def free_loopback_port() -> int:
+    """A TCP port nobody listens on, for the spawned workers' rendezvous with the driver."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launched_by_torchrun() -> bool:
+    """Did `torchrun` (or another env:// launcher) start this process as one of several ranks?"""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def check_no_process_group() -> None:
+    """torch.distributed has one default group per process, so one tensor-parallel engine."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is already initialized in this process: one tensor-parallel "
+            "engine per process (shut the other one down first: LLM.shutdown())"
+        )
+
+
+def init_distributed(
+    rank: int, world_size: int, init_method: str, device: torch.device
+) -> tuple[TensorParallelGroup, dist.ProcessGroup]:
+    """Join the group: the device group (torch's default) and the control group. Every rank calls
+    this; it returns when all `world_size` ranks have met at `init_method`."""
+    check_no_process_group()
+    dist.init_process_group(
+        device_backend(device),
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    # The timeout is each process's own: the driver never waits long, a worker waits for work.
+    control = dist.new_group(
+        backend="gloo", timeout=COLLECTIVE_TIMEOUT if rank == 0 else IDLE_TIMEOUT
+    )
+    return TensorParallelGroup(rank, world_size), control
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def min_over_ranks(value: int, control: dist.ProcessGroup) -> int:
+    """The smallest `value` any rank holds (the KV blocks every rank can afford)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
+    return int(t.item())

