@@ -15,6 +15,8 @@ steps (the engine's counters, the step trace) listens (`step_listener.py`).
 A step that raises (an exception, or Ctrl-C inside the model) fails the requests it carried and
 frees their blocks; the prefix-cache names it gave are withdrawn (they become final only when a
 step commits), so nothing it half-did is visible to any later request, and no listener hears of it.
+
+Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

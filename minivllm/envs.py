@@ -6,6 +6,8 @@ One today: `MINIVLLM_CACHE`, the one folder where minivllm keeps what it makes o
 
 This module imports nothing of minivllm, so any module may import it without creating a cycle
 (tests/test_imports.py holds the package's import graph acyclic).
+
+Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations

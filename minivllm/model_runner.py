@@ -27,6 +27,8 @@ A request that asks for its prompt's logprobs (`prompt_logprobs`, what evaluatio
 also gets logits at its prompt rows, chunk by chunk, reduced here to the prompt token's logprob
 and rank and the top k (vLLM computes them in its runner too): a [rows, vocab] float32 tensor
 never leaves the runner, and is made a slice of rows at a time.
+
+Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

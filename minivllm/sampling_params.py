@@ -15,6 +15,8 @@ which knows its size.
 Deviations from vLLM, on purpose: no `best_of` or `output_kind` (out of scope); non-finite floats
 are rejected; `logit_bias` values outside OpenAI's [-100, 100] are refused, not clamped;
 `logprobs=-1` / `prompt_logprobs=-1` (the full vocabulary) are not supported.
+
+Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations

@@ -66,19 +66,21 @@ def test_architecture_diagrams_render_from_the_vendored_library_offline(
     page = offline_page
     page.goto((site / "architecture.html").as_uri())
     page.wait_for_function(
-        "document.querySelectorAll('div.mermaid').length === 4 && [...document.querySelectorAll("
+        "document.querySelectorAll('div.mermaid').length === 5 && [...document.querySelectorAll("
         "'div.mermaid')].every(d => d.shadowRoot && d.shadowRoot.querySelector('svg g'))",
         timeout=30_000,
     )
     texts = page.evaluate(
         "[...document.querySelectorAll('div.mermaid')].map(d => d.shadowRoot.textContent)"
     )
-    layers, listener, step, life = texts
+    layers, listener, step, life, tiers = texts
     for layer in ("Engine", "Scheduler", "Executor", "Model runner", "Custom ops", "Platform"):
         assert layer in layers, layer
     assert "StepListener" in listener and "Trace recorder" in listener and "Stats" in listener
     assert "OutputProcessor" in step and "SchedulerOutput" in step
     assert "execute_model" in life
+    for tier in ("frontends", "api and extras", "engine", "platform plug-ins", "model", "core"):
+        assert tier in tiers, tier
     # Readable at the page's normal size: the smallest rendered label is at least 11 px high
     # (a 688 px wide drawing of a wide diagram once put its text at ~5 px).
     smallest = page.evaluate(

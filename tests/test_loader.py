@@ -12,20 +12,18 @@ from test_model_llama import BASE, save_tiny_llama
 
 from minivllm.attention.selector import get_attention_backend
 from minivllm.model import resolver
-from minivllm.model.gguf import _unpermute
-from minivllm.model.loader import (
+from minivllm.model.errors import (
     CorruptCheckpointError,
-    GenerationDefaults,
     HubUnavailableError,
     ModelLoadError,
     ModelNotFoundError,
-    ModelSource,
     TokenizerNotFoundError,
     UnsupportedArchitectureError,
-    load_model,
-    load_tokenizer,
 )
+from minivllm.model.gguf import _unpermute
+from minivllm.model.loader import load_model, load_tokenizer
 from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
+from minivllm.model.source import GenerationDefaults, ModelSource
 from minivllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

@@ -44,7 +44,10 @@ def block_map() -> str:
     for seq in engine.scheduler.running:
         table = bm.get_block_table(seq.seq_id)
         cells = [
-            f"{b}*{bm.blocks[b].ref_cnt}" if bm.blocks[b].ref_cnt > 1 else f"{b}" for b in table
+            f"{b}*{bm.block_pool.blocks[b].ref_cnt}"
+            if bm.block_pool.blocks[b].ref_cnt > 1
+            else f"{b}"
+            for b in table
         ]
         rows.append(f"    beam {seq.seq_id:>2}: [{' '.join(cells)}]")
     return "\n".join(rows)

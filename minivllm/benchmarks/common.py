@@ -2,6 +2,8 @@
 (report.py) and the machine's limits (machine.py): the engine under test and a loop that drives it
 step by step, the model's cost in FLOPs and bytes, each tensor-parallel rank's share, the peers'
 model.
+
+Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

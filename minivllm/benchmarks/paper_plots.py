@@ -1,6 +1,8 @@
 """The figures of `minivllm bench paper`: Fig. 12 (normalized latency against request rate) and
 Fig. 13 (the mean number of requests in a step), drawn from its results with matplotlib (the
-`bench` extra)."""
+`bench` extra).
+
+Tier: frontends. It may import anything below; nothing in the package imports it."""
 
 from __future__ import annotations
 

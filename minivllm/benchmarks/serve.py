@@ -11,6 +11,8 @@ at once), optionally capped at `--max-concurrency` in flight. Per request we rec
 
 and report their mean, median and percentiles, with request and output-token throughput.
 Works against vLLM itself too (the same API), which is the point of using its names.
+
+Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

@@ -21,4 +21,6 @@ wraps each op in a Python function. Who calls them: the CPU attention backend
 (minivllm/cpu/attention.py), the CPU platform's custom-op forwards
 (minivllm/cpu/op_forwards.py), and the model runner's decode replay
 (`cpu_decode_layers.py`). The model's own files import nothing from here.
+
+Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """

@@ -27,6 +27,8 @@ each one buys, measured on SmolLM2-135M with 2 cores:
   the weight's size again). Where oneDNN is missing or the weight is not float32, MKL runs it in
   slices of `LM_HEAD_ROWS` vocabulary rows, 1.2-1.4x faster than in one call. A bfloat16 head
   is prepacked as the linears are (1.8x faster than MKL at 1 row, 1.3x at 64).
+
+Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.stats import EngineStats
 
 if TYPE_CHECKING:
-    from minivllm.model.loader import ModelSource
+    from minivllm.model.source import ModelSource
     from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("minivllm")

@@ -1,0 +1,1 @@
+"""Tier: model. It imports leaves and core."""

@@ -4,6 +4,8 @@ Everything the model code needs and nothing else. Two readers feed it — Huggin
 the `rope_theta`/`rope_scaling` spelling of transformers 4 and the `rope_parameters` spelling of
 transformers 5) and llama.cpp's GGUF key/value metadata — so the model itself never sees where its
 weights came from. (GGUF's reader is `config_from_gguf_fields` in gguf.py, loaded with GGUF files.)
+
+Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations

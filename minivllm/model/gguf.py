@@ -10,6 +10,8 @@ Parsing the vocabulary, dequantizing and building a tokenizer from GGUF metadata
 `convert_gguf` does it once and leaves a HuggingFace-style folder (config.json, model.safetensors,
 tokenizer files) in a cache keyed by the file's path, size and mtime. Every later load reads that
 folder in about a second, through the same code path as any local checkpoint.
+
+Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

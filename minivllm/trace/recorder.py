@@ -29,6 +29,8 @@ keys are strings, so seq ids and block ids are strings as keys):
 Thread safety (the live dashboard reads from the server's thread while the engine thread
 records): records are built outside the lock and never changed afterwards; the lock only guards
 appending them and copying the list, and the per-sequence token lists the recorder owns.
+
+Tier: api and extras. It imports the engine and below; the engine never imports it.
 """
 
 from __future__ import annotations
