@@ -99,7 +99,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1; unset: the VLLM_API_KEY environment "
+        "variable's value (the flag wins when both are set, as in vLLM)",
+    )
     g.add_argument(
         "--served-model-name",
         nargs="+",
@@ -256,6 +261,7 @@ def serve(args: argparse.Namespace) -> int:
     from minivllm.engine import LLMEngine
     from minivllm.engine_args import EngineArgs
     from minivllm.engine_core_client import EngineCoreClient
+    from minivllm.entrypoints.api_key import resolve_api_key
     from minivllm.entrypoints.api_server import build_app
 
     with usage_errors(args.parser):
@@ -285,7 +291,7 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(
         engine,
         served_model_names=names,
-        api_key=args.api_key,
+        api_key=resolve_api_key(args.api_key),
         max_body_bytes=args.max_request_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
         log_stats_interval_s=args.log_stats_interval,
