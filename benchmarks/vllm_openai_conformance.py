@@ -49,7 +49,24 @@ TEST_PATHS = [
 ]
 TEST_ONLY_PACKAGES = ["pytest-asyncio>=0.24,<1.2", "pybase64"]
 CONFTEST = '''"""The conformance run's conftest: the stand-in `vllm` modules, before any test imports."""
+import _pytest._code.code
+
 import tests.utils  # noqa: F401
+
+_getsource = _pytest._code.code.TracebackEntry.getsource
+
+
+def _getsource_or_none(self, astcache=None):
+    # CPython 3.11.7's ast.parse can raise "AST constructor recursion depth mismatch" once a
+    # library has changed the recursion limit (fixed in 3.11.8); pytest then aborts the whole
+    # run while printing one failure. Without the source, that failure is still reported.
+    try:
+        return _getsource(self, astcache)
+    except SystemError:
+        return None
+
+
+_pytest._code.code.TracebackEntry.getsource = _getsource_or_none
 '''
 PYTEST_INI = """[pytest]
 junit_family = xunit1
@@ -108,7 +125,7 @@ def ensure_venv(venv: Path) -> Path:
     return python
 
 
-def prepare_server_side(run: Path) -> dict[str, str]:
+def prepare_server_side(run: Path, root: Path) -> dict[str, str]:
     """What the shim needs from the project: the bundled tokenizer, minivllm's flags, its version."""
     tokenizer_dir = run / "tokenizer"
     script = f"""
@@ -134,12 +151,12 @@ for action in make_serve_parser("minivllm serve")._actions:
 print(json.dumps({{"flags": flags, "version": minivllm.__version__}}))
 """
     out = subprocess.run(
-        [sys.executable, "-c", script], check=True, capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-c", script], check=True, capture_output=True, text=True, cwd=root
     ).stdout
     facts = json.loads(out.strip().splitlines()[-1])
     return {
         "MINIVLLM_PYTHON": sys.executable,
-        "MINIVLLM_ROOT": str(ROOT),
+        "MINIVLLM_ROOT": str(root),
         "MINIVLLM_CONFORMANCE_RUN": str(run),
         "MINIVLLM_CONFORMANCE_TOKENIZER": str(tokenizer_dir),
         "MINIVLLM_CONFORMANCE_FLAGS": json.dumps(facts["flags"]),
@@ -210,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm", type=Path, required=True, help="vLLM checkout or git dir")
     parser.add_argument("--commit", default=PINNED_COMMIT)
     parser.add_argument(
+        "--minivllm",
+        type=Path,
+        default=ROOT,
+        help="the minivllm tree the server runs from (default: this checkout; "
+        "for a fixed commit: git archive COMMIT | tar x -C DIR)",
+    )
+    parser.add_argument(
         "--venv", type=Path, default=Path.home() / ".cache" / "minivllm-conformance" / "venv"
     )
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a fresh temp dir")
@@ -226,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     tree.mkdir()
     extract(args.vllm.expanduser(), args.commit, tree)
     python = ensure_venv(args.venv.expanduser())
-    env = {**os.environ, **prepare_server_side(run)}
+    env = {**os.environ, **prepare_server_side(run, args.minivllm.resolve())}
     env.pop("VIRTUAL_ENV", None)
     junit = run / "junit.xml"
     targets = args.pytest_args or ["tests/entrypoints/openai", "tests/v1/entrypoints/openai"]

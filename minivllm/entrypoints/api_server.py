@@ -80,7 +80,9 @@ def _validation_error(exc: ValidationError) -> OpenAIError:
         return OpenAIError(f"Unrecognized request argument supplied: {loc}", param=loc)
     if err["type"] == "missing":
         return OpenAIError(f"missing required field: {loc}", param=loc)
-    return OpenAIError(f"{loc}: {err['msg']}", param=loc or None)
+    # pydantic's own error type closes the message, as in vLLM's 400s ("... [type=
+    # greater_than_equal, ...]"): clients match on it, and the field is still named first.
+    return OpenAIError(f"{loc}: {err['msg']} [type={err['type']}]", param=loc or None)
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:

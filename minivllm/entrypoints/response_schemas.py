@@ -105,6 +105,9 @@ class ChatChoiceLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: Literal["assistant"]
     content: str | None = Field(description="null when the answer is only tool calls.")
+    reasoning_content: str | None = Field(
+        None, description="vLLM's reasoning parsers' field; always null (minivllm has none)."
+    )
     tool_calls: list[ToolCall] | None = None
 
 

@@ -85,6 +85,12 @@ def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
     """vLLM's `/tokenizer_info`: `tokenizer_class` plus every init setting that is JSON."""
     info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
     for key, value in getattr(tokenizer, "init_kwargs", {}).items():
+        if key in ("vocab_file", "merges_file"):  # paths on the server's disk (vLLM drops them)
+            continue
+        if key == "added_tokens_decoder" and isinstance(value, dict):
+            # id -> the token's settings, as tokenizer_config.json writes them (not its repr)
+            info[key] = {str(i): _added_token(token) for i, token in value.items()}
+            continue
         try:
             json.dumps(value)
         except (TypeError, ValueError):
@@ -94,6 +100,13 @@ def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
     if template is not None:
         info["chat_template"] = template
     return info
+
+
+def _added_token(token: Any) -> dict[str, Any]:
+    if isinstance(token, dict):
+        return token
+    names = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+    return {name: getattr(token, name) for name in names if hasattr(token, name)}
 
 
 class _BodyTooLarge(Exception):

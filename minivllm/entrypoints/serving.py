@@ -189,6 +189,11 @@ class OpenAIServing:
             name = str(exc).split(" ", 1)[0]
             raise OpenAIError(str(exc), param=name if name in _PARAM_NAMES else None) from None
 
+    def tokens_as_ids(self, req: Any) -> bool:
+        """Whether logprobs name tokens 'token_id:N': the request's say, else the server's."""
+        own = req.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if own is None else bool(own)
+
     def decode_one(self, token_id: int) -> str:
         """One token's text on its own (what logprobs name a token by)."""
         return str(self.tokenizer.decode([token_id]))

@@ -46,7 +46,6 @@ class OpenAIServingChat(OpenAIServing):
             req.chat_template_kwargs,
             req.documents,
             tools=req.tools,
-            needs_tools=mode == "auto",
         )
         ids = self.truncate(req, ids)
         last = req.messages[-1]
@@ -71,7 +70,7 @@ class OpenAIServingChat(OpenAIServing):
         ids_in: list[PromptType] = [{"prompt_token_ids": ids}]
         named = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
 
-        as_ids = self.return_tokens_as_token_ids
+        as_ids = self.tokens_as_ids(req)
 
         def logprobs_of(c: CompletionOutput, start: int) -> dict[str, Any] | None:
             if k is None or c.logprobs is None:
@@ -128,7 +127,13 @@ class OpenAIServingChat(OpenAIServing):
         finals = await self._collect(rid, ids_in, params, is_disconnected)
         choices = []
         for c in finals[0].outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": echo + c.text}
+            # `reasoning_content`: vLLM's field for a reasoning parser's output; minivllm has no
+            # reasoning parser, so it is always null (present, as in vLLM's responses).
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": echo + c.text,
+                "reasoning_content": None,
+            }
             reason = finish_reason(c)
             extracted = self._extract(mode, named, c)
             if extracted is not None and extracted.tools_called:
@@ -142,9 +147,12 @@ class OpenAIServingChat(OpenAIServing):
                 "finish_reason": reason,
             }
             choices.append(with_ids(choice, c, 0))
-        if req.prompt_logprobs is not None:  # vLLM's extra: on the response, as its prompt's
-            as_ids = self.return_tokens_as_token_ids
-            prompt_ids["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs, as_ids)
+        # vLLM's extra, at the top level (its ChatCompletionResponse), null unless asked for
+        prompt_ids["prompt_logprobs"] = (
+            prompt_logprobs_json(finals[0].prompt_logprobs, as_ids)
+            if req.prompt_logprobs is not None
+            else None
+        )
         return {**header, "choices": choices, "usage": usage(finals), **prompt_ids}
 
     # ------------------------------------------------------------------ tool calling
@@ -239,7 +247,6 @@ class OpenAIServingChat(OpenAIServing):
         chat_template_kwargs: dict[str, Any] | None = None,
         documents: list[dict[str, str]] | None = None,
         tools: list[Any] | None = None,
-        needs_tools: bool = False,
     ) -> list[int]:
         if add_generation_prompt and continue_final_message:  # vLLM's rule and wording
             raise OpenAIError(
@@ -247,14 +254,9 @@ class OpenAIServingChat(OpenAIServing):
                 param="continue_final_message",
             )
         conversation = [_message_dict(m) for m in messages]
-        carries_calls = any(m.role == "tool" or m.tool_calls for m in messages)
-        template = getattr(self.tokenizer, "chat_template", None) or ""
-        if (needs_tools or carries_calls) and "tool" not in str(template):
-            raise OpenAIError(
-                "the model's chat template has no tool support (it never reads tools, tool "
-                "calls or tool messages)",
-                param="tools" if needs_tools else "messages",
-            )
+        # A template that never reads tools (SmolLM2's) is rendered anyway, and the output is
+        # parsed for calls all the same, as vLLM does: the tools then reach the model only through
+        # a forced call's grammar, or not at all, which is the template's choice, not the server's.
         kwargs = dict(chat_template_kwargs or {})
         reserved = {
             "conversation", "tokenize", "add_generation_prompt", "continue_final_message", "tools",

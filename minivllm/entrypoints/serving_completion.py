@@ -65,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "model": model,
         }
 
-        as_ids = self.return_tokens_as_token_ids
+        as_ids = self.tokens_as_ids(req)
 
         def choice(
             i: int,
@@ -93,8 +93,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 if first:
                     out["prompt_token_ids"] = tokenized[i // n][1]
                 out["token_ids"] = c.token_ids[start:]
-            if req.prompt_logprobs is not None and first:
-                out["prompt_logprobs"] = prompt_logprobs_json(whole.prompt_logprobs, as_ids)
+            if (
+                first
+            ):  # vLLM's extra, on the choice (its CompletionResponseChoice), null unless asked
+                out["prompt_logprobs"] = (
+                    prompt_logprobs_json(whole.prompt_logprobs, as_ids)
+                    if req.prompt_logprobs is not None
+                    else None
+                )
             return out
 
         ids_in: list[PromptType] = [{"prompt_token_ids": ids} for _, ids in tokenized]

@@ -1,7 +1,8 @@
 """POST /tokenize and /detokenize: vLLM's extra endpoints (vLLM's serving_tokenization.py).
 
 A client counts a prompt's tokens, or renders a conversation through the chat template exactly as
-a chat completion would, without running the model; `return_token_strs` adds each token's string.
+a chat completion would, without running the model; `return_token_strs` adds each token's string; `tools` are
+rendered into the prompt as a chat completion with those tools would render them.
 """
 
 from __future__ import annotations
@@ -28,18 +29,19 @@ class OpenAIServingTokenization:
                 req.add_generation_prompt,
                 req.continue_final_message,
                 req.chat_template_kwargs,
+                tools=req.tools,
             )
         else:
             assert req.prompt is not None
             ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        resp: dict[str, Any] = {
+        # `token_strs` is always in the answer, null unless asked for (vLLM's TokenizeResponse).
+        strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {
             "count": len(ids),
             "max_model_len": self.engine.max_model_len,
             "tokens": ids,
+            "token_strs": strs,
         }
-        if req.return_token_strs:
-            resp["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
-        return resp
 
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.chat.check_model(req.model)
