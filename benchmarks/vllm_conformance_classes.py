@@ -70,4 +70,9 @@ EXCLUDED_MODULES: dict[str, tuple[str, str]] = {
     "tool_parsers/test_pythonic_tool_parser.py": (_INTERNALS, "vLLM's tool parser classes"),
 }
 
+# Parameters (a part of a test's name) that ask for what is excluded above.
+EXCLUDED_PARAMETERS: dict[str, tuple[str, str]] = {
+    "zephyr-lora": (_OTHER, "a LoRA adapter (zephyr-lora) as the model"),
+}
+
 KNOWN_FAILURES: dict[str, tuple[str, str]] = {}

@@ -33,7 +33,11 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.vllm_conformance_classes import EXCLUDED_MODULES, KNOWN_FAILURES
+from benchmarks.vllm_conformance_classes import (
+    EXCLUDED_MODULES,
+    EXCLUDED_PARAMETERS,
+    KNOWN_FAILURES,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PINNED_COMMIT = "505805b6"  # vLLM, 2025-09-18
@@ -105,6 +109,14 @@ def extract(vllm: Path, commit: str, into: Path) -> None:
     shutil.copy(ROOT / "benchmarks" / "vllm_conformance_shim.py", into / "tests" / "utils.py")
     (into / "tests" / "conftest.py").write_text(CONFTEST)
     (into / "pytest.ini").write_text(PYTEST_INI)
+    # The LoRA fixture downloads adapters from the hub; minivllm serves no LoRA, so it yields a
+    # placeholder path (the --lora-modules flag is dropped; requests naming the adapter are
+    # classified as needing LoRA, pass or fail).
+    conftest = into / "tests" / "entrypoints" / "conftest.py"
+    text = conftest.read_text()
+    download = 'return snapshot_download(repo_id="typeof/zephyr-7b-beta-lora")'
+    assert download in text, "vLLM's zephyr_lora_files fixture changed: update the harness"
+    conftest.write_text(text.replace(download, f"return {str(into / 'no-lora')!r}"))
 
 
 def ensure_venv(venv: Path) -> Path:
@@ -196,6 +208,8 @@ def classify(junit: Path) -> list[dict[str, str]]:
             s in detail for s in ("InternalServerError", "Error code: 500", "500 Internal")
         )
         excluded = next((v for k, v in EXCLUDED_MODULES.items() if file.endswith(k)), None)
+        if excluded is None and any(marker in name for marker in EXCLUDED_PARAMETERS):
+            excluded = next(v for k, v in EXCLUDED_PARAMETERS.items() if k in name)
         known = next((v for k, v in KNOWN_FAILURES.items() if matches(k, node)), None)
         if excluded is not None:
             cls, reason = excluded
