@@ -44,3 +44,18 @@ def test_api_key_flag_wins_over_the_variable() -> None:
         with pytest.raises(openai.AuthenticationError):
             _client(server.base_url, "sk-env").models.list()
         assert _client(server.base_url, "sk-flag").models.list().data
+
+
+def test_root_path_routes_with_and_without_the_root_and_guards_both() -> None:
+    """vLLM's --root-path: a proxy may strip the root or pass it on; either way the key holds."""
+    with run_server([*ARGS, "--root-path", "/llm"], env={"VLLM_API_KEY": "sk-env"}) as server:
+        for base in (server.url + "/v1", server.url + "/llm/v1"):
+            with pytest.raises(openai.AuthenticationError):
+                _client(base, "sk-wrong").models.list()
+            right = _client(base, "sk-env")
+            model = right.models.list().data[0].id
+            chat = right.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+            )
+            assert chat.choices[0].message.role == "assistant"
+        assert httpx.get(server.url + "/llm/health").status_code == 200

@@ -100,7 +100,9 @@ def test_return_tokens_as_token_ids_per_request(server: InProcessServer) -> None
         "/chat/completions",
         {"messages": CHAT, "max_tokens": 2, "logprobs": True, "return_tokens_as_token_ids": True},
     ).json()
-    assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
+    assert all(
+        e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"]
+    )
 
 
 def test_tokenize_renders_tools_and_always_answers_token_strs(server: InProcessServer) -> None:
