@@ -36,10 +36,10 @@ import argparse
 
 import torch
 
-from minivllm.attention.cpu import CpuBackend, paged_decode
 from minivllm.attention.reference import ReferenceBackend
 from minivllm.benchmarks.machine import measure_copy_bandwidth, timed_us
 from minivllm.benchmarks.report import print_table
+from minivllm.cpu.attention import CpuBackend, paged_decode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from minivllm.benchmarks.machine import timed_us
 from minivllm.benchmarks.report import print_table
-from minivllm.kernels import cpu_ops
+from minivllm.cpu import ops as cpu_ops
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
 EPS = 1e-5

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from minivllm.benchmarks.hf_export import export_bundled_model
+from benchmarks.peers.hf_export import export_bundled_model
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 TASKS = ("minivllm_mc", "minivllm_gen")

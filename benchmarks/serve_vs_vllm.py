@@ -2,7 +2,7 @@
 
 Issue 30 asks for "at least equal output throughput and lower median TTFT through both servers at
 one request rate". This script starts both servers on the same float32 weights (the bundled GGUF
-exported once to a Hugging Face folder, as `bench throughput --vllm-python` does), waits until both
+exported once to a Hugging Face folder, as `python -m benchmarks.throughput_vs_peers --vllm-python` does), waits until both
 answer `/health`, and then loads them in turn with `minivllm bench serve`'s workload (random token-id
 prompts, greedy, EOS ignored): minivllm, vLLM, minivllm, vLLM, ... for each request count, so that
 a change in the machine's load falls on both. Both servers stay up for the whole run, idle while
@@ -32,9 +32,9 @@ from typing import Any
 
 import httpx
 
+from benchmarks.peers.vllm import peer_model_folder
 from minivllm.benchmarks import serve as bench_serve
 from minivllm.benchmarks.report import print_table
-from minivllm.benchmarks.vllm_peer import peer_model_folder
 
 
 def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:

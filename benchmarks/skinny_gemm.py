@@ -8,7 +8,7 @@ turn, as a step does, with fresh random weights of the model's shapes:
 
 - `mkl`: `parallel_layers.linear`, (W · xᵀ)ᵀ by MKL (the plain path, and the fast path above
   `SKINNY_GEMM_MAX_ROWS`);
-- `skinny`: `cpu_ops.skinny_gemm`, the kernel of `minivllm/kernels/cpu_skinny_gemm.cpp`.
+- `skinny`: `cpu_ops.skinny_gemm`, the kernel of `minivllm/cpu/cpu_skinny_gemm.cpp`.
 
 It also prints the two bounds: the weights' bytes at the machine's copy bandwidth, and the
 arithmetic at the float32 matmul peak, both measured in the same run. Shapes default to
@@ -28,8 +28,8 @@ import torch
 
 from minivllm.benchmarks.machine import measure_copy_bandwidth, measure_matmul_flops
 from minivllm.benchmarks.report import print_table
-from minivllm.kernels import cpu_ops
-from minivllm.platforms.cpu_ops import linear
+from minivllm.cpu import ops as cpu_ops
+from minivllm.cpu.op_forwards import linear
 
 # SmolLM2-135M's projections, [out, in]: qkv (9 + 2 * 3 heads of 64), o, gate_up, down.
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))

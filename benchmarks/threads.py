@@ -37,7 +37,7 @@ def time_layer(rows: int, repeats: int) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
-    from minivllm.platforms.cpu_ops import linear
+    from minivllm.cpu.op_forwards import linear
 
     torch.manual_seed(0)
     weights = [torch.randn(n, k) for n, k in SHAPES]

@@ -13,7 +13,7 @@ An `AfterSampling` is chosen per request when it is added (vLLM v0 kept the same
 per-sequence-group output processors): `SamplingParams` get the engine's one `ParallelSampling`;
 any other parameters object brings its own hook (`RequestParams.make_after_sampling`), which
 keeps its state (a beam search's candidates and finished beams) off `Request` and `Sequence`.
-Both sides of a step call it: `expand` before the sampler (which sequences draw from a row),
+Both sides of a step call it: `sequences_to_sample` before the sampler (which sequences draw from a row),
 `process` after the commit (forks share the blocks the step completed).
 """
 
@@ -49,7 +49,7 @@ class AfterSampling(Protocol):
         bool  # its sequences get an incremental detokenizer (a beam's text comes at the end)
     )
 
-    def expand(self, seq: Sequence) -> list[Sequence]:
+    def sequences_to_sample(self, seq: Sequence) -> list[Sequence]:
         """The sequences that draw a token from `seq`'s logits row this step (`seq` first)."""
         ...
 
@@ -87,7 +87,7 @@ class ParallelSampling:
     def __init__(self, ctx: RequestContext) -> None:
         self.ctx = ctx
 
-    def expand(self, seq: Sequence) -> list[Sequence]:
+    def sequences_to_sample(self, seq: Sequence) -> list[Sequence]:
         req = seq.request
         if req.params.n == 1 or req.forked:
             return [seq]
@@ -99,7 +99,9 @@ class ParallelSampling:
     ) -> list[RequestOutput]:
         scheduler = self.ctx.scheduler
         for seq in seqs:
-            if seq.seq_id not in scheduler.seqs:  # a child `expand` drew for: it forks now
+            if (
+                seq.seq_id not in scheduler.seqs
+            ):  # a child `sequences_to_sample` drew for: it forks now
                 req = seq.request
                 scheduler.fork_seq(req.seqs[-1], seq)  # any sibling: they share every block
                 req.seqs.append(seq)

@@ -239,7 +239,7 @@ class BeamSearch:
         self.state = BeamState(params)
         self.ctx = ctx
 
-    def expand(self, seq: Sequence) -> list[Sequence]:
+    def sequences_to_sample(self, seq: Sequence) -> list[Sequence]:
         return [seq]  # a beam forks once its round is decided, not at the sampler
 
     def process(

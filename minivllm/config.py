@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from minivllm.model.config import LlamaConfig
-    from minivllm.model.loader import GenerationDefaults, ModelSource
+    from minivllm.model.source import GenerationDefaults, ModelSource
 
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 # How the KV cache is handed out (minivllm/kv_allocation.py): paged blocks, or the paper's Orca

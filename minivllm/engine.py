@@ -19,7 +19,6 @@ step commits), so nothing it half-did is visible to any later request, and no li
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -27,15 +26,11 @@ from typing import Any
 import torch
 
 from minivllm.after_sampling import AfterSampling, ParallelSampling, RequestContext, RequestParams
-from minivllm.attention import get_attention_backend
+from minivllm.attention.selector import get_attention_backend
 from minivllm.config import EngineConfig
-from minivllm.distributed.executor import Executor, make_executor
-from minivllm.inputs import (
-    PromptType,
-    prepare_prompt,
-    process_prompt,
-    process_token_params,
-)
+from minivllm.executor import Executor, make_executor
+from minivllm.input_processor import InputProcessor
+from minivllm.inputs import PromptType
 from minivllm.kv_allocation import check_forks_allowed, make_block_manager
 from minivllm.model.loader import load_tokenizer
 from minivllm.model_runner import kv_cache_torch_dtype
@@ -55,8 +50,8 @@ logger = logging.getLogger("minivllm")
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         """`executor`: run the steps there instead of loading the model's weights (the
-        simulated-time executor, minivllm/distributed/simulated.py); the model folder then needs
-        only its config.json."""
+        simulated-time executor of minivllm/experiments/); the model folder then needs only its
+        config.json."""
         self.config = config
         mc, cc, resolved = config.model, config.cache, config.resolved
         self.device, self.dtype, self.source = resolved.device, resolved.dtype, resolved.source
@@ -88,12 +83,11 @@ class LLMEngine:
         # generation_config.json, as vLLM reads it by default: its sampling defaults fill the fields
         # a request leaves unset, and each of its EOS ids stops generation (models whose
         # end-of-turn token is not the tokenizer's eos_token).
-        self._diff_sampling_param: dict[str, Any] = dict(resolved.generation.sampling_defaults)
-        self._extra_eos_token_ids = set(resolved.generation.eos_token_ids) - {self.eos_token_id}
+        extra_eos = set(resolved.generation.eos_token_ids) - {self.eos_token_id}
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_id, self.max_model_len
         )
-        eos_ids = {t for t in (self.eos_token_id, *self._extra_eos_token_ids) if t is not None}
+        eos_ids = {t for t in (self.eos_token_id, *extra_eos) if t is not None}
         self.request_context = RequestContext(
             self.scheduler,
             self.output_processor,
@@ -104,6 +98,14 @@ class LLMEngine:
         )
         self.parallel_sampling = ParallelSampling(self.request_context)
         self.vocab_size = self.model.config.vocab_size
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            config.scheduler.max_num_seqs,
+            resolved.generation.sampling_defaults,
+            extra_eos,
+        )
         # Structured outputs: compiles each constraint once (at add_request), hands out matchers.
         self.structured_output_manager = StructuredOutputManager(
             self.tokenizer, self.vocab_size, sorted(eos_ids), config.structured_outputs
@@ -115,6 +117,9 @@ class LLMEngine:
         # Who hears of every committed step: the counters behind get_stats(), then any other.
         self.stats = StatsCollector(self.scheduler, self.block_manager)
         self.step_listeners: list[StepListener] = [self.stats]
+        self._log_start(num_blocks)
+
+    def _log_start(self, num_blocks: int) -> None:
         logger.info(
             "minivllm engine: model=%s dtype=%s device=%s backend=%s kv_blocks=%d (block_size=%d, "
             "kv_cache_dtype=%s) max_model_len=%d tensor_parallel_size=%d",
@@ -123,10 +128,10 @@ class LLMEngine:
             self.device,
             self.attention_backend,
             num_blocks,
-            cc.block_size,
+            self.config.cache.block_size,
             str(self.kv_cache_dtype).removeprefix("torch."),
             self.max_model_len,
-            config.parallel.tensor_parallel_size,
+            self.config.parallel.tensor_parallel_size,
         )
 
     def _fit_max_model_len(self, capacity: int) -> None:
@@ -155,12 +160,12 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests in
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt; see `minivllm.inputs.process_prompt`."""
-        return process_prompt(prompt, self.tokenizer, self.vocab_size)
+        return self.input_processor.tokenize_prompt(prompt)
 
     def get_diff_sampling_param(self) -> dict[str, Any]:
         """Sampling defaults from the model's generation_config.json (vLLM's name): they apply to
         every field a request leaves unset."""
-        return dict(self._diff_sampling_param)
+        return dict(self.input_processor.sampling_defaults)
 
     def add_request(
         self,
@@ -178,28 +183,11 @@ class LLMEngine:
         if params is not None and not isinstance(params, SamplingParams):
             hook = params.make_after_sampling(self.request_context)  # it may refuse the request
             width, params = params.max_num_seqs, params.sampling_params()
-        params = params or SamplingParams(**self._diff_sampling_param)
-        max_num_seqs = self.config.scheduler.max_num_seqs
-        forks = params.n > 1 or hook is not self.parallel_sampling
+        forks = (params is not None and params.n > 1) or hook is not self.parallel_sampling
         check_forks_allowed(self.config.cache.kv_allocation, forks)
-        if params.n > max_num_seqs:
-            raise ValueError(f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}")
-        if self._extra_eos_token_ids and not params.ignore_eos:
-            # Every EOS of generation_config.json stops, reported as a stop token (as vLLM does).
-            stops = set(params.stop_token_ids or []) | self._extra_eos_token_ids
-            params = dataclasses.replace(params, stop_token_ids=sorted(stops))
-        bad_words = process_token_params(params, self.tokenizer, self.vocab_size)
-        text, ids = prepare_prompt(
-            prompt,
-            self.tokenizer,
-            self.vocab_size,
-            self.max_model_len,
-            params.truncate_prompt_tokens,
+        request = self.input_processor.process_inputs(
+            request_id, prompt, params, width, arrival_time
         )
-        request = Request(request_id, text, ids, params, max_num_seqs=width)
-        request.bad_words_token_ids = bad_words
-        if arrival_time is not None:
-            request.arrival_time = arrival_time
         self.after_sampling[request_id] = hook
         try:
             seq = self._new_seq(request, 0)  # compiles a grammar: an invalid one raises here
@@ -307,7 +295,7 @@ class LLMEngine:
         row_index: list[int] = []  # which logits row each sampled sequence reads
         sampling = [self.scheduler.seqs[s.seq_id] for s in sched.scheduled if s.sample]
         for i, seq in enumerate(sampling):
-            drawn = self.after_sampling[seq.request.request_id].expand(seq)
+            drawn = self.after_sampling[seq.request.request_id].sequences_to_sample(seq)
             seqs += drawn
             row_index += [i] * len(drawn)
         if len(row_index) != len(sampling):

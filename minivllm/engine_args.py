@@ -27,7 +27,8 @@ from typing import Any, TypedDict, TypeVar
 
 import torch
 
-from minivllm.attention import BACKEND_NAMES, resolve_backend_name
+from minivllm.attention import BACKEND_NAMES
+from minivllm.attention.selector import resolve_backend_name
 from minivllm.config import (
     DTYPES,
     KV_ALLOCATIONS,

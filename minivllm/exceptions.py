@@ -1,4 +1,8 @@
-"""Errors that cross a module boundary: what a caller catches (vLLM's vllm/v1/engine/exceptions.py)."""
+"""Errors that cross a module boundary: what a caller catches (vLLM's vllm/v1/engine/exceptions.py).
+
+Tier: leaves. An error lives here when a lower tier must catch what a higher one raises (the
+attention selector falls back when the CPU plug-in cannot be built).
+"""
 
 from __future__ import annotations
 
@@ -6,3 +10,8 @@ from __future__ import annotations
 class EngineDeadError(RuntimeError):
     """The engine core process is gone (killed, crashed, or shut down): every request it held
     fails with this, and so does every new one. Nothing recovers it but a restart of the server."""
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The C++ kernels (decode attention, layer ops) could not be built or loaded here
+    (minivllm/cpu/build.py)."""

@@ -11,11 +11,10 @@ import logging
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from minivllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from minivllm.engine import LLMEngine
 from minivllm.engine_args import EngineArgs, EngineKwargs, document_engine_args
 from minivllm.inputs import PromptTooLongError, PromptType
@@ -23,7 +22,10 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Request
 from minivllm.stats import EngineStats
-from minivllm.trace.recorder import StepRecorder, record
+
+if TYPE_CHECKING:
+    from minivllm.beam_search import BeamSearchOutput, BeamSearchParams
+    from minivllm.trace.recorder import StepRecorder
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -130,6 +132,8 @@ class LLM:
         """Record every engine step inside the block: `with llm.trace() as trace: llm.generate(...)`,
         then `trace.save(dir)` writes trace.json and index.html, a page that shows the block pool,
         the block tables and the scheduler's batch step by step (minivllm/trace/)."""
+        from minivllm.trace.recorder import record  # an extra: loaded when first asked for
+
         with record(self.llm_engine, max_steps) as recorder:
             yield recorder
 
@@ -143,6 +147,8 @@ class LLM:
         """Beam search for each prompt (vLLM's `LLM.beam_search`), run inside the engine on
         copy-on-write blocks and batched like any other requests: the beams of a prompt share
         their history's KV blocks (paper §4.4). One `BeamSearchOutput` per prompt, best beam first."""
+        from minivllm.beam_search import BeamSearchOutput, BeamSearchSequence
+
         prompt_list = self._prompt_list(prompts)
         tokenizer = self.llm_engine.tokenizer
         results = []
@@ -194,7 +200,7 @@ class LLM:
                 # One bad prompt fails alone; the others still run (the reason is in the output).
                 logger.warning("request %s failed: %s", rid, exc)
                 text, ids = engine.tokenize_prompt(prompt)
-                sampling = p.sampling_params() if isinstance(p, BeamSearchParams) else p
+                sampling = p if isinstance(p, SamplingParams) else p.sampling_params()
                 request = Request(rid, text, ids, sampling)
                 results[rid] = engine.fail_request(request, str(exc))
             except Exception:

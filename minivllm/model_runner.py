@@ -16,10 +16,10 @@ The attention backend's per-step plan is built here, once, and handed to every l
 metadata.
 
 Like vLLM's runner, which captures CUDA graphs of the decode step and replays them, this runner
-owns the device's decode replay (`capture_model`): on a CPU, a decode step's layers in one C++ call
-(minivllm/kernels/cpu_decode_layers.py), bit for bit the model's own loop. The model does not know
+owns the device's decode loop (`build_decode_loop`): on a CPU, a Llama decode step's layers in one
+C++ call (minivllm/cpu/decode_loop.py), bit for bit the model's own loop. The model does not know
 it exists; `enforce_eager=True` (vLLM's flag) keeps every step in the model's Python forward, and
-so does a forward hook on the model (the replay would skip it).
+so does a forward hook on the model (the C++ loop would skip it).
 
 Logits are computed only at the last new token of sequences that will sample this step (those
 whose new tokens reach the end of what they know); a prompt chunk that is not the last needs none.
@@ -38,7 +38,7 @@ import torch
 from minivllm.attention import AttentionBackend, AttentionMetadata
 from minivllm.config import CacheConfig
 from minivllm.model.llama import LlamaForCausalLM
-from minivllm.platforms import DecodeReplay, platform_for
+from minivllm.platforms import DecodeLoop, platform_for, resolve_obj_by_qualname
 from minivllm.sampler import LogprobsTensors, gather_logprobs
 from minivllm.scheduler import SchedulerOutput
 
@@ -130,15 +130,15 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )  # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], this rank's heads
-        self.decode_replay: DecodeReplay | None = None
+        self.decode_loop: DecodeLoop | None = None
         if not enforce_eager:
-            self.capture_model()
+            self.build_decode_loop()
 
-    def capture_model(self) -> None:
-        """Capture the platform's replay of decode steps, where it has one for this model."""
-        self.decode_replay = platform_for(self.device).capture_decode_layers(
-            self.model, self.backend
-        )
+    def build_decode_loop(self) -> None:
+        """The platform's compiled decode loop, where it has one that runs this model exactly."""
+        name = platform_for(self.device).decode_loop_cls
+        if name is not None:
+            self.decode_loop = resolve_obj_by_qualname(name).build(self.model, self.backend)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give the writer its own copy of a shared block, in every layer."""
@@ -235,8 +235,8 @@ class ModelRunner:
         return LogprobsTensors(*(torch.cat(t) for t in zip(*parts)))
 
     def run_model(self, inp: ModelInput) -> torch.Tensor:  # [T, hidden_size]
-        """The model's forward over the step, or its replay where the replay applies."""
-        replay = self.decode_replay
-        if replay is not None and replay.applies(inp.input_ids.shape[0], inp.meta):
-            return replay(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
+        """The model's forward over the step, or the decode loop where it applies."""
+        loop = self.decode_loop
+        if loop is not None and loop.applies(inp.input_ids.shape[0], inp.meta):
+            return loop(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
         return self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)

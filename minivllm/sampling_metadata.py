@@ -81,68 +81,24 @@ class SamplingMetadata:
         def floats(values: list[float]) -> Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
+        def ints(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
         greedy = [p.is_greedy for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         presence = [p.presence_penalty for p in params]
         frequency = [p.frequency_penalty for p in params]
         repetition = [p.repetition_penalty for p in params]
-        has_repetition = any(r != 1.0 for r in repetition)
-        no_penalties = not has_repetition and not any(presence) and not any(frequency)
-
-        counts = prompt_mask = None
-        if not no_penalties:
-            counts = _token_counts([r.output_token_ids for r in rows], vocab_size, device)
-        if has_repetition:
-            prompt_counts = _token_counts([r.prompt_token_ids for r in rows], vocab_size, device)
-            prompt_mask = prompt_counts > 0
-
-        mask_rows: list[int] = []
-        mask_ids: list[int] = []
-        for i, row in enumerate(rows):
-            # The next token is output token number len(output) + 1.
-            if not stops_allowed(len(row.output_token_ids) + 1, row.params):
-                ids = sorted(row.params.all_stop_token_ids(row.eos_token_id))
-                ids = [t for t in ids if t < vocab_size]
-                mask_rows += [i] * len(ids)
-                mask_ids += ids
-
-        grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
-        bitmask = None
-        if grammar_rows:
-            bitmask = torch.full(
-                (len(grammar_rows), (vocab_size + 31) // 32), -1, dtype=torch.int32
-            )
-            for g, i in enumerate(grammar_rows):
-                grammar = rows[i].grammar
-                assert grammar is not None
-                StructuredOutputManager.sync(grammar, rows[i].output_token_ids)
-                grammar.fill_bitmask(bitmask, g)
-
-        allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
-        allowed_mask = None
-        if allowed_rows:
-            allowed_mask = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool)
-            for a, i in enumerate(allowed_rows):
-                allowed_mask[a, params[i].allowed_token_ids] = True
-            allowed_mask = allowed_mask.to(device)
-        bad_rows: list[int] = []
-        bad_ids: list[int] = []
-        for i, row in enumerate(rows):
-            output = list(row.output_token_ids)
-            for word in row.bad_words_token_ids:
-                *prefix, last = word
-                if not prefix or output[len(output) - len(prefix) :] == prefix:
-                    bad_rows.append(i)
-                    bad_ids.append(last)
+        counts, prompt_mask = _penalty_counts(rows, vocab_size, device)
+        mask_rows, mask_ids = _min_tokens_mask(rows, vocab_size)
+        grammar_rows, bitmask = _grammar_bitmask(rows, vocab_size)
+        allowed_rows, allowed_mask = _allowed_mask(params, vocab_size, device)
+        bad_rows, bad_ids = _bad_word_tokens(rows)
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
-
-        def ints(values: list[int]) -> Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
         requested = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=floats([0.0 if g else p.temperature for g, p in zip(greedy, params)]),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_k=ints(top_k),
             top_p=floats([p.top_p for p in params]),
             min_p=floats([p.min_p for p in params]),
             presence_penalty=floats(presence),
@@ -150,9 +106,9 @@ class SamplingMetadata:
             repetition_penalty=floats(repetition),
             output_token_counts=counts,
             prompt_token_mask=prompt_mask,
-            min_tokens_rows=torch.tensor(mask_rows, dtype=torch.int64, device=device),
-            min_tokens_token_ids=torch.tensor(mask_ids, dtype=torch.int64, device=device),
-            grammar_rows=torch.tensor(grammar_rows, dtype=torch.int64, device=device),
+            min_tokens_rows=ints(mask_rows),
+            min_tokens_token_ids=ints(mask_ids),
+            grammar_rows=ints(grammar_rows),
             grammar_bitmask=bitmask,
             allowed_rows=ints(allowed_rows),
             allowed_mask=allowed_mask,
@@ -169,8 +125,82 @@ class SamplingMetadata:
             no_top_k=all(k == vocab_size for k in top_k),
             no_top_p=all(p.top_p == 1.0 for p in params),
             no_min_p=all(p.min_p == 0.0 for p in params),
-            no_penalties=no_penalties,
+            no_penalties=counts is None,
         )
+
+
+def _penalty_counts(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+) -> tuple[Tensor | None, Tensor | None]:
+    """Output-token counts [B, V] where any row has a penalty (None: no row has one), and the
+    prompt's tokens [B, V] (bool) where any row has a repetition penalty."""
+    params = [row.params for row in rows]
+    has_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    if not has_repetition and not any(p.presence_penalty or p.frequency_penalty for p in params):
+        return None, None
+    counts = _token_counts([r.output_token_ids for r in rows], vocab_size, device)
+    prompt_mask = None
+    if has_repetition:
+        prompt_mask = _token_counts([r.prompt_token_ids for r in rows], vocab_size, device) > 0
+    return counts, prompt_mask
+
+
+def _min_tokens_mask(rows: Sequence[SamplingRow], vocab_size: int) -> tuple[list[int], list[int]]:
+    """(row, token) pairs to mask: the stop tokens of rows still short of `min_tokens`."""
+    mask_rows: list[int] = []
+    mask_ids: list[int] = []
+    for i, row in enumerate(rows):
+        # The next token is output token number len(output) + 1.
+        if not stops_allowed(len(row.output_token_ids) + 1, row.params):
+            ids = sorted(row.params.all_stop_token_ids(row.eos_token_id))
+            ids = [t for t in ids if t < vocab_size]
+            mask_rows += [i] * len(ids)
+            mask_ids += ids
+    return mask_rows, mask_ids
+
+
+def _grammar_bitmask(
+    rows: Sequence[SamplingRow], vocab_size: int
+) -> tuple[list[int], Tensor | None]:
+    """The rows under a grammar and their allowed tokens, one bit each: int32 [G, ceil(V / 32)]."""
+    grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if not grammar_rows:
+        return [], None
+    bitmask = torch.full((len(grammar_rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    for g, i in enumerate(grammar_rows):
+        grammar = rows[i].grammar
+        assert grammar is not None
+        StructuredOutputManager.sync(grammar, rows[i].output_token_ids)
+        grammar.fill_bitmask(bitmask, g)
+    return grammar_rows, bitmask
+
+
+def _allowed_mask(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
+) -> tuple[list[int], Tensor | None]:
+    """The rows with `allowed_token_ids` and their tokens: bool [A, V]."""
+    allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not allowed_rows:
+        return [], None
+    allowed_mask = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool)
+    for a, i in enumerate(allowed_rows):
+        allowed_mask[a, params[i].allowed_token_ids] = True
+    return allowed_rows, allowed_mask.to(device)
+
+
+def _bad_word_tokens(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int]]:
+    """(row, token) pairs to ban: each bad word's last token where the output ends with the
+    rest of the word (a one-token word: always)."""
+    bad_rows: list[int] = []
+    bad_ids: list[int] = []
+    for i, row in enumerate(rows):
+        output = list(row.output_token_ids)
+        for word in row.bad_words_token_ids:
+            *prefix, last = word
+            if not prefix or output[len(output) - len(prefix) :] == prefix:
+                bad_rows.append(i)
+                bad_ids.append(last)
+    return bad_rows, bad_ids
 
 
 def _token_counts(

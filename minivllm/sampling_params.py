@@ -90,6 +90,20 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        # Each check names the field and its allowed range, so the server's 400s read as vLLM's.
+        self._verify_sampling()
+        self._verify_lengths()
+        self._verify_stops()
+        self._verify_logprobs()
+        self._verify_token_constraints()
+        self._verify_structured_outputs()
+        if self.is_greedy:
+            # As vLLM does: greedy ignores truncation, so reset it rather than carry dead values
+            # into the sampler (which could then take a slower path for nothing).
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _verify_sampling(self) -> None:
+        """n, the penalties, temperature and the truncations (top-p, top-k, min-p), and the seed."""
         self.n = _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
@@ -121,31 +135,20 @@ class SamplingParams:
         self.min_p = _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-
-        if self.truncate_prompt_tokens is not None:
-            k = self.truncate_prompt_tokens = _check_int(
-                "truncate_prompt_tokens", self.truncate_prompt_tokens
-            )
-            if k < 1 and k != -1:
-                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {k}.")
-
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed)
             # vLLM's bound (torch.long): what a generator's seed and the server's field can hold.
             if not -(2**63) <= self.seed < 2**63:
                 raise ValueError(f"seed must be in [{-(2**63)}, {2**63 - 1}], got {self.seed}.")
 
-        self.stop = self._normalize_stop(self.stop)
-        self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
-
-        for name in (
-            "ignore_eos",
-            "skip_special_tokens",
-            "spaces_between_special_tokens",
-            "include_stop_str_in_output",
-        ):
-            _check_bool(name, getattr(self, name))
-
+    def _verify_lengths(self) -> None:
+        """How much of the prompt is kept and how many tokens the output has."""
+        if self.truncate_prompt_tokens is not None:
+            k = self.truncate_prompt_tokens = _check_int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens
+            )
+            if k < 1 and k != -1:
+                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {k}.")
         if self.max_tokens is not None:
             self.max_tokens = _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
@@ -162,6 +165,20 @@ class SamplingParams:
                 f"got {self.min_tokens}."
             )
 
+    def _verify_stops(self) -> None:
+        """Stop strings and token ids, normalised to lists, and the flags that shape the text."""
+        self.stop = self._normalize_stop(self.stop)
+        self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
+
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+        ):
+            _check_bool(name, getattr(self, name))
+
+    def _verify_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -170,6 +187,9 @@ class SamplingParams:
                     raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
                 setattr(self, name, value)
 
+    def _verify_token_constraints(self) -> None:
+        """What the sampler's logits processors read: `logit_bias`, `allowed_token_ids`,
+        `bad_words` (minivllm/logits_processors.py)."""
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(
@@ -203,6 +223,7 @@ class SamplingParams:
                 )
             self.bad_words = list(self.bad_words)
 
+    def _verify_structured_outputs(self) -> None:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(
@@ -212,11 +233,6 @@ class SamplingParams:
                 "structured_outputs must be a StructuredOutputsParams, "
                 f"got {self.structured_outputs!r}."
             )
-
-        if self.is_greedy:
-            # As vLLM does: greedy ignores truncation, so reset it rather than carry dead values
-            # into the sampler (which could then take a slower path for nothing).
-            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     @staticmethod
     def _normalize_stop(stop: Any) -> list[str]:

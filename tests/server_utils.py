@@ -121,7 +121,7 @@ class InProcessServer:
         """The engine thread's published stats, once no request runs or waits."""
         deadline = time.monotonic() + timeout
         while True:
-            stats = self.app.state.async_engine.stats
+            stats = self.app.state.engine_client.stats
             if stats.num_running == 0 and stats.num_waiting == 0 and not self.engine.requests:
                 return stats
             assert time.monotonic() < deadline, f"the engine did not go idle: {stats}"

@@ -30,9 +30,10 @@ import triton
 import triton.language as tl
 from test_attention_reference import TOLERANCES, batch_shape, make_paged_batch
 
-from minivllm.attention import AttentionMetadata, get_attention_backend
+from minivllm.attention import AttentionMetadata
 from minivllm.attention import triton_kernels as K
 from minivllm.attention.reference import ReferenceBackend
+from minivllm.attention.selector import get_attention_backend
 from minivllm.attention.triton import INTERPRETED, TritonBackend
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -21,7 +21,7 @@ import torch
 from engine_utils import save_tiny_llama
 from paged import paged_logits
 
-from minivllm.attention import get_attention_backend
+from minivllm.attention.selector import get_attention_backend
 from minivllm.llm import LLM
 from minivllm.model.loader import load_model, resolve_model
 from minivllm.sampling_params import SamplingParams

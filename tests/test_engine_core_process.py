@@ -1,7 +1,7 @@
-"""The server with its engine in a process of its own (`engine_core.py`, `engine_core_client.py`):
-the same greedy answers as the in-thread engine, aborts that reach the core and free its blocks,
-a dead core that fails every request with `EngineDeadError` (500, /health 503), and no core that
-outlives its server, whether the server shuts down or is killed.
+"""The server with its engine in a process of its own (`minivllm/engine_core/`: `core.py`,
+`client.py`): the same greedy answers as the in-thread engine, aborts that reach the core and
+free its blocks, a dead core that fails every request with `EngineDeadError` (500, /health 503),
+and no core that outlives its server, whether the server shuts down or is killed.
 
 Every fixture kills what it started, pass or fail: the core of an in-process server through its
 client, a `minivllm serve` subprocess and its children by pid.
@@ -26,7 +26,7 @@ from server_utils import InProcessServer, run_server, serve_in_process
 
 from minivllm.engine import LLMEngine
 from minivllm.engine_args import EngineArgs
-from minivllm.engine_core_client import AsyncMPClient, EngineCoreClient
+from minivllm.engine_core.client import AsyncMPClient, EngineCoreClient
 from minivllm.exceptions import EngineDeadError
 from minivllm.sampling_params import SamplingParams
 
@@ -97,7 +97,7 @@ def test_core_process_answers_as_the_in_thread_engine(
 
 def wait_stats(server: InProcessServer, done: Any, timeout: float = 60.0) -> Any:
     deadline = time.monotonic() + timeout
-    while not done(stats := server.app.state.async_engine.stats):
+    while not done(stats := server.app.state.engine_client.stats):
         assert time.monotonic() < deadline, f"timed out; stats: {stats}"
         time.sleep(0.05)
     return stats
@@ -117,7 +117,7 @@ def test_a_client_disconnect_aborts_in_the_core_and_frees_its_blocks(
 
 
 def test_a_request_the_core_refuses_fails_alone(core_server: InProcessServer) -> None:
-    client = core_server.app.state.async_engine
+    client = core_server.app.state.engine_client
     assert isinstance(client, AsyncMPClient)
     params = SamplingParams(max_tokens=4, temperature=0)
 
@@ -141,7 +141,7 @@ def test_a_request_the_core_refuses_fails_alone(core_server: InProcessServer) ->
 def test_a_killed_core_fails_open_and_new_requests_and_health(
     doomed_server: InProcessServer,
 ) -> None:
-    client = doomed_server.app.state.async_engine.engine
+    client = doomed_server.app.state.engine_client.engine
     responses: list[httpx.Response] = []
     events: list[str] = []
     body = {"prompt": PROMPTS[1], "max_tokens": LONG, "ignore_eos": True}
@@ -170,7 +170,7 @@ def test_a_killed_core_fails_open_and_new_requests_and_health(
     assert responses[0].status_code == 500
     error = responses[0].json()["error"]
     assert error["code"] == 500 and "engine core process exited" in error["message"]
-    assert isinstance(doomed_server.app.state.async_engine.dead_error, EngineDeadError)
+    assert isinstance(doomed_server.app.state.engine_client.dead_error, EngineDeadError)
     assert httpx.get(doomed_server.url + "/health").status_code == 503
     again = httpx.post(doomed_server.base_url + "/completions", json=body, timeout=60)
     assert again.status_code == 500 and "restart the server" in again.json()["error"]["message"]

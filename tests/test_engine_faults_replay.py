@@ -1,8 +1,8 @@
 """Fault safety on the path users run: the C++ decode-layers replay on.
 
 tests/test_engine_faults.py injects its fault with a forward hook on a layer, and a hook turns
-the replay off (`CpuDecodeLayers.applies`), so there the default CPU decode path is never the one
-that fails. Here the fault is raised by the executor (`FaultInjector`: before the model ran, or
+the replay off (`CpuDecodeLoop.applies`), so there the default CPU decode path is never the one
+that fails. Here the fault is raised around the executor (tests/faults.py: before the model ran, or
 after every layer wrote its K/V) or by the sampler, with no hook anywhere; each test proves the
 replay ran, through the very steps around the fault. The matrix is test_engine_faults.py's:
 a prompt's prefill, its second chunk, a decode step that fills a block, and a copy-on-write step
@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 from engine_utils import assert_no_blocks_held, save_tiny_llama
+from faults import FaultInjector, clear_fault, inject_fault
 from test_engine_faults import GREEDY, HOLDER, VICTIM, cached_names, make_llm, outputs_of
 
 from minivllm.beam_search import BeamSearchParams
-from minivllm.distributed.executor import FaultInjector, UniProcExecutor
 from minivllm.engine import LLMEngine
+from minivllm.executor import UniProcExecutor
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import SchedulerOutput
@@ -53,10 +54,10 @@ class CountingReplay:
 
 def count_replays(llm: LLM) -> CountingReplay:
     runner = llm.llm_engine.executor.driver_runner  # the runner owns the replay (issue 25)
-    if runner.decode_replay is None:
-        pytest.skip("no C++ decode-layers replay on this machine (see CpuDecodeLayers.supports)")
-    counter = CountingReplay(runner.decode_replay)
-    runner.decode_replay = counter  # type: ignore[assignment]
+    if runner.decode_loop is None:
+        pytest.skip("no C++ decode-layers replay on this machine (see CpuDecodeLoop.supports)")
+    counter = CountingReplay(runner.decode_loop)
+    runner.decode_loop = counter  # type: ignore[assignment]
     return counter
 
 
@@ -149,7 +150,7 @@ def test_a_failed_step_leaves_no_trace_with_the_replay_on(
         if point == "sampling"
         else FaultInjector(point, exc, make_when())  # type: ignore[arg-type]
     )
-    engine.executor.fault_injector = fault
+    inject_fault(engine, fault)
     engine.add_request("victim", VICTIM, victim_params)
     outputs = []
     names_before: set[tuple[int, ...]] = set()
@@ -162,7 +163,7 @@ def test_a_failed_step_leaves_no_trace_with_the_replay_on(
             outputs += engine.step()  # an exception fails the step's requests, inside step()
         except KeyboardInterrupt:  # Ctrl-C fails them too, then reaches the caller
             assert fault.fired and exc_type is KeyboardInterrupt
-    engine.executor.fault_injector = None
+    clear_fault(engine)
     assert fault.fired, "the fault's condition never held"
     if phase in ("decode", "copy-on-write") and point != "before_model":
         # The faulted step itself was a decode the replay ran, on the C++ path, before it failed.
@@ -219,14 +220,14 @@ def test_a_failed_beam_search_step_leaves_no_trace_with_the_replay_on(
     fault = (
         SamplingFault(engine, exc, when) if point == "sampling" else FaultInjector(point, exc, when)  # type: ignore[arg-type]
     )
-    engine.executor.fault_injector = fault  # type: ignore[union-attr]
+    inject_fault(engine, fault)
     engine.add_request("beams", VICTIM, beam)
     outputs = []
     for _ in range(200):
         if fault.fired:
             break
         outputs += engine.step()
-    engine.executor.fault_injector = None  # type: ignore[union-attr]
+    clear_fault(engine)
     assert fault.fired and replays.calls > 0
     (failed,) = [o for o in outputs if o.finished]
     assert failed.error and "injected fault" in failed.error

@@ -189,7 +189,7 @@ def test_the_default_cpu_path_runs_the_compiled_operators(workload):
     """The other side of the test above, so that it can fail: on the default backend the
     profiler does see the C++ ops: paged attention, the fused layer ops, the skinny GEMM and the
     decode-layers replay (the last two where the kernels have their AVX-512 path)."""
-    from minivllm.kernels.cpu_ops import skinny_gemm_fast
+    from minivllm.cpu.ops import skinny_gemm_fast
 
     prompts, max_tokens, expected = (part[:6] for part in workload)
     with checked_llm(num_gpu_blocks_override=256) as llm:

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 from engine_utils import assert_no_blocks_held, save_tiny_llama
+from faults import FaultInjector, inject_fault
 from test_engine_faults import GREEDY, HOLDER, VICTIM, make_llm
 
-from minivllm.distributed.executor import FaultInjector
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import SchedulerOutput
 
@@ -46,7 +46,7 @@ def test_listeners_hear_every_committed_step_and_no_failed_one(tiny_model: Path)
     first_sample = next(i for i, (_, sampled, _) in enumerate(listener.steps) if sampled)
     tables = listener.steps[first_sample][2]
     assert len(tables) == 2 and len(set(tables.values())) == 1
-    engine.executor.fault_injector = FaultInjector("after_model", RuntimeError("x"))  # type: ignore[union-attr]
+    inject_fault(engine, FaultInjector("after_model", RuntimeError("x")))
     engine.add_request("b", VICTIM, GREEDY)
     (failed,) = engine.step()
     assert failed.error and len(listener.steps) == committed  # a failed step publishes nothing

@@ -1,4 +1,4 @@
-"""SiLU-and-mul and RoPE of minivllm/kernels/cpu_activation_rope.cpp against their formulas.
+"""SiLU-and-mul and RoPE of minivllm/cpu/cpu_activation_rope.cpp against their formulas.
 
 The formulas are written out as the model computes them: the MLP's `silu(gate) * up` and
 `x * cos + rotate_half(x) * sin` as in `rope.py`, in both layouts the ops take (token-major rows
@@ -26,8 +26,8 @@ from test_kernels_cpu_layernorm import (
     rope_table,
 )
 
-from minivllm.kernels.cpu_build import load_cpu_kernels
-from minivllm.kernels.cpu_ops import rotary_embedding, silu_and_mul
+from minivllm.cpu.build import load_cpu_kernels
+from minivllm.cpu.ops import rotary_embedding, silu_and_mul
 
 
 # ------------------------------------------------------------------------------ SiLU and mul

@@ -1,4 +1,4 @@
-"""minivllm/kernels/cpu_attention.cpp (paged attention, the cache write) through the CPU backend,
+"""minivllm/cpu/cpu_attention.cpp (paged attention, the cache write) through the CPU backend,
 against the reference backend.
 
 The kernel is cheap enough on a CPU to run the full product of the factors rather than a pairwise
@@ -19,11 +19,11 @@ import pytest
 import torch
 from test_attention_reference import TOLERANCES, batch_shape, make_paged_batch
 
-from minivllm.attention import cpu as cpu_module
-from minivllm.attention import get_attention_backend, resolve_backend_name
-from minivllm.attention.cpu import CpuBackend, CpuKernelUnavailable
 from minivllm.attention.reference import ReferenceBackend
-from minivllm.kernels.cpu_ops import paged_decode, reshape_and_cache
+from minivllm.attention.selector import get_attention_backend, resolve_backend_name
+from minivllm.cpu import attention as cpu_module
+from minivllm.cpu.attention import CpuBackend, CpuKernelUnavailable
+from minivllm.cpu.ops import paged_decode, reshape_and_cache
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 MODES = ["decode", "decode_split", "prefill", "extend", "mixed"]

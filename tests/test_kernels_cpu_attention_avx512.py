@@ -1,4 +1,4 @@
-"""The float32 AVX-512 loops of minivllm/kernels/cpu_attention_avx512.cpp against the reference.
+"""The float32 AVX-512 loops of minivllm/cpu/cpu_attention_avx512.cpp against the reference.
 
 `paged_decode` sends float32 queries at the head sizes these loops are compiled for (32, 64 and
 128) to them, and everything else to the generic loop of cpu_attention.cpp, which

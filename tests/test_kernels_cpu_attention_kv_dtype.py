@@ -1,4 +1,4 @@
-"""minivllm/kernels/cpu_attention.cpp and cpu_attention_avx512.cpp over a cache narrower than the
+"""minivllm/cpu/cpu_attention.cpp and cpu_attention_avx512.cpp over a cache narrower than the
 queries (kv_cache_dtype="bfloat16" or "float16" under float32 weights), against the reference.
 
 The reference backend is the specification (tests/test_attention_reference.py holds it to float64
@@ -20,9 +20,9 @@ import torch
 from test_attention_reference import TOLERANCES, batch_shape, make_paged_batch
 from test_kernels_cpu_attention import MODES, feature_major_qkv, index_copy_write, mixed_lengths
 
-from minivllm.attention.cpu import CpuBackend
 from minivllm.attention.reference import ReferenceBackend
-from minivllm.kernels.cpu_ops import paged_decode, reshape_and_cache
+from minivllm.cpu.attention import CpuBackend
+from minivllm.cpu.ops import paged_decode, reshape_and_cache
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 KV_CASES = [

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from minivllm.attention import cpu as cpu_module
-from minivllm.attention import get_attention_backend
-from minivllm.kernels import cpu_build
-from minivllm.kernels.cpu_build import CpuKernelUnavailable
+from minivllm.attention.selector import get_attention_backend
+from minivllm.cpu import attention as cpu_module
+from minivllm.cpu import build as cpu_build
+from minivllm.cpu.build import CpuKernelUnavailable
 
 LIBRARY = "minivllm_cpu_kernels.so"
 # What torch raises when the compiler fails: its first line runs on into ninja's log.

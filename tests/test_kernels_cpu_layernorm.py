@@ -1,4 +1,4 @@
-"""The fused RMSNorm ops of minivllm/kernels/cpu_layernorm.cpp against their plain-PyTorch form.
+"""The fused RMSNorm ops of minivllm/cpu/cpu_layernorm.cpp against their plain-PyTorch form.
 
 The formula is written out here as the model computes it: RMSNorm as in `llama.py` (float32,
 cast back to the input dtype before the weight), and the decoder layer's `hidden + attn` before
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from minivllm.kernels.cpu_ops import fused_add_rms_norm, rms_norm
+from minivllm.cpu.ops import fused_add_rms_norm, rms_norm
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 DTYPES = [F32, BF16, F16]

@@ -1,4 +1,4 @@
-"""The skinny GEMM (minivllm/kernels/cpu_skinny_gemm.cpp) against torch.mm, and where the model uses it.
+"""The skinny GEMM (minivllm/cpu/cpu_skinny_gemm.cpp) against torch.mm, and where the model uses it.
 
 The kernel computes out[T, N] = x[T, K] · weight[N, K]ᵀ with one float32 sum per output, in
 16-wide partial sums along K; torch.mm (MKL) sums in its own blocked order, so the two are held
@@ -18,17 +18,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minivllm.cpu import ops as cpu_ops
+from minivllm.cpu.build import load_cpu_kernels
+from minivllm.cpu.op_forwards import cpu_linear, linear
+from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm, skinny_gemm_applies
 from minivllm.distributed.parallel_state import SINGLE_DEVICE
-from minivllm.kernels import cpu_ops
-from minivllm.kernels.cpu_build import load_cpu_kernels
-from minivllm.kernels.cpu_ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm, skinny_gemm_applies
 from minivllm.model.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
 )
 from minivllm.platforms.cpu import CpuPlatform
-from minivllm.platforms.cpu_ops import cpu_linear, linear
 
 TOKENS = [1, 2, 5, 6, 7, 13, 32, 64]
 ROWS = [1, 3, 4, 5, 17, 96]  # weight rows: below, at and past the 4-row tile

@@ -17,8 +17,8 @@ import torch
 from engine_utils import save_tiny_llama
 
 from minivllm.config import KV_CACHE_DTYPES
+from minivllm.cpu.ops import skinny_gemm_fast
 from minivllm.engine_args import EngineArgs
-from minivllm.kernels.cpu_ops import skinny_gemm_fast
 from minivllm.llm import LLM
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -143,7 +143,7 @@ def test_reference_and_cpu_backends_agree_over_a_bfloat16_cache(tiny_llama: Path
     )
     llm, replay = run(tiny_llama, kv_cache_dtype="bfloat16", attention_backend="cpu")
     # The replay runs a bfloat16 cache: it is captured wherever the skinny GEMM is fast.
-    assert (llm.llm_engine.runner.decode_replay is not None) == skinny_gemm_fast()
+    assert (llm.llm_engine.runner.decode_loop is not None) == skinny_gemm_fast()
     identical, prefixes, _ = check_logprobs_close(ref, eager, BACKENDS_ATOL)
     assert identical == len(prefixes), prefixes
     # The decode replay calls the same kernels on the same layouts: bit for bit the Python loop.

@@ -10,7 +10,7 @@ import torch
 from paged import paged_logits
 from test_model_llama import BASE, save_tiny_llama
 
-from minivllm.attention import get_attention_backend
+from minivllm.attention.selector import get_attention_backend
 from minivllm.model import loader
 from minivllm.model.gguf import _unpermute
 from minivllm.model.loader import (

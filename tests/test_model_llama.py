@@ -14,7 +14,7 @@ from paged import paged_logits
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
-from minivllm.attention import get_attention_backend
+from minivllm.attention.selector import get_attention_backend
 from minivllm.model.custom_op import CustomOp
 from minivllm.model.loader import load_model, resolve_model
 

@@ -22,7 +22,7 @@ from minivllm.benchmarks.paper_sweep import (
     summarize,
     sweep,
 )
-from minivllm.distributed.simulated import SimulatedSetup, build_simulated_engine
+from minivllm.experiments.simulated_executor import SimulatedSetup, build_simulated_engine
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import ScheduledSequence, SchedulerOutput

@@ -1,4 +1,4 @@
-"""The CPU's bfloat16 linears (minivllm/platforms/cpu_ops.py): oneDNN on a prepacked weight.
+"""The CPU's bfloat16 linears (minivllm/cpu/op_forwards.py): oneDNN on a prepacked weight.
 
 `packed_linear` is held to `F.linear` computed in float32 on the same bf16 inputs (exact products,
 a float32 sum): oneDNN sums the products in float32 too and rounds the result to bf16 once, so the
@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minivllm.cpu.op_forwards import onednn_packs, packed_linear
 from minivllm.distributed.parallel_state import SINGLE_DEVICE
 from minivllm.model.parallel_layers import (
     ColumnParallelLinear,
@@ -25,7 +26,6 @@ from minivllm.model.parallel_layers import (
     RowParallelLinear,
 )
 from minivllm.platforms.cpu import CpuPlatform
-from minivllm.platforms.cpu_ops import onednn_packs, packed_linear
 
 BF16_HW = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 needs_bf16_hw = pytest.mark.skipif(not BF16_HW, reason="no AVX512-BF16/AMX: bf16 stays on MKL")

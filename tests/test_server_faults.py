@@ -92,14 +92,14 @@ async def run_with_fault(
 ) -> tuple[httpx.Response, list[str]]:
     """The victim's response, and the others' texts: sent once the victim holds the engine."""
     submitted: list[str] = []
-    async_engine = server.app.state.async_engine
-    add_request = async_engine.add_request
+    engine_client = server.app.state.engine_client
+    add_request = engine_client.add_request
 
     def spy(request_id: str, *args: Any) -> None:
         submitted.append(request_id)
         add_request(request_id, *args)
 
-    async_engine.add_request = spy
+    engine_client.add_request = spy
     layer = server.engine.model.model.layers[0]
     handle = layer.register_forward_hook(hook)
     try:
@@ -119,7 +119,7 @@ async def run_with_fault(
     finally:
         hook.release.set()  # never leave the engine thread waiting
         handle.remove()
-        async_engine.add_request = add_request
+        engine_client.add_request = add_request
     assert all(r.status_code == 200 for r in others), [r.text for r in others]
     return victim_response, [r.json()["choices"][0]["text"] for r in others]
 

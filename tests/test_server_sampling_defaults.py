@@ -26,10 +26,10 @@ MODEL_DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_pen
 
 
 def serving(defaults: dict[str, Any], max_model_len: int = 64) -> OpenAIServing:
-    engine = SimpleNamespace(
+    client = SimpleNamespace(  # the facts of an `EngineClient` that the checks read
         tokenizer=None, max_model_len=max_model_len, get_diff_sampling_param=lambda: defaults
     )
-    return OpenAIServing(SimpleNamespace(engine=engine), ["m"], 8, 8)  # type: ignore[arg-type]
+    return OpenAIServing(client, ["m"], 8, 8)  # type: ignore[arg-type]
 
 
 def params_for(s: OpenAIServing, body: str, num_prompt: int = 10) -> SamplingParams:
@@ -92,14 +92,14 @@ def test_the_server_hands_the_engine_the_models_defaults(
     monkeypatch.setattr(engine, "get_diff_sampling_param", lambda: dict(MODEL_DEFAULTS))
     with serve_in_process(engine) as server:
         sent: list[SamplingParams] = []
-        async_engine = server.app.state.async_engine
-        add_request = async_engine.add_request
+        engine_client = server.app.state.engine_client
+        add_request = engine_client.add_request
 
         def spy(request_id: str, prompt: Any, params: SamplingParams, out: Any) -> None:
             sent.append(params)
             add_request(request_id, prompt, params, out)
 
-        monkeypatch.setattr(async_engine, "add_request", spy)
+        monkeypatch.setattr(engine_client, "add_request", spy)
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_p": 0.5}
         completion = {"prompt": "hi", "max_tokens": 2, "temperature": 0.8}
         for path, body in (("/chat/completions", chat), ("/completions", completion)):

@@ -20,7 +20,8 @@ import torch
 from engine_utils import save_tiny_llama
 from test_model_llama import save_tiny_llama as save_perturbed_llama
 
-from minivllm.attention import AttentionMetadata, get_attention_backend
+from minivllm.attention import AttentionMetadata
+from minivllm.attention.selector import get_attention_backend
 from minivllm.distributed.parallel_state import TensorParallelGroup
 from minivllm.model.config import LlamaConfig
 from minivllm.model.loader import load_model, resolve_model

@@ -8,7 +8,7 @@ minivllm has three attention backends behind one interface (`write_kv`, then `at
 - "triton" (minivllm/attention/triton.py, triton_kernels.py): fused kernels that follow the block
   table key tile by key tile with an online softmax, never copying the context (paper §4.1), and
   a split-KV "flash-decoding" kernel for batches of decodes.
-- "cpu" (minivllm/attention/cpu.py, cpu_attention.cpp): a small compiled C++ kernel that reads each
+- "cpu" (minivllm/cpu/attention.py, cpu_attention.cpp): a small compiled C++ kernel that reads each
   request's blocks in place, for decodes and prompt rows alike (a prompt's token j is a decode
   over the context up to its own position). The default on a CPU.
 
@@ -128,7 +128,7 @@ print("the Triton kernels read the same blocks in place")
 # On a CPU, the default backend is "cpu": a compiled kernel that reads the blocks in place too. A decode batch of the size a busy engine runs (32 requests x 256 tokens) shows what
 # skipping the gather is worth on a CPU (compiled on first use: ~15 s once).
 if device == "cpu":
-    from minivllm.attention.cpu import CpuBackend
+    from minivllm.cpu.attention import CpuBackend
 
     def best_ms(fn, repeats: int = 5) -> float:
         times = []

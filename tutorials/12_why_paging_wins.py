@@ -11,7 +11,7 @@ tokens, 338 output tokens on average). A policy keeps up as long as the requests
 the KV cache; past that they queue, and latency climbs steeply. The knee comes where memory runs
 out, and a policy that holds less memory per request reaches it later.
 
-The GPU is simulated (minivllm/distributed/simulated.py): OPT-13B on one A100-40GB, the paper's
+The GPU is simulated (minivllm/experiments/simulated_executor.py): OPT-13B on one A100-40GB, the paper's
 first column, with a roofline cost per step. The scheduler and the block manager run for real.
 
 Run: python tutorials/12_why_paging_wins.py [OUT_DIR]   (writes OUT_DIR/12_why_paging_wins.png)
@@ -25,7 +25,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from minivllm.benchmarks.paper_sweep import max_sustained_rate, sweep
-from minivllm.distributed.simulated import SimulatedSetup, build_simulated_engine
+from minivllm.experiments.simulated_executor import SimulatedSetup, build_simulated_engine
 
 plt.switch_backend("Agg")  # write files, never open a window
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "out"

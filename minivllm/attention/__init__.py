@@ -13,20 +13,21 @@ a step is just a set of (request, new tokens) pairs.
 
 Backends: "reference" (gather + scaled-dot-product attention, the specification), "cpu" (every
 row through a compiled paged kernel, the CPU default) and "triton" (fused kernels, the CUDA
-default). `get_attention_backend` picks one by name; which one "auto" means, and which run on a
-device, is the device's platform's to say (minivllm/platforms/). Each backend's per-step work
+default). `attention/selector.py` picks one by name; which one "auto" means, and which run on a
+device, is the device's platform's to say (minivllm/platforms/).
+
+Tier: this file is a leaf (the contract between the model and its kernels: it imports nothing of
+minivllm); the backends that implement it sit above the model (reference.py, triton.py) or among
+the platform plug-ins (minivllm/cpu/attention.py), and the selector with the engine. Each backend's per-step work
 list ("plan") is built by the model runner, once per step, with `backend.plan(...)`.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from minivllm.platforms import platform_for
 
 
 @dataclass
@@ -95,49 +96,8 @@ class AttentionBackend(Protocol):
 BACKEND_NAMES = ("reference", "cpu", "triton", "auto")
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`"auto"` is the platform's default: Triton on CUDA, the compiled CPU backend on a CPU."""
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
-    if name == "auto":
-        return platform_for(device).default_attention_backend
-    return name
-
-
-def get_attention_backend(
-    name: str = "auto", device: torch.device | None = None
-) -> AttentionBackend:
-    """Return the backend called `name` ("reference", "cpu", "triton", or "auto" for the device).
-
-    `"auto"` on a CPU falls back to the reference backend, with a warning, where the CPU kernel
-    cannot be compiled; asking for `"cpu"` by name raises `CpuKernelUnavailable` there instead.
-    """
-    device = device or torch.device("cpu")
-    resolved = resolve_backend_name(name, device)
-    platform_for(device).check_attention_backend(resolved)
-    # Imported lazily: the default path must not pay for backends it does not use.
-    if resolved == "triton":
-        from minivllm.attention.triton import TritonBackend
-
-        return TritonBackend()
-    if resolved == "cpu":
-        from minivllm.attention.cpu import CpuBackend, CpuKernelUnavailable
-
-        try:
-            return CpuBackend()
-        except CpuKernelUnavailable as e:
-            if name != "auto":
-                raise
-            logging.getLogger("minivllm").warning("%s; using the reference backend", e)
-    from minivllm.attention.reference import ReferenceBackend
-
-    return ReferenceBackend()
-
-
 __all__ = [
     "BACKEND_NAMES",
     "AttentionBackend",
     "AttentionMetadata",
-    "get_attention_backend",
-    "resolve_backend_name",
 ]

@@ -60,6 +60,7 @@ except ImportError as e:
         'the "triton" attention backend needs Triton: pip install "minivllm[triton]"'
     ) from e
 
+from minivllm.attention import triton_decode_kernels as D
 from minivllm.attention import triton_kernels as K
 from minivllm.attention.triton_kernels import INTERPRETED
 
@@ -162,7 +163,7 @@ def attend_launches(
             meta.block_tables.stride(0), *cache_strides, *part_strides,
         )  # fmt: skip
         grid = check_grid((num_decodes, num_kv_heads, layer.num_splits))
-        launches.append(KernelLaunch(K.paged_decode_split_kernel, grid, args, layer.decode_split))
+        launches.append(KernelLaunch(D.paged_decode_split_kernel, grid, args, layer.decode_split))
         if layer.num_splits > 1:
             args = (
                 part_out, part_lse, out, layer.decode_seqs, meta.query_start_loc, layer.num_splits,
@@ -170,7 +171,7 @@ def attend_launches(
             )  # fmt: skip
             grid = check_grid((num_decodes, query.shape[1]))
             launches.append(
-                KernelLaunch(K.paged_decode_merge_kernel, grid, args, layer.decode_merge)
+                KernelLaunch(D.paged_decode_merge_kernel, grid, args, layer.decode_merge)
             )
     return launches
 

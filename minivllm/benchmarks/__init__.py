@@ -1,9 +1,14 @@
 """The `minivllm bench` commands, one module each (`add_arguments(parser)`, `main(args) -> int`):
-throughput.py, serve.py, memory.py, prefix.py, sharing.py. What they share: workload.py (the one
-workload generator: random-token prompts, length profiles, Poisson arrivals), report.py (the one
-table printer and the rows the docs' hook reads too), machine.py (the matmul peak and the one
-copy-bandwidth probe) and common.py (the engine under test). `bench throughput`'s parts: floor.py
-(the matmul floor), op_profile.py (`--profile`), hf_peers.py and isolated.py (the peers, each in a
-process of its own). Microbenchmarks and investigations live outside the package, in the
-top-level `benchmarks/` folder of a checkout.
+throughput.py, serve.py, memory.py, prefix.py, sharing.py, paper.py, startup.py. What they share:
+workload.py (the one workload generator: random-token prompts, length profiles, Poisson
+arrivals), report.py (the one table printer and the rows the docs' hook reads too), machine.py
+(the matmul peak and the one copy-bandwidth probe), isolated.py (a system in a fresh process, with
+its peak RSS) and common.py (the engine under test).
+
+The peers (transformers, vLLM's CPU build), the matmul floor, the op profile and the other
+investigations are not commands a user runs: they live outside the package, in the top-level
+`benchmarks/` folder of a checkout, and build on these modules.
+
+Tier: frontends. The commands import the offline API, the engine's arguments and, for `bench
+paper`, the experiments; nothing in the package imports them.
 """

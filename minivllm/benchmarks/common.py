@@ -173,15 +173,3 @@ def tensor_parallel_rows(
         }
         for b, a in zip(before, after)
     ]
-
-
-# ---------------------------------------------------------------------------------- peers' model
-def load_hf_model(name: str | None, dtype: torch.dtype, device: torch.device) -> Any:
-    """transformers' own model from the same folder minivllm loads (GGUF: its converted copy)."""
-    from transformers import AutoModelForCausalLM
-
-    from minivllm.model.loader import resolve_model
-
-    path = resolve_model(name).path
-    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    return model.to(device).eval()

@@ -37,7 +37,7 @@ def measure_matmul_flops(
 ) -> float:
     """Dense FLOP/s of the machine for `dtype`: the best of several large square matmuls, by
     torch's matmul and, on a CPU with oneDNN, by oneDNN on a prepacked weight (the GEMM minivllm's
-    CPU linears run, minivllm/platforms/cpu_ops.py; faster than MKL's here, so a peak taken from
+    CPU linears run, minivllm/cpu/op_forwards.py; faster than MKL's here, so a peak taken from
     MKL alone would be one minivllm exceeds)."""
     if device.type == "cuda":
         size = max(size, 8192)
@@ -45,7 +45,7 @@ def measure_matmul_flops(
     b = torch.randn(size, size, device=device).to(dtype)
     gemms = [lambda: torch.matmul(a, b)]
     if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        from minivllm.platforms.cpu_ops import onednn_packs, packed_linear
+        from minivllm.cpu.op_forwards import onednn_packs, packed_linear
 
         if onednn_packs(b):
             packed = torch.ops.mkldnn._reorder_linear_weight(b, 64)

@@ -19,7 +19,7 @@ drawn output length, as the paper's oracle assumes.
 
 Two modes:
   --simulate a100-40gb/opt-13b   the paper's first column, in simulated time: the real scheduler
-                                 and block manager, a roofline cost per step (distributed/simulated.py)
+                                 and block manager, a roofline cost per step (experiments/simulated_executor.py)
   (no --simulate)                the real engine on this machine (SmolLM2 by default) with a KV
                                  cache small enough that memory, not compute, limits the batch; its
                                  clock is the sum of the steps' measured CPU time (this process's:
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +48,9 @@ from minivllm.benchmarks.paper_sweep import (
 from minivllm.benchmarks.report import machine_load, print_table, write_json
 from minivllm.benchmarks.sharing import WORKLOADS
 from minivllm.config import KV_ALLOCATIONS
-from minivllm.distributed.simulated import SimulatedSetup, build_simulated_engine
 from minivllm.engine import LLMEngine
 from minivllm.engine_args import EngineArgs
+from minivllm.experiments.simulated_executor import SimulatedSetup, build_simulated_engine
 
 # §6.2: at the same normalized latency, vLLM sustains this many times the request rate (ShareGPT,
 # Fig. 12 top row) and batches this many times the requests (Fig. 13a, OPT-13B, ShareGPT 2 req/s).
@@ -121,6 +122,95 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+@dataclasses.dataclass
+class Setup:
+    """How the sweep's engines are made, and what the report says about them."""
+
+    make_engine: Callable[[str], LLMEngine]  # one engine per KV allocation policy
+    num_blocks: int
+    max_model_len: int
+    info: dict[str, Any]
+    title: str
+
+
+def simulated_setup(args: argparse.Namespace, engine_args: EngineArgs) -> Setup:
+    """Engines on the simulated-time executor: a named GPU and model, no weights."""
+    setup = SimulatedSetup.named(args.simulate)
+    max_model_len = engine_args.max_model_len or setup.model.max_model_len
+    keep = ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed")
+    overrides = {k: getattr(engine_args, k) for k in keep}
+    if engine_args.num_gpu_blocks_override is not None:
+        overrides["num_gpu_blocks_override"] = engine_args.num_gpu_blocks_override
+
+    def make_engine(policy: str) -> LLMEngine:
+        return build_simulated_engine(
+            setup, kv_allocation=policy, enable_prefix_caching=False,
+            max_model_len=max_model_len, **overrides,
+        )  # fmt: skip
+
+    num_blocks = overrides.get(
+        "num_gpu_blocks_override", setup.num_kv_blocks(engine_args.block_size)
+    )
+    info = {
+        "gpu": dataclasses.asdict(setup.gpu), "model": dataclasses.asdict(setup.model),
+        "kv_cache_bytes": setup.kv_cache_bytes, "step_overhead_s": setup.step_overhead_s,
+    }  # fmt: skip
+    title = f"simulated {setup.model.name} on {setup.gpu.name}"
+    return Setup(make_engine, num_blocks, max_model_len, info, title)
+
+
+def real_setup(engine_args: EngineArgs) -> Setup:
+    """Engines that run the model on this machine."""
+    max_model_len = engine_args.max_model_len or CPU_MAX_MODEL_LEN
+    num_blocks = engine_args.num_gpu_blocks_override or CPU_NUM_BLOCKS
+    real_args = dataclasses.replace(
+        engine_args, max_model_len=max_model_len, num_gpu_blocks_override=num_blocks
+    )
+
+    def make_engine(policy: str) -> LLMEngine:
+        engine = LLMEngine(
+            dataclasses.replace(real_args, kv_allocation=policy).create_engine_config()
+        )
+        serve(
+            engine, [PaperRequest(0.0, 8, 4)]
+        )  # first-call costs (kernel builds) out of the numbers
+        return engine
+
+    info = {
+        "model": real_args.model or "SmolLM2-135M-Instruct (bundled)",
+        "machine": machine_load(),
+    }
+    return Setup(
+        make_engine, num_blocks, max_model_len, info, f"real run on this CPU: {info['model']}"
+    )
+
+
+def print_summary(results: list[Any], summary: dict[str, dict[str, Any]], bound: float) -> None:
+    for workload, rows in summary.items():
+        print(f"\n{workload}: normalized latency (s/token) and mean batched requests per point")
+        print_table(
+            ["policy", "rate", "norm. latency", "batched", "preemptions"],
+            [[r.policy, r.rate, r.normalized_latency, r.mean_batched_requests, r.num_preemptions]
+             for r in results if r.workload == workload],
+        )  # fmt: skip
+        print(
+            f"\n{workload}: highest rate under {bound:g} s/token; paged's ratio beside the paper's"
+        )
+        table = []
+        for policy, row in rows.items():
+            paper_rate = PAPER_RATE_RATIO.get(policy)
+            paper_batch = PAPER_BATCH_RATIO.get(policy)
+            table.append([
+                policy, f"{row['max_rate']:.2f} ({row['found']})", _ratio(row.get("paged_rate_ratio")),
+                f"{paper_rate[0]}-{paper_rate[1]}x" if paper_rate else "-",
+                row["mean_batched_requests"], _ratio(row.get("paged_batch_ratio")),
+                f"{paper_batch}x" if paper_batch else "-",
+            ])  # fmt: skip
+        print_table(
+            ["policy", "max rate", "paged/it", "paper", "batched", "paged/it", "paper"], table
+        )
+
+
 def main(args: argparse.Namespace) -> int:
     sim = args.simulate is not None
     if args.threads:
@@ -147,81 +237,18 @@ def main(args: argparse.Namespace) -> int:
         }
     else:
         batch_rates = {w: max(r) for w, r in workloads.items()}
-    setup_info: dict[str, Any]
-    if sim:
-        setup = SimulatedSetup.named(args.simulate)
-        max_model_len = engine_args.max_model_len or setup.model.max_model_len
-        keep = ("block_size", "max_num_seqs", "max_num_batched_tokens", "seed")
-        overrides = {k: getattr(engine_args, k) for k in keep}
-        if engine_args.num_gpu_blocks_override is not None:
-            overrides["num_gpu_blocks_override"] = engine_args.num_gpu_blocks_override
-
-        def make_engine(policy: str) -> LLMEngine:
-            return build_simulated_engine(
-                setup, kv_allocation=policy, enable_prefix_caching=False,
-                max_model_len=max_model_len, **overrides,
-            )  # fmt: skip
-
-        num_blocks = overrides.get(
-            "num_gpu_blocks_override", setup.num_kv_blocks(engine_args.block_size)
-        )
-        setup_info = {
-            "gpu": dataclasses.asdict(setup.gpu), "model": dataclasses.asdict(setup.model),
-            "kv_cache_bytes": setup.kv_cache_bytes, "step_overhead_s": setup.step_overhead_s,
-        }  # fmt: skip
-        title = f"simulated {setup.model.name} on {setup.gpu.name}"
-    else:
-        max_model_len = engine_args.max_model_len or CPU_MAX_MODEL_LEN
-        num_blocks = engine_args.num_gpu_blocks_override or CPU_NUM_BLOCKS
-        real_args = dataclasses.replace(
-            engine_args, max_model_len=max_model_len, num_gpu_blocks_override=num_blocks
-        )
-
-        def make_engine(policy: str) -> LLMEngine:
-            engine = LLMEngine(
-                dataclasses.replace(real_args, kv_allocation=policy).create_engine_config()
-            )
-            warm = [PaperRequest(0.0, 8, 4)]
-            serve(engine, warm)  # first-call costs (kernel builds, allocator) out of the numbers
-            return engine
-
-        setup_info = {
-            "model": real_args.model or "SmolLM2-135M-Instruct (bundled)",
-            "machine": machine_load(),
-        }
-        title = f"real run on this CPU: {setup_info['model']}"
-    title += f", {num_blocks} KV blocks x {engine_args.block_size}, max_model_len {max_model_len}"
+    setup = simulated_setup(args, engine_args) if sim else real_setup(engine_args)
+    max_model_len, num_blocks = setup.max_model_len, setup.num_blocks
+    title = f"{setup.title}, {num_blocks} KV blocks x {engine_args.block_size}, max_model_len {max_model_len}"
     start = time.perf_counter()
-    results = sweep(make_engine, workloads, policies, num_requests, engine_args.seed,
+    results = sweep(setup.make_engine, workloads, policies, num_requests, engine_args.seed,
                     max_model_len, scale, progress=not args.no_progress,
                     stop_above=3 * bound, keep_rates=batch_rates)  # fmt: skip
     summary = summarize(results, bound, batch_rates)
-    for workload, rows in summary.items():
-        print(f"\n{workload}: normalized latency (s/token) and mean batched requests per point")
-        print_table(
-            ["policy", "rate", "norm. latency", "batched", "preemptions"],
-            [[r.policy, r.rate, r.normalized_latency, r.mean_batched_requests, r.num_preemptions]
-             for r in results if r.workload == workload],
-        )  # fmt: skip
-        print(
-            f"\n{workload}: highest rate under {bound:g} s/token; paged's ratio beside the paper's"
-        )
-        table = []
-        for policy, row in rows.items():
-            paper_rate = PAPER_RATE_RATIO.get(policy)
-            paper_batch = PAPER_BATCH_RATIO.get(policy)
-            table.append([
-                policy, f"{row['max_rate']:.2f} ({row['found']})", _ratio(row.get("paged_rate_ratio")),
-                f"{paper_rate[0]}-{paper_rate[1]}x" if paper_rate else "-",
-                row["mean_batched_requests"], _ratio(row.get("paged_batch_ratio")),
-                f"{paper_batch}x" if paper_batch else "-",
-            ])  # fmt: skip
-        print_table(
-            ["policy", "max rate", "paged/it", "paper", "batched", "paged/it", "paper"], table
-        )
+    print_summary(results, summary, bound)
     data = {
         "mode": f"simulate {args.simulate}" if sim else "real",
-        "setup": setup_info,
+        "setup": setup.info,
         "num_kv_blocks": num_blocks,
         "block_size": engine_args.block_size,
         "max_model_len": max_model_len,

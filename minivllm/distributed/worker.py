@@ -29,39 +29,18 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from minivllm.attention import AttentionBackend, get_attention_backend
-from minivllm.config import CacheConfig
 from minivllm.distributed.parallel_state import (
-    TensorParallelGroup,
     destroy_distributed,
     init_distributed,
-    min_over_ranks,
 )
-from minivllm.model.loader import ModelSource, load_model
-from minivllm.model_runner import ModelRunner, determine_num_blocks, kv_cache_torch_dtype
+from minivllm.model_runner import ModelRunner
 from minivllm.scheduler import SchedulerOutput
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """What any rank needs to build its shard: plain data, sent to each worker when it starts."""
-
-    model_path: str  # the resolved model folder (for a GGUF file, its converted copy)
-    model_name: str
-    dtype: torch.dtype
-    device_type: str  # "cpu" or "cuda"; on CUDA, rank r uses its local device cuda:r
-    attention_backend: str  # the driver's backend, resolved ("cpu", "reference", "triton")
-    enforce_eager: bool  # the layers always from Python (ModelConfig.enforce_eager)
-    max_model_len: int  # the RoPE table's length
-    cache: CacheConfig
-    tensor_parallel_size: int
-    num_threads: int  # torch's intra-op threads per worker on a CPU (the cores, shared out)
+from minivllm.worker import WorkerConfig, build_runner, rank_device
 
 
 # ---------------------------------------------------------------------------------- messages
@@ -111,36 +90,6 @@ def rank_report(runner: ModelRunner) -> RankReport:
         num_kv_heads=model.num_kv_heads,
         all_reduce_bytes=tp.all_reduce_bytes,
         gather_bytes=tp.gather_bytes,
-    )
-
-
-# ---------------------------------------------------------------------------------- building a rank
-def rank_device(device_type: str, local_rank: int) -> torch.device:
-    """One device per rank: cuda:local_rank on GPUs; every rank shares the CPU."""
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def build_runner(
-    wc: WorkerConfig,
-    tp: TensorParallelGroup,
-    control: dist.ProcessGroup | None,
-    device: torch.device,
-    backend: AttentionBackend | None = None,
-) -> ModelRunner:
-    """Load this rank's shard and size its KV cache: as many blocks as the *smallest* rank can
-    hold, so that one block table means the same blocks on every rank."""
-    backend = backend or get_attention_backend(wc.attention_backend, device)
-    source = ModelSource(Path(wc.model_path), wc.model_name)
-    model = load_model(source, backend, wc.dtype, device, wc.max_model_len, tp)
-    kv_dtype = kv_cache_torch_dtype(wc.cache.cache_dtype, wc.dtype)
-    num_blocks = determine_num_blocks(model, wc.cache, kv_dtype, device)
-    if control is not None:
-        num_blocks = min_over_ranks(num_blocks, control)
-    return ModelRunner(
-        model, backend, num_blocks, wc.cache.block_size, kv_dtype, device, wc.enforce_eager
     )
 
 

@@ -1,7 +1,9 @@
 """The `minivllm` command: `minivllm serve [MODEL] ...`, `minivllm trace [MODEL] --prompt ... --out DIR`
 and `minivllm bench {throughput,memory,prefix,sharing,serve} ...`, with vLLM's flag names
-(vllm/entrypoints/cli/). The engine's flags come from
-`EngineArgs` (minivllm/engine_args.py), the one declaration of the engine's options.
+(vllm/entrypoints/cli/). The engine's flags come from `EngineArgs` (minivllm/engine_args.py),
+the one declaration of the engine's options; the server's from the table in cli_args.py.
+
+Tier: frontends (may import anything below; nothing below imports it).
 
 Subcommand modules are imported only when their subcommand runs, so `minivllm serve` never pays
 for the benchmarks' imports (matplotlib, ...) and the CLI works while a benchmark is missing. Each
@@ -85,130 +87,15 @@ def usage_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The server's own flags, then the engine's (from EngineArgs)."""
+    """The server's own flags (the table in cli_args.py), then the engine's (from EngineArgs)."""
     from minivllm.engine_args import EngineArgs
-    from minivllm.entrypoints.api_server import (
-        DEFAULT_MAX_BODY_BYTES,
-        DEFAULT_MAX_WAITING_REQUESTS,
-    )
+    from minivllm.entrypoints.cli_args import add_server_arguments
 
     # vLLM's `vllm serve MODEL`; `--model MODEL` (the engine flag) says the same.
     parser.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="the model to serve, as --model"
     )
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on /v1; unset: the VLLM_API_KEY environment "
-        "variable's value (the flag wins when both are set, as in vLLM)",
-    )
-    g.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="names accepted in a request's model field, the first one reported; unset: the model",
-    )
-    g.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help="larger request bodies are refused with 413",
-    )
-    g.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=DEFAULT_MAX_WAITING_REQUESTS,
-        help="answer 503 + Retry-After while this many requests wait",
-    )
-    g.add_argument(
-        "--log-stats-interval",
-        type=float,
-        default=5.0,
-        help="seconds between the stats log lines (throughput, queues, KV cache use)",
-    )
-    g.add_argument("--uvicorn-log-level", default="info", help="uvicorn's own log level")
-    g.add_argument(
-        "--disable-uvicorn-access-log",
-        action="store_true",
-        help="no access-log line per HTTP request from uvicorn",
-    )
-    g.add_argument(
-        "--uds", default=None, help="listen on this unix domain socket instead of --host/--port"
-    )
-    g.add_argument(
-        "--root-path",
-        default="",
-        help="the path prefix a proxy strips before forwarding (FastAPI's root_path)",
-    )
-    g.add_argument(
-        "--enable-request-id-headers",
-        action="store_true",
-        help="answer with an X-Request-Id header: the request's own, or a fresh one",
-    )
-    g.add_argument(
-        "--enable-tokenizer-info-endpoint",
-        action="store_true",
-        help="serve GET /tokenizer_info (the tokenizer's settings and chat template)",
-    )
-    g.add_argument(
-        "--return-tokens-as-token-ids",
-        action="store_true",
-        help="in logprobs, name each token 'token_id:N' instead of its text",
-    )
-    logs = g.add_mutually_exclusive_group()
-    logs.add_argument(
-        "--enable-log-requests",
-        dest="log_requests",
-        action="store_true",
-        help="log one line per request with its parameters (vLLM's default since 0.10: off)",
-    )
-    logs.add_argument(
-        "--disable-log-requests",
-        dest="log_requests",
-        action="store_false",
-        help="no request log lines (the default; vLLM's older flag)",
-    )
-    g.add_argument(
-        "--enable-dashboard",
-        action="store_true",
-        help="serve a live view of the KV blocks and the scheduler at /dashboard (behind "
-        "--api-key when one is set)",
-    )
-    g.add_argument(
-        "--dashboard-max-steps",
-        type=int,
-        default=256,
-        help="the dashboard keeps this many recent engine steps (bounded memory)",
-    )
-    g.add_argument(
-        "--engine-core-process",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run the engine in a process of its own, so the server's host work (HTTP, JSON, "
-        "tokenization) never takes the model's core (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING); "
-        "off by default: on 2 cores it measured no faster (docs/serving.md)",
-    )
-    g.add_argument(
-        "--engine-core-threads",
-        type=int,
-        default=None,
-        help="torch's intra-op threads in the engine-core process (unset: all cores but one, "
-        "which the server's own work keeps)",
-    )
-    g.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser',
-    )
-    g.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=("hermes", "llama3_json"),
-        help="how to find tool calls in the model's text (its chat template's format)",
-    )
+    add_server_arguments(parser)
     EngineArgs.add_cli_args(parser)
 
 
@@ -260,7 +147,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from minivllm.engine import LLMEngine
     from minivllm.engine_args import EngineArgs
-    from minivllm.engine_core_client import EngineCoreClient
+    from minivllm.engine_core.client import EngineCoreClient
     from minivllm.entrypoints.api_key import resolve_api_key
     from minivllm.entrypoints.api_server import build_app
 
@@ -320,8 +207,9 @@ def serve(args: argparse.Namespace) -> int:
 def trace(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from minivllm import LLM, SamplingParams
     from minivllm.engine_args import EngineArgs
+    from minivllm.llm import LLM
+    from minivllm.sampling_params import SamplingParams
 
     with usage_errors(args.parser):
         params = SamplingParams(

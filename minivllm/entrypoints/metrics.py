@@ -1,13 +1,13 @@
 """What the server tells its operators: Prometheus metrics and the periodic stats log line.
 
-The names, types, labels and buckets are vLLM v1's (`vllm/v1/metrics/loggers.py`:
+Tier: frontends (may import anything below; nothing below imports it). The names, types, labels and buckets are vLLM v1's (`vllm/v1/metrics/loggers.py`:
 `PrometheusStatLogger`), `vllm:` prefix included, so that a Grafana dashboard or an autoscaler
 written for vLLM reads this server unchanged; every series carries a `model_name` label. Each app
 owns its `CollectorRegistry` (not prometheus_client's global one), so tests can build several apps
 in one process. The log line is vLLM's `LoggingStatLogger`: throughputs over the last interval,
 queue lengths, KV cache usage, prefix-cache hit rate and preemptions.
 
-Everything here runs in the engine thread, through `AsyncLLMEngine.on_step` / `on_add`, after
+Everything here runs in the engine client's thread, through its `on_step` / `on_add` hooks, after
 each step: the latencies come from the engine's own timestamps (`RequestOutput.metrics`,
 time.monotonic), and the intervals are vLLM's (docs/design/metrics.md there): queue = arrival to
 the latest scheduling, prefill = scheduling to first token, decode = first to last token,
@@ -67,6 +67,9 @@ class _Seen:
 
 
 class ServerMetrics:
+    """vLLM's Prometheus series, registered in phases (one per kind of series), and the hooks
+    that update them."""
+
     def __init__(
         self,
         model_name: str,
@@ -75,114 +78,11 @@ class ServerMetrics:
         cache_config: dict[str, Any] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        r = self.registry
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=r)
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, [*labels, *extra], registry=r)
-
-        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
-
-        # Scheduler state, after every step (gauges).
-        self.running = gauge(
-            "num_requests_running", "Number of requests in model execution batches."
-        )
-        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        # What the steps did (counters; prometheus_client appends `_total`).
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter(
-            "generation_tokens", "Number of generation tokens processed."
-        )
-        self.preemptions = counter(
-            "num_preemptions", "Cumulative number of preemption from the engine."
-        )
-        self.prefix_queries = counter(
-            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
-        )
-        self.prefix_hits = counter(
-            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-        )
-        self.success = counter(
-            "request_success", "Count of successfully processed requests.", ("finished_reason",)
-        )
-        token_buckets = build_1_2_5_buckets(max_model_len)
-        self.iteration_tokens = histogram(
-            "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-            [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
-        )  # fmt: skip
-        # Per request, at its end (histograms).
-        self.request_prompt_tokens = histogram(
-            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
-        )
-        self.request_generation_tokens = histogram(
-            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
-        )
-        self.request_max_generation_tokens = histogram(
-            "request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.", token_buckets,
-        )  # fmt: skip
-        self.request_params_n = histogram(
-            "request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20]
-        )
-        self.request_params_max_tokens = histogram(
-            "request_params_max_tokens", "Histogram of the max_tokens request parameter.",
-            token_buckets,
-        )  # fmt: skip
-        # Latencies (histograms, seconds).
-        self.ttft = histogram(
-            "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            TTFT_BUCKETS,
-        )  # fmt: skip
-        self.itl = histogram(
-            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            ITL_BUCKETS,
-        )  # fmt: skip
-        # vLLM keeps this older name beside inter_token_latency (same observations) for dashboards.
-        self.tpot = histogram(
-            "time_per_output_token_seconds",
-            "Histogram of time per output token in seconds (deprecated name of the inter-token "
-            "latency).", ITL_BUCKETS,
-        )  # fmt: skip
-        self.request_tpot = histogram(
-            "request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS,
-        )  # fmt: skip
-        self.e2e = histogram(
-            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-            REQUEST_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.queue_time = histogram(
-            "request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.inference_time = histogram(
-            "request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.prefill_time = histogram(
-            "request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.decode_time = histogram(
-            "request_decode_time_seconds",
-            "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS,
-        )  # fmt: skip
-        # The cache's configuration as labels of a constant 1 (vLLM's Info-style gauge).
-        info = {k: str(v) for k, v in (cache_config or {}).items()}
-        cache_info = Gauge(
-            PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig",
-            list(info), registry=r,
-        )  # fmt: skip
-        if info:
-            cache_info.labels(**info).set(1)
-        else:
-            cache_info.set(1)
-
+        self._add_scheduler_gauges()
+        self._add_step_counters()
+        self._add_request_histograms(build_1_2_5_buckets(max_model_len))
+        self._add_latency_histograms()
+        self._add_cache_info(cache_config or {})
         self._label = {"model_name": model_name}
         for reason in FINISH_REASONS:  # present at 0 from the start, as vLLM does
             self.success.labels(model_name=model_name, finished_reason=reason)
@@ -193,6 +93,126 @@ class ServerMetrics:
         # intervals still gets its line.
         self._log_last = _ZERO_STATS
         self._log_time = time.monotonic()
+
+    # ------------------------------------------------------------------ the series
+    _LABELS = ("model_name",)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, self._LABELS, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(PREFIX + name, doc, [*self._LABELS, *extra], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
+        return Histogram(PREFIX + name, doc, self._LABELS, buckets=buckets, registry=self.registry)
+
+    def _add_scheduler_gauges(self) -> None:
+        # Scheduler state, after every step (gauges).
+        self.running = self._gauge(
+            "num_requests_running", "Number of requests in model execution batches."
+        )
+        self.waiting = self._gauge(
+            "num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.kv_usage = self._gauge(
+            "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+
+    def _add_step_counters(self) -> None:
+        # What the steps did (counters; prometheus_client appends `_total`).
+        self.prompt_tokens = self._counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = self._counter(
+            "generation_tokens", "Number of generation tokens processed."
+        )
+        self.preemptions = self._counter(
+            "num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        self.prefix_queries = self._counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = self._counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.success = self._counter(
+            "request_success", "Count of successfully processed requests.", ("finished_reason",)
+        )
+        self.iteration_tokens = self._histogram(
+            "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+        )  # fmt: skip
+
+    def _add_request_histograms(self, token_buckets: list[int]) -> None:
+        # Per request, at its end (histograms).
+        self.request_prompt_tokens = self._histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = self._histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.request_max_generation_tokens = self._histogram(
+            "request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", token_buckets,
+        )  # fmt: skip
+        self.request_params_n = self._histogram(
+            "request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20]
+        )
+        self.request_params_max_tokens = self._histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        )  # fmt: skip
+
+    def _add_latency_histograms(self) -> None:
+        # Latencies (histograms, seconds).
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )  # fmt: skip
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        )  # fmt: skip
+        # vLLM keeps this older name beside inter_token_latency (same observations) for dashboards.
+        self.tpot = self._histogram(
+            "time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (deprecated name of the inter-token "
+            "latency).", ITL_BUCKETS,
+        )  # fmt: skip
+        self.request_tpot = self._histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS,
+        )  # fmt: skip
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.inference_time = self._histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.prefill_time = self._histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.decode_time = self._histogram(
+            "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+
+    def _add_cache_info(self, cache_config: dict[str, Any]) -> None:
+        # The cache's configuration as labels of a constant 1 (vLLM's Info-style gauge).
+        info = {k: str(v) for k, v in cache_config.items()}
+        cache_info = Gauge(
+            PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig",
+            list(info), registry=self.registry,
+        )  # fmt: skip
+        if info:
+            cache_info.labels(**info).set(1)
+        else:
+            cache_info.set(1)
 
     # ------------------------------------------------------------------ the engine-thread hooks
     def on_add(self, request_id: str, params: SamplingParams | BeamSearchParams) -> None:

@@ -1,7 +1,7 @@
 """The published OpenAPI schema (`/openapi.json`, browsed at `/docs`): request bodies, responses
 and errors, all from `protocol.py`'s pydantic models.
 
-The handlers parse their bodies by hand (`api_server._parse`, so that every invalid body is
+The handlers parse their bodies by hand (`routes.parse_body`, so that every invalid body is
 OpenAI's 400 and the size limit applies before parsing), which hides the request models from
 FastAPI; vLLM, whose handlers take the models as parameters, gets their schemas from FastAPI for
 free. This module publishes them anyway, from the very models that validate the bodies: one JSON
@@ -9,6 +9,8 @@ schema per model in `components.schemas`, referenced by each route's `requestBod
 `openapi_extra`, its documented way for a body the handler reads itself), so the schema cannot
 drift from the validation. Responses are documented from the response models, stream events
 included, and every 4xx/5xx as OpenAI's error object. See docs/serving.md.
+
+Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ What minivllm serves: `input` as a string or a list of messages (`role` + `conte
 `max_output_tokens`, `temperature`, `top_p`, `stream`, `user` and `metadata` (echoed). It keeps
 no conversation state, so `store: true` and `previous_response_id` are a 400 that says so, as
 are tools, reasoning, background runs and non-text formats.
+
+Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

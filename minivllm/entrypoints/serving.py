@@ -1,6 +1,6 @@
 """What the two generation endpoints share: request checks, SamplingParams, engine plumbing, SSE.
 
-vLLM's `OpenAIServing` (vllm/entrypoints/openai/serving_engine.py), the base of
+Tier: frontends (may import anything below; nothing below imports it). vLLM's `OpenAIServing` (vllm/entrypoints/openai/serving_engine.py), the base of
 `OpenAIServingCompletion` (serving_completion.py) and `OpenAIServingChat` (serving_chat.py), which
 differ only in how the prompt is made (text or token ids vs. the chat template) and in the names
 of the response fields. Every check that can fail runs before the first byte is sent, so a bad
@@ -20,8 +20,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from minivllm.beam_search import BeamSearchParams
-from minivllm.engine_core_client import AsyncMPClient
-from minivllm.entrypoints.async_engine import AsyncLLMEngine, StreamItem
+from minivllm.engine_core.protocol import EngineClient, StreamItem
 from minivllm.entrypoints.protocol import OpenAIError, StreamOptions
 from minivllm.inputs import PromptType, process_token_params, truncate_prompt
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -41,22 +40,22 @@ ChunkFn = Callable[[int, CompletionOutput, int, int, bool, RequestOutput], dict[
 class OpenAIServing:
     def __init__(
         self,
-        engine: AsyncLLMEngine | AsyncMPClient,
+        engine_client: EngineClient,
         served_model_names: list[str],
         max_waiting_requests: int,
         max_num_seqs: int,
         return_tokens_as_token_ids: bool = False,
     ) -> None:
-        self.engine = engine
+        self.engine_client = engine_client
         # vLLM's --return-tokens-as-token-ids: logprobs name tokens as "token_id:N" (logprobs.py)
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.served_model_names = served_model_names
         self.max_waiting_requests = max_waiting_requests
         self.max_num_seqs = max_num_seqs
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine_client.tokenizer
+        self.max_model_len = engine_client.max_model_len
         # The model's generation_config.json sampling defaults (vLLM reads them once, too).
-        self.default_sampling_params: dict[str, Any] = engine.engine.get_diff_sampling_param()
+        self.default_sampling_params: dict[str, Any] = engine_client.get_diff_sampling_param()
 
     # ------------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> str:
@@ -67,9 +66,9 @@ class OpenAIServing:
         return model
 
     def check_capacity(self) -> None:
-        if self.engine.num_waiting >= self.max_waiting_requests:
+        if self.engine_client.num_waiting >= self.max_waiting_requests:
             raise OpenAIError(
-                f"the server is overloaded: {self.engine.num_waiting} requests are waiting "
+                f"the server is overloaded: {self.engine_client.num_waiting} requests are waiting "
                 f"(bound: {self.max_waiting_requests}); retry later",
                 503,
                 headers={"Retry-After": "1"},
@@ -182,8 +181,8 @@ class OpenAIServing:
             if params.logit_bias or params.allowed_token_ids or params.bad_words:
                 # The engine's own checks of token ids (it repeats them): a 400 here, not a
                 # failure in the engine thread.
-                engine = self.engine.engine
-                process_token_params(params, engine.tokenizer, engine.vocab_size)
+                client = self.engine_client
+                process_token_params(params, client.tokenizer, client.vocab_size)
             return params
         except ValueError as exc:  # the messages name the field and the range
             name = str(exc).split(" ", 1)[0]
@@ -227,7 +226,7 @@ class OpenAIServing:
                     "structured outputs are not supported with use_beam_search",
                     param="use_beam_search",
                 )
-            manager = self.engine.engine.structured_output_manager
+            manager = self.engine_client.structured_output_manager
             await asyncio.to_thread(compile_or_400, manager, *structured)
         return structured
 
@@ -241,7 +240,7 @@ class OpenAIServing:
         out: asyncio.Queue[StreamItem] = asyncio.Queue()
         rids = [f"{rid}-{i}" for i in range(len(prompts))]
         for sub, prompt, p in zip(rids, prompts, params):
-            self.engine.add_request(sub, prompt, p, out)
+            self.engine_client.add_request(sub, prompt, p, out)
         return out, rids
 
     async def _results(
@@ -264,7 +263,7 @@ class OpenAIServing:
                 yield index[item.request_id], item
         finally:
             if pending:
-                self.engine.abort(sorted(pending))
+                self.engine_client.abort(sorted(pending))
 
     async def _collect(
         self,

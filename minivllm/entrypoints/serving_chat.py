@@ -1,6 +1,6 @@
 """POST /v1/chat/completions: messages through the model's chat template (vLLM's serving_chat.py).
 
-A stream starts with one `{"role": "assistant"}` delta per choice, as OpenAI's does; the choices
+Tier: frontends (may import anything below; nothing below imports it). A stream starts with one `{"role": "assistant"}` delta per choice, as OpenAI's does; the choices
 are the request's n samples of its one prompt.
 
 Tool calling (`tools`, `tool_choice`): "none" generates text; "required" and a named function
@@ -15,16 +15,57 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
+from fastapi.responses import StreamingResponse
+
+from minivllm.beam_search import BeamSearchParams
 from minivllm.entrypoints.logprobs import chat_logprobs, prompt_logprobs_json
 from minivllm.entrypoints.protocol import ChatCompletionRequest, OpenAIError, unsupported_fields
 from minivllm.entrypoints.serving import OpenAIServing, finish_reason, usage
-from minivllm.entrypoints.tool_parsers import ExtractedToolCall, ExtractedToolCalls, ToolParser
+from minivllm.entrypoints.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCall,
+    ExtractedToolCalls,
+    ToolParser,
+)
 from minivllm.entrypoints.tool_parsers.forced import named_schema, parse_required, required_schema
 from minivllm.inputs import PromptType
 from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output import StructuredOutputsParams
+
+
+@dataclass
+class ChatPlan:
+    """A checked chat request, ready to run: everything its response is built from."""
+
+    req: ChatCompletionRequest  # with the model's sampling defaults filled in
+    mode: str  # tool mode: "none" | "auto" | "required" | "named"
+    named: str | None  # the named function, in "named" mode
+    ids: list[int]  # the prompt, through the chat template (and truncated)
+    echo: str  # the last assistant message, continued, when `echo` asks for it
+    k: int | None  # top logprobs per token; None: no logprobs
+    params: list[SamplingParams | BeamSearchParams]
+    header: dict[str, Any]  # id, object, created, model
+    as_ids: bool  # --return-tokens-as-token-ids
+
+    @property
+    def prompts(self) -> list[PromptType]:
+        return [{"prompt_token_ids": self.ids}]
+
+    @property
+    def prompt_extras(self) -> dict[str, Any]:
+        return {"prompt_token_ids": self.ids} if self.req.return_token_ids else {}
+
+    def logprobs_of(self, c: CompletionOutput, start: int) -> dict[str, Any] | None:
+        if self.k is None or c.logprobs is None:
+            return None
+        lps = chat_logprobs(c.token_ids[start:], c.logprobs[start:], self.k, self.as_ids)
+        return {"content": lps}
+
+    def with_ids(self, ch: dict[str, Any], c: CompletionOutput, start: int) -> dict[str, Any]:
+        return {**ch, "token_ids": c.token_ids[start:]} if self.req.return_token_ids else ch
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -32,6 +73,16 @@ class OpenAIServingChat(OpenAIServing):
     enable_auto_tool_choice = False  # --enable-auto-tool-choice
 
     async def create_chat_completion(self, req: ChatCompletionRequest, is_disconnected: Any) -> Any:
+        plan = await self.prepare_chat(req)  # every 400 comes from here, before anything runs
+        self.check_capacity()
+        if req.stream:
+            return self.stream_chat(plan)
+        rid = plan.header["id"]
+        finals = await self._collect(rid, plan.prompts, plan.params, is_disconnected)
+        return self.chat_response(plan, finals)
+
+    async def prepare_chat(self, req: ChatCompletionRequest) -> ChatPlan:
+        """Check the request, render its prompt, and make its sampling parameters."""
         model = self.check_model(req.model)
         unsupported_fields(req)
         self.check_stream_options(req.stream, req.stream_options)
@@ -54,106 +105,97 @@ class OpenAIServingChat(OpenAIServing):
         field = "max_tokens"
         if req.max_completion_tokens is not None:
             field, requested = "max_completion_tokens", req.max_completion_tokens
-        cap = field in from_model
         k = (req.top_logprobs or 0) if req.logprobs else None
-        budget = self.max_tokens(requested, len(ids), field, cap)
+        budget = self.max_tokens(requested, len(ids), field, field in from_model)
         structured = await self.structured_outputs(req, forced)
         params = [self.sampling_params(req, budget, k, structured, req.prompt_logprobs)]
-        self.check_capacity()
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
         header = {
-            "id": rid,
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model,
         }
-        ids_in: list[PromptType] = [{"prompt_token_ids": ids}]
         named = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
-
         as_ids = self.tokens_as_ids(req)
+        return ChatPlan(req, mode, named, ids, echo, k, params, header, as_ids)
 
-        def logprobs_of(c: CompletionOutput, start: int) -> dict[str, Any] | None:
-            if k is None or c.logprobs is None:
-                return None
-            return {"content": chat_logprobs(c.token_ids[start:], c.logprobs[start:], k, as_ids)}
+    def stream_chat(self, plan: ChatPlan) -> StreamingResponse:
+        """One role delta per choice, then content (or tool-call) deltas as the text grows."""
+        req, mode = plan.req, plan.mode
+        chunk_header = {**plan.header, "object": "chat.completion.chunk"}
+        sent: dict[int, int] = {}  # choice -> characters of content sent (tool modes)
 
-        def with_ids(ch: dict[str, Any], c: CompletionOutput, start: int) -> dict[str, Any]:
-            return {**ch, "token_ids": c.token_ids[start:]} if req.return_token_ids else ch
+        def chunk(
+            _pi: int,
+            c: CompletionOutput,
+            prev_text: int,
+            prev_tok: int,
+            _f: bool,
+            _out: RequestOutput,
+        ) -> Any:
+            delta: dict[str, Any] = {"content": c.text[prev_text:]}
+            reason = finish_reason(c)
+            if mode == "named":  # the arguments stream as they are generated
+                fn: dict[str, Any] = {"arguments": c.text[prev_text:]}
+                call: dict[str, Any] = {"index": 0, "function": fn}
+                if prev_text == 0:
+                    call |= {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function"}
+                    fn["name"] = plan.named
+                delta = {"content": None, "tool_calls": [call]}
+            elif mode in ("required", "auto"):
+                delta, reason = self._tool_delta(mode, c, sent, reason)
+            ch = {
+                "index": c.index,
+                "delta": delta,
+                "logprobs": plan.logprobs_of(c, prev_tok),
+                "finish_reason": reason,
+            }
+            return {**chunk_header, "choices": [plan.with_ids(ch, c, prev_tok)]}
 
-        prompt_ids: dict[str, Any] = {"prompt_token_ids": ids} if req.return_token_ids else {}
+        def role_chunk(index: int) -> dict[str, Any]:
+            delta = {"role": "assistant", "content": plan.echo}
+            ch = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            if req.return_token_ids:
+                ch["token_ids"] = []
+            return {**chunk_header, "choices": [ch], **plan.prompt_extras}
 
-        if req.stream:
-            chunk_header = {**header, "object": "chat.completion.chunk"}
-            sent: dict[int, int] = {}  # choice -> characters of content sent (tool modes)
+        rid = plan.header["id"]
+        return self._stream(
+            rid, plan.prompts, plan.params, chunk_header, chunk, req.stream_options, role_chunk
+        )
 
-            def chunk(
-                _pi: int,
-                c: CompletionOutput,
-                prev_text: int,
-                prev_tok: int,
-                _f: bool,
-                _out: RequestOutput,
-            ) -> Any:
-                delta: dict[str, Any] = {"content": c.text[prev_text:]}
-                reason = finish_reason(c)
-                if mode == "named":  # the arguments stream as they are generated
-                    fn: dict[str, Any] = {"arguments": c.text[prev_text:]}
-                    call: dict[str, Any] = {"index": 0, "function": fn}
-                    if prev_text == 0:
-                        call |= {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function"}
-                        fn["name"] = named
-                    delta = {"content": None, "tool_calls": [call]}
-                elif mode in ("required", "auto"):
-                    delta, reason = self._tool_delta(mode, c, sent, reason)
-                ch = {
-                    "index": c.index,
-                    "delta": delta,
-                    "logprobs": logprobs_of(c, prev_tok),
-                    "finish_reason": reason,
-                }
-                return {**chunk_header, "choices": [with_ids(ch, c, prev_tok)]}
-
-            def role_chunk(index: int) -> dict[str, Any]:
-                delta = {"role": "assistant", "content": echo}
-                ch = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-                if req.return_token_ids:
-                    ch["token_ids"] = []
-                return {**chunk_header, "choices": [ch], **prompt_ids}
-
-            return self._stream(
-                rid, ids_in, params, chunk_header, chunk, req.stream_options, role_chunk
-            )
-
-        finals = await self._collect(rid, ids_in, params, is_disconnected)
+    def chat_response(self, plan: ChatPlan, finals: list[RequestOutput]) -> dict[str, Any]:
+        """The whole response, once every choice finished; tool calls found in the text."""
         choices = []
         for c in finals[0].outputs:
             # `reasoning_content`: vLLM's field for a reasoning parser's output; minivllm has no
             # reasoning parser, so it is always null (present, as in vLLM's responses).
             message: dict[str, Any] = {
                 "role": "assistant",
-                "content": echo + c.text,
+                "content": plan.echo + c.text,
                 "reasoning_content": None,
             }
             reason = finish_reason(c)
-            extracted = self._extract(mode, named, c)
+            extracted = self._extract(plan.mode, plan.named, c)
             if extracted is not None and extracted.tools_called:
                 message["content"] = extracted.content
                 message["tool_calls"] = [t.to_openai() for t in extracted.tool_calls]
-                reason = "tool_calls" if mode != "named" else reason
+                reason = "tool_calls" if plan.mode != "named" else reason
             choice = {
                 "index": c.index,
                 "message": message,
-                "logprobs": logprobs_of(c, 0),
+                "logprobs": plan.logprobs_of(c, 0),
                 "finish_reason": reason,
             }
-            choices.append(with_ids(choice, c, 0))
+            choices.append(plan.with_ids(choice, c, 0))
+        extras = dict(plan.prompt_extras)
         # vLLM's extra, at the top level (its ChatCompletionResponse), null unless asked for
-        prompt_ids["prompt_logprobs"] = (
-            prompt_logprobs_json(finals[0].prompt_logprobs, as_ids)
-            if req.prompt_logprobs is not None
+        extras["prompt_logprobs"] = (
+            prompt_logprobs_json(finals[0].prompt_logprobs, plan.as_ids)
+            if plan.req.prompt_logprobs is not None
             else None
         )
-        return {**header, "choices": choices, "usage": usage(finals), **prompt_ids}
+        return {**plan.header, "choices": choices, "usage": usage(finals), **extras}
 
     # ------------------------------------------------------------------ tool calling
     def tool_mode(

@@ -1,15 +1,18 @@
 """POST /v1/completions: OpenAI's legacy text completion (vLLM's serving_completion.py).
 
-A completion with several prompts becomes one engine request per prompt, sharing one output queue;
+Tier: frontends (may import anything below; nothing below imports it). A completion with several prompts becomes one engine request per prompt, sharing one output queue;
 the choices are numbered prompt-major (`prompt_index * n + sample_index`), as OpenAI does.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
+from minivllm.beam_search import BeamSearchParams
 from minivllm.entrypoints.logprobs import (
     completion_logprobs,
     echo_logprobs,
@@ -19,10 +22,52 @@ from minivllm.entrypoints.protocol import CompletionRequest, OpenAIError, unsupp
 from minivllm.entrypoints.serving import OpenAIServing, finish_reason, usage
 from minivllm.inputs import PromptType
 from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionPlan:
+    """A checked completion request, ready to run: everything its response is built from."""
+
+    req: CompletionRequest  # with the model's sampling defaults filled in
+    prompt_ids: list[list[int]]  # each prompt's token ids (truncated)
+    echo_texts: list[str]  # each prompt's text, when `echo` asks for it; else ""
+    params: list[SamplingParams | BeamSearchParams]  # one per prompt
+    header: dict[str, Any]  # id, object, created, model
+
+    @property
+    def prompts(self) -> list[PromptType]:
+        return [{"prompt_token_ids": ids} for ids in self.prompt_ids]
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, req: CompletionRequest, is_disconnected: Any) -> Any:
+        plan = await self.prepare_completion(req)  # every 400 comes from here
+        self.check_capacity()
+        rid, req = plan.header["id"], plan.req
+        if req.stream:
+            return self._stream(
+                rid,
+                plan.prompts,
+                plan.params,
+                plan.header,
+                functools.partial(self.stream_chunk, plan),
+                req.stream_options,
+                emit_first=req.echo or req.return_token_ids or req.prompt_logprobs is not None,
+            )
+        finals = await self._collect(rid, plan.prompts, plan.params, is_disconnected)
+        n, echo_texts = req.n, plan.echo_texts
+        choices = [
+            self.choice(
+                plan, pi * n + c.index, c, echo_texts[pi] + c.text, 0, len(echo_texts[pi]), out
+            )
+            for pi, out in enumerate(finals)
+            for c in out.outputs
+        ]
+        return {**plan.header, "choices": choices, "usage": usage(finals)}
+
+    async def prepare_completion(self, req: CompletionRequest) -> CompletionPlan:
+        """Check the request, tokenize its prompts, and make one sampling parameters each."""
         model = self.check_model(req.model)
         unsupported_fields(req)
         self.check_stream_options(req.stream, req.stream_options)
@@ -30,7 +75,7 @@ class OpenAIServingCompletion(OpenAIServing):
         tokenized: list[tuple[str | None, list[int]]] = []
         for p in _split_prompts(req.prompt):
             try:
-                text, ids = self.engine.engine.tokenize_prompt(p)
+                text, ids = self.engine_client.tokenize_prompt(p)
             except ValueError as exc:
                 raise OpenAIError(str(exc), param="prompt") from None
             kept = self.truncate(req, ids)
@@ -51,92 +96,72 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for _, ids in tokenized
         ]
-        self.check_capacity()
         echo_texts = [
             (text if text is not None else self.tokenizer.decode(ids)) if req.echo else ""
             for text, ids in tokenized
         ]
-        n, k = req.n, req.logprobs
-        rid = f"cmpl-{uuid.uuid4().hex}"
         header = {
-            "id": rid,
+            "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": model,
         }
+        return CompletionPlan(req, [ids for _, ids in tokenized], echo_texts, params, header)
 
-        as_ids = self.tokens_as_ids(req)
+    def stream_chunk(
+        self,
+        plan: CompletionPlan,
+        pi: int,
+        c: CompletionOutput,
+        prev_text: int,
+        prev_tok: int,
+        first: bool,
+        whole: RequestOutput,
+    ) -> dict[str, Any]:
+        """One stream event: the new text of prompt `pi`'s choice (its echo before the first)."""
+        echo = plan.echo_texts[pi] if first else ""
+        offset = len(plan.echo_texts[pi]) + prev_text
+        text = echo + c.text[prev_text:]
+        ch = self.choice(plan, pi * plan.req.n + c.index, c, text, prev_tok, offset, whole, first)
+        return {**plan.header, "choices": [ch]}
 
-        def choice(
-            i: int,
-            c: CompletionOutput,
-            text: str,
-            start: int,
-            offset: int,
-            whole: RequestOutput,
-            first: bool = True,
-        ) -> Any:
-            lps = None
-            if k is not None and c.logprobs is not None:
-                head = None
-                if req.echo and first and whole.prompt_logprobs is not None:
-                    head, offset = echo_logprobs(
-                        tokenized[i // n][1], whole.prompt_logprobs, k, self.decode_one, as_ids
-                    )
-                lps = completion_logprobs(
-                    c.token_ids[start:], c.logprobs[start:], k, offset, as_ids
+    def choice(
+        self,
+        plan: CompletionPlan,
+        i: int,
+        c: CompletionOutput,
+        text: str,
+        start: int,
+        offset: int,
+        whole: RequestOutput,
+        first: bool = True,
+    ) -> dict[str, Any]:
+        """Choice `i` (prompt-major) from token `start` on; `offset`: its text's first character
+        in the whole choice (what logprobs' `text_offset` counts from)."""
+        req, k, as_ids = plan.req, plan.req.logprobs, self.tokens_as_ids(plan.req)
+        prompt_ids = plan.prompt_ids[i // req.n]
+        lps = None
+        if k is not None and c.logprobs is not None:
+            head = None
+            if req.echo and first and whole.prompt_logprobs is not None:
+                head, offset = echo_logprobs(
+                    prompt_ids, whole.prompt_logprobs, k, self.decode_one, as_ids
                 )
-                if head is not None:
-                    lps = {key: head[key] + lps[key] for key in lps}
-            out = {"index": i, "text": text, "logprobs": lps, "finish_reason": finish_reason(c)}
-            if req.return_token_ids:  # vLLM: the prompt's ids once, then each chunk's new ids
-                if first:
-                    out["prompt_token_ids"] = tokenized[i // n][1]
-                out["token_ids"] = c.token_ids[start:]
-            if (
-                first
-            ):  # vLLM's extra, on the choice (its CompletionResponseChoice), null unless asked
-                out["prompt_logprobs"] = (
-                    prompt_logprobs_json(whole.prompt_logprobs, as_ids)
-                    if req.prompt_logprobs is not None
-                    else None
-                )
-            return out
-
-        ids_in: list[PromptType] = [{"prompt_token_ids": ids} for _, ids in tokenized]
-        if req.stream:
-
-            def chunk(
-                pi: int,
-                c: CompletionOutput,
-                prev_text: int,
-                prev_tok: int,
-                first: bool,
-                whole: RequestOutput,
-            ) -> Any:
-                echo = echo_texts[pi] if first else ""
-                offset = len(echo_texts[pi]) + prev_text
-                text = echo + c.text[prev_text:]
-                ch = choice(pi * n + c.index, c, text, prev_tok, offset, whole, first)
-                return {**header, "choices": [ch]}
-
-            return self._stream(
-                rid,
-                ids_in,
-                params,
-                header,
-                chunk,
-                req.stream_options,
-                emit_first=req.echo or req.return_token_ids or req.prompt_logprobs is not None,
+            lps = completion_logprobs(c.token_ids[start:], c.logprobs[start:], k, offset, as_ids)
+            if head is not None:
+                lps = {key: head[key] + lps[key] for key in lps}
+        out = {"index": i, "text": text, "logprobs": lps, "finish_reason": finish_reason(c)}
+        if req.return_token_ids:  # vLLM: the prompt's ids once, then each chunk's new ids
+            if first:
+                out["prompt_token_ids"] = prompt_ids
+            out["token_ids"] = c.token_ids[start:]
+        if first:  # vLLM's extra, on the choice (its CompletionResponseChoice), null unless asked
+            out["prompt_logprobs"] = (
+                prompt_logprobs_json(whole.prompt_logprobs, as_ids)
+                if req.prompt_logprobs is not None
+                else None
             )
-
-        finals = await self._collect(rid, ids_in, params, is_disconnected)
-        choices = [
-            choice(pi * n + c.index, c, echo_texts[pi] + c.text, 0, len(echo_texts[pi]), out)
-            for pi, out in enumerate(finals)
-            for c in out.outputs
-        ]
-        return {**header, "choices": choices, "usage": usage(finals)}
+        return out
 
 
 def _split_prompts(prompt: Any) -> list[PromptType]:

@@ -7,7 +7,7 @@ from the platform, and `forward` calls it.
 
 Here the same, with one difference in where the fast forwards are written. The model's files hold
 the math only: each op's `forward_native` (RMSNorm, SiLU·mul, RoPE, the parallel linears, the LM
-head). A platform's forwards live with the platform (`minivllm/platforms/cpu_ops.py` for the CPU)
+head). A platform's forwards live with the platform (`minivllm/cpu/op_forwards.py` for the CPU)
 and register themselves for the op class they speed up with `register_forward`; a learner reads
 the model without meeting a kernel, and reads the kernels where the platform is. The platform
 calls `dispatch_forward` on every op once the weights are loaded (`Platform.dispatch_custom_ops`);

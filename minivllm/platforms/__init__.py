@@ -6,8 +6,13 @@ the default device (CUDA where it is available, else the CPU), and `platform_for
 platform of a device the user named (`device="cpu"` on a machine with a GPU). What a platform
 decides is listed in `interface.py`; `cpu.py` and `cuda.py` are the two kinds of device.
 
-Only this package looks at `device.type` to choose code; the model's files hold the math, and
-the attention package, the loader and the model runner ask the platform.
+The model's files hold the math and never ask which device they run on; the attention selector,
+the loader, the model runner and the sampler ask the platform. (The Triton backend, the executors
+and the worker also read `device.type`, for what only they do with a device: CUDA streams and
+device indices, not a choice of code.)
+
+Tier: leaves. Nothing here imports a plug-in: the platforms name the code they choose
+(interface.py).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 
 import torch
 
-from minivllm.platforms.interface import CUSTOM_OPS, DecodeReplay, Platform
+from minivllm.platforms.interface import CUSTOM_OPS, DecodeLoop, Platform, resolve_obj_by_qualname
 
 
 @functools.cache
@@ -45,4 +50,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CUSTOM_OPS", "DecodeReplay", "Platform", "current_platform", "platform_for"]
+__all__ = [
+    "CUSTOM_OPS",
+    "DecodeLoop",
+    "Platform",
+    "current_platform",
+    "platform_for",
+    "resolve_obj_by_qualname",
+]

@@ -1,11 +1,12 @@
 """`CpuPlatform`: x86 CPUs (vLLM's vllm/platforms/cpu.py), with the compiled kernels of
-minivllm/kernels/.
+minivllm/cpu/, which it names and never imports (tier: leaves; vLLM's platforms return class
+names for the same reason: the plug-in sits above the model, the platform below it).
 
 The compiled CPU attention backend is the default ("cpu"), float32 the default dtype, and the KV
 cache takes `cpu_kv_cache_space` GiB (vLLM's VLLM_CPU_KVCACHE_SPACE). With `custom_ops="all"`
-every custom op runs its CPU forward (`cpu_ops.py`: fused norms, SiLU·mul and RoPE, the skinny
+every custom op runs its CPU forward (`minivllm/cpu/op_forwards.py`: fused norms, SiLU·mul and RoPE, the skinny
 GEMM and MKL's faster layout for the linears, a prepacked LM head), and a decode step's layers
-may be replayed as one C++ call (`capture_decode_layers`).
+may run as one C++ loop (`decode_loop_cls`, minivllm/cpu/decode_loop.py).
 
 "auto" is "all" with the CPU attention backend only: the fused ops are built into the same
 library as that backend, so where the library could not be built (and "auto" fell back to the
@@ -15,17 +16,18 @@ specification end to end; and the Triton backend on a CPU is the interpreter of 
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
 
 import torch
 
-from minivllm.platforms.interface import DecodeReplay, Platform
+from minivllm.platforms.interface import Platform, resolve_obj_by_qualname
 
 
 class CpuPlatform(Platform):
     device_type = "cpu"
     default_attention_backend = "cpu"
     attention_backends = ("reference", "cpu", "triton")  # triton: TRITON_INTERPRET=1 only
+    decode_loop_cls = "minivllm.cpu.decode_loop.CpuDecodeLoop"
 
     def default_dtype(self) -> torch.dtype:
         return torch.float32
@@ -43,18 +45,7 @@ class CpuPlatform(Platform):
 
     def register_op_forwards(self) -> None:
         # Loaded (built on first use) before any op switches, so a machine that cannot build it
-        # fails here, at load time, with `CpuKernelUnavailable`, not mid-step.
-        from minivllm.kernels.cpu_build import load_cpu_kernels
-
-        load_cpu_kernels()
-        import minivllm.platforms.cpu_ops  # noqa: F401  (registers the CPU forwards)
-
-    def capture_decode_layers(self, model: Any, backend: Any) -> DecodeReplay | None:
-        """The decode-layers op (kernels/cpu_decode_layers.py) where it runs this model exactly as
-        its Python loop does: the CPU attention backend, every op on its CPU forward, and the
-        other conditions of `CpuDecodeLayers.supports`."""
-        from minivllm.kernels.cpu_decode_layers import CpuDecodeLayers
-
-        if backend.name != "cpu" or not CpuDecodeLayers.supports(model):
-            return None
-        return CpuDecodeLayers(model)
+        # fails here, at load time, with `CpuKernelUnavailable`, not mid-step. Importing the
+        # forwards' module registers them (`register_forward`).
+        resolve_obj_by_qualname("minivllm.cpu.build.load_cpu_kernels")()
+        importlib.import_module("minivllm.cpu.op_forwards")

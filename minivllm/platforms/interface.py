@@ -11,15 +11,19 @@ no other module asks `device.type` to pick its code:
 - the dtype that `"auto"` means, and how many bytes the KV cache may take;
 - the collective library between tensor-parallel ranks (`dist_backend`, vLLM's name);
 - how the sampler draws a random row (`sampling_method`);
-- whether a decode step may be replayed as one captured call (`capture_decode_layers`, which the
-  model runner owns, as vLLM's runner owns CUDA-graph capture).
+- the attention backends by the qualified names of their classes (`get_attn_backend_cls`), and
+  the device's decode loop, if it has one (`decode_loop_cls`: a decode step's layers as one
+  compiled call, which the model runner owns, as vLLM's runner owns CUDA-graph capture).
 
-This module imports no other part of minivllm but the custom-op base, so that the attention
-package, the loader and the runner can all ask the platform without a cycle.
+Tier: leaves. A platform states facts and *names* code (vLLM's platforms return qualified class
+names); it imports nothing of minivllm but the custom-op base, which is a leaf too. The plug-ins it
+names (minivllm/cpu/) sit above the model and are imported by name, on first use, by whoever asks
+(`resolve_obj_by_qualname`), so no import goes up a tier and none goes round in a circle.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Protocol
 
 import torch
@@ -29,9 +33,24 @@ from minivllm.model.custom_op import CustomOp
 
 CUSTOM_OPS = ("auto", "all", "none")
 
+# Every attention backend by the qualified name of its class (vLLM's `get_attn_backend_cls`
+# returns such names): minivllm/attention/selector.py imports the one a step needs, on first use.
+ATTENTION_BACKEND_CLASSES = {
+    "reference": "minivllm.attention.reference.ReferenceBackend",
+    "cpu": "minivllm.cpu.attention.CpuBackend",
+    "triton": "minivllm.attention.triton.TritonBackend",
+}
 
-class DecodeReplay(Protocol):
-    """A decode step's model body as one captured call (the CPU's: kernels/cpu_decode_layers.py)."""
+
+def resolve_obj_by_qualname(qualname: str) -> Any:
+    """The object `qualname` ("package.module.Name") names, its module imported now (vLLM's
+    `resolve_obj_by_qualname`): how a lower tier reaches a plug-in it may only name."""
+    module, _, name = qualname.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+class DecodeLoop(Protocol):
+    """A decode step's model body as one compiled call (the CPU's: minivllm/cpu/decode_loop.py)."""
 
     def applies(self, num_tokens: int, meta: Any) -> bool:
         """Whether this step is one the captured call runs exactly as the model would."""
@@ -57,6 +76,9 @@ class Platform:
     # How the sampler draws a row's token (sampler.random_sample): inverse-CDF sampling with one
     # uniform per row, or the exponential race, which needs no host sync (a GPU's choice).
     sampling_method: str = "multinomial"
+    # The qualified name of a `DecodeLoop` class with `build(model, backend) -> DecodeLoop | None`,
+    # where this device has one; None otherwise.
+    decode_loop_cls: str | None = None
 
     def default_dtype(self) -> torch.dtype:
         """What dtype "auto" means."""
@@ -67,6 +89,11 @@ class Platform:
     ) -> float:
         """How many bytes the KV cache may take on `device` (CacheConfig's two limits)."""
         raise NotImplementedError
+
+    def get_attn_backend_cls(self, name: str) -> str:
+        """The qualified class name of the attention backend `name` (resolved: not "auto")."""
+        self.check_attention_backend(name)
+        return ATTENTION_BACKEND_CLASSES[name]
 
     def check_attention_backend(self, name: str) -> None:
         """Refuse a backend (by its resolved name) that does not run on this device."""
@@ -99,7 +126,3 @@ class Platform:
         device_type = self.device_type if enabled else None
         ops = [m for m in model.modules() if isinstance(m, CustomOp)]
         return sum(op.dispatch_forward(device_type) for op in ops)
-
-    def capture_decode_layers(self, model: Any, backend: Any) -> DecodeReplay | None:
-        """A replay of the model's decode steps, where this device has one; None otherwise."""
-        return None

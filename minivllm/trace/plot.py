@@ -55,26 +55,76 @@ def block_owner_matrix(trace: dict[str, Any]) -> tuple[list[list[int]], list[str
     return grid, owners
 
 
-def plot_block_map(trace: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
-    """Write the picture as a PNG (or any format matplotlib knows from the suffix)."""
+def owner_colours(num_owners: int) -> list[Any]:
+    """Free, cached-free, shared, then one colour per owner. Red is kept for preemptions: no
+    owner is drawn in tab10's red (index 3) or tab20's (6, 7)."""
     import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
 
-    grid, owners = block_owner_matrix(trace)
-    steps = trace["steps"]
-    # Red is kept for preemptions: no owner is drawn in tab10's red (index 3) or tab20's (6, 7).
-    big = len(owners) > 9
+    big = num_owners > 9
     palette = [
         c
         for i, c in enumerate(plt.get_cmap("tab20" if big else "tab10").colors)  # type: ignore[attr-defined]
         if i not in ((6, 7) if big else (3,))
     ]
-    colours = ["#ffffff", "#cfd8dc", "#546e7a"] + [
-        palette[i % len(palette)] for i in range(len(owners))
+    return ["#ffffff", "#cfd8dc", "#546e7a"] + [
+        palette[i % len(palette)] for i in range(num_owners)
     ]
+
+
+def draw_events(ax: Any, usage: Any, steps: list[dict[str, Any]], star: float) -> bool:
+    """Sharing, preemptions, copy-on-write copies and forks over the map; whether any block was
+    shared."""
+    shared = [(s["step"], int(b)) for s in steps for b, n in s["ref_counts"].items() if n > 1]
+    if shared:
+        ax.scatter(*zip(*shared), s=3, color="black", marker=".")
+    for step in steps:
+        k = step["step"]
+        if step["preempted"]:
+            for a in (usage, ax):
+                a.axvline(k, color="#c62828", linewidth=1.2)
+        for _src, dst in step["copies"]:
+            ax.plot(k, dst, "*", color="#ffeb3b", markersize=star, markeredgecolor="black")
+        for child in step["forked"]:
+            for b in step["block_tables"][str(child)]:
+                ax.plot(k, b, "|", color="black", markersize=7)
+    return bool(shared)
+
+
+def legend_handles(
+    trace: dict[str, Any], owners: list[str], colours: list[Any], grid: Any, shared: bool
+) -> list[Any]:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    steps = trace["steps"]
+    handles: list[Any] = [Patch(color=colours[3 + i], label=o) for i, o in enumerate(owners)]
+    if any(SHARED in row for row in grid):
+        whose = "samples" if by_sample(trace) else "requests"
+        handles.append(Patch(facecolor=colours[SHARED], label=f"shared by several {whose}"))
+    handles.append(Patch(facecolor=colours[CACHED], label="free, prefix-cached"))
+    marks: list[tuple[str, bool, dict[str, Any]]] = [
+        ("shared (ref count > 1)", shared, {"marker": ".", "color": "black"}),
+        ("preemption", any(s["preempted"] for s in steps), {"color": "#c62828", "linestyle": "-"}),
+        ("copy-on-write", any(s["copies"] for s in steps),
+         {"marker": "*", "color": "#ffeb3b", "markeredgecolor": "black", "markersize": 10}),
+        ("fork (n > 1)", any(s["forked"] for s in steps), {"marker": "|", "color": "black"}),
+    ]  # fmt: skip
+    for label, present, style in marks:
+        if present:
+            style.setdefault("linestyle", "none")  # a marker only; the preemption is a line
+            handles.append(Line2D([], [], label=label, **style))
+    return handles
+
+
+def plot_block_map(trace: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
+    """Write the picture as a PNG (or any format matplotlib knows from the suffix)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.ticker import MaxNLocator
+
+    grid, owners = block_owner_matrix(trace)
+    steps = trace["steps"]
+    colours = owner_colours(len(owners))
     # Only the blocks the run touched: a 128-block pool of which 20 were used draws 20 rows.
     rows = 1 + max((b for b in range(len(grid)) if any(grid[b])), default=0)
     grid = grid[:rows]
@@ -101,39 +151,11 @@ def plot_block_map(trace: dict[str, Any], path: str | Path, title: str | None = 
         a.yaxis.set_major_locator(MaxNLocator(integer=True))
     # A star fits in its block's row, so that stars in neighbouring blocks do not overlap.
     row_points = 72 * fig.get_size_inches()[1] * 0.7 / rows
-    star = max(4.0, min(11.0, 0.9 * row_points))
-    shared = [(s["step"], int(b)) for s in steps for b, n in s["ref_counts"].items() if n > 1]
-    if shared:
-        ax.scatter(*zip(*shared), s=3, color="black", marker=".")
-    for step in steps:
-        k = step["step"]
-        if step["preempted"]:
-            for a in (usage, ax):
-                a.axvline(k, color="#c62828", linewidth=1.2)
-        for _src, dst in step["copies"]:
-            ax.plot(k, dst, "*", color="#ffeb3b", markersize=star, markeredgecolor="black")
-        for child in step["forked"]:
-            for b in step["block_tables"][str(child)]:
-                ax.plot(k, b, "|", color="black", markersize=7)
+    shared = draw_events(ax, usage, steps, star=max(4.0, min(11.0, 0.9 * row_points)))
     ax.set_xlabel("engine step")
     unused = trace["num_blocks"] - rows
     ax.set_ylabel("physical block" + (f"\n(the other {unused} never used)" if unused else ""))
-    handles: list[Any] = [Patch(color=colours[3 + i], label=o) for i, o in enumerate(owners)]
-    if any(SHARED in row for row in grid):
-        whose = "samples" if by_sample(trace) else "requests"
-        handles.append(Patch(facecolor=colours[SHARED], label=f"shared by several {whose}"))
-    handles.append(Patch(facecolor=colours[CACHED], label="free, prefix-cached"))
-    marks: list[tuple[str, bool, dict[str, Any]]] = [
-        ("shared (ref count > 1)", bool(shared), {"marker": ".", "color": "black"}),
-        ("preemption", any(s["preempted"] for s in steps), {"color": "#c62828", "linestyle": "-"}),
-        ("copy-on-write", any(s["copies"] for s in steps),
-         {"marker": "*", "color": "#ffeb3b", "markeredgecolor": "black", "markersize": 10}),
-        ("fork (n > 1)", any(s["forked"] for s in steps), {"marker": "|", "color": "black"}),
-    ]  # fmt: skip
-    for label, present, style in marks:
-        if present:
-            style.setdefault("linestyle", "none")  # a marker only; the preemption is a line
-            handles.append(Line2D([], [], label=label, **style))
+    handles = legend_handles(trace, owners, colours, grid, shared)
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     whose = "sample" if by_sample(trace) else "request"
     usage.set_title(title or f"KV blocks held, by {whose}, step by step", fontsize=10)

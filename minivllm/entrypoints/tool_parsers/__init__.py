@@ -1,72 +1,32 @@
 """Tool-call parsers: the model's text -> OpenAI `tool_calls` (vLLM: `entrypoints/openai/tool_parsers/`).
 
-With `tool_choice: "auto"` the model decides whether to call a tool, and says so in the format
-its chat template taught it; a parser, chosen by `--tool-call-parser NAME`, finds the calls in the
-finished text. With `"required"` or a named function there is nothing to find: the grammar engine
-forced the output into a known JSON shape (`forced.py`).
+Tier: frontends (may import anything below; nothing below imports it). With `tool_choice: "auto"`
+the model decides whether to call a tool, and says so in the format its chat template taught it;
+a parser, chosen by `--tool-call-parser NAME`, finds the calls in the finished text. With
+`"required"` or a named function there is nothing to find: the grammar engine forced the output
+into a known JSON shape (`forced.py`).
+
+One direction only: the parsers import `abstract_tool_parser.py`; this registry names them by
+qualified path (as vLLM's `ToolParserManager` registers lazily) and imports only the one asked for.
 """
 
 from __future__ import annotations
 
-import json
-import uuid
-from dataclasses import dataclass, field
-from typing import Any
+import importlib
 
+from minivllm.entrypoints.tool_parsers.abstract_tool_parser import ToolParser
 
-@dataclass
-class ExtractedToolCall:
-    name: str
-    arguments: str  # JSON text
-
-    def to_openai(self) -> dict[str, Any]:
-        return {
-            "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-
-
-@dataclass
-class ExtractedToolCalls:
-    tools_called: bool
-    tool_calls: list[ExtractedToolCall] = field(default_factory=list)
-    content: str | None = None  # the text that is not a call (None when there is none)
-
-
-class ToolParser:
-    """Finds tool calls in a finished text; `content_end` says how much of a growing text is
-    surely plain content, so that a stream can send it before the call (if any) is complete."""
-
-    name = ""
-
-    def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
-        raise NotImplementedError
-
-    def content_end(self, text: str) -> int:
-        raise NotImplementedError
-
-
-def call_from_json(obj: Any) -> ExtractedToolCall | None:
-    """{"name": ..., "arguments" | "parameters": {...}} -> a call; anything else -> None."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return ExtractedToolCall(obj["name"], text)
+# --tool-call-parser NAME -> "module:Class", imported when a server asks for it.
+TOOL_PARSERS = {
+    "hermes": "minivllm.entrypoints.tool_parsers.hermes:HermesToolParser",
+    "llama3_json": "minivllm.entrypoints.tool_parsers.llama3_json:Llama3JsonToolParser",
+}
+TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
 
 
 def get_tool_parser(name: str) -> ToolParser:
-    from minivllm.entrypoints.tool_parsers.hermes import HermesToolParser
-    from minivllm.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser
-
-    parsers: dict[str, type[ToolParser]] = {
-        "hermes": HermesToolParser,
-        "llama3_json": Llama3JsonToolParser,
-    }
-    if name not in parsers:
-        raise ValueError(f"tool_call_parser must be one of {sorted(parsers)}, got {name!r}")
-    return parsers[name]()
-
-
-TOOL_PARSER_NAMES = ("hermes", "llama3_json")
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, got {name!r}")
+    module, cls = TOOL_PARSERS[name].split(":")
+    parser: type[ToolParser] = getattr(importlib.import_module(module), cls)
+    return parser()

@@ -1,5 +1,7 @@
 """Forced tool calls: `tool_choice` "required" or a named function, for any model.
 
+Tier: frontends (may import anything below; nothing below imports it).
+
 As vLLM does (`_get_json_schema_from_tool` in vllm/entrypoints/openai/protocol.py), the choice
 becomes a JSON schema for the grammar engine: a named function's output *is* its arguments
 object; "required" is a non-empty array of `{"name": <one of the tools>, "parameters": {...}}`,
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from minivllm.entrypoints.tool_parsers import ExtractedToolCall
+from minivllm.entrypoints.tool_parsers.abstract_tool_parser import ExtractedToolCall
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 

@@ -1,7 +1,8 @@
 """Hermes-style calls (NousResearch Hermes, Qwen 2.5): `<tool_call>{"name": .., "arguments": ..}</tool_call>`.
 
-vLLM's `hermes_tool_parser.py`: every tagged block is one call; the text outside the blocks is
-the message's content.
+Tier: frontends (may import anything below; nothing below imports it). vLLM's
+`hermes_tool_parser.py`: every tagged block is one call; the text outside the blocks is the
+message's content.
 """
 
 from __future__ import annotations
@@ -9,7 +10,11 @@ from __future__ import annotations
 import json
 import re
 
-from minivllm.entrypoints.tool_parsers import ExtractedToolCalls, ToolParser, call_from_json
+from minivllm.entrypoints.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls,
+    ToolParser,
+    call_from_json,
+)
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)

@@ -1,11 +1,18 @@
 """Llama 3.x JSON calls: the whole answer is `{"name": .., "parameters": ..}` (several joined by
-`;`), optionally after `<|python_tag|>` (vLLM's `llama_tool_parser.py`)."""
+`;`), optionally after `<|python_tag|>` (vLLM's `llama_tool_parser.py`).
+
+Tier: frontends (may import anything below; nothing below imports it).
+"""
 
 from __future__ import annotations
 
 import json
 
-from minivllm.entrypoints.tool_parsers import ExtractedToolCalls, ToolParser, call_from_json
+from minivllm.entrypoints.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls,
+    ToolParser,
+    call_from_json,
+)
 
 TAG = "<|python_tag|>"
 

@@ -1,4 +1,4 @@
-"""The CPU's forward of each custom op: the model's math, computed by minivllm/kernels/.
+"""The CPU's forward of each custom op: the model's math, computed by minivllm/cpu/.
 
 Each function below is registered (`register_forward`) for the op class whose `forward_native`
 it replaces when the CPU platform runs `custom_ops="all"`; it computes the same result, and the
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.kernels import cpu_ops
+from minivllm.cpu import ops as cpu_ops
 from minivllm.model.custom_op import register_forward
 from minivllm.model.llama import RMSNorm, SiluAndMul
 from minivllm.model.parallel_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear

@@ -1,28 +1,26 @@
-"""The parts of vLLM's server that are about operating it, not about generating: the API key and
-the body-size limit, request ids in headers, the server load, and the tokenizer's configuration.
+"""The server's ASGI middlewares: the API key and the body-size limit, request ids in headers,
+and the server load (what vLLM's server does around its routes, not in them).
+
+Tier: frontends (may import anything below; nothing below imports it).
 
 - `GuardMiddleware`: 401 on /v1/* without the API key (compared in constant time); 413 for a
   body over `--max-request-body-bytes`, known from Content-Length or found while reading.
-
 - `RequestIdMiddleware` (vLLM's `--enable-request-id-headers`): every response carries an
   `X-Request-Id` header, the client's own when it sent one, so a proxy's logs and the client's
   can be joined.
 - `LoadMiddleware` counts the generation requests in flight (completions, chat, responses,
   invocations); `GET /load` reports it as `{"server_load": N}`, which vLLM's router and
   autoscalers poll. minivllm always counts (one integer), so there is no flag to turn it on.
-- `tokenizer_info` is vLLM's `GET /tokenizer_info` (behind `--enable-tokenizer-info-endpoint`,
-  because it exposes the chat template): the tokenizer's class and its JSON-safe init settings.
 
-All three are pure ASGI middlewares or plain functions: `BaseHTTPMiddleware` would hide client
-disconnects from streaming responses, which the abort-on-disconnect path needs.
+All three are pure ASGI middlewares: `BaseHTTPMiddleware` would hide client disconnects from
+streaming responses, which the abort-on-disconnect path needs. A new one (a root path, say) is
+one class here and one line in `api_server.add_middlewares`.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import uuid
-from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -79,34 +77,6 @@ class LoadMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.load.in_flight -= 1
-
-
-def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
-    """vLLM's `/tokenizer_info`: `tokenizer_class` plus every init setting that is JSON."""
-    info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
-    for key, value in getattr(tokenizer, "init_kwargs", {}).items():
-        if key in ("vocab_file", "merges_file"):  # paths on the server's disk (vLLM drops them)
-            continue
-        if key == "added_tokens_decoder" and isinstance(value, dict):
-            # id -> the token's settings, as tokenizer_config.json writes them (not its repr)
-            info[key] = {str(i): _added_token(token) for i, token in value.items()}
-            continue
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            value = str(value)  # e.g. an AddedToken: its text is what a client can use
-        info[key] = value
-    template = getattr(tokenizer, "chat_template", None)
-    if template is not None:
-        info["chat_template"] = template
-    return info
-
-
-def _added_token(token: Any) -> dict[str, Any]:
-    if isinstance(token, dict):
-        return token
-    names = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
-    return {name: getattr(token, name) for name in names if hasattr(token, name)}
 
 
 class _BodyTooLarge(Exception):

@@ -12,7 +12,7 @@ Two phases, both in the bench's own process:
    reach the LM head: the scheduled sequences that sample). Two integers from the
    `SchedulerOutput` the step already carries; nothing is timed inside the engine.
 2. `replay` times, with the model's own layers, what the model does with those rows: per layer
-   the qkv, o, gate_up and down projections' own `forward` (minivllm/platforms/cpu_ops.py:
+   the qkv, o, gate_up and down projections' own `forward` (minivllm/cpu/op_forwards.py:
    on the CPU fast path the skinny GEMM at decode's row counts and MKL above them, otherwise MKL
    throughout), and the LM head's own matmul, `ParallelLMHead`'s forward (on the CPU fast path
    its oneDNN-prepacked weight; otherwise slices of `LM_HEAD_ROWS` vocabulary rows).

@@ -16,10 +16,20 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from minivllm.benchmarks.common import load_hf_model
 from minivllm.benchmarks.isolated import current_rss_bytes, peak_rss_bytes
 from minivllm.benchmarks.machine import timed
 from minivllm.benchmarks.workload import BenchRequest
+
+
+def load_hf_model(name: str | None, dtype: torch.dtype, device: torch.device) -> Any:
+    """transformers' own model from the same folder minivllm loads (GGUF: its converted copy)."""
+    from transformers import AutoModelForCausalLM
+
+    from minivllm.model.loader import resolve_model
+
+    path = resolve_model(name).path
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.to(device).eval()
 
 
 def peer_process(

@@ -13,7 +13,7 @@ and float16 CPU tensors and compute in float32:
 
 Two layouts. On the CPU fast path the model's linears may return (W · xᵀ)ᵀ, a transposed view
 ("feature-major": logically [T, N], stored as a contiguous [N, T], so `x.stride() == (1, T)`),
-because MKL runs it faster (`minivllm/platforms/cpu_ops.py`). `silu_and_mul`,
+because MKL runs it faster (`minivllm/cpu/op_forwards.py`). `silu_and_mul`,
 `fused_add_rms_norm`, `rotary_embedding` and the attention ops take that layout as it is and keep
 it, as well as token-major rows: copying the linears' outputs to rows first cost more than the
 fusion saved. `is_feature_major` says which one a tensor has.
@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from minivllm.kernels.cpu_build import load_cpu_kernels
+from minivllm.cpu.build import load_cpu_kernels
 
 __all__ = [
     "SKINNY_BEFORE_ONEDNN_ROWS",
@@ -150,7 +150,7 @@ def skinny_gemm(
 def runs_packed(rows: int, weight: torch.Tensor, packed: torch.Tensor | None) -> bool:
     """Whether a linear of `rows` rows runs oneDNN on its packed weight: it has one, and the
     skinny GEMM is not the faster choice (a few float32 rows). The decode replay asks the same
-    (cpu_decode_layers.py) as each linear's CPU forward does (minivllm/platforms/cpu_ops.py), so
+    (cpu_decode_layers.py) as each linear's CPU forward does (minivllm/cpu/op_forwards.py), so
     both paths call the same kernel."""
     if packed is None:
         return False

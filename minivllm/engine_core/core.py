@@ -1,15 +1,17 @@
 """EngineCoreProc: the `LLMEngine` in a process of its own, driven over a pipe.
 
+Tier: frontends (may import anything below; nothing below imports it).
+
 vLLM v1 runs its engine core in a separate process (vllm/v1/engine/core.py `EngineCoreProc`) so
 that the server's host work -- HTTP, JSON and SSE encoding, tokenization, the event loop -- never
 takes the interpreter (and its GIL) from the model's steps. Here the same split, over one
 `multiprocessing` pipe instead of ZeroMQ sockets (no extra dependency; one client, one core):
 
-    frontend (engine_core_client.py)            core (this file, a spawned process)
+    frontend (client.py)                        core (this file, a spawned process)
       add / abort / shutdown commands  ------->   applied between steps
       per-step outputs + stats         <-------   after every step (and on an idle tick)
 
-The loop is `AsyncLLMEngine`'s (minivllm/entrypoints/async_engine.py) with the pipe in place of
+The loop is `AsyncLLMEngine`'s (async_engine.py) with the pipe in place of
 the thread-safe queue: busy -> take the commands that have arrived, then step; idle -> block on
 the pipe. Detokenization stays here, in the engine's output processor: the outputs that cross the
 pipe already carry their text, the engine stays one unit that the offline `LLM` shares, and the

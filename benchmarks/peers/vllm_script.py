@@ -1,6 +1,6 @@
 """Run a bench workload through vLLM: executed by the vLLM interpreter, never imported by minivllm.
 
-`minivllm bench throughput --vllm-python PATH` runs `PATH vllm_peer_script.py IN.json OUT.json`
+`python -m benchmarks.throughput_vs_peers --vllm-python PATH` runs `PATH vllm_script.py IN.json OUT.json`
 in a process of its own (vLLM is never a dependency of minivllm, and lives in its own virtual
 environment). IN.json: the model folder, dtype, engine limits and the requests (prompt token ids
 and exact output lengths, EOS ignored, greedy). OUT.json: the timed run's seconds, output tokens,

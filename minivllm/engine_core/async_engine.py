@@ -1,8 +1,10 @@
 """AsyncLLMEngine: the blocking `LLMEngine` driven by one thread, fed and read from asyncio.
 
+Tier: frontends (may import anything below; nothing below imports it). One of the two
+`EngineClient`s (protocol.py); the other runs the engine in a process of its own (client.py).
 vLLM's `AsyncLLM` (vllm/v1/engine/async_llm.py) puts the engine core in another process and talks
-to it over ZeroMQ; here a thread is enough, because `LLMEngine.step()` spends its time in PyTorch
-ops, which release the GIL. The design keeps the engine single-threaded all the same:
+to it over ZeroMQ; here a thread is enough by default, because `LLMEngine.step()` spends its time
+in PyTorch ops, which release the GIL. The design keeps the engine single-threaded all the same:
 
 - Handlers never touch the engine. `add_request` / `abort` put a command on a thread-safe queue;
   the engine thread applies the commands *between* steps, so no step ever sees a half-added request
@@ -16,36 +18,24 @@ ops, which release the GIL. The design keeps the engine single-threaded all the 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from minivllm.beam_search import BeamSearchParams
-from minivllm.engine import LLMEngine
+from minivllm.engine_core.protocol import AddHook, EngineClientBase, StepHook, StreamItem
 from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.stats import EngineStats
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from minivllm.engine import LLMEngine
 
 logger = logging.getLogger("minivllm")
-
-# What a request's queue receives: cumulative outputs, or the exception that ended it.
-StreamItem = RequestOutput | BaseException
-
-
-def threadsafe_sink(
-    loop: asyncio.AbstractEventLoop, out: asyncio.Queue[StreamItem]
-) -> Callable[[StreamItem], None]:
-    """A callable another thread may call to put an item on `out`: an asyncio queue is not
-    thread-safe, so the put runs in `loop`, the only thread that may touch it."""
-
-    def sink(item: StreamItem) -> None:
-        loop.call_soon_threadsafe(out.put_nowait, item)
-
-    return sink
 
 
 @dataclass
@@ -61,53 +51,34 @@ class _Abort:
     request_ids: list[str]
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineClientBase):
     """Runs `engine` in a daemon thread; `start()` it from the event loop that will read outputs."""
+
+    thread_name = "minivllm-engine"
 
     def __init__(
         self,
         engine: LLMEngine,
-        on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None,
+        on_step: StepHook | None = None,
         idle_wakeup_s: float = 1.0,
-        on_add: Callable[[str, SamplingParams | BeamSearchParams], None] | None = None,
+        on_add: AddHook | None = None,
     ) -> None:
-        self.engine = engine
-        self.on_step = on_step  # metrics and stats logging hook; runs in the engine thread
-        self.on_add = on_add  # each request the engine took: metrics, request log; engine thread
+        super().__init__(engine, on_step, on_add)
+        self.engine: LLMEngine = engine
         self.idle_wakeup_s = idle_wakeup_s  # how often an idle thread wakes to call on_step
-        self.stats: EngineStats = engine.get_stats()
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._sinks: dict[str, Callable[[StreamItem], None]] = {}
-        # Adds queued but not applied yet = queued - applied; each counter has one writer thread.
         # Counted as applied only when the stats that include them are published, so that
         # `num_waiting` never misses a request that is in neither.
-        self._num_adds_queued = 0
-        self._num_adds_applied = 0
         self._num_adds_unpublished = 0  # engine thread only
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.dead_error: BaseException | None = None
 
     # ------------------------------------------------------------------ the event-loop side
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
-        self._thread.start()
-
     def shutdown(self) -> None:
+        """Stop the engine thread (aborting what runs), then the engine (its TP workers)."""
         if self._thread is not None:
             self._commands.put(None)
             self._thread.join(timeout=30)
             self._thread = None
-
-    @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
-
-    @property
-    def num_waiting(self) -> int:
-        """Sequences waiting in the scheduler, plus requests not yet handed to it."""
-        return self.stats.num_waiting + self._num_adds_queued - self._num_adds_applied
+        self.engine.shutdown()
 
     def add_request(
         self,
@@ -121,9 +92,9 @@ class AsyncLLMEngine:
         Several requests may share one queue (a completion with several prompts); outputs carry
         their `request_id`.
         """
-        assert self._loop is not None, "start() the engine first"
+        sink = self._sink_for(out)
         self._num_adds_queued += 1
-        self._commands.put(_Add(request_id, prompt, params, threadsafe_sink(self._loop, out)))
+        self._commands.put(_Add(request_id, prompt, params, sink))
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests (e.g. the client went away); their KV blocks are freed at the next step."""
@@ -154,12 +125,7 @@ class AsyncLLMEngine:
                     self._publish([])  # idle tick: stats logging stays on schedule
                     continue
                 outputs = engine.step()  # also returns the outputs of requests aborted above
-                for out in outputs:
-                    sink = self._sinks.get(out.request_id)
-                    if sink is not None:
-                        sink(out)
-                    if out.finished:
-                        self._sinks.pop(out.request_id, None)
+                self._deliver(outputs)
                 self._publish(outputs)
         except BaseException as exc:  # the engine is broken: fail every open request loudly
             logger.exception("the engine thread died")
@@ -179,11 +145,7 @@ class AsyncLLMEngine:
             cmd.sink(exc)
             return
         self._sinks[cmd.request_id] = cmd.sink
-        if self.on_add is not None:
-            try:
-                self.on_add(cmd.request_id, cmd.params)
-            except Exception:  # metrics must never take the engine down
-                logger.exception("on_add hook failed")
+        self._call_hook(self.on_add, cmd.request_id, cmd.params)
 
     def _abort_all(self) -> None:
         ids = list(self._sinks)
@@ -197,8 +159,4 @@ class AsyncLLMEngine:
         self.stats = self.engine.get_stats()
         self._num_adds_applied += self._num_adds_unpublished
         self._num_adds_unpublished = 0
-        if self.on_step is not None:
-            try:
-                self.on_step(self.stats, outputs)
-            except Exception:  # metrics must never take the engine down
-                logger.exception("on_step hook failed")
+        self._call_hook(self.on_step, self.stats, outputs)

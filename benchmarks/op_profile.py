@@ -1,4 +1,4 @@
-"""Where a run's time goes: its ops by self CPU time, in groups (`bench throughput --profile`).
+"""Where a run's time goes: its ops by self CPU time, in groups (`python -m benchmarks.throughput_vs_peers --profile`).
 
 The matmul floor (floor.py) says how much of a run is *not* matmul; this says what that is. The
 same workload runs once more under `torch.profiler`, after the timed run (the profiler slows every

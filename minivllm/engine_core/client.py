@@ -1,12 +1,15 @@
 """The frontend's side of the engine-core process (vLLM v1's core_client.py `AsyncMPClient`).
 
-- `EngineCoreClient` starts the core (`engine_core.py`) in a spawned process, waits for its
+Tier: frontends (may import anything below; nothing below imports it).
+
+- `EngineCoreClient` starts the core (core.py) in a spawned process, waits for its
   handshake, and stands in for the `LLMEngine` wherever the frontend needs facts about the model
   but not the model itself: the tokenizer (loaded here, in the frontend, where prompts are
   tokenized and chat templates applied), `max_model_len` as the built engine fitted it to the KV
   cache, the vocabulary size, the model's sampling defaults, a structured-output manager that
   validates grammars before a request is queued (the core compiles them again for its matchers).
-- `AsyncMPClient` is `AsyncLLMEngine`'s interface over the pipe (the server's handlers use either):
+- `AsyncMPClient` is an `EngineClient` (protocol.py) over the pipe, as `AsyncLLMEngine` is one
+  over a thread (the server's handlers cannot tell them apart):
   `add_request` / `abort` send commands; a reader thread receives each step's outputs and hands
   them to the requests' asyncio queues with `call_soon_threadsafe`, and runs the metrics hooks
   (`on_add`, `on_step`) from the stats the core sends.
@@ -24,12 +27,11 @@ import logging
 import multiprocessing as mp
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from minivllm.beam_search import BeamSearchParams
 from minivllm.config import EngineConfig
-from minivllm.engine_core import (
+from minivllm.engine_core.core import (
     AbortRequests,
     AddRequest,
     CoreFailed,
@@ -38,11 +40,10 @@ from minivllm.engine_core import (
     Shutdown,
     run_engine_core,
 )
-from minivllm.entrypoints.async_engine import StreamItem, threadsafe_sink
+from minivllm.engine_core.protocol import AddHook, EngineClientBase, StepHook, StreamItem
 from minivllm.exceptions import EngineDeadError
 from minivllm.inputs import PromptType, process_prompt
 from minivllm.model.loader import load_tokenizer
-from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.stats import EngineStats
 from minivllm.structured_output import StructuredOutputManager
@@ -142,36 +143,25 @@ class EngineCoreClient:
             self.process.join()
 
 
-class AsyncMPClient:
-    """`AsyncLLMEngine`'s interface over an `EngineCoreClient`; `start()` it from the event loop
-    that will read outputs. `engine` is the client (the handlers read the tokenizer there)."""
+class AsyncMPClient(EngineClientBase):
+    """An `EngineClient` over an `EngineCoreClient`; `start()` it from the event loop that will
+    read outputs. `engine` is the client: the model's facts are read there."""
+
+    thread_name = "minivllm-core-reader"
 
     def __init__(
         self,
         client: EngineCoreClient,
-        on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None,
-        on_add: Callable[[str, SamplingParams | BeamSearchParams], None] | None = None,
+        on_step: StepHook | None = None,
+        on_add: AddHook | None = None,
     ) -> None:
-        self.engine = client
-        self.on_step = on_step  # runs in the reader thread, from the stats the core sent
-        self.on_add = on_add
-        self.stats: EngineStats = client.get_stats()
-        self._sinks: dict[str, Callable[[StreamItem], None]] = {}
+        super().__init__(client, on_step, on_add)  # `stats`: the handshake's, until a step's
+        self.engine: EngineCoreClient = client
         self._params: dict[str, SamplingParams | BeamSearchParams] = {}  # sent, not yet taken
         self._lock = threading.Lock()  # sinks vs. the reader failing them all at once
-        self._num_adds_queued = 0  # loop thread
-        self._num_adds_applied = 0  # reader thread
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
-        self.dead_error: EngineDeadError | None = None
 
     # ------------------------------------------------------------------ the event-loop side
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._read, name="minivllm-core-reader", daemon=True)
-        self._thread.start()
-
     def shutdown(self) -> None:
         self._stopping = True
         if self._thread is not None and self.dead_error is None:
@@ -182,17 +172,7 @@ class AsyncMPClient:
 
     @property
     def is_running(self) -> bool:
-        return (
-            self._thread is not None
-            and self._thread.is_alive()
-            and self.dead_error is None
-            and self.engine.process.is_alive()
-        )
-
-    @property
-    def num_waiting(self) -> int:
-        """Sequences waiting in the core's scheduler, plus requests sent but not yet taken."""
-        return self.stats.num_waiting + self._num_adds_queued - self._num_adds_applied
+        return super().is_running and self.engine.process.is_alive()
 
     def add_request(
         self,
@@ -201,9 +181,7 @@ class AsyncMPClient:
         params: SamplingParams | BeamSearchParams,
         out: asyncio.Queue[StreamItem],
     ) -> None:
-        assert self._loop is not None, "start() the engine first"
-        sink = threadsafe_sink(self._loop, out)
-
+        sink = self._sink_for(out)
         with self._lock:
             if self.dead_error is not None:
                 out.put_nowait(self.dead_error)
@@ -219,7 +197,7 @@ class AsyncMPClient:
             self.engine.send(AbortRequests(list(request_ids)))
 
     # ------------------------------------------------------------------ the reader thread
-    def _read(self) -> None:
+    def _run(self) -> None:
         conn = self.engine.conn
         while True:
             try:
@@ -245,24 +223,12 @@ class AsyncMPClient:
                 sink(ValueError(error))
         for rid in message.added:
             params = self._params.pop(rid, None)
-            if self.on_add is not None and params is not None:
-                try:
-                    self.on_add(rid, params)
-                except Exception:  # metrics must never take the server down
-                    logger.exception("on_add hook failed")
-        for out in message.outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is not None:
-                sink(out)
-            if out.finished:
-                self._sinks.pop(out.request_id, None)
+            if params is not None:
+                self._call_hook(self.on_add, rid, params)
+        self._deliver(message.outputs)
         self.stats = message.stats
         self._num_adds_applied += len(message.added) + len(message.errors)
-        if self.on_step is not None:
-            try:
-                self.on_step(message.stats, message.outputs)
-            except Exception:
-                logger.exception("on_step hook failed")
+        self._call_hook(self.on_step, message.stats, message.outputs)
 
     def _die(self, why: str) -> None:
         process = self.engine.process

@@ -3,7 +3,7 @@
 Decode is where a CPU engine spends its attention time: every step, every running request reads
 its whole context to produce one token. The reference backend gathers that context into a padded
 contiguous tensor before `scaled_dot_product_attention`, so each key and value crosses memory three
-times. This backend sends decode rows to `minivllm/kernels/cpu_attention.cpp`, which follows each request's block
+times. This backend sends decode rows to `minivllm/cpu/cpu_attention.cpp`, which follows each request's block
 table and reads each key and value once (the paper's §4.1 kernel); measured on SmolLM2 at 64
 requests x 256 tokens of context, decode attention drops from ~8 ms to ~2 ms per layer.
 
@@ -24,9 +24,9 @@ write rounds to it, the kernel widens each value back to float32 as it reads it 
 in float32, so the result is the reference backend's on the same rounded cache, read at half the
 bytes.
 
-The kernels live with the other compiled code in `minivllm/kernels/` (`cpu_attention.cpp`, their
+The kernels live with the other compiled code in `minivllm/cpu/` (`cpu_attention.cpp`, their
 wrappers in `cpu_ops.py`) and are compiled on first use, into one library with the layer ops
-(about 20 s, once per machine; `minivllm/kernels/cpu_build.py` says how, and what a user sees).
+(about 20 s, once per machine; `minivllm/cpu/build.py` says how, and what a user sees).
 Where it cannot be built, `get_attention_backend("auto")` says why in one line and falls back to
 the reference backend.
 """
@@ -39,8 +39,8 @@ import torch
 
 from minivllm.attention import AttentionMetadata
 from minivllm.attention.reference import ReferenceBackend
-from minivllm.kernels.cpu_build import CpuKernelUnavailable, load_cpu_kernels
-from minivllm.kernels.cpu_ops import paged_decode, reshape_and_cache
+from minivllm.cpu.build import CpuKernelUnavailable, load_cpu_kernels
+from minivllm.cpu.ops import paged_decode, reshape_and_cache
 
 __all__ = [
     "CpuBackend",

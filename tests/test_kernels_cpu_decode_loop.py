@@ -1,4 +1,4 @@
-"""A decode step's layers in one C++ call (`minivllm/kernels/cpu_decode_layers.py`, source
+"""A decode step's layers in one C++ call (`minivllm/cpu/decode_loop.py`, source
 `cpu_decode_layers.cpp`) equal the Python loop of `LlamaForCausalLM.forward` bit for bit, and the
 model runner replays them exactly where they apply.
 
@@ -16,13 +16,13 @@ import pytest
 import torch
 from test_model_llama import CONFIGS, save_tiny_llama
 
-from minivllm.attention import AttentionMetadata, get_attention_backend
-from minivllm.kernels.cpu_decode_layers import CpuDecodeLayers
-from minivllm.kernels.cpu_ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
+from minivllm.attention import AttentionMetadata
+from minivllm.attention.selector import get_attention_backend
+from minivllm.cpu.decode_loop import CpuDecodeLoop
+from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
 from minivllm.llm import LLM
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import load_model, resolve_model
-from minivllm.platforms.cpu import CpuPlatform
 from minivllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
@@ -47,11 +47,11 @@ def load(path: Path, backend: str = "cpu", dtype: torch.dtype = torch.float32) -
     )
 
 
-def capture(model: LlamaForCausalLM) -> CpuDecodeLayers | None:
-    """What the model runner captures for this model (`ModelRunner.capture_model`)."""
+def capture(model: LlamaForCausalLM) -> CpuDecodeLoop | None:
+    """What the model runner builds for this model (`ModelRunner.build_decode_loop`)."""
     backend = model.model.layers[0].self_attn.backend
-    replay = CpuPlatform().capture_decode_layers(model, backend)
-    assert replay is None or isinstance(replay, CpuDecodeLayers)
+    replay = CpuDecodeLoop.build(model, backend)
+    assert replay is None or isinstance(replay, CpuDecodeLoop)
     return replay
 
 
@@ -182,13 +182,13 @@ def test_the_engine_runs_its_decode_steps_through_it(
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (7, 20, 33)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     calls = []
-    inner = CpuDecodeLayers.__call__
+    inner = CpuDecodeLoop.__call__
 
-    def counted(self: CpuDecodeLayers, *args: object) -> torch.Tensor:
+    def counted(self: CpuDecodeLoop, *args: object) -> torch.Tensor:
         calls.append(1)
         return inner(self, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(CpuDecodeLayers, "__call__", counted)
+    monkeypatch.setattr(CpuDecodeLoop, "__call__", counted)
     llm = LLM(
         str(path),
         skip_tokenizer_init=True,
@@ -198,7 +198,7 @@ def test_the_engine_runs_its_decode_steps_through_it(
     )
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert len(calls) == 11  # one prefill step, then 11 decode steps
-    llm.llm_engine.runner.decode_replay = None
+    llm.llm_engine.runner.decode_loop = None
     python = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert fused == python
 
@@ -232,8 +232,8 @@ def test_a_forward_hook_on_a_layer_keeps_decode_steps_in_the_python_loop(tmp_pat
     """A user's probe on a layer runs at every step: the C++ call would skip it."""
     _, path = save_tiny_llama(tmp_path, CONFIGS["gqa2-hd32-tied"])
     llm = LLM(str(path), skip_tokenizer_init=True)
-    fused = llm.llm_engine.runner.decode_replay
-    assert isinstance(fused, CpuDecodeLayers) and not fused.hooked()
+    fused = llm.llm_engine.runner.decode_loop
+    assert isinstance(fused, CpuDecodeLoop) and not fused.hooked()
     seen: list[int] = []
     layer = llm.llm_engine.model.model.layers[1]
     handle = layer.mlp.register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
@@ -248,4 +248,4 @@ def test_a_forward_hook_on_a_layer_keeps_decode_steps_in_the_python_loop(tmp_pat
 def test_enforce_eager_keeps_every_step_in_the_python_loop(tmp_path: Path) -> None:
     _, path = save_tiny_llama(tmp_path, CONFIGS["gqa2-hd32-tied"])
     llm = LLM(str(path), skip_tokenizer_init=True, enforce_eager=True)
-    assert llm.llm_engine.runner.decode_replay is None
+    assert llm.llm_engine.runner.decode_loop is None

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from minivllm.envs import cache_root
+from minivllm.exceptions import CpuKernelUnavailable
 
 logger = logging.getLogger("minivllm")
 
@@ -73,10 +74,6 @@ LDFLAGS = ("-lm", "-fopenmp")
 # idle cores, several on a loaded machine). A process that died while building holds nothing to wait for.
 LOCK_TIMEOUT_S = 600.0
 BUILT_STAMP = "built.txt"  # holds the library's file name; written once it has built and loaded
-
-
-class CpuKernelUnavailable(RuntimeError):
-    """The C++ kernels (decode attention, layer ops) could not be built or loaded here."""
 
 
 def cflags(simd: str) -> list[str]:

@@ -1,4 +1,9 @@
-"""A decode step's decoder layers in one C++ call: what CUDA graphs do for vLLM, on a CPU.
+"""A Llama decode step's decoder layers as one C++ loop: what CUDA graphs do for vLLM, on a CPU.
+
+Tier: platform plug-ins (minivllm/cpu/). This is not a capture of the model but a second
+implementation of Llama's decoder loop, in C++ (`cpu_decode_layers.cpp`), held bit for bit to the
+Python one; it knows Llama's module layout (`LINEARS_PER_LAYER`) and refuses every other model
+(`CpuDecodeLoop.build`), which then runs its Python loop.
 
 A decode step runs each layer on 1-64 token rows, so each of its ~10 kernels is short, and between
 two of them Python does the layer's bookkeeping: module calls, custom-op dispatch, views, the
@@ -6,12 +11,12 @@ wrappers' checks. On SmolLM2 (30 layers, 2 cores) that host work measured ~2.5 m
 about the same at 16 rows (a 19 ms forward) and at 64 (55 ms): 5-14 % of the body's time. vLLM
 removes the host from a GPU's decode step by replaying a captured CUDA graph; a CPU has no such
 graph, so `cpu_decode_layers.cpp` does the host's part in C++ instead. It calls the same kernels
-as `LlamaModel.forward` with every custom op on its CPU forward (minivllm/platforms/cpu_ops.py),
+as `LlamaModel.forward` with every custom op on its CPU forward (minivllm/cpu/op_forwards.py),
 in the same order and on the same layouts, so its result is bit for bit the Python loop's; that
-loop stays the specification (tests/test_kernels_cpu_decode_layers.py holds the two equal).
+loop stays the specification (tests/test_kernels_cpu_decode_loop.py holds the two equal).
 
-Like a CUDA graph in vLLM, it is captured and run by the model runner (`ModelRunner.capture_model`,
-through `CpuPlatform.capture_decode_layers`); the model does not know it exists.
+Like a CUDA graph in vLLM, it is built and run by the model runner (`ModelRunner.build_decode_loop`,
+from the class the CPU platform names in `decode_loop_cls`); the model does not know it exists.
 
 It applies where the whole of a step is what the C++ loop knows how to do:
 
@@ -20,7 +25,7 @@ It applies where the whole of a step is what the C++ loop knows how to do:
 - one device: with tensor parallelism, each layer's two all-reduces happen in Python;
 - no biases, and float32 weights on a CPU where the skinny GEMM runs its AVX-512 path, or
   bfloat16 weights that every linear has prepacked for oneDNN (`prepack_linear` in
-  minivllm/platforms/cpu_ops.py; the C++ loop then calls oneDNN on them, as the Python path does);
+  minivllm/cpu/op_forwards.py; the C++ loop then calls oneDNN on them, as the Python path does);
 - a step of decodes only, with at most `SKINNY_GEMM_MAX_ROWS` rows, since above that the linears
   go to MKL;
 - no forward hook on the model, its body or their modules: a hook is Python, and a user who
@@ -38,13 +43,14 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from minivllm.attention import AttentionMetadata
-from minivllm.attention.cpu import CpuPlan
-from minivllm.kernels.cpu_ops import SKINNY_GEMM_MAX_ROWS, runs_packed, skinny_gemm_fast
+from minivllm.attention import AttentionBackend, AttentionMetadata
+from minivllm.cpu.attention import CpuPlan
+from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, runs_packed, skinny_gemm_fast
 from minivllm.model.custom_op import CustomOp
+from minivllm.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from minivllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+    from minivllm.model.llama import LlamaDecoderLayer
 
 
 def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
@@ -74,9 +80,17 @@ def all_linears_packed(model: LlamaForCausalLM) -> bool:
     )
 
 
-class CpuDecodeLayers:
+class CpuDecodeLoop:
     """`LlamaForCausalLM.forward` for a decode step: the embedding, then the layers and the final
     norm as one `decode_layers` op call."""
+
+    @classmethod
+    def build(cls, model: nn.Module, backend: AttentionBackend) -> CpuDecodeLoop | None:
+        """The loop for `model`, where it runs it exactly as its Python loop does: a Llama, the
+        CPU attention backend, and the other conditions of `supports`; None otherwise."""
+        if backend.name != "cpu" or not isinstance(model, LlamaForCausalLM):
+            return None
+        return cls(model) if cls.supports(model) else None
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         body = model.model
@@ -86,7 +100,7 @@ class CpuDecodeLayers:
         self.final_norm = body.norm
         # Six per layer, in the op's order. The plain weights run the skinny GEMM; the prepacked
         # ones (where every linear has one) oneDNN, chosen per step by the rows, as each linear's
-        # CPU forward chooses (`runs_packed` in minivllm/platforms/cpu_ops.py).
+        # CPU forward chooses (`runs_packed` in minivllm/cpu/op_forwards.py).
         self.weights = [w for layer in layers for w in layer_weights(layer, packed=False)]
         self.packed_weights = (
             [w for layer in layers for w in layer_weights(layer, packed=True)]

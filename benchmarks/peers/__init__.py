@@ -1,0 +1,1 @@
+"""The peers minivllm is measured against, each in a process (or an interpreter) of its own."""

@@ -1,0 +1,9 @@
+"""Experiments that plug into the engine from outside, through the interfaces it already has.
+
+The paper's baselines and its simulated GPU are here, not in the core: the reservation policies
+(Orca, §6.2) are KV cache managers the engine is given, and the simulated-time executor is an
+executor it is given (`LLMEngine(config, executor=...)`). Nothing in the engine, the scheduler or
+the block files reads a parameter that only an experiment needs.
+
+Tier: api and extras. These modules import the engine and the core; nothing below imports them.
+"""

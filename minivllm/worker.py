@@ -1,0 +1,76 @@
+"""One device's share of the engine: load the model onto it and size its KV cache.
+
+vLLM's `Worker` (vllm/v1/worker/): what the executor asks of each device before the first step.
+With one device (tensor_parallel_size 1) this is all there is: `build_runner` loads the weights
+and fits as many KV blocks as the platform's budget allows. With tensor parallelism every rank
+runs the same function on its own shard (minivllm/distributed/worker.py adds the loop that serves
+rank 0's steps), and the ranks agree on the smallest block count, so one block table means the
+same blocks on every rank.
+
+Tier: engine. It imports the loader, the model runner and the attention selector; only
+minivllm/distributed/ (tensor parallelism) builds on it from the same tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from minivllm.attention import AttentionBackend
+from minivllm.attention.selector import get_attention_backend
+from minivllm.config import CacheConfig
+from minivllm.distributed.parallel_state import TensorParallelGroup, min_over_ranks
+from minivllm.model.loader import load_model
+from minivllm.model.source import ModelSource
+from minivllm.model_runner import ModelRunner, determine_num_blocks, kv_cache_torch_dtype
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What any rank needs to build its shard: plain data, sent to each worker when it starts."""
+
+    model_path: str  # the resolved model folder (for a GGUF file, its converted copy)
+    model_name: str
+    dtype: torch.dtype
+    device_type: str  # "cpu" or "cuda"; on CUDA, rank r uses its local device cuda:r
+    attention_backend: str  # the driver's backend, resolved ("cpu", "reference", "triton")
+    enforce_eager: bool  # the layers always from Python (ModelConfig.enforce_eager)
+    max_model_len: int  # the RoPE table's length
+    cache: CacheConfig
+    tensor_parallel_size: int
+    num_threads: int  # torch's intra-op threads per worker on a CPU (the cores, shared out)
+
+
+def rank_device(device_type: str, local_rank: int) -> torch.device:
+    """One device per rank: cuda:local_rank on GPUs; every rank shares the CPU."""
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def build_runner(
+    wc: WorkerConfig,
+    tp: TensorParallelGroup,
+    control: dist.ProcessGroup | None,
+    device: torch.device,
+    backend: AttentionBackend | None = None,
+) -> ModelRunner:
+    """Load this rank's shard and size its KV cache: as many blocks as the *smallest* rank can
+    hold, so that one block table means the same blocks on every rank."""
+    backend = backend or get_attention_backend(wc.attention_backend, device)
+    source = ModelSource(Path(wc.model_path), wc.model_name)
+    model = load_model(source, backend, wc.dtype, device, wc.max_model_len, tp)
+    kv_dtype = kv_cache_torch_dtype(wc.cache.cache_dtype, wc.dtype)
+    num_blocks = determine_num_blocks(model, wc.cache, kv_dtype, device)
+    if control is not None:
+        num_blocks = min_over_ranks(num_blocks, control)
+    return ModelRunner(
+        model, backend, num_blocks, wc.cache.block_size, kv_dtype, device, wc.enforce_eager
+    )
