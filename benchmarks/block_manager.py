@@ -1,4 +1,4 @@
-"""Micro-benchmark of the block manager's bookkeeping: microseconds per operation.
+"""Micro-benchmark of the KV cache manager's bookkeeping (minivllm/core/): microseconds per operation.
 
     python benchmarks/block_manager.py [--num-blocks 100000] [--block-size 16]
 
@@ -12,11 +12,22 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import NamedTuple
 
 from minivllm.benchmarks.report import print_table
-from minivllm.block_manager import BlockManager
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.entrypoints.cli import HelpFormatter
+
+
+class _Seq(NamedTuple):  # what the manager reads of a sequence it admits
+    seq_id: Hashable
+    token_ids: list[int]
+
+
+def _admit(bm: KVCacheManager, seq_id: Hashable, tokens: list[int], num_new: int) -> int:
+    """One admission as the scheduler makes it: one prefix lookup, then allocation with its hit."""
+    return bm.allocate_slots(_Seq(seq_id, tokens), num_new, bm.get_computed_blocks(tokens))
 
 
 def _per_call_us(calls: list[Callable[[], object]]) -> float:
@@ -27,7 +38,7 @@ def _per_call_us(calls: list[Callable[[], object]]) -> float:
 
 
 def bench(num_blocks: int, block_size: int, prompt_len: int, caching: bool) -> dict[str, float]:
-    bm = BlockManager(num_blocks, block_size=block_size, enable_prefix_caching=caching)
+    bm = KVCacheManager(num_blocks, block_size=block_size, enable_prefix_caching=caching)
     blocks_per_seq = -(-prompt_len // block_size) + 1
     num_seqs = max(1, num_blocks // (4 * blocks_per_seq))  # leave room for forks and decodes
     prompts = [list(range(i * prompt_len, (i + 1) * prompt_len)) for i in range(2 * num_seqs)]
@@ -35,14 +46,14 @@ def bench(num_blocks: int, block_size: int, prompt_len: int, caching: bool) -> d
     # Warm up: fill the whole pool with cached blocks, then free them all (evictable, LRU order).
     warm = [[-1 - i] * block_size * 8 for i in range(num_blocks // 8)]
     for i, warm_tokens in enumerate(warm):
-        bm.allocate(("warm", i), warm_tokens, len(warm_tokens))
+        _admit(bm, ("warm", i), warm_tokens, len(warm_tokens))
     for i in range(len(warm)):
         bm.free(("warm", i))
 
     ids = list(range(num_seqs))
     results = {
         "allocate": _per_call_us(
-            [lambda i=i: bm.allocate(i, prompts[i], prompt_len) for i in ids]  # type: ignore[misc]
+            [lambda i=i: _admit(bm, i, prompts[i], prompt_len) for i in ids]  # type: ignore[misc]
         )
     }
     tokens = {i: list(prompts[i]) for i in ids}
@@ -64,7 +75,7 @@ def bench(num_blocks: int, block_size: int, prompt_len: int, caching: bool) -> d
         caching
     ):  # every prompt now fully cached: admission is all hits (+ the recomputed last block)
         results["allocate (prefix hit)"] = _per_call_us(
-            [lambda i=i: bm.allocate(i, prompts[i], block_size) for i in ids]  # type: ignore[misc]
+            [lambda i=i: _admit(bm, i, prompts[i], block_size) for i in ids]  # type: ignore[misc]
         )
     results["blocks touched per allocate"] = blocks_per_seq - 1
     return results

@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from minivllm.core.scheduler import Scheduler
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput, make_request_output
 from minivllm.sampler import SampledLists
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler
 from minivllm.sequence import Request, Sequence, SequenceStatus
 
 

@@ -26,9 +26,17 @@ if TYPE_CHECKING:
     from minivllm.model.source import GenerationDefaults, ModelSource
 
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
-# How the KV cache is handed out (minivllm/kv_allocation.py): paged blocks, or the paper's Orca
-# baselines, which reserve a contiguous range per request at admission (§6.2).
-KV_ALLOCATIONS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
+# How the KV cache is handed out: paged blocks, or the paper's Orca baselines, which reserve a
+# contiguous range per request at admission (§6.2). Each names the KV cache manager class the
+# engine builds, by qualified name (as vLLM's platforms name classes), so that no module imports
+# an experiment to offer it: the baselines live in minivllm/experiments/reservation.py.
+KV_CACHE_MANAGERS = {
+    "paged": "minivllm.core.kv_cache_manager.KVCacheManager",
+    "orca-max": "minivllm.experiments.reservation.ReservationKVCacheManager",
+    "orca-pow2": "minivllm.experiments.reservation.ReservationKVCacheManager",
+    "orca-oracle": "minivllm.experiments.reservation.ReservationKVCacheManager",
+}
+KV_ALLOCATIONS = tuple(KV_CACHE_MANAGERS)
 # What the KV cache stores (vLLM's `kv_cache_dtype`): "auto" is the model's dtype. A narrower cache
 # holds more blocks in the same memory and halves the bytes attention reads per token; every
 # backend converts on write and reads it back up to the query's dtype (minivllm/attention/).
@@ -79,6 +87,11 @@ class CacheConfig:
     cpu_kv_cache_space: float  # GiB
     kv_allocation: str  # one of KV_ALLOCATIONS
     cache_dtype: str  # one of KV_CACHE_DTYPES (EngineArgs.kv_cache_dtype; vLLM's names both)
+
+    @property
+    def kv_cache_manager_cls(self) -> str:
+        """The qualified name of the KV cache manager `kv_allocation` chooses."""
+        return KV_CACHE_MANAGERS[self.kv_allocation]
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

@@ -28,17 +28,18 @@ import torch
 from minivllm.after_sampling import AfterSampling, ParallelSampling, RequestContext, RequestParams
 from minivllm.attention.selector import get_attention_backend
 from minivllm.config import EngineConfig
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.executor import Executor, make_executor
 from minivllm.input_processor import InputProcessor
 from minivllm.inputs import PromptType
-from minivllm.kv_allocation import check_forks_allowed, make_block_manager
 from minivllm.model.loader import load_tokenizer
 from minivllm.model_runner import kv_cache_torch_dtype
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput, make_request_output
+from minivllm.platforms import resolve_obj_by_qualname
 from minivllm.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler, SchedulerOutput
 from minivllm.sequence import Request, Sequence, SequenceStatus
 from minivllm.stats import EngineStats, StatsCollector
 from minivllm.step_listener import StepListener, StepOutputs
@@ -48,10 +49,17 @@ logger = logging.getLogger("minivllm")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        kv_cache_manager_cls: type[KVCacheManager] | None = None,
+    ) -> None:
         """`executor`: run the steps there instead of loading the model's weights (the
         simulated-time executor of minivllm/experiments/); the model folder then needs only its
-        config.json."""
+        config.json. `kv_cache_manager_cls`: the KV bookkeeping to build (its `from_config`); by
+        default the class the cache config names, which is how the paper's reservation
+        baselines (minivllm/experiments/) plug in."""
         self.config = config
         mc, cc, resolved = config.model, config.cache, config.resolved
         self.device, self.dtype, self.source = resolved.device, resolved.dtype, resolved.source
@@ -69,8 +77,9 @@ class LLMEngine:
         self.kv_cache_dtype = kv_cache_torch_dtype(cc.cache_dtype, self.dtype)  # "auto": dtype
         num_blocks = self.executor.num_blocks  # the same on every rank: the smallest any can hold
         self._fit_max_model_len(num_blocks * cc.block_size)
-        self.block_manager = make_block_manager(cc, num_blocks, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        manager_cls = kv_cache_manager_cls or resolve_obj_by_qualname(cc.kv_cache_manager_cls)
+        self.kv_cache_manager = manager_cls.from_config(cc, num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         # Unseeded random sampling draws from the engine's own generator, seeded by `seed`: a
         # whole offline run is reproducible, and torch's global RNG stays the user's.
         self.generator = torch.Generator(device=self.device).manual_seed(mc.seed)
@@ -115,7 +124,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._aborted_outputs: list[RequestOutput] = []
         # Who hears of every committed step: the counters behind get_stats(), then any other.
-        self.stats = StatsCollector(self.scheduler, self.block_manager)
+        self.stats = StatsCollector(self.scheduler, self.kv_cache_manager)
         self.step_listeners: list[StepListener] = [self.stats]
         self._log_start(num_blocks)
 
@@ -184,7 +193,8 @@ class LLMEngine:
             hook = params.make_after_sampling(self.request_context)  # it may refuse the request
             width, params = params.max_num_seqs, params.sampling_params()
         forks = (params is not None and params.n > 1) or hook is not self.parallel_sampling
-        check_forks_allowed(self.config.cache.kv_allocation, forks)
+        if forks:
+            self.kv_cache_manager.check_forks_allowed()  # refused when added, not at the fork
         request = self.input_processor.process_inputs(
             request_id, prompt, params, width, arrival_time
         )
@@ -347,7 +357,7 @@ class LLMEngine:
             len(scheduler.waiting),
             tuple(seq.seq_id for seq in scheduler.waiting),
         )
-        blocks = self.block_manager.snapshot()
+        blocks = self.kv_cache_manager.snapshot()
         for listener in self.step_listeners:
             listener.on_step(sched, step, blocks)
 

@@ -24,9 +24,9 @@ import torch
 
 from minivllm.attention import AttentionBackend
 from minivllm.config import EngineConfig
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.parallel_state import SINGLE_DEVICE
 from minivllm.model_runner import ModelRunner, ModelRunnerOutput
-from minivllm.scheduler import SchedulerOutput
 from minivllm.worker import WorkerConfig, build_runner
 
 __all__ = ["Executor", "UniProcExecutor", "make_executor"]

@@ -37,10 +37,10 @@ import torch
 
 from minivllm.attention import AttentionBackend, AttentionMetadata
 from minivllm.config import CacheConfig
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.platforms import DecodeLoop, platform_for, resolve_obj_by_qualname
 from minivllm.sampler import LogprobsTensors, gather_logprobs
-from minivllm.scheduler import SchedulerOutput
 
 # Prompt rows scored at once: [rows, vocab] float32 logits (about 100 MB for a 49k vocabulary).
 PROMPT_LOGPROBS_ROWS = 512

@@ -1,5 +1,7 @@
 """A request's state as the scheduler sees it: token ids, progress, status, and what it produced.
 
+Tier: core bookkeeping (imports only leaves and core; no torch).
+
 vLLM v1 folds all of this into one `Request`; we keep vLLM v0's split because parallel sampling
 (`n > 1`) is clearest that way: a `Request` owns `n` `Sequence`s that share the prompt's KV blocks
 by copy-on-write after the prompt is computed once (paper §4.4). Each `Sequence` is scheduled,
@@ -15,8 +17,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.sampling_params import SamplingParams
@@ -47,13 +48,15 @@ class Logprob:
 
 @dataclass(eq=False)
 class Sequence:
-    seq_id: int  # unique in the engine; the block manager's key
+    seq_id: int  # unique in the engine; the KV cache manager's key
     request: Request
     index: int  # which of the request's n samples
     token_ids: list[int]  # prompt + output, grows by one per decode step
     num_prompt_tokens: int
     detokenizer: IncrementalDetokenizer | None
-    generator: torch.Generator | None  # this sequence's own RNG (None for greedy)
+    # This sequence's own RNG, a torch.Generator (None for greedy). Typed Any: the core tier imports
+    # no torch; only the sampler draws from it.
+    generator: Any
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     # Of the prompt, served by the prefix cache at the FIRST admission (None until then); a

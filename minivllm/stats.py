@@ -4,17 +4,18 @@ The names are a public interface (tests, benchmarks and docs read them). Memory 
 paper's Fig. 2 framing: of the KV slots allocated to requests, how many hold real token states.
 
 `StatsCollector` is a step listener (minivllm/step_listener.py), like the step trace: it counts
-the committed steps and the tokens they sampled; the rest is read when asked from the block
-manager and the scheduler, which count their own events (`BlockManagerStats`, in block_pool.py).
+the committed steps and the tokens they sampled; the rest is read when asked from the
+KV cache manager and the scheduler, which count their own events (`KVCacheManagerStats`, in
+core/kv_cache_utils.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minivllm.block_manager import BlockManager
-from minivllm.block_pool import BlockPoolSnapshot
-from minivllm.scheduler import Scheduler, SchedulerOutput
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.kv_cache_utils import BlockPoolSnapshot
+from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.step_listener import StepOutputs
 
 
@@ -35,19 +36,18 @@ class EngineStats:
     peak_kv_blocks_used: int  # the most blocks ever held at once
     kv_slot_utilization: float  # filled slots / allocated slots, now
     peak_kv_slot_utilization: float  # the same, at the step with the most blocks in use
-    # How the slots held by requests split (BlockManagerStats has each field's meaning).
+    # How the slots held by requests split (KVCacheManagerStats has each field's meaning).
     num_reserved_kv_slots: int = 0
     num_filled_kv_slots: int = 0
     kv_internal_fragmentation_slots: int = 0
-    kv_external_fragmentation: float = 0.0
 
 
 class StatsCollector:
     """The engine's own step listener, behind `get_stats()`."""
 
-    def __init__(self, scheduler: Scheduler, block_manager: BlockManager) -> None:
+    def __init__(self, scheduler: Scheduler, kv_cache_manager: KVCacheManager) -> None:
         self.scheduler = scheduler
-        self.block_manager = block_manager
+        self.kv_cache_manager = kv_cache_manager
         self.num_steps = 0
         self.num_generated_tokens = 0
 
@@ -58,7 +58,7 @@ class StatsCollector:
         self.num_generated_tokens += len(outputs.sampled)
 
     def get_stats(self) -> EngineStats:
-        bm, scheduler = self.block_manager.get_stats(), self.scheduler
+        bm, scheduler = self.kv_cache_manager.get_stats(), self.scheduler
         return EngineStats(
             num_kv_blocks=bm.num_total_blocks,
             num_free_kv_blocks=bm.num_free_blocks,
@@ -78,5 +78,4 @@ class StatsCollector:
             num_reserved_kv_slots=bm.num_reserved_slots,
             num_filled_kv_slots=bm.num_filled_slots,
             kv_internal_fragmentation_slots=bm.internal_fragmentation_slots,
-            kv_external_fragmentation=bm.external_fragmentation,
         )

@@ -10,7 +10,7 @@ freed) the engine calls `on_step` of every listener with three read-only things:
 - `StepOutputs`: the sequences it sampled for, the `RequestOutput`s it returns, and the
   scheduler's sequences and queue lengths after the commit;
 - a `BlockPoolSnapshot` from the block manager: every block table, reference count and
-  prefix-cache name as they are now (`BlockManager.snapshot`).
+  prefix-cache name as they are now (`KVCacheManager.snapshot`).
 
 The engine's own counters (`stats.StatsCollector`) and the step trace
 (`minivllm/trace/recorder.py`) are listeners; the engine names neither. A step that fails
@@ -25,9 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from minivllm.block_pool import BlockPoolSnapshot
+from minivllm.core.kv_cache_utils import BlockPoolSnapshot
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.outputs import RequestOutput
-from minivllm.scheduler import SchedulerOutput
 from minivllm.sequence import Sequence
 
 __all__ = ["BlockPoolSnapshot", "StepListener", "StepOutputs"]

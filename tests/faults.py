@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.engine import LLMEngine
 from minivllm.model_runner import ModelRunnerOutput
-from minivllm.scheduler import SchedulerOutput
 
 FaultPoint = Literal["before_model", "after_model"]
 

@@ -109,7 +109,7 @@ def test_beams_share_blocks_fork_and_copy_on_write(tiny: tuple[Path, Any]) -> No
     shared_steps = 0
     while engine.has_unfinished_requests():
         engine.step()
-        bm = engine.block_manager
+        bm = engine.kv_cache_manager
         private = bm.num_blocks_without_sharing()
         used = bm.num_blocks - bm.num_free_blocks
         shared_steps += used < private

@@ -12,9 +12,9 @@ import pytest
 import torch
 from engine_utils import assert_no_blocks_held, save_tiny_llama
 
+from minivllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import ScheduledSequence, SchedulerOutput
 
 PROMPTS = [f"request number {i} asks about " + "paged attention " * (3 + i) for i in range(6)]
 
@@ -58,7 +58,7 @@ def test_scheduler_output_is_plain_data_that_survives_pickling(tiny_model: Path)
         assert pickle.loads(pickle.dumps(out)) == out
     # A snapshot, not a view: the tables the runner got are not the block manager's live lists.
     tables = [s.block_table for out in seen for s in out.scheduled]
-    assert all(t is not engine.block_manager._seqs.get(s) for t in tables for s in (1, 2, 3))
+    assert all(t is not engine.kv_cache_manager._seqs.get(s) for t in tables for s in (1, 2, 3))
     assert_no_blocks_held(llm)
 
 

@@ -60,7 +60,10 @@ class Fault:
 
 
 def cached_names(llm: LLM) -> set[tuple[int, ...]]:
-    return {k.all_token_ids() for k in llm.llm_engine.block_manager.cached_block_hash_to_block}
+    return {
+        k.all_token_ids()
+        for k in llm.llm_engine.kv_cache_manager.block_pool.cached_block_hash_to_block
+    }
 
 
 def outputs_of(llm: LLM, prompts: list[str], params: SamplingParams) -> list[list[list[int]]]:
@@ -116,7 +119,7 @@ def test_a_failed_step_leaves_no_trace(
 
     # The holder runs until it decodes, holding its prompt's full blocks, committed and named.
     engine.add_request("holder", HOLDER, GREEDY)
-    while not engine.block_manager.cached_block_hash_to_block:
+    while not engine.kv_cache_manager.block_pool.cached_block_hash_to_block:
         engine.step()
     engine.step()
     fault = Fault(llm, exc_type("injected fault"), lambda m, c: False)

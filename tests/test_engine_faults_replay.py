@@ -23,11 +23,11 @@ from faults import FaultInjector, clear_fault, inject_fault
 from test_engine_faults import GREEDY, HOLDER, VICTIM, cached_names, make_llm, outputs_of
 
 from minivllm.beam_search import BeamSearchParams
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.engine import LLMEngine
 from minivllm.executor import UniProcExecutor
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import SchedulerOutput
 
 When = Callable[[SchedulerOutput], bool]
 
@@ -143,7 +143,7 @@ def test_a_failed_step_leaves_no_trace_with_the_replay_on(
             break
         engine.step()
     assert replays.calls > 0, "the holder's decode should have run through the replay"
-    assert engine.block_manager.cached_block_hash_to_block
+    assert engine.kv_cache_manager.block_pool.cached_block_hash_to_block
     exc = exc_type("injected fault")
     fault = (
         SamplingFault(engine, exc, make_when())

@@ -11,8 +11,8 @@ from engine_utils import assert_no_blocks_held, save_tiny_llama
 from faults import FaultInjector, inject_fault
 from test_engine_faults import GREEDY, HOLDER, VICTIM, make_llm
 
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import SchedulerOutput
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,10 @@ from minivllm.benchmarks.paper_sweep import (
     summarize,
     sweep,
 )
+from minivllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.experiments.simulated_executor import SimulatedSetup, build_simulated_engine
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import ScheduledSequence, SchedulerOutput
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ from engine_utils import assert_no_blocks_held, hf_greedy, save_tiny_llama
 from tp_utils import kv_blocks, no_leftover_processes
 
 from minivllm import LLM, SamplingParams
+from minivllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.model_runner import ModelRunnerOutput
-from minivllm.scheduler import ScheduledSequence, SchedulerOutput
 
 # Small enough that the workload below is chunked (prompts of up to 102 tokens, 32 per step),
 # preempted (it needs ~26 blocks at once) and shares a cached 32-token prefix.

@@ -2,7 +2,7 @@
 
 PagedAttention (Kwon et al., SOSP 2023, §4.1-4.3) stores a request's keys and values in small
 fixed-size blocks, anywhere in one big pool, and keeps a *block table* per request: logical block i
-of the request lives in physical block table[i]. Here we drive minivllm's `BlockManager` by hand
+of the request lives in physical block table[i]. Here we drive minivllm's `KVCacheManager` by hand
 for two requests that grow in turns, look at their block tables, turn them into the slot mapping
 the model runner hands to attention, and check that attention through the block table gives
 exactly what attention over contiguous K/V gives. Last, the same two requests run in the engine
@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.attention import AttentionMetadata
 from minivllm.attention.reference import ReferenceBackend
-from minivllm.block_manager import BlockManager
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.trace.plot import plot_block_map
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "out"
 BLOCK_SIZE = 4  # tiny, so that the tables are readable; minivllm's default is 16
-bm = BlockManager(num_blocks=8, block_size=BLOCK_SIZE, enable_prefix_caching=False)
+bm = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, enable_prefix_caching=False)
 
 # --- 1. Two requests arrive, then decode in turns, as they would in one batch ----------------------
 # The block manager knows sequences, not requests. We name them as the engine below (and the trace
@@ -40,7 +41,8 @@ def name(seq_id: int) -> str:
 
 
 for seq_id, ids in tokens.items():
-    bm.allocate(seq_id, ids, num_new_tokens=len(ids))  # blocks for the whole prompt
+    seq = SimpleNamespace(seq_id=seq_id, token_ids=ids)  # what the manager reads of a sequence
+    bm.allocate_slots(seq, num_new_tokens=len(ids))  # blocks for the whole prompt
 for _ in range(4):  # each decode step appends one token per request
     for seq_id, ids in tokens.items():
         ids.append(ids[-1] + 1)

@@ -9,7 +9,7 @@ PagedAttention paper (§4.4) uses that twice:
   blocks. minivllm does it as vLLM v1's automatic prefix caching: each full block is named by a
   hash of its tokens and of everything before it, and a new prompt takes the longest cached run.
 
-First by hand with the `BlockManager`, then in the engine, counted with `LLM.get_stats()`.
+First by hand with the `KVCacheManager`, then in the engine, counted with `LLM.get_stats()`.
 
 The n = 4 run is recorded with `llm.trace()`: its page (OUT_DIR/03_trace/index.html) shows the
 fork (four block tables pointing at the same blocks, reference count 4) and each copy-on-write.
@@ -22,22 +22,29 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from minivllm import LLM, SamplingParams
-from minivllm.block_manager import BlockManager
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.trace.plot import plot_block_map
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "out"
 
+
+class Seq(NamedTuple):  # what the KV cache manager reads of a sequence it admits
+    seq_id: str
+    token_ids: list[int]
+
+
 # --- 1. Fork and copy-on-write, by hand ----------------------------------------------------------
-bm = BlockManager(num_blocks=8, block_size=4)
+bm = KVCacheManager(num_blocks=8, block_size=4)
 prompt = [1, 2, 3, 4, 5, 6]  # 6 tokens: one full block and one half-full block
-bm.allocate("parent", prompt, num_new_tokens=len(prompt))
+bm.allocate_slots(Seq("parent", prompt), num_new_tokens=len(prompt))
 bm.fork("parent", "child")  # n = 2: the second sample starts as a copy of the first's table
 
 
 def ref_counts(seq_id: str) -> list[int]:
-    return [bm.blocks[b].ref_cnt for b in bm.get_block_table(seq_id)]
+    return [bm.block_pool.blocks[b].ref_cnt for b in bm.get_block_table(seq_id)]
 
 
 def tables() -> str:
@@ -55,9 +62,10 @@ assert copies and bm.get_block_table("parent")[0] == bm.get_block_table("child")
 
 # --- 2. Prefix caching, by hand -------------------------------------------------------------------
 system = list(range(100, 108))  # 8 tokens = 2 full blocks that both requests start with
-hit_x = bm.allocate("x", [*system, 1, 2, 3], num_new_tokens=11)
-cached = bm.get_num_cached_tokens([*system, 9, 9])
-hit_y = bm.allocate("y", [*system, 9, 9], num_new_tokens=10 - cached)
+x, y = Seq("x", [*system, 1, 2, 3]), Seq("y", [*system, 9, 9])
+hit_x = bm.allocate_slots(x, num_new_tokens=11)  # nothing cached yet: no lookup needed
+computed = bm.get_computed_blocks(y.token_ids)  # the one lookup of y's admission: 2 blocks hit
+hit_y = bm.allocate_slots(y, 10 - computed.num_computed_tokens, computed)
 print(
     f"prefix cache: x hit {hit_x} tokens, y hit {hit_y} of its 10; "
     f"tables x {bm.get_block_table('x')}, y {bm.get_block_table('y')}"
@@ -67,7 +75,7 @@ assert hit_y == 8 and bm.get_block_table("x")[:2] == bm.get_block_table("y")[:2]
 # --- 3. In the engine ----------------------------------------------------------------------------
 llm = LLM(max_model_len=512, num_gpu_blocks_override=128)  # the bundled SmolLM2-135M
 engine = llm.llm_engine
-block_size = engine.block_manager.block_size
+block_size = engine.kv_cache_manager.block_size
 
 
 def run(questions: list[str], params: SamplingParams) -> tuple[list, int]:

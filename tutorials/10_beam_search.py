@@ -32,7 +32,7 @@ WIDTH, MAX_TOKENS = 4, 24
 # Prefix caching off: only the sharing between the beams is counted.
 llm = LLM(max_model_len=512, num_gpu_blocks_override=64, enable_prefix_caching=False)
 engine = llm.llm_engine
-bm = engine.block_manager
+bm = engine.kv_cache_manager
 copies: list[tuple[int, int]] = []
 copy_blocks = engine.runner.copy_blocks
 engine.runner.copy_blocks = lambda c: (copies.extend(c), copy_blocks(c))[1]  # count the copies

@@ -4,7 +4,7 @@ Orca, the system the PagedAttention paper measures itself against, reserves each
 cache up front, as one contiguous range: `orca-max` reserves max_model_len slots, `orca-oracle`
 exactly prompt + output (it knows the output length in advance, which no real system does).
 minivllm has both as `kv_allocation` policies of the same engine, so only memory management
-differs (minivllm/kv_allocation.py).
+differs (minivllm/experiments/reservation.py).
 
 Requests arrive at random (Poisson) at a given rate, with ShareGPT-like lengths (161 prompt
 tokens, 338 output tokens on average). A policy keeps up as long as the requests in flight fit in

@@ -110,7 +110,7 @@ def trace_minivllm(args: argparse.Namespace) -> tuple[list[StepUsage], dict[str,
     llm = build_llm(args, enable_prefix_caching=False)
     requests = workload_for(llm, args)
     engine = llm.llm_engine
-    bm = engine.block_manager
+    bm = engine.kv_cache_manager
     steps: list[StepUsage] = []
 
     def after_step() -> None:
@@ -122,7 +122,7 @@ def trace_minivllm(args: argparse.Namespace) -> tuple[list[StepUsage], dict[str,
             StepUsage(
                 st.num_reserved_slots,
                 st.num_filled_slots,
-                st.num_future_slots,
+                getattr(st, "num_future_slots", 0),  # reservations only
                 st.internal_fragmentation_slots,
                 len(engine.scheduler.running),
             )

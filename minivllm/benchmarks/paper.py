@@ -1,7 +1,7 @@
 """`minivllm bench paper`: the paper's headline, paged vs reservation under load (§6.2, Figs. 12-13).
 
 Requests arrive as a Poisson process at a swept rate; each is served by the same engine with one
-of the four `kv_allocation` policies (minivllm/kv_allocation.py): `paged`, and the paper's Orca
+of the four `kv_allocation` policies (minivllm/experiments/reservation.py): `paged`, and the paper's Orca
 baselines `orca-max`, `orca-pow2` and `orca-oracle`, which reserve a contiguous range per request.
 For each (policy, rate) it reports the paper's metrics:
 

@@ -19,10 +19,10 @@ from tqdm.auto import tqdm
 
 from minivllm.benchmarks.sharing import WORKLOADS
 from minivllm.config import KV_ALLOCATIONS
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.engine import LLMEngine
 from minivllm.experiments.simulated_executor import SimulatedExecutor
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def serve(
     batched = steps = 0
     shares: dict[str, float] = {}
     preempt0 = engine.scheduler.num_preemptions
-    bm = engine.block_manager
+    bm = engine.kv_cache_manager
     total = bm.num_blocks * bm.block_size
     try:
         while nxt < len(requests) or engine.has_unfinished_requests():
@@ -125,7 +125,7 @@ def serve(
                 stats = bm.get_stats()
                 for key, value in (
                     ("filled", stats.num_filled_slots),
-                    ("future", stats.num_future_slots),
+                    ("future", getattr(stats, "num_future_slots", 0)),  # reservations only
                     ("internal_fragmentation", stats.internal_fragmentation_slots),
                     ("free", total - stats.num_reserved_slots),
                 ):

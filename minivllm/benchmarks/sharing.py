@@ -7,7 +7,7 @@ filled block is copied (copy-on-write, §4.4). The paper measures the saving aga
 every sequence holds its own copy: 6.1-30.5% for parallel sampling, 37.6-66.3% for beam search.
 
 The baseline needs no second run: after every step of the real run, each sequence's block table
-says how many blocks it would hold on its own (`BlockManager.num_blocks_without_sharing`); the
+says how many blocks it would hold on its own (`KVCacheManager.num_blocks_without_sharing`); the
 blocks actually held are the ones with a reference count above zero. Prefix caching is off, so
 only the sharing inside a request counts, as in the paper. The workloads are synthetic, with the
 mean lengths of the paper's Fig. 11 (lengths drawn from an exponential distribution around them):
@@ -121,7 +121,7 @@ def measure(args: argparse.Namespace, workload: str, method: str, width: int) ->
     llm = build_llm(args, enable_prefix_caching=False)  # only the sharing inside a request
     vocab = llm.llm_engine.vocab_size
     requests = synthetic_requests(workload, args.num_prompts, vocab, args.seed, args.max_len)
-    bm = llm.llm_engine.block_manager
+    bm = llm.llm_engine.kv_cache_manager
     shared: list[int] = []
     private: list[int] = []
 

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from minivllm.attention import AttentionBackend
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.parallel_state import (
     TensorParallelGroup,
     destroy_distributed,
@@ -42,7 +43,6 @@ from minivllm.distributed.worker import (
     rank_device,
 )
 from minivllm.model_runner import ModelRunner, ModelRunnerOutput
-from minivllm.scheduler import SchedulerOutput
 
 logger = logging.getLogger("minivllm")
 

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.parallel_state import (
     destroy_distributed,
     init_distributed,
 )
 from minivllm.model_runner import ModelRunner
-from minivllm.scheduler import SchedulerOutput
 from minivllm.worker import WorkerConfig, build_runner, rank_device
 
 

@@ -49,11 +49,11 @@ def add_dashboard(
         raise ValueError(f"dashboard max_steps must be a positive integer, got {max_steps}")
     recorder = StepRecorder(max_steps=max_steps)
     recorder.attach(engine)
-    if engine.block_manager.num_blocks > LARGE_POOL:
+    if engine.kv_cache_manager.num_blocks > LARGE_POOL:
         logger.warning(
             "the dashboard draws every KV block; %d blocks make a dense page and a costlier "
             "record per step: --num-gpu-blocks-override sets a smaller pool",
-            engine.block_manager.num_blocks,
+            engine.kv_cache_manager.num_blocks,
         )
     expected = f"Bearer {api_key}".encode() if api_key else None
     page = render_page(

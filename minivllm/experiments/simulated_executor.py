@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.model_runner import ModelRunnerOutput
-from minivllm.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from minivllm.engine import LLMEngine

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from minivllm.block_pool import BlockHash, BlockManagerStats, BlockPoolSnapshot
-from minivllm.scheduler import SchedulerOutput
+from minivllm.core.kv_cache_utils import BlockHash, BlockPoolSnapshot, KVCacheManagerStats
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.sequence import Sequence as EngineSequence
 from minivllm.step_listener import StepOutputs
 
@@ -94,7 +94,7 @@ class StepRecorder:
         or between steps: the pool as it is now is the baseline the first record compares with."""
         if any(isinstance(x, StepRecorder) and x is not self for x in engine.step_listeners):
             raise RuntimeError("the engine already has a step recorder attached")
-        pool = engine.block_manager.snapshot()
+        pool = engine.kv_cache_manager.snapshot()
         cfg = engine.config
         self.meta = {
             "model": engine.source.name,
@@ -171,7 +171,7 @@ class StepRecorder:
             "cache_hits": cache_hits,
             "evicted": evicted,
             "num_free_blocks": blocks.num_free_blocks,
-            # How the held slots split under the engine's kv_allocation (BlockManagerStats).
+            # How the held slots split under the engine's kv_allocation (KVCacheManagerStats).
             "kv_slots": _kv_slots(blocks.stats),
             "num_running": outputs.num_running,
             "num_waiting": outputs.num_waiting,
@@ -278,10 +278,11 @@ def record(engine: LLMEngine, max_steps: int | None = None) -> Iterator[StepReco
         recorder.detach(engine)
 
 
-def _kv_slots(stats: BlockManagerStats) -> dict[str, int]:
+def _kv_slots(stats: KVCacheManagerStats) -> dict[str, int]:
     return {
         "reserved": stats.num_reserved_slots,
         "filled": stats.num_filled_slots,
-        "future": stats.num_future_slots,
+        # Held ahead for tokens still to come: only a reservation policy has any.
+        "future": getattr(stats, "num_future_slots", 0),
         "internal_fragmentation": stats.internal_fragmentation_slots,
     }

@@ -1,4 +1,5 @@
-"""KV allocation policies: what each reserves, where, and what fragmentation it leaves.
+"""KV allocation policies (minivllm/experiments/reservation.py against the core's paged manager):
+what each reserves, where, and what fragmentation it leaves.
 
 The reservation policies (the paper's Orca baselines, §6.2) hold one contiguous run of blocks per
 request from admission to the end; paged allocation holds at most one partly filled block per
@@ -14,11 +15,16 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kv_helpers import allocate, can_allocate, make_seq
 
-from minivllm.block_manager import BlockManager
-from minivllm.block_pool import NoFreeBlocksError
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.kv_cache_utils import NoFreeBlocksError
 from minivllm.engine_args import EngineArgs
-from minivllm.kv_allocation import ReservationBlockManager, reservation_size
+from minivllm.experiments.reservation import (
+    ReservationKVCacheManager,
+    num_final_tokens,
+    reservation_size,
+)
 
 ORCA = ("orca-max", "orca-pow2", "orca-oracle")
 
@@ -37,8 +43,8 @@ def test_reservation_size_follows_each_policy():
 
 @pytest.mark.parametrize("policy", ORCA)
 def test_admission_reserves_a_contiguous_run_and_the_table_walks_it(policy):
-    bm = ReservationBlockManager(64, 4, policy, max_model_len=64)
-    bm.allocate("a", [1] * 6, 6, num_final_tokens=20)
+    bm = ReservationKVCacheManager(64, 4, policy, max_model_len=64)
+    allocate(bm, "a", [1] * 6, 6, max_tokens=14)
     need = bm.blocks_for(6, 20)  # 16 blocks (max), 8 (pow2: 32 slots), 5 (oracle: 20 slots)
     assert need == {"orca-max": 16, "orca-pow2": 8, "orca-oracle": 5}[policy]
     assert bm.get_reserved_blocks("a") == range(0, need)
@@ -57,38 +63,39 @@ def test_admission_reserves_a_contiguous_run_and_the_table_walks_it(policy):
 
 
 def test_external_fragmentation_blocks_an_admission_that_total_free_memory_would_allow():
-    bm = ReservationBlockManager(12, 4, "orca-oracle", max_model_len=48)
+    bm = ReservationKVCacheManager(12, 4, "orca-oracle", max_model_len=48)
     for name in "abc":
-        bm.allocate(name, [1] * 4, 4, num_final_tokens=16)  # 4 blocks each, 0-3, 4-7, 8-11
+        allocate(bm, name, [1] * 4, 4, max_tokens=12)  # 4 blocks each, 0-3, 4-7, 8-11
     bm.free("a")
     bm.free("c")
     assert bm.get_free_ranges() == [(0, 4), (8, 4)] and bm.num_free_blocks == 8
     # 8 blocks are free, but no run of 5: a 20-token reservation waits.
-    assert not bm.can_allocate([1] * 4, 4, num_final_tokens=20)
+    assert not can_allocate(bm, [1] * 4, 4, max_tokens=16)
     stats = bm.get_stats()
     assert stats.num_fragmentation_stalls == 1
     assert stats.external_fragmentation == pytest.approx(0.5)  # half the free slots unusable
-    assert bm.can_allocate([1] * 4, 4, num_final_tokens=16)  # first fit: the lowest run
-    bm.allocate("d", [1] * 4, 4, num_final_tokens=16)
+    assert can_allocate(bm, [1] * 4, 4, max_tokens=12)  # first fit: the lowest run
+    allocate(bm, "d", [1] * 4, 4, max_tokens=12)
     assert bm.get_reserved_blocks("d") == range(0, 4)
     bm.free("b")  # its run merges with the free run after it
     assert bm.get_free_ranges() == [(4, 8)]
 
 
 def test_stats_split_reserved_slots_into_filled_future_and_internal_fragmentation():
-    bm = ReservationBlockManager(64, 4, "orca-pow2", max_model_len=64)
-    bm.allocate("a", [1] * 5, 5, num_final_tokens=20)  # pow2: 32 slots = 8 blocks
+    bm = ReservationKVCacheManager(64, 4, "orca-pow2", max_model_len=64)
+    allocate(bm, "a", [1] * 5, 5, max_tokens=15)  # pow2: 32 slots = 8 blocks
     stats = bm.get_stats()
     assert stats.kv_allocation == "orca-pow2"
     assert stats.num_reserved_slots == 32
     assert stats.num_filled_slots == 5
     assert stats.num_future_slots == 15  # tokens 6..20 will still be written
     assert stats.internal_fragmentation_slots == 12  # slots 21..32: never used
-    paged = BlockManager(16, 4, enable_prefix_caching=False)
-    paged.allocate("a", [1] * 5, 5)
+    paged = KVCacheManager(16, 4, enable_prefix_caching=False)
+    allocate(paged, "a", [1] * 5, 5)
     p = paged.get_stats()
-    assert (p.kv_allocation, p.num_reserved_slots, p.num_filled_slots) == ("paged", 8, 5)
-    assert p.internal_fragmentation_slots == 3 and p.external_fragmentation == 0.0
+    assert (p.num_reserved_slots, p.num_filled_slots, p.internal_fragmentation_slots) == (8, 5, 3)
+    # The core's stats carry no reservation fields: nothing is held ahead, nothing is contiguous.
+    assert not hasattr(p, "num_future_slots") and not hasattr(p, "external_fragmentation")
 
 
 def test_reservation_policies_refuse_what_needs_shared_blocks():
@@ -102,8 +109,8 @@ def test_reservation_policies_refuse_what_needs_shared_blocks():
         kv_allocation="orca-oracle", enable_prefix_caching=False
     ).create_engine_config()
     assert config.cache.kv_allocation == "orca-oracle"
-    bm = ReservationBlockManager(8, 4, "orca-max", max_model_len=16)
-    bm.allocate("a", [1] * 3, 3)
+    bm = ReservationKVCacheManager(8, 4, "orca-max", max_model_len=16)
+    allocate(bm, "a", [1] * 3, 3)
     with pytest.raises(NotImplementedError, match="cannot fork"):
         bm.fork("a", "b")
 
@@ -114,7 +121,7 @@ class ReservationMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm: ReservationBlockManager | None = None
+        self.bm: ReservationKVCacheManager | None = None
         self.final: dict[int, int] = {}
         self.next_id = 0
 
@@ -123,7 +130,7 @@ class ReservationMachine(RuleBasedStateMachine):
         policy=st.sampled_from(ORCA), num_blocks=st.integers(4, 40), bs=st.sampled_from([1, 2, 4])
     )
     def start(self, policy: str, num_blocks: int, bs: int) -> None:
-        self.bm = ReservationBlockManager(
+        self.bm = ReservationKVCacheManager(
             num_blocks, bs, policy, max_model_len=num_blocks * bs // 2
         )
 
@@ -134,8 +141,8 @@ class ReservationMachine(RuleBasedStateMachine):
         assert bm is not None
         prompt = min(prompt, bm.max_model_len - 1)
         tokens = [1] * prompt
-        if bm.can_allocate(tokens, prompt, num_final_tokens=prompt + out):
-            bm.allocate(self.next_id, tokens, prompt, num_final_tokens=prompt + out)
+        if can_allocate(bm, tokens, prompt, max_tokens=out):
+            allocate(bm, self.next_id, tokens, prompt, max_tokens=out)
             self.final[self.next_id] = min(prompt + out, bm.max_model_len)
             self.next_id += 1
 
@@ -171,7 +178,7 @@ class ReservationMachine(RuleBasedStateMachine):
             for block in reserved:
                 assert block not in owner, f"block {block} reserved by {owner[block]} and {seq}"
                 owner[block] = seq
-                assert bm.blocks[block].ref_cnt == 1
+                assert bm.block_pool.blocks[block].ref_cnt == 1
         free = [b for start, n in bm.get_free_ranges() for b in range(start, start + n)]
         assert not set(free) & set(owner), "a reserved block is also free"
         assert len(free) + len(owner) == bm.num_blocks == len(free) + len(set(owner))
@@ -191,14 +198,14 @@ class PagedMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(24, 4, enable_prefix_caching=False)
+        self.bm = KVCacheManager(24, 4, enable_prefix_caching=False)
         self.seqs: list[int] = []
         self.next_id = 0
 
     @rule(prompt=st.integers(1, 30))
     def admit(self, prompt: int) -> None:
-        if self.bm.can_allocate([1] * prompt, prompt):
-            self.bm.allocate(self.next_id, [1] * prompt, prompt)
+        if can_allocate(self.bm, [1] * prompt, prompt):
+            allocate(self.bm, self.next_id, [1] * prompt, prompt)
             self.seqs.append(self.next_id)
             self.next_id += 1
 
@@ -238,8 +245,22 @@ TestPagedMachine.settings = settings(max_examples=40, stateful_step_count=30, de
 def test_the_trace_records_each_steps_kv_split():
     from minivllm.trace.recorder import _kv_slots
 
-    bm = ReservationBlockManager(16, 4, "orca-oracle", max_model_len=32)
-    bm.allocate("a", [1] * 5, 5, num_final_tokens=9)
+    bm = ReservationKVCacheManager(16, 4, "orca-oracle", max_model_len=32)
+    allocate(bm, "a", [1] * 5, 5, max_tokens=4)
     assert _kv_slots(bm.get_stats()) == {
         "reserved": 12, "filled": 5, "future": 4, "internal_fragmentation": 3,
     }  # fmt: skip
+
+
+def test_a_reservation_reads_the_final_length_from_the_sequence_it_admits():
+    # Nobody hands it the length: prompt + max_tokens, from the sequence (None: up to the model).
+    assert num_final_tokens(make_seq("a", [1] * 5, max_tokens=4)) == 9
+    assert num_final_tokens(make_seq("a", [1] * 5, max_tokens=None)) is None
+    bm = ReservationKVCacheManager(16, 4, "orca-oracle", max_model_len=32)
+    bm.allocate_slots(make_seq("a", [1] * 5, max_tokens=None), 5)
+    assert bm.get_reserved_blocks("a") == range(0, 8)  # max_model_len: 32 slots
+
+
+def test_the_engine_asks_the_manager_whether_forks_may_share_blocks():
+    assert KVCacheManager.supports_forks
+    assert not ReservationKVCacheManager.supports_forks

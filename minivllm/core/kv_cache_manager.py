@@ -1,43 +1,60 @@
-"""The block manager: per-sequence block tables, copy-on-write and the prefix cache, over the pool.
+"""The KV cache manager: per-sequence block tables, copy-on-write and prefix caching, over the pool.
 
-Pure bookkeeping, no tensors: it decides which physical block holds which token of which sequence;
-the model runner owns the cache tensors and turns block tables into slot mappings. The blocks, their
-free queue and their hashes are `block_pool.py`'s, as vLLM v1 splits `kv_cache_manager.py`.
+Tier: core bookkeeping (imports only leaves and core; no torch). vLLM v1's `KVCacheManager`
+(`vllm/v1/core/kv_cache_manager.py`): it decides which physical block holds which token of which
+sequence; the blocks change hands in `block_pool.py`, and the model runner owns the cache tensors
+and turns block tables into slot mappings.
 
 - Paged memory (PagedAttention paper §4.2–4.3): a sequence of `t` tokens holds `ceil(t / block_size)`
   blocks, allocated on demand, listed in logical order in its *block table*.
 - Sharing and copy-on-write (§4.4, parallel sampling): `fork` makes a child share every block of its
   parent (reference counts go up); the first write into a shared, partly filled block moves the
   writer to a fresh block and records a (src, dst) copy for the model runner.
-- Automatic prefix caching, as vLLM v1 does it (`vllm/v1/core/kv_cache_manager.py`): every FULL
-  block is registered under its `BlockHash` when its slots are allocated, so a request admitted in
-  the same step can already hit it (each layer writes all new K/V before any attention reads).
-  Names are provisional until the step commits (`commit_step`); a step that fails or is
-  interrupted withdraws the names it gave (`rollback_step`), so no block whose K/V was never
-  written is ever served to a later step. A new prompt reuses the longest run of cached blocks
-  from its start. Freed blocks keep their hash and stay reusable until the allocator needs them.
-- Everything is O(blocks touched): a cache hit on a free block leaves the free queue in O(1),
-  allocation pops its front, freeing appends to its back; the filled-slot count is incremental.
+- Automatic prefix caching, as vLLM v1 does it: admission looks the prompt up ONCE
+  (`get_computed_blocks`); the scheduler decides with the hit and hands it to `allocate_slots`,
+  which takes it without walking the hash chain again. Every FULL block is registered under its
+  `BlockHash` when its slots are allocated, so a request admitted in the same step can already hit
+  it (each layer writes all new K/V before any attention reads). Names are provisional until the
+  step commits (`commit_step`); a step that fails withdraws the names it gave (`rollback_step`),
+  so no block whose K/V was never written is ever served to a later step. Freed blocks keep their
+  hash and stay reusable until the pool needs them.
+- Other allocation policies subclass this one and are handed to the engine (the paper's Orca
+  baselines: minivllm/experiments/reservation.py); `supports_forks` says whether forks may share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
+from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from minivllm.block_pool import (
+from minivllm.core.block_pool import BlockPool
+from minivllm.core.kv_cache_utils import (
     BlockHash,
-    BlockManagerStats,
     BlockPoolSnapshot,
     ExtraKeys,
-    FreeKVCacheBlockQueue,
     HashFn,
     KVCacheBlock,
+    KVCacheManagerStats,
     NoFreeBlocksError,
     hash_block_tokens,
 )
 
+if TYPE_CHECKING:
+    from minivllm.config import CacheConfig
+
 SeqId = Hashable  # request / sequence ids (str or int)
+
+
+class KVCacheRequest(Protocol):
+    """What the manager reads of a sequence it admits (`minivllm.sequence.Sequence` has more)."""
+
+    @property
+    def seq_id(self) -> SeqId: ...
+
+    @property
+    def token_ids(self) -> TokenIds[int]: ...  # every known token: prompt + generated
 
 
 class UnknownSequenceError(KeyError):
@@ -45,6 +62,18 @@ class UnknownSequenceError(KeyError):
 
     def __str__(self) -> str:  # KeyError's str() would quote the message
         return str(self.args[0])
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """A prompt's prefix-cache hit (vLLM's `get_computed_blocks` result): the cached blocks that
+    match its start, in order. Valid until the pool next changes: look up, decide, allocate."""
+
+    blocks: tuple[KVCacheBlock, ...] = ()
+    num_computed_tokens: int = 0  # len(blocks) * block_size: tokens whose K/V the hit holds
+
+
+NO_COMPUTED_BLOCKS = ComputedBlocks()  # no lookup (prefix caching off, or prompt logprobs wanted)
 
 
 @dataclass(slots=True)
@@ -57,11 +86,10 @@ class SeqBlocks:
     extra_keys: ExtraKeys  # folded into every block hash of this sequence
 
 
-# ---------------------------------------------------------------------------------- the manager
+class KVCacheManager:
+    """Block tables + prefix cache over a `BlockPool`. Method names are vLLM's where it has one."""
 
-
-class BlockManager:
-    """Block pool + per-sequence block tables + prefix cache. Methods named as vLLM's where it has one."""
+    supports_forks: ClassVar[bool] = True  # n > 1 and beam search share blocks between sequences
 
     def __init__(
         self,
@@ -76,32 +104,36 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.hash_fn = hash_fn
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        # One physical block per name: the first block registered under a name keeps it.
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching, hash_fn)
         self._seqs: dict[SeqId, SeqBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._step_names: list[KVCacheBlock] = []  # named since the last commit (provisional)
-        self._num_evictable = 0  # cached blocks with ref count 0
-        self._num_filled_slots = 0  # sum of num_filled over used blocks, each block once
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
         self._min_util = 1.0
         self._peak_used = 0
         self._peak_util = 1.0
 
+    @classmethod
+    def from_config(cls, cache: CacheConfig, num_blocks: int, max_model_len: int) -> KVCacheManager:
+        """The factory the engine calls (`LLMEngine(..., kv_cache_manager_cls=...)`)."""
+        return cls(num_blocks, cache.block_size, cache.enable_prefix_caching)
+
+    def check_forks_allowed(self) -> None:
+        """Raise where a request that forks (n > 1, beam search) cannot run on this manager."""
+        if not self.supports_forks:
+            raise ValueError(f"{type(self).__name__} cannot share blocks between sequences")
+
     # ------------------------------------------------------------------ queries (no side effects)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_queue)
+        return self.block_pool.get_num_free_blocks()
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by sequences (vLLM's kv_cache_usage metric)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return self.block_pool.get_usage()
 
     def num_blocks_without_sharing(self) -> int:
         """The blocks in use if no block were shared: each sequence holding its own copy of every
@@ -119,20 +151,32 @@ class BlockManager:
     def get_num_slots(self, seq_id: SeqId) -> int:
         return self._seq(seq_id).num_slots
 
-    def get_num_cached_tokens(self, token_ids: Sequence[int], extra_keys: ExtraKeys = None) -> int:
-        """Tokens at the start of `token_ids` whose KV a new sequence could take from the cache."""
-        return len(self._find_cached_blocks(token_ids, extra_keys)) * self.block_size
+    def get_computed_blocks(
+        self, token_ids: TokenIds[int], extra_keys: ExtraKeys = None
+    ) -> ComputedBlocks:
+        """The longest run of cached full blocks matching the start of `token_ids`: the one walk of
+        the hash chain an admission makes.
+
+        Capped at (len - 1) // block_size blocks: the last token is always computed, because the
+        model needs its logits to sample the next token and a cache holds KV, not logits (nano-vllm
+        users hit this when a whole prompt was cached and nothing was left to run).
+        """
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hits = self.block_pool.find_longest_cache_hit(
+            token_ids, max_blocks, extra_keys, self.block_size
+        )
+        return (
+            ComputedBlocks(tuple(hits), len(hits) * self.block_size) if hits else NO_COMPUTED_BLOCKS
+        )
 
     def can_allocate(
         self,
-        token_ids: Sequence[int],
+        seq: KVCacheRequest,
         num_new_tokens: int,
-        extra_keys: ExtraKeys = None,
-        use_cache: bool = True,
-        num_final_tokens: int | None = None,  # what a reservation policy reserves for; unused here
+        computed: ComputedBlocks = NO_COMPUTED_BLOCKS,
     ) -> bool:
-        hit_blocks = self._find_cached_blocks(token_ids, extra_keys) if use_cache else []
-        return self._num_blocks_to_take(hit_blocks, num_new_tokens) <= self.num_free_blocks
+        """Whether `allocate_slots(seq, num_new_tokens, computed)` would find its blocks."""
+        return self._num_blocks_to_take(computed, num_new_tokens) <= self.num_free_blocks
 
     def can_append_slots(self, seq_id: SeqId, num_new_tokens: int) -> bool:
         seq = self._seq(seq_id)
@@ -140,52 +184,45 @@ class BlockManager:
 
     # ----------------------------------------------------------------------------------- mutations
 
-    def allocate(
+    def allocate_slots(
         self,
-        seq_id: SeqId,
-        token_ids: Sequence[int],
+        seq: KVCacheRequest,
         num_new_tokens: int,
+        computed: ComputedBlocks = NO_COMPUTED_BLOCKS,
         extra_keys: ExtraKeys = None,
         count_as_query: bool = True,
-        use_cache: bool = True,
-        num_final_tokens: int | None = None,  # see can_allocate
     ) -> int:
-        """Admit a sequence: take its prefix-cache hit, then fresh blocks for `num_new_tokens` more
-        tokens. `token_ids` is everything known (prompt + generated tokens, after a preemption).
-        Returns the hit in tokens; the model computes tokens from there on. `count_as_query=False`
-        keeps a re-admission after preemption out of the prompt lookup counters; `use_cache=False`
-        computes every token (a request that wants its prompt's logprobs: cached blocks have none)."""
+        """Admit `seq`: take its prefix-cache hit `computed` (from `get_computed_blocks`, no second
+        lookup), then fresh blocks for `num_new_tokens` more tokens. `seq.token_ids` is everything
+        known (prompt + generated tokens, after a preemption). Returns the hit in tokens; the model
+        computes tokens from there on. `count_as_query=False` keeps a re-admission after preemption
+        out of the prompt lookup counters. Raises, changing nothing, if the blocks are not free."""
+        seq_id, token_ids = seq.seq_id, seq.token_ids
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already holds blocks; free it before allocating")
-        hit_blocks = self._find_cached_blocks(token_ids, extra_keys) if use_cache else []
-        num_cached_tokens = len(hit_blocks) * self.block_size
+        num_cached_tokens = computed.num_computed_tokens
         if not 0 <= num_new_tokens <= len(token_ids) - num_cached_tokens:
             raise ValueError(
                 f"num_new_tokens must be in [0, {len(token_ids) - num_cached_tokens}] "
                 f"(tokens after the {num_cached_tokens} cached ones), got {num_new_tokens}"
             )
-        self._check_free(seq_id, self._num_blocks_to_take(hit_blocks, num_new_tokens))
-        for block in hit_blocks:  # touch hits first, so the pops below cannot evict them
-            if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
-                self._num_evictable -= 1
-                self._num_filled_slots += block.num_filled
-            block.ref_cnt += 1
-        seq = SeqBlocks(
-            block_table=[b.block_id for b in hit_blocks],
+        self._check_free(seq_id, self._num_blocks_to_take(computed, num_new_tokens))
+        self.block_pool.touch(computed.blocks)  # hits first, so the pops below cannot evict them
+        entry = SeqBlocks(
+            block_table=[b.block_id for b in computed.blocks],
             num_slots=num_cached_tokens,
-            block_hashes=[b.block_hash for b in hit_blocks if b.block_hash is not None],
+            block_hashes=[b.block_hash for b in computed.blocks if b.block_hash is not None],
             extra_keys=extra_keys,
         )
-        self._seqs[seq_id] = seq
-        self._grow(seq, token_ids, num_new_tokens)
+        self._seqs[seq_id] = entry
+        self._grow(entry, token_ids, num_new_tokens)
         if count_as_query:
             self._prefix_cache_queries += len(token_ids)
             self._prefix_cache_hits += num_cached_tokens
         self._record_utilization()
         return num_cached_tokens
 
-    def append_slots(self, seq_id: SeqId, token_ids: Sequence[int], num_new_tokens: int) -> None:
+    def append_slots(self, seq_id: SeqId, token_ids: TokenIds[int], num_new_tokens: int) -> None:
         """Slots for `num_new_tokens` more tokens of a held sequence (a decode step, or the next
         prompt chunk). `token_ids` is every known token, at least num_slots + num_new_tokens."""
         seq = self._seq(seq_id)
@@ -197,15 +234,15 @@ class BlockManager:
         self._check_free(seq_id, self._num_blocks_to_append(seq, num_new_tokens))
         if num_new_tokens == 0:
             return
-        last = self.blocks[seq.block_table[-1]] if seq.block_table else None
+        pool = self.block_pool
+        last = pool.blocks[seq.block_table[-1]] if seq.block_table else None
         if last is not None and last.ref_cnt > 1 and seq.num_slots % self.block_size:
             # Copy-on-write (§4.4): the next slot lies in a partly filled block that a forked
             # sibling also reads. Writing there would corrupt the sibling's KV, so this sequence
             # moves to a private copy; the model runner copies the KV before the step runs.
-            dst = self._pop_free_block()
-            dst.num_filled = last.num_filled
-            self._num_filled_slots += dst.num_filled
-            last.ref_cnt -= 1  # still >= 1: the sibling keeps it
+            (dst,) = pool.get_new_blocks(1)
+            pool.fill(dst, last.num_filled)
+            pool.free_blocks([last])  # still held: the sibling keeps it
             seq.block_table[-1] = dst.block_id
             self._pending_copies.append((last.block_id, dst.block_id))
         self._grow(seq, token_ids, num_new_tokens)
@@ -216,8 +253,7 @@ class BlockManager:
         parent = self._seq(parent_id)
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} already holds blocks; cannot fork into it")
-        for block_id in parent.block_table:
-            self.blocks[block_id].ref_cnt += 1
+        self.block_pool.touch(self.block_pool.blocks[b] for b in parent.block_table)
         self._seqs[child_id] = SeqBlocks(
             list(parent.block_table), parent.num_slots, list(parent.block_hashes), parent.extra_keys
         )
@@ -231,16 +267,8 @@ class BlockManager:
             raise UnknownSequenceError(
                 f"sequence {seq_id!r} holds no blocks (never allocated, or already freed)"
             )
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            if block.ref_cnt <= 0:  # a bookkeeping bug: fail loudly rather than double-free
-                raise RuntimeError(f"block {block_id} freed by {seq_id!r} but not held")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self._num_filled_slots -= block.num_filled
-                if block.block_hash is not None:
-                    self._num_evictable += 1
-                self.free_block_queue.append(block)
+        blocks = self.block_pool.blocks
+        self.block_pool.free_blocks(blocks[b] for b in reversed(seq.block_table))
         self._record_utilization()
 
     def commit_step(self) -> None:
@@ -252,12 +280,7 @@ class BlockManager:
         """The step failed: withdraw every name it gave, so a block whose K/V it may not have
         written can never be a prefix-cache hit. Call before freeing the step's sequences."""
         for block in self._step_names:
-            key = block.block_hash
-            if key is not None and self.cached_block_hash_to_block.get(key) is block:
-                del self.cached_block_hash_to_block[key]
-                block.block_hash = None
-                if block.ref_cnt == 0:
-                    self._num_evictable -= 1
+            self.block_pool.evict(block)
         self._step_names.clear()
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -266,21 +289,13 @@ class BlockManager:
         return copies
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash (e.g. after new weights). Refused (False, nothing changed) while
-        a cached block is held: its hash could be served again the moment it is freed, and a half
-        reset would defeat the guarantee a reset gives."""
-        if len(self.cached_block_hash_to_block) != self._num_evictable:
-            return False
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
-            block.num_filled = 0
-        self.cached_block_hash_to_block.clear()
-        self._num_evictable = 0
-        return True
+        """Forget every cached hash; refused (False) while a cached block is held (`BlockPool`)."""
+        return self.block_pool.reset_prefix_cache()
 
     def snapshot(self) -> BlockPoolSnapshot:
         """A read-only copy of the pool now: block tables, ref counts, prefix-cache names."""
-        seqs, blocks, cached = self._seqs, self.blocks, self.cached_block_hash_to_block
+        seqs, blocks = self._seqs, self.block_pool.blocks
+        cached = self.block_pool.cached_block_hash_to_block
         return BlockPoolSnapshot(
             self.block_size,
             self.num_blocks,
@@ -291,14 +306,15 @@ class BlockManager:
             self.get_stats,
         )
 
-    def get_stats(self) -> BlockManagerStats:
+    def get_stats(self) -> KVCacheManagerStats:
+        pool = self.block_pool
         used = self.num_blocks - self.num_free_blocks
-        return BlockManagerStats(
+        return KVCacheManagerStats(
             num_total_blocks=self.num_blocks,
             num_free_blocks=self.num_free_blocks,
             num_used_blocks=used,
-            num_cached_blocks=len(self.cached_block_hash_to_block),
-            num_evictable_blocks=self._num_evictable,
+            num_cached_blocks=len(pool.cached_block_hash_to_block),
+            num_evictable_blocks=pool.num_evictable_blocks,
             prefix_cache_queries=self._prefix_cache_queries,
             prefix_cache_hits=self._prefix_cache_hits,
             kv_slot_utilization=self._utilization(),
@@ -306,8 +322,8 @@ class BlockManager:
             peak_kv_slot_utilization=self._peak_util,
             peak_used_blocks=self._peak_used,
             num_reserved_slots=used * self.block_size,
-            num_filled_slots=self._num_filled_slots,
-            internal_fragmentation_slots=used * self.block_size - self._num_filled_slots,
+            num_filled_slots=pool.num_filled_slots,
+            internal_fragmentation_slots=used * self.block_size - pool.num_filled_slots,
         )
 
     # ------------------------------------------------------------------------------------ helpers
@@ -318,76 +334,38 @@ class BlockManager:
             raise UnknownSequenceError(f"sequence {seq_id!r} holds no blocks")
         return seq
 
-    def _find_cached_blocks(
-        self, token_ids: Sequence[int], extra_keys: ExtraKeys
-    ) -> list[KVCacheBlock]:
-        """The longest run of cached full blocks matching the start of `token_ids`.
-
-        Capped at (len - 1) // block_size blocks: the last token is always computed, because the
-        model needs its logits to sample the next token and a cache holds KV, not logits (nano-vllm
-        users hit this when a whole prompt was cached and nothing was left to run).
-        """
-        if not self.enable_prefix_caching:
-            return []
-        bs = self.block_size
-        hits: list[KVCacheBlock] = []
-        parent: BlockHash | None = None
-        for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            key = BlockHash.of(parent, tokens, extra_keys, hash_fn=self.hash_fn)
-            block = self.cached_block_hash_to_block.get(key)
-            if block is None:
-                break
-            hits.append(block)
-            parent = block.block_hash  # the canonical name: later comparisons stop at `is`
-        return hits
-
     def _check_free(self, seq_id: SeqId, num_to_take: int) -> None:
         if num_to_take > self.num_free_blocks:
             msg = f"sequence {seq_id!r} needs {num_to_take} blocks, {self.num_free_blocks} are free"
             raise NoFreeBlocksError(msg)
 
-    def _num_blocks_to_take(self, hit_blocks: list[KVCacheBlock], num_new_tokens: int) -> int:
+    def _num_blocks_to_take(self, computed: ComputedBlocks, num_new_tokens: int) -> int:
         """Free-queue blocks an admission consumes: fresh blocks + hits that are now evictable."""
-        num_tokens = len(hit_blocks) * self.block_size + num_new_tokens
-        fresh = -(-num_tokens // self.block_size) - len(hit_blocks)
-        return fresh + sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        num_hits = len(computed.blocks)
+        num_tokens = computed.num_computed_tokens + num_new_tokens
+        fresh = -(-num_tokens // self.block_size) - num_hits
+        return fresh + sum(1 for b in computed.blocks if b.ref_cnt == 0)
 
     def _num_blocks_to_append(self, seq: SeqBlocks, num_new_tokens: int) -> int:
         if num_new_tokens <= 0:
             return 0
         fresh = -(-(seq.num_slots + num_new_tokens) // self.block_size) - len(seq.block_table)
         partial = seq.num_slots % self.block_size != 0
-        cow = partial and self.blocks[seq.block_table[-1]].ref_cnt > 1
+        cow = partial and self.block_pool.blocks[seq.block_table[-1]].ref_cnt > 1
         return fresh + int(cow)
 
-    def _pop_free_block(self) -> KVCacheBlock:
-        """The least recently freed block; if it still names cached content, evict that name now,
-        since its slots are about to hold other tokens (a stale hash would serve wrong KV)."""
-        block = self.free_block_queue.popleft()
-        if block.block_hash is not None:
-            del self.cached_block_hash_to_block[block.block_hash]
-            block.block_hash = None
-            self._num_evictable -= 1
-        block.ref_cnt = 1
-        block.num_filled = 0
-        return block
-
-    def _grow(self, seq: SeqBlocks, token_ids: Sequence[int], num_new_tokens: int) -> None:
+    def _grow(self, seq: SeqBlocks, token_ids: TokenIds[int], num_new_tokens: int) -> None:
         """Give `seq` slots for `num_new_tokens` more tokens (blocks already checked to be free),
         then name every block that just became full (provisionally, until the step commits)."""
-        bs = self.block_size
+        bs, pool = self.block_size, self.block_pool
         remaining = num_new_tokens
         if seq.num_slots % bs and remaining:  # finish the partly filled last block first
-            last = self.blocks[seq.block_table[-1]]
+            last = pool.blocks[seq.block_table[-1]]
             n = min(bs - last.num_filled, remaining)
-            last.num_filled += n
-            self._num_filled_slots += n
+            pool.fill(last, last.num_filled + n)
             remaining -= n
-        while remaining > 0:
-            block = self._pop_free_block()
-            block.num_filled = min(bs, remaining)
-            self._num_filled_slots += block.num_filled
+        for block in pool.get_new_blocks(-(-remaining // bs)):
+            pool.fill(block, min(bs, remaining))
             seq.block_table.append(block.block_id)
             remaining -= block.num_filled
         seq.num_slots += num_new_tokens
@@ -400,20 +378,16 @@ class BlockManager:
     ) -> None:
         """Name block `index` of `seq`, full and written, unless its content has a name already."""
         parent = seq.block_hashes[index - 1] if index else None
-        key = BlockHash.of(parent, block_token_ids, seq.extra_keys, hash_fn=self.hash_fn)
-        cached = self.cached_block_hash_to_block.get(key)
-        if cached is not None:  # same content already cached in another block: keep that one
-            seq.block_hashes.append(cached.block_hash or key)
-            return
-        block = self.blocks[seq.block_table[index]]
-        block.block_hash = key
-        self.cached_block_hash_to_block[key] = block
-        seq.block_hashes.append(key)
-        self._step_names.append(block)
+        key = BlockHash.of(parent, block_token_ids, seq.extra_keys, self.block_pool.hash_fn)
+        block = self.block_pool.blocks[seq.block_table[index]]
+        canonical = self.block_pool.cache_full_block(block, key)
+        seq.block_hashes.append(canonical or key)
+        if canonical is None:  # `block` took the name: provisional until the step commits
+            self._step_names.append(block)
 
     def _utilization(self) -> float:
         used = self.num_blocks - self.num_free_blocks
-        return self._num_filled_slots / (used * self.block_size) if used else 1.0
+        return self.block_pool.num_filled_slots / (used * self.block_size) if used else 1.0
 
     def _record_utilization(self) -> None:
         used = self.num_blocks - self.num_free_blocks

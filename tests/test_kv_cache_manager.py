@@ -1,4 +1,5 @@
-"""Unit specifications of the block manager: paging, copy-on-write, prefix caching, errors, stats.
+"""Unit specifications of the KV cache manager (minivllm/core/kv_cache_manager.py, over its
+block pool): paging, copy-on-write, prefix caching, errors, stats.
 
 Block size 4 throughout unless a test says otherwise, so block boundaries are easy to count.
 """
@@ -6,37 +7,43 @@ Block size 4 throughout unless a test says otherwise, so block boundaries are ea
 from __future__ import annotations
 
 import pytest
+from kv_helpers import allocate, can_allocate, make_seq, num_cached
 
-from minivllm.block_manager import (
-    BlockHash,
-    BlockManager,
-    NoFreeBlocksError,
-    UnknownSequenceError,
-)
+from minivllm.config import SchedulerConfig
+from minivllm.core.kv_cache_manager import KVCacheManager, UnknownSequenceError
+from minivllm.core.kv_cache_utils import BlockHash, ExtraKeys, NoFreeBlocksError, hash_block_tokens
+from minivllm.core.scheduler import Scheduler
 
 BS = 4
 
 
-def make(num_blocks: int = 8, block_size: int = BS, caching: bool = True, **kwargs) -> BlockManager:
-    return BlockManager(num_blocks, block_size=block_size, enable_prefix_caching=caching, **kwargs)
+def make(
+    num_blocks: int = 8, block_size: int = BS, caching: bool = True, **kwargs
+) -> KVCacheManager:
+    return KVCacheManager(
+        num_blocks, block_size=block_size, enable_prefix_caching=caching, **kwargs
+    )
 
 
-def refs(bm: BlockManager) -> list[int]:
-    return [b.ref_cnt for b in bm.blocks]
+def refs(bm: KVCacheManager) -> list[int]:
+    return [b.ref_cnt for b in bm.block_pool.blocks]
 
 
-def free_order(bm: BlockManager) -> list[int]:
-    return [b.block_id for b in bm.free_block_queue]
+def free_order(bm: KVCacheManager) -> list[int]:
+    return [b.block_id for b in bm.block_pool.free_block_queue]
 
 
-def snapshot(bm: BlockManager) -> tuple:
+def snapshot(bm: KVCacheManager) -> tuple:
     """Everything observable about the manager's state, to check that a failed call changed nothing."""
     return (
         refs(bm),
         free_order(bm),
-        {k.all_token_ids(): b.block_id for k, b in bm.cached_block_hash_to_block.items()},
+        {
+            k.all_token_ids(): b.block_id
+            for k, b in bm.block_pool.cached_block_hash_to_block.items()
+        },
         {s: (list(v.block_table), v.num_slots, len(v.block_hashes)) for s, v in bm._seqs.items()},
-        [b.num_filled for b in bm.blocks],
+        [b.num_filled for b in bm.block_pool.blocks],
         bm.get_stats(),
         list(bm._pending_copies),
     )
@@ -50,17 +57,17 @@ def snapshot(bm: BlockManager) -> tuple:
 def test_constructor_rejects_non_positive_sizes_naming_the_field(field: str, bad: int) -> None:
     kwargs = {"num_blocks": 8, "block_size": 4, field: bad}
     with pytest.raises(ValueError, match=rf"^{field} must be a positive integer, got {bad}$"):
-        BlockManager(**kwargs)
+        KVCacheManager(**kwargs)
 
 
 def test_constructor_rejects_non_integer_block_size() -> None:
     with pytest.raises(ValueError, match=r"^block_size must be a positive integer, got 2.0$"):
-        BlockManager(8, block_size=2.0)  # type: ignore[arg-type]
+        KVCacheManager(8, block_size=2.0)  # type: ignore[arg-type]
 
 
 def test_block_size_need_not_be_a_power_of_two() -> None:
     bm = make(num_blocks=4, block_size=3)
-    assert bm.allocate("a", list(range(7)), 7) == 0
+    assert allocate(bm, "a", list(range(7)), 7) == 0
     assert bm.get_block_table("a") == [0, 1, 2]
     assert bm.get_stats().kv_slot_utilization == 7 / 9
 
@@ -73,7 +80,7 @@ def test_a_sequence_of_t_tokens_holds_ceil_t_over_block_size_blocks(
     num_tokens: int, num_blocks: int
 ) -> None:
     bm = make()
-    bm.allocate("a", list(range(num_tokens)), num_tokens)
+    allocate(bm, "a", list(range(num_tokens)), num_tokens)
     assert len(bm.get_block_table("a")) == num_blocks
     assert bm.get_num_slots("a") == num_tokens
     assert bm.num_free_blocks == 8 - num_blocks
@@ -81,7 +88,7 @@ def test_a_sequence_of_t_tokens_holds_ceil_t_over_block_size_blocks(
 
 def test_blocks_are_taken_from_the_front_of_the_free_queue() -> None:
     bm = make()
-    bm.allocate("a", list(range(6)), 6)
+    allocate(bm, "a", list(range(6)), 6)
     assert bm.get_block_table("a") == [0, 1]
     assert free_order(bm) == [2, 3, 4, 5, 6, 7]
 
@@ -89,7 +96,7 @@ def test_blocks_are_taken_from_the_front_of_the_free_queue() -> None:
 def test_append_slots_takes_a_new_block_only_at_a_block_boundary() -> None:
     bm = make()
     tokens = list(range(3))
-    bm.allocate("a", tokens, 3)
+    allocate(bm, "a", tokens, 3)
     tokens.append(3)
     bm.append_slots("a", tokens, 1)
     assert bm.get_block_table("a") == [0]
@@ -102,7 +109,7 @@ def test_append_slots_takes_a_new_block_only_at_a_block_boundary() -> None:
 def test_chunked_prefill_appends_within_known_tokens() -> None:
     bm = make()
     prompt = list(range(10))
-    assert bm.allocate("a", prompt, 3) == 0
+    assert allocate(bm, "a", prompt, 3) == 0
     bm.append_slots("a", prompt, 6)
     assert bm.get_num_slots("a") == 9
     assert bm.get_block_table("a") == [0, 1, 2]
@@ -110,7 +117,7 @@ def test_chunked_prefill_appends_within_known_tokens() -> None:
 
 def test_append_slots_rejects_more_tokens_than_known() -> None:
     bm = make()
-    bm.allocate("a", [1, 2], 2)
+    allocate(bm, "a", [1, 2], 2)
     with pytest.raises(ValueError, match=r"num_new_tokens must be in \[0, 0\]"):
         bm.append_slots("a", [1, 2], 1)
 
@@ -118,14 +125,14 @@ def test_append_slots_rejects_more_tokens_than_known() -> None:
 def test_allocate_rejects_more_new_tokens_than_remain_after_the_hit() -> None:
     bm = make()
     with pytest.raises(ValueError, match=r"num_new_tokens must be in \[0, 3\]"):
-        bm.allocate("a", [1, 2, 3], 4)
+        allocate(bm, "a", [1, 2, 3], 4)
     assert not bm.has_seq("a")
 
 
 def test_get_block_table_returns_the_live_list() -> None:
     bm = make()
     tokens = [1, 2, 3, 4]
-    bm.allocate("a", tokens, 4)
+    allocate(bm, "a", tokens, 4)
     table = bm.get_block_table("a")
     bm.append_slots("a", [*tokens, 5], 1)
     assert table == [0, 1]
@@ -134,7 +141,7 @@ def test_get_block_table_returns_the_live_list() -> None:
 
 def test_usage_and_num_free_blocks_count_held_blocks() -> None:
     bm = make(num_blocks=8)
-    bm.allocate("a", list(range(5)), 5)
+    allocate(bm, "a", list(range(5)), 5)
     assert bm.num_free_blocks == 6
     assert bm.usage == 0.25
 
@@ -145,7 +152,7 @@ def test_usage_and_num_free_blocks_count_held_blocks() -> None:
 def test_fork_shares_prompt_blocks_until_write() -> None:
     bm = make()
     tokens = list(range(6))
-    bm.allocate("p", tokens, 6)
+    allocate(bm, "p", tokens, 6)
     bm.fork("p", "c")
     assert bm.get_block_table("c") == [0, 1]
     assert bm.get_num_slots("c") == 6
@@ -166,18 +173,18 @@ def test_fork_shares_prompt_blocks_until_write() -> None:
 def test_copy_on_write_block_keeps_the_fill_of_its_source() -> None:
     bm = make()
     tokens = list(range(6))
-    bm.allocate("p", tokens, 6)
+    allocate(bm, "p", tokens, 6)
     bm.fork("p", "c")
     bm.append_slots("c", [*tokens, 7], 1)
-    assert bm.blocks[2].num_filled == 3
-    assert bm.blocks[1].num_filled == 2
+    assert bm.block_pool.blocks[2].num_filled == 3
+    assert bm.block_pool.blocks[1].num_filled == 2
     assert bm.get_stats().kv_slot_utilization == (4 + 2 + 3) / 12
 
 
 def test_fork_at_a_block_boundary_needs_no_copy() -> None:
     bm = make()
     tokens = list(range(4))
-    bm.allocate("p", tokens, 4)
+    allocate(bm, "p", tokens, 4)
     bm.fork("p", "c")
     bm.append_slots("c", [*tokens, 9], 1)
     assert bm.get_block_table("c") == [0, 1]
@@ -188,11 +195,11 @@ def test_fork_at_a_block_boundary_needs_no_copy() -> None:
 def test_can_append_slots_counts_the_copy_on_write_block() -> None:
     bm = make(num_blocks=3)
     tokens = list(range(6))
-    bm.allocate("p", tokens, 6)
+    allocate(bm, "p", tokens, 6)
     bm.fork("p", "c")
     assert bm.can_append_slots("c", 1)  # 1 free block: the copy
     assert not bm.can_append_slots("c", 3)  # the copy + one more block for tokens 8
-    bm.allocate("x", [9], 1)  # takes the last free block
+    allocate(bm, "x", [9], 1)  # takes the last free block
     assert not bm.can_append_slots("c", 1)
     with pytest.raises(NoFreeBlocksError):
         bm.append_slots("c", [*tokens, 7], 1)
@@ -200,7 +207,7 @@ def test_can_append_slots_counts_the_copy_on_write_block() -> None:
 
 def test_take_pending_copies_clears_the_list() -> None:
     bm = make()
-    bm.allocate("p", [1, 2], 2)
+    allocate(bm, "p", [1, 2], 2)
     bm.fork("p", "c1")
     bm.fork("p", "c2")
     bm.append_slots("c1", [1, 2, 3], 1)
@@ -212,8 +219,8 @@ def test_take_pending_copies_clears_the_list() -> None:
 
 def test_fork_into_a_held_sequence_raises() -> None:
     bm = make()
-    bm.allocate("p", [1], 1)
-    bm.allocate("c", [2], 1)
+    allocate(bm, "p", [1], 1)
+    allocate(bm, "c", [2], 1)
     with pytest.raises(ValueError, match="'c' already holds blocks"):
         bm.fork("p", "c")
     assert refs(bm)[:2] == [1, 1]
@@ -224,95 +231,95 @@ def test_fork_into_a_held_sequence_raises() -> None:
 
 def test_full_blocks_are_reused_by_a_later_prompt_with_the_same_prefix() -> None:
     bm = make()
-    bm.allocate("a", list(range(10)), 10)  # blocks 0, 1 full; block 2 partial
+    allocate(bm, "a", list(range(10)), 10)  # blocks 0, 1 full; block 2 partial
     prompt = [*range(8), 50, 51, 52]
-    assert bm.get_num_cached_tokens(prompt) == 8
-    assert bm.allocate("b", prompt, 3) == 8
+    assert num_cached(bm, prompt) == 8
+    assert allocate(bm, "b", prompt, 3) == 8
     assert bm.get_block_table("b") == [0, 1, 3]
     assert refs(bm)[:4] == [2, 2, 1, 1]
 
 
 def test_partly_filled_blocks_are_never_cached() -> None:
     bm = make()
-    bm.allocate("a", list(range(7)), 7)
+    allocate(bm, "a", list(range(7)), 7)
     assert bm.get_stats().num_cached_blocks == 1
-    assert bm.get_num_cached_tokens([*range(7), 99]) == 4
+    assert num_cached(bm, [*range(7), 99]) == 4
 
 
 def test_a_block_hits_only_after_the_same_prefix() -> None:
     bm = make()
-    bm.allocate("a", [1, 1, 1, 1, 2, 2, 2, 2, 0], 9)
+    allocate(bm, "a", [1, 1, 1, 1, 2, 2, 2, 2, 0], 9)
     # Block 2's tokens match, but after another first block: its KV differs, so no hit.
-    assert bm.get_num_cached_tokens([3, 3, 3, 3, 2, 2, 2, 2, 0]) == 0
-    assert bm.get_num_cached_tokens([1, 1, 1, 1, 3, 3, 3, 3, 0]) == 4
+    assert num_cached(bm, [3, 3, 3, 3, 2, 2, 2, 2, 0]) == 0
+    assert num_cached(bm, [1, 1, 1, 1, 3, 3, 3, 3, 0]) == 4
 
 
 def test_full_prefix_hit_still_computes_last_token() -> None:
     bm = make()
     prompt = list(range(8))
-    bm.allocate("a", prompt, 8)
+    allocate(bm, "a", prompt, 8)
     bm.free("a")
     # Both blocks are cached, but the hit stops at 4 so the model still runs token 7.
-    assert bm.get_num_cached_tokens(prompt) == 4
-    assert bm.allocate("b", prompt, 4) == 4
+    assert num_cached(bm, prompt) == 4
+    assert allocate(bm, "b", prompt, 4) == 4
     assert bm.get_block_table("b")[0] == 0
     assert bm.get_num_slots("b") == 8
 
 
 def test_a_one_token_prompt_never_hits() -> None:
     bm = make()
-    assert bm.get_num_cached_tokens([5]) == 0
-    assert bm.get_num_cached_tokens([]) == 0
+    assert num_cached(bm, [5]) == 0
+    assert num_cached(bm, []) == 0
 
 
 def test_recomputed_last_block_of_a_full_hit_is_not_registered_twice() -> None:
     bm = make()
     prompt = list(range(8))
-    bm.allocate("a", prompt, 8)
-    bm.allocate("b", prompt, 4)  # hit block 0, recompute block 1 into fresh block 2
+    allocate(bm, "a", prompt, 8)
+    allocate(bm, "b", prompt, 4)  # hit block 0, recompute block 1 into fresh block 2
     assert bm.get_block_table("b") == [0, 2]
     stats = bm.get_stats()
     assert stats.num_cached_blocks == 2
-    assert [b.block_hash is not None for b in bm.blocks[:3]] == [True, True, False]
+    assert [b.block_hash is not None for b in bm.block_pool.blocks[:3]] == [True, True, False]
 
 
 def test_duplicate_full_block_keeps_the_first_mapping_and_chains_on() -> None:
     bm = make()
-    bm.allocate("a", [1, 2, 3], 3)
+    allocate(bm, "a", [1, 2, 3], 3)
     bm.fork("a", "b")
     bm.append_slots("a", [1, 2, 3, 4], 1)  # a copies to block 1, fills and registers it
     bm.append_slots("b", [1, 2, 3, 4], 1)  # b fills block 0 with the same content
     assert (bm.get_block_table("a"), bm.get_block_table("b")) == ([1], [0])
-    assert bm.cached_block_hash_to_block[BlockHash.of(None, (1, 2, 3, 4))].block_id == 1
-    assert bm.blocks[0].block_hash is None
+    assert bm.block_pool.cached_block_hash_to_block[BlockHash.of(None, (1, 2, 3, 4))].block_id == 1
+    assert bm.block_pool.blocks[0].block_hash is None
     # b's next block chains on the canonical name, so a later prompt can hit through it.
     bm.append_slots("b", [1, 2, 3, 4, 5, 6, 7, 8], 4)
-    assert bm.get_num_cached_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
+    assert num_cached(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
 
 
 def test_freed_cached_blocks_are_evicted_lru_tail_first() -> None:
     bm = make(num_blocks=6)
-    bm.allocate("a", list(range(8)), 8)  # blocks 0, 1
-    bm.allocate("b", list(range(100, 108)), 8)  # blocks 2, 3
+    allocate(bm, "a", list(range(8)), 8)  # blocks 0, 1
+    allocate(bm, "b", list(range(100, 108)), 8)  # blocks 2, 3
     bm.free("a")
     bm.free("b")
     assert free_order(bm) == [4, 5, 1, 0, 3, 2]
     assert bm.get_stats().num_evictable_blocks == 4
-    bm.allocate("c", list(range(200, 212)), 12)  # 4, 5, then evicts a's tail block 1
+    allocate(bm, "c", list(range(200, 212)), 12)  # 4, 5, then evicts a's tail block 1
     assert bm.get_block_table("c") == [4, 5, 1]
-    assert bm.get_num_cached_tokens([*range(8), 0]) == 4  # a's first block survives
-    bm.allocate("d", list(range(300, 304)), 4)  # evicts a's first block next
+    assert num_cached(bm, [*range(8), 0]) == 4  # a's first block survives
+    allocate(bm, "d", list(range(300, 304)), 4)  # evicts a's first block next
     assert bm.get_block_table("d") == [0]
-    assert bm.get_num_cached_tokens([*range(8), 0]) == 0
-    assert bm.get_num_cached_tokens([*range(100, 108), 0]) == 8
+    assert num_cached(bm, [*range(8), 0]) == 0
+    assert num_cached(bm, [*range(100, 108), 0]) == 8
 
 
 def test_a_hit_on_an_evictable_block_takes_it_out_of_the_free_queue() -> None:
     bm = make(num_blocks=4)
-    bm.allocate("a", list(range(8)), 8)
+    allocate(bm, "a", list(range(8)), 8)
     bm.free("a")
     assert free_order(bm) == [2, 3, 1, 0]
-    bm.allocate("b", [0, 1, 2, 3, 9], 1)
+    allocate(bm, "b", [0, 1, 2, 3, 9], 1)
     assert free_order(bm) == [3, 1]
     assert bm.get_block_table("b") == [0, 2]
     stats = bm.get_stats()
@@ -321,35 +328,35 @@ def test_a_hit_on_an_evictable_block_takes_it_out_of_the_free_queue() -> None:
 
 def test_can_allocate_counts_evictable_hit_blocks_as_taken() -> None:
     bm = make(num_blocks=3)
-    bm.allocate("a", list(range(8)), 8)
+    allocate(bm, "a", list(range(8)), 8)
     bm.free("a")
     prompt = [*range(8), 9]
-    assert bm.get_num_cached_tokens(prompt) == 8
-    assert bm.can_allocate(prompt, 1)  # 2 hits + 1 fresh = 3 free-queue blocks
-    bm.allocate("x", [7], 1)  # takes block 2, the only never-cached one
-    assert not bm.can_allocate(prompt, 1)
+    assert num_cached(bm, prompt) == 8
+    assert can_allocate(bm, prompt, 1)  # 2 hits + 1 fresh = 3 free-queue blocks
+    allocate(bm, "x", [7], 1)  # takes block 2, the only never-cached one
+    assert not can_allocate(bm, prompt, 1)
     with pytest.raises(NoFreeBlocksError, match="needs 3 blocks, 2 are free"):
-        bm.allocate("b", prompt, 1)
+        allocate(bm, "b", prompt, 1)
 
 
 def test_stale_hash_of_a_reused_block_is_never_served() -> None:
     bm = make(num_blocks=2)
-    bm.allocate("a", list(range(8)), 8)
+    allocate(bm, "a", list(range(8)), 8)
     bm.free("a")
-    bm.allocate("b", list(range(50, 58)), 8)  # reuses both blocks for other content
-    assert bm.get_num_cached_tokens([*range(8), 0]) == 0
-    assert {k.token_ids for k in bm.cached_block_hash_to_block} == {
+    allocate(bm, "b", list(range(50, 58)), 8)  # reuses both blocks for other content
+    assert num_cached(bm, [*range(8), 0]) == 0
+    assert {k.token_ids for k in bm.block_pool.cached_block_hash_to_block} == {
         (50, 51, 52, 53),
         (54, 55, 56, 57),
     }
-    assert all(b.block_hash is not None for b in bm.blocks)
+    assert all(b.block_hash is not None for b in bm.block_pool.blocks)
 
 
 def test_same_prefix_admitted_in_the_same_step_shares_blocks_with_exact_refcounts() -> None:
     bm = make()
     prompt = list(range(10))
-    assert bm.allocate("a", prompt, 10) == 0
-    assert bm.allocate("b", prompt, 2) == 8  # hits a's blocks registered this very step
+    assert allocate(bm, "a", prompt, 10) == 0
+    assert allocate(bm, "b", prompt, 2) == 8  # hits a's blocks registered this very step
     assert bm.get_block_table("a") == [0, 1, 2]
     assert bm.get_block_table("b") == [0, 1, 3]
     assert refs(bm)[:4] == [2, 2, 1, 1]
@@ -363,34 +370,34 @@ def test_same_prefix_admitted_in_the_same_step_shares_blocks_with_exact_refcount
 def test_a_preempted_sequence_hits_its_own_blocks_when_readmitted() -> None:
     bm = make()
     tokens = list(range(6))
-    bm.allocate("a", tokens, 6)
+    allocate(bm, "a", tokens, 6)
     for t in (6, 7, 8):
         tokens.append(t)
         bm.append_slots("a", tokens, 1)
     bm.free("a")  # preempted
     tokens.append(9)  # the token sampled before preemption, still without KV
-    assert bm.allocate("a", tokens, 2) == 8
+    assert allocate(bm, "a", tokens, 2) == 8
     assert bm.get_block_table("a") == [0, 1, 3]  # block 2 (one token, uncached) is not reused
     assert bm.get_num_slots("a") == 10
 
 
 def test_extra_keys_separate_cache_entries() -> None:
     bm = make()
-    bm.allocate("a", list(range(8)), 8, extra_keys=("lora-1",))
-    assert bm.get_num_cached_tokens([*range(8), 0]) == 0
-    assert bm.get_num_cached_tokens([*range(8), 0], extra_keys=("lora-1",)) == 8
+    allocate(bm, "a", list(range(8)), 8, extra_keys=("lora-1",))
+    assert num_cached(bm, [*range(8), 0]) == 0
+    assert num_cached(bm, [*range(8), 0], extra_keys=("lora-1",)) == 8
     bm.append_slots("a", list(range(12)), 4)
-    assert bm.get_num_cached_tokens([*range(12), 0], extra_keys=("lora-1",)) == 12
+    assert num_cached(bm, [*range(12), 0], extra_keys=("lora-1",)) == 12
 
 
 def test_hash_collisions_never_serve_another_prefix() -> None:
     bm = make(hash_fn=lambda parent, tokens, extra: 0)
-    bm.allocate("a", [1, 1, 1, 1, 2, 2, 2, 2], 8)
-    assert bm.get_num_cached_tokens([9, 9, 9, 9, 2, 2, 2, 2, 0]) == 0
-    assert bm.get_num_cached_tokens([1, 1, 1, 1, 9, 9, 9, 9, 0]) == 4
-    assert bm.get_num_cached_tokens([1, 1, 1, 1, 2, 2, 2, 2, 0]) == 8
-    bm.allocate("b", [9, 9, 9, 9, 2, 2, 2, 2], 8)
-    assert len(bm.cached_block_hash_to_block) == 4
+    allocate(bm, "a", [1, 1, 1, 1, 2, 2, 2, 2], 8)
+    assert num_cached(bm, [9, 9, 9, 9, 2, 2, 2, 2, 0]) == 0
+    assert num_cached(bm, [1, 1, 1, 1, 9, 9, 9, 9, 0]) == 4
+    assert num_cached(bm, [1, 1, 1, 1, 2, 2, 2, 2, 0]) == 8
+    allocate(bm, "b", [9, 9, 9, 9, 2, 2, 2, 2], 8)
+    assert len(bm.block_pool.cached_block_hash_to_block) == 4
 
 
 def test_block_hash_equality_is_exact_over_the_whole_chain() -> None:
@@ -405,12 +412,12 @@ def test_block_hash_equality_is_exact_over_the_whole_chain() -> None:
 def test_prefix_caching_disabled_never_hashes_or_hits() -> None:
     bm = make(caching=False)
     prompt = list(range(9))
-    bm.allocate("a", prompt, 9)
-    assert bm.get_num_cached_tokens(prompt) == 0
-    assert bm.allocate("b", prompt, 9) == 0
+    allocate(bm, "a", prompt, 9)
+    assert num_cached(bm, prompt) == 0
+    assert allocate(bm, "b", prompt, 9) == 0
     assert bm.get_block_table("b") == [3, 4, 5]
-    assert bm.cached_block_hash_to_block == {}
-    assert all(b.block_hash is None for b in bm.blocks)
+    assert bm.block_pool.cached_block_hash_to_block == {}
+    assert all(b.block_hash is None for b in bm.block_pool.blocks)
     stats = bm.get_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_cached_blocks) == (
         18,
@@ -421,18 +428,18 @@ def test_prefix_caching_disabled_never_hashes_or_hits() -> None:
 
 def test_reset_prefix_cache_refuses_while_a_cached_block_is_held() -> None:
     bm = make()
-    bm.allocate("a", list(range(8)), 8)
+    allocate(bm, "a", list(range(8)), 8)
     assert bm.reset_prefix_cache() is False
-    assert bm.get_num_cached_tokens([*range(8), 0]) == 8
+    assert num_cached(bm, [*range(8), 0]) == 8
 
 
 def test_reset_prefix_cache_forgets_every_evictable_hash() -> None:
     bm = make()
-    bm.allocate("a", list(range(8)), 8)
+    allocate(bm, "a", list(range(8)), 8)
     bm.free("a")
-    bm.allocate("b", [7, 7], 2)  # holds a block without a hash: reset is still allowed
+    allocate(bm, "b", [7, 7], 2)  # holds a block without a hash: reset is still allowed
     assert bm.reset_prefix_cache() is True
-    assert bm.get_num_cached_tokens([*range(8), 0]) == 0
+    assert num_cached(bm, [*range(8), 0]) == 0
     stats = bm.get_stats()
     assert (stats.num_cached_blocks, stats.num_evictable_blocks, stats.num_free_blocks) == (0, 0, 7)
 
@@ -442,7 +449,7 @@ def test_reset_prefix_cache_forgets_every_evictable_hash() -> None:
 
 def test_free_releases_blocks_tail_first() -> None:
     bm = make(num_blocks=4)
-    bm.allocate("a", list(range(11)), 11)
+    allocate(bm, "a", list(range(11)), 11)
     bm.free("a")
     assert free_order(bm) == [3, 2, 1, 0]
     assert not bm.has_seq("a")
@@ -450,7 +457,7 @@ def test_free_releases_blocks_tail_first() -> None:
 
 def test_free_of_a_forked_sequence_keeps_shared_blocks_held() -> None:
     bm = make()
-    bm.allocate("p", list(range(6)), 6)
+    allocate(bm, "p", list(range(6)), 6)
     bm.fork("p", "c")
     bm.free("p")
     assert refs(bm)[:2] == [1, 1]
@@ -460,7 +467,7 @@ def test_free_of_a_forked_sequence_keeps_shared_blocks_held() -> None:
 
 def test_double_free_raises_a_key_error_naming_the_sequence() -> None:
     bm = make()
-    bm.allocate("a", [1], 1)
+    allocate(bm, "a", [1], 1)
     bm.free("a")
     with pytest.raises(UnknownSequenceError) as info:
         bm.free("a")
@@ -485,20 +492,20 @@ def test_queries_on_an_unknown_sequence_raise() -> None:
 
 def test_freeing_a_block_that_is_not_held_raises() -> None:
     bm = make()
-    bm.allocate("a", [1], 1)
-    bm.blocks[0].ref_cnt = 0  # simulate corrupted bookkeeping
-    with pytest.raises(RuntimeError, match="block 0 freed by 'a' but not held"):
+    allocate(bm, "a", [1], 1)
+    bm.block_pool.blocks[0].ref_cnt = 0  # simulate corrupted bookkeeping
+    with pytest.raises(RuntimeError, match="block 0 freed but not held"):
         bm.free("a")
 
 
 def test_allocating_an_already_held_sequence_raises_and_changes_nothing() -> None:
     bm = make()
-    bm.allocate("a", [1, 2, 3, 4, 5], 5)
+    allocate(bm, "a", [1, 2, 3, 4, 5], 5)
     before = snapshot(bm)
     with pytest.raises(
         ValueError, match=r"^sequence 'a' already holds blocks; free it before allocating$"
     ):
-        bm.allocate("a", [1, 2, 3, 4, 5], 5)
+        allocate(bm, "a", [1, 2, 3, 4, 5], 5)
     assert snapshot(bm) == before
 
 
@@ -507,11 +514,11 @@ def test_allocating_an_already_held_sequence_raises_and_changes_nothing() -> Non
 
 def test_no_free_blocks_on_allocate_leaves_state_unchanged() -> None:
     bm = make(num_blocks=3)
-    bm.allocate("a", list(range(8)), 8)
+    allocate(bm, "a", list(range(8)), 8)
     bm.free("a")  # two evictable cached blocks
     before = snapshot(bm)
     with pytest.raises(NoFreeBlocksError, match="'b' needs 4 blocks, 3 are free"):
-        bm.allocate("b", [*range(8), *range(20, 25)], 5)  # 2 hits + 2 fresh
+        allocate(bm, "b", [*range(8), *range(20, 25)], 5)  # 2 hits + 2 fresh
     assert snapshot(bm) == before
     assert not bm.has_seq("b")
 
@@ -519,7 +526,7 @@ def test_no_free_blocks_on_allocate_leaves_state_unchanged() -> None:
 def test_no_free_blocks_on_append_leaves_state_unchanged() -> None:
     bm = make(num_blocks=3)
     tokens = list(range(6))
-    bm.allocate("p", tokens, 6)
+    allocate(bm, "p", tokens, 6)
     bm.fork("p", "c")
     before = snapshot(bm)
     with pytest.raises(NoFreeBlocksError, match="'c' needs 2 blocks, 1 are free"):
@@ -532,8 +539,8 @@ def test_no_free_blocks_on_append_leaves_state_unchanged() -> None:
 
 def test_stats_count_blocks_and_prefix_cache_tokens() -> None:
     bm = make()
-    bm.allocate("a", list(range(9)), 9)
-    bm.allocate("b", [*range(8), 42, 43], 2)
+    allocate(bm, "a", list(range(9)), 9)
+    allocate(bm, "b", [*range(8), 42, 43], 2)
     stats = bm.get_stats()
     assert stats.num_total_blocks == 8
     assert (stats.num_used_blocks, stats.num_free_blocks) == (4, 4)
@@ -544,9 +551,9 @@ def test_stats_count_blocks_and_prefix_cache_tokens() -> None:
 def test_kv_slot_utilization_tracks_filled_slots_of_used_blocks() -> None:
     bm = make()
     assert bm.get_stats().kv_slot_utilization == 1.0
-    bm.allocate("a", list(range(5)), 5)  # 5 of 8 slots
+    allocate(bm, "a", list(range(5)), 5)  # 5 of 8 slots
     assert bm.get_stats().kv_slot_utilization == 5 / 8
-    bm.allocate("b", list(range(5)), 1)  # hits block 0 (already counted) + 1 slot in a new block
+    allocate(bm, "b", list(range(5)), 1)  # hits block 0 (already counted) + 1 slot in a new block
     assert bm.get_stats().kv_slot_utilization == 6 / 12
     bm.free("a")
     assert bm.get_stats().kv_slot_utilization == 5 / 8
@@ -557,11 +564,11 @@ def test_kv_slot_utilization_tracks_filled_slots_of_used_blocks() -> None:
 def test_min_and_peak_utilization_are_remembered() -> None:
     bm = make()
     tokens = [1]
-    bm.allocate("a", tokens, 1)  # 1/4
+    allocate(bm, "a", tokens, 1)  # 1/4
     for t in range(2, 6):
         tokens.append(t)
         bm.append_slots("a", tokens, 1)  # 2/4, 3/4, 4/4, then 5/8
-    bm.allocate("b", [9, 9, 9, 9], 4)  # 3 blocks, 9/12: the peak
+    allocate(bm, "b", [9, 9, 9, 9], 4)  # 3 blocks, 9/12: the peak
     bm.free("b")
     bm.free("a")
     stats = bm.get_stats()
@@ -572,9 +579,9 @@ def test_min_and_peak_utilization_are_remembered() -> None:
 
 def test_utilization_counts_a_hit_on_an_evictable_block_as_full() -> None:
     bm = make()
-    bm.allocate("a", list(range(4)), 4)
+    allocate(bm, "a", list(range(4)), 4)
     bm.free("a")
-    bm.allocate("b", [0, 1, 2, 3, 4], 1)
+    allocate(bm, "b", [0, 1, 2, 3, 4], 1)
     assert bm.get_stats().kv_slot_utilization == 5 / 8
 
 
@@ -583,10 +590,10 @@ def test_utilization_counts_a_hit_on_an_evictable_block_as_full() -> None:
 
 def test_a_rolled_back_step_withdraws_the_names_it_gave() -> None:
     bm = make()
-    bm.allocate("a", list(range(10)), 10)  # a step named blocks 0 and 1 ...
-    assert bm.get_num_cached_tokens([*range(8), 99]) == 8  # (a request in the same step may hit)
+    allocate(bm, "a", list(range(10)), 10)  # a step named blocks 0 and 1 ...
+    assert num_cached(bm, [*range(8), 99]) == 8  # (a request in the same step may hit)
     bm.rollback_step()  # ... and failed before its K/V was surely written
-    assert bm.get_num_cached_tokens([*range(8), 99]) == 0
+    assert num_cached(bm, [*range(8), 99]) == 0
     bm.free("a")
     stats = bm.get_stats()
     assert (stats.num_cached_blocks, stats.num_evictable_blocks) == (0, 0)
@@ -594,18 +601,18 @@ def test_a_rolled_back_step_withdraws_the_names_it_gave() -> None:
 
 def test_a_rollback_keeps_the_names_of_committed_steps() -> None:
     bm = make()
-    bm.allocate("a", list(range(8)), 8)
+    allocate(bm, "a", list(range(8)), 8)
     bm.commit_step()  # step 1 completed: two full blocks, named for good
     bm.append_slots("a", list(range(12)), 4)  # step 2 names block 2 ...
     bm.rollback_step()  # ... and fails
     bm.free("a")
-    assert bm.get_num_cached_tokens([*range(12), 99]) == 8
+    assert num_cached(bm, [*range(12), 99]) == 8
     assert bm.get_stats().num_evictable_blocks == 2
 
 
 def test_a_rollback_after_the_blocks_were_freed_keeps_the_counts_exact() -> None:
     bm = make()
-    bm.allocate("a", list(range(8)), 8)
+    allocate(bm, "a", list(range(8)), 8)
     bm.free("a")  # freed (evictable) before the step was rolled back
     bm.rollback_step()
     stats = bm.get_stats()
@@ -614,17 +621,17 @@ def test_a_rollback_after_the_blocks_were_freed_keeps_the_counts_exact() -> None
 
 def test_readmission_is_not_counted_as_a_prompt_lookup() -> None:
     bm = make()
-    bm.allocate("a", list(range(8)), 8)
+    allocate(bm, "a", list(range(8)), 8)
     bm.free("a")  # preempted
-    bm.allocate("a", list(range(10)), 2, count_as_query=False)  # prompt + 2 outputs recomputed
+    allocate(bm, "a", list(range(10)), 2, count_as_query=False)  # prompt + 2 outputs recomputed
     stats = bm.get_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (8, 0)
 
 
 def test_snapshot_shows_tables_ref_counts_and_names_read_only() -> None:
     """What step listeners read instead of the manager's own dicts: the pool after the step."""
-    bm = BlockManager(num_blocks=8, block_size=4)
-    bm.allocate("p", list(range(6)), 6)  # one full block (named), one partly filled
+    bm = KVCacheManager(num_blocks=8, block_size=4)
+    allocate(bm, "p", list(range(6)), 6)  # one full block (named), one partly filled
     bm.fork("p", "c")
     snap = bm.snapshot()
     p_table = tuple(bm.get_block_table("p"))
@@ -637,3 +644,44 @@ def test_snapshot_shows_tables_ref_counts_and_names_read_only() -> None:
         snap.block_tables["x"] = ()  # type: ignore[index]
     bm.free("c")
     assert bm.snapshot().ref_counts == {b: 1 for b in p_table}
+
+
+# ------------------------------------------------------------------- one lookup per admission
+
+
+def test_an_admission_walks_the_prefix_chain_once() -> None:
+    """The scheduler decides with the hit it looked up and hands it to `allocate_slots`: each
+    cached block of the prompt is hashed once (three walks of the chain hashed it three times)."""
+    hashed: list[tuple[int, ...]] = []
+
+    def counting_hash(parent: int | None, tokens: tuple[int, ...], extra: ExtraKeys) -> int:
+        hashed.append(tokens)
+        return hash_block_tokens(parent, tokens, extra)
+
+    bm = KVCacheManager(16, block_size=BS, hash_fn=counting_hash)
+    prompt = list(range(3 * BS + 2))  # 3 full blocks, then 2 tokens
+    allocate(bm, "warm", prompt, len(prompt))
+    bm.commit_step()
+    bm.free("warm")
+    hashed.clear()
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    seq = make_seq(1, prompt, max_tokens=4)
+    scheduler.add_seq(seq)
+    out = scheduler.schedule()
+    assert [s.seq_id for s in out.scheduled] == [1]
+    assert seq.num_computed_tokens == 3 * BS  # the hit was taken
+    assert hashed == [tuple(prompt[i * BS : (i + 1) * BS]) for i in range(3)]
+
+
+def test_allocate_slots_takes_the_hit_it_is_given_without_looking_again() -> None:
+    bm = make()
+    prompt = [*range(8), 9]
+    allocate(bm, "a", prompt, 9)
+    bm.free("a")
+    computed = bm.get_computed_blocks(prompt)
+    assert computed.num_computed_tokens == 8
+    assert bm.allocate_slots(make_seq("b", prompt), 1, computed) == 8
+    assert bm.get_block_table("b")[:2] == [block.block_id for block in computed.blocks]
+    # Handed no hit, it computes the whole prompt, although the cache holds its prefix.
+    assert bm.allocate_slots(make_seq("c", prompt), 9) == 0
+    assert not set(bm.get_block_table("c")) & set(bm.get_block_table("b"))

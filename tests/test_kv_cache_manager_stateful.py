@@ -1,4 +1,4 @@
-"""The block manager's invariants, checked after every step of random programs (hypothesis).
+"""The KV cache manager's invariants (minivllm/core/), checked after every step of random programs (hypothesis).
 
 The machine drives a small pool (10 blocks of 3 slots, a 3-token vocabulary, so prefixes repeat
 and allocation pressure evicts often) through allocate / append / fork / free / preempt-and-readmit
@@ -15,8 +15,10 @@ from collections import Counter
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kv_helpers import allocate, can_allocate, num_cached
 
-from minivllm.block_manager import BlockManager, NoFreeBlocksError, UnknownSequenceError
+from minivllm.core.kv_cache_manager import KVCacheManager, UnknownSequenceError
+from minivllm.core.kv_cache_utils import NoFreeBlocksError
 
 NUM_BLOCKS = 10
 BS = 3
@@ -26,7 +28,7 @@ tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)
 class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(NUM_BLOCKS, block_size=BS)
+        self.bm = KVCacheManager(NUM_BLOCKS, block_size=BS)
         self.tokens: dict[str, list[int]] = {}  # every known token of each held sequence
         self.content: dict[int, list[int | None]] = {i: [None] * BS for i in range(NUM_BLOCKS)}
         self.prefix: dict[int, tuple[int, ...]] = {}  # block -> all tokens up to its end, once full
@@ -51,7 +53,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.prefix.pop(block, None)
 
     def _expected_hit(self, tokens: list[int]) -> int:
-        registered = {key.all_token_ids() for key in self.bm.cached_block_hash_to_block}
+        registered = {key.all_token_ids() for key in self.bm.block_pool.cached_block_hash_to_block}
         k = 0
         while (k + 1) * BS <= len(tokens) - 1 and tuple(tokens[: (k + 1) * BS]) in registered:
             k += 1
@@ -60,22 +62,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _snapshot(self) -> tuple:
         bm = self.bm
         return (
-            [b.ref_cnt for b in bm.blocks],
-            [b.block_id for b in bm.free_block_queue],
-            {k.all_token_ids(): b.block_id for k, b in bm.cached_block_hash_to_block.items()},
+            [b.ref_cnt for b in bm.block_pool.blocks],
+            [b.block_id for b in bm.block_pool.free_block_queue],
+            {
+                k.all_token_ids(): b.block_id
+                for k, b in bm.block_pool.cached_block_hash_to_block.items()
+            },
             {s: (list(bm.get_block_table(s)), bm.get_num_slots(s)) for s in self.tokens},
             bm.get_stats(),
         )
 
     def _admit(self, sid: str, tokens: list[int], chunk: int) -> None:
         bm = self.bm
-        hit = bm.get_num_cached_tokens(tokens)
+        hit = num_cached(bm, tokens)
         assert hit == self._expected_hit(tokens)
         num_new = min(chunk, len(tokens) - hit)
-        can = bm.can_allocate(tokens, num_new)
+        can = can_allocate(bm, tokens, num_new)
         before = self._snapshot()
         try:
-            assert bm.allocate(sid, tokens, num_new) == hit
+            assert allocate(bm, sid, tokens, num_new) == hit
         except NoFreeBlocksError:
             assert not can
             assert self._snapshot() == before
@@ -186,10 +191,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule()
     def reset_prefix_cache(self) -> None:
-        held_cached = any(b.ref_cnt and b.block_hash is not None for b in self.bm.blocks)
+        held_cached = any(b.ref_cnt and b.block_hash is not None for b in self.bm.block_pool.blocks)
         assert self.bm.reset_prefix_cache() is (not held_cached)
         if not held_cached:
-            assert self.bm.cached_block_hash_to_block == {}
+            assert self.bm.block_pool.cached_block_hash_to_block == {}
 
     @rule()
     def free_everything(self) -> None:
@@ -208,9 +213,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm = self.bm
         assert set(bm._seqs) == set(self.tokens)
         holders = Counter(b for sid in self.tokens for b in bm.get_block_table(sid))
-        free_ids = [b.block_id for b in bm.free_block_queue]
+        free_ids = [b.block_id for b in bm.block_pool.free_block_queue]
         assert len(free_ids) == len(set(free_ids)) == bm.num_free_blocks
-        for block in bm.blocks:
+        for block in bm.block_pool.blocks:
             assert block.ref_cnt == holders[block.block_id]
             assert (block.ref_cnt == 0) == (block.block_id in set(free_ids))  # never both
         stats = bm.get_stats()
@@ -229,12 +234,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def every_cached_name_matches_its_blocks_content(self) -> None:
         bm = self.bm
-        for key, block in bm.cached_block_hash_to_block.items():
+        for key, block in bm.block_pool.cached_block_hash_to_block.items():
             assert block.block_hash is key
             assert self.content[block.block_id] == list(key.token_ids)
             assert self.prefix[block.block_id] == key.all_token_ids()
-        named = [b for b in bm.blocks if b.block_hash is not None]
-        assert len(named) == len(bm.cached_block_hash_to_block)
+        named = [b for b in bm.block_pool.blocks if b.block_hash is not None]
+        assert len(named) == len(bm.block_pool.cached_block_hash_to_block)
         stats = bm.get_stats()
         assert stats.num_cached_blocks == len(named)
         assert stats.num_evictable_blocks == sum(1 for b in named if b.ref_cnt == 0)

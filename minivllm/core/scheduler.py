@@ -1,8 +1,8 @@
 """Iteration-level scheduling under a token budget: decodes first, prompt chunks, preemption.
 
-The paper's §4.5 and vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py). The scheduler is the
-only owner of the block manager: admission, slots, forks, preemption and freeing all go through
-it. Every step:
+The paper's §4.5 and vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py). Tier: core
+bookkeeping (imports only leaves and core; no torch). The scheduler is the only owner of the KV
+cache manager: admission, slots, forks, preemption and freeing all go through it. Every step:
 
 1. Running sequences, oldest first, each get what they still need — one token for a decode, the
    rest of the prompt (up to the remaining budget) for a prompt that is being chunked. A sequence
@@ -10,7 +10,8 @@ it. Every step:
    are freed; it is recomputed later — recompute is cheaper than swapping for short contexts,
    paper §4.5), repeatedly, until it fits or is itself the newest, in which case it is preempted.
 2. If nothing was preempted, waiting sequences are admitted first come, first served while the
-   token budget, `max_num_seqs` and free blocks last. Admission takes prefix-cache hits first, so
+   token budget, `max_num_seqs` and free blocks last. Admission looks the prompt up in the prefix
+   cache once (`get_computed_blocks`), decides with the hit, and hands it to `allocate_slots`, so
    only the uncached suffix counts against the budget and the block pool.
 
 The result is a `SchedulerOutput`: a plain message with everything a model runner needs for the
@@ -32,8 +33,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from minivllm.block_manager import BlockManager
 from minivllm.config import SchedulerConfig
+from minivllm.core.kv_cache_manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from minivllm.sequence import Sequence, SequenceStatus
 
 
@@ -82,9 +83,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
-        self.block_manager = block_manager
+        self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence, by seq_id
@@ -100,7 +101,7 @@ class Scheduler:
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (paper §4.4) and runs right after it; the first
         write into a shared, partly filled block gets a copy (copy-on-write)."""
-        self.block_manager.fork(parent.seq_id, child.seq_id)
+        self.kv_cache_manager.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = SequenceStatus.RUNNING
@@ -113,8 +114,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        if self.block_manager.has_seq(seq.seq_id):
-            self.block_manager.free(seq.seq_id)
+        if self.kv_cache_manager.has_seq(seq.seq_id):
+            self.kv_cache_manager.free(seq.seq_id)
         self.seqs.pop(seq.seq_id, None)
         seq.status = status
 
@@ -122,7 +123,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        bm = self.block_manager
+        kv = self.kv_cache_manager
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -131,14 +132,14 @@ class Scheduler:
             if num_new == 0:  # a beam that has sampled waits for its round's other beams
                 i += 1
                 continue
-            while not bm.can_append_slots(seq.seq_id, num_new):
+            while not kv.can_append_slots(seq.seq_id, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:  # preempted itself: nothing else fits
                 break
-            bm.append_slots(seq.seq_id, seq.token_ids, num_new)
+            kv.append_slots(seq.seq_id, seq.token_ids, num_new)
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
             i += 1
@@ -150,23 +151,14 @@ class Scheduler:
             if num_seqs + self._num_seqs_at_admission(seq) > self.config.max_num_seqs:
                 break
             lookup = not seq.request.needs_prompt_logprobs  # a cache hit has no logits
-            num_cached = bm.get_num_cached_tokens(seq.token_ids) if lookup else 0
-            num_new = min(seq.num_tokens - num_cached, budget)
-            # A reservation policy (kv_allocation orca-*) reserves up to the request's end.
-            max_tokens = seq.request.params.max_tokens
-            final = seq.num_prompt_tokens + max_tokens if max_tokens is not None else None
-            if not bm.can_allocate(
-                seq.token_ids, num_new, use_cache=lookup, num_final_tokens=final
-            ):
+            # The one prefix lookup of this admission: what it decides on is what it allocates.
+            computed = kv.get_computed_blocks(seq.token_ids) if lookup else NO_COMPUTED_BLOCKS
+            num_new = min(seq.num_tokens - computed.num_computed_tokens, budget)
+            if not kv.can_allocate(seq, num_new, computed):
                 break  # first come, first served: nobody overtakes the head of the queue
             first_admission = seq.num_cached_tokens is None
-            num_cached = bm.allocate(
-                seq.seq_id,
-                seq.token_ids,
-                num_new,
-                count_as_query=first_admission and lookup,
-                use_cache=lookup,
-                num_final_tokens=final,
+            num_cached = kv.allocate_slots(
+                seq, num_new, computed, count_as_query=first_admission and lookup
             )
             if first_admission:  # vLLM v1 reports the first admission's hit, not a recompute's
                 seq.num_cached_tokens = num_cached
@@ -179,7 +171,7 @@ class Scheduler:
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
 
-        out.block_copies = bm.take_pending_copies()
+        out.block_copies = kv.take_pending_copies()
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
@@ -189,7 +181,7 @@ class Scheduler:
             seq_id=seq.seq_id,
             num_computed_tokens=start,
             new_token_ids=seq.token_ids[start : start + num_new],
-            block_table=list(self.block_manager.get_block_table(seq.seq_id)),
+            block_table=list(self.kv_cache_manager.get_block_table(seq.seq_id)),
             sample=start + num_new == seq.num_tokens,
             prompt_logprobs=self._prompt_logprobs_slice(seq, start, start + num_new),
         )
@@ -220,7 +212,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preemption by recompute: free the blocks, forget the progress, wait at the front."""
         self.running.remove(seq)
-        self.block_manager.free(seq.seq_id)
+        self.kv_cache_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -237,12 +229,12 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(
                 0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start
             )
-        self.block_manager.commit_step()
+        self.kv_cache_manager.commit_step()
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_manager.reset_prefix_cache()
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def rollback_step(self) -> None:
         """The step failed before its commit: withdraw the prefix-cache names it gave (the engine
         then fails the requests it carried, which frees their blocks)."""
-        self.block_manager.rollback_step()
+        self.kv_cache_manager.rollback_step()

@@ -1,15 +1,17 @@
-"""The physical block pool: KV-cache blocks, the free queue that orders their eviction, and the
-content hashes that name full blocks for prefix caching.
+"""The types of the KV cache's bookkeeping: blocks, the free queue that orders their eviction, the
+content hashes that name full blocks for prefix caching, and the read-only views listeners get.
 
-Pure bookkeeping, no tensors; `block_manager.py` builds per-sequence block tables on top of it.
+Tier: core bookkeeping (imports only leaves; no torch). vLLM v1 keeps the same set in
+`vllm/v1/core/kv_cache_utils.py`; `block_pool.py` holds the operations on them, `kv_cache_manager.py`
+the per-sequence block tables.
 
 - Physical blocks (PagedAttention paper §4.1): the KV cache is cut into fixed-size blocks of
   `block_size` token slots; `KVCacheBlock` is one of them, with the reference count that lets
   several block tables share it (§4.4) and the hash it carries while it is in the prefix cache.
-- The free queue, as vLLM v1 does it (`vllm/v1/core/block_pool.py`, `kv_cache_utils.py`'s
-  `FreeKVCacheBlockQueue`): a doubly-linked list of blocks no sequence holds, front = least recently
-  freed = evicted first. A `collections.deque` could not take a block out of its middle, which a
-  prefix-cache hit on a free block needs; the links make that removal O(1).
+- The free queue, as vLLM v1 does it (`FreeKVCacheBlockQueue`): a doubly-linked list of blocks no
+  sequence holds, front = least recently freed = evicted first. A `collections.deque` could not
+  take a block out of its middle, which a prefix-cache hit on a free block needs; the links make
+  that removal O(1).
 - Block hashing for automatic prefix caching (vLLM v1's `hash_block_tokens` / `BlockHash`): a FULL
   block is named by a hash of (its parent's hash, its token ids, extra keys), so a name stands for
   the whole prefix up to and including the block, and equal prefixes get equal names.
@@ -166,8 +168,8 @@ class FreeKVCacheBlockQueue:
 
 @dataclass(frozen=True)
 class BlockPoolSnapshot:
-    """The pool as one step left it, read-only (`BlockManager.snapshot`): what a step listener
-    (the trace, a metrics exporter) reads instead of the block manager's own structures.
+    """The pool as one step left it, read-only (`KVCacheManager.snapshot`): what a step listener
+    (the trace, a metrics exporter) reads instead of the KV cache manager's own structures.
 
     The three mappings are copied when first read, not when the snapshot is taken: listeners run
     right after the step's commit, before anything else touches the pool, and a listener that
@@ -180,7 +182,7 @@ class BlockPoolSnapshot:
     _read_tables: Callable[[], dict[Hashable, tuple[int, ...]]] = field(repr=False)
     _read_ref_counts: Callable[[], dict[int, int]] = field(repr=False)
     _read_cached: Callable[[], dict[int, BlockHash]] = field(repr=False)
-    _read_stats: Callable[[], BlockManagerStats] = field(repr=False)
+    _read_stats: Callable[[], KVCacheManagerStats] = field(repr=False)
 
     @cached_property
     def block_tables(self) -> Mapping[Hashable, tuple[int, ...]]:
@@ -198,14 +200,15 @@ class BlockPoolSnapshot:
         return MappingProxyType(self._read_cached())
 
     @cached_property
-    def stats(self) -> BlockManagerStats:
-        """The pool's counters and its slot accounting under the engine's `kv_allocation`."""
+    def stats(self) -> KVCacheManagerStats:
+        """The manager's counters and its slot accounting (a subclass where the manager has more:
+        the reservation baselines' `ReservationStats`)."""
         return self._read_stats()
 
 
 @dataclass
-class BlockManagerStats:
-    """The block manager's own view: blocks, prefix-cache lookups and slot utilization."""
+class KVCacheManagerStats:
+    """The KV cache manager's own view: blocks, prefix-cache lookups and slot utilization."""
 
     num_total_blocks: int
     num_free_blocks: int  # blocks no sequence holds, including evictable cached blocks
@@ -218,15 +221,9 @@ class BlockManagerStats:
     min_kv_slot_utilization: float  # lowest seen after any operation while blocks were used
     peak_kv_slot_utilization: float  # the utilization when used blocks were at their peak (latest)
     peak_used_blocks: int = 0  # the most blocks held at once, after any operation
-    # The paper's Fig. 2 split of the slots held by sequences (minivllm/kv_allocation.py):
-    # reserved = filled (token states) + future (reserved for tokens still to come) + internal
-    # fragmentation (never filled: past the request's end, or the unfilled tail of a paged block).
-    kv_allocation: str = "paged"
+    # The paper's Fig. 2 split of the slots held by sequences: reserved = filled (token states) +
+    # internal fragmentation (never filled: the unfilled tail of each last block, for paged
+    # blocks). A manager that reserves ahead adds its own part (minivllm/experiments/).
     num_reserved_slots: int = 0  # used blocks * block_size
     num_filled_slots: int = 0  # slots holding a token's K/V
-    num_future_slots: int = 0  # reserved for tokens the sequences will still write (reservations)
     internal_fragmentation_slots: int = 0
-    # Free slots outside the longest free contiguous run, as a fraction of the free slots: memory a
-    # contiguous reservation cannot use. Always 0 for paged blocks, which need no contiguity.
-    external_fragmentation: float = 0.0
-    num_fragmentation_stalls: int = 0  # admissions refused with enough blocks free, none contiguous
