@@ -191,6 +191,7 @@ def serve(args: argparse.Namespace) -> int:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        show_hidden_metrics=args.show_hidden_metrics_for_version is not None,
     )
     uvicorn.run(
         app,

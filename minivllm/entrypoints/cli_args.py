@@ -67,6 +67,11 @@ SERVER_FLAGS: dict[str, dict[str, Any]] = {
         "action": "store_true",
         "help": "serve GET /tokenizer_info (the tokenizer's settings and chat template)",
     },
+    "--show-hidden-metrics-for-version": {
+        "default": None,
+        "help": "also serve the metrics vLLM deprecated (e.g. vllm:gpu_cache_usage_perc); vLLM "
+        "takes the version they were hidden in, minivllm shows them for any value",
+    },
     "--return-tokens-as-token-ids": {
         "action": "store_true",
         "help": "in logprobs, name each token 'token_id:N' instead of its text",
