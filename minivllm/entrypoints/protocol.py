@@ -97,8 +97,17 @@ class StreamOptions(_Request):
         False, description="End the stream with a chunk that has `usage` and no choices."
     )
     continuous_usage_stats: bool = Field(
-        False, description="vLLM's extra: every chunk carries the `usage` of its choice so far."
+        False,
+        description="vLLM's extra: with include_usage, every chunk carries the `usage` of its choice so far.",
     )
+
+
+def check_stream_options(stream: bool, options: StreamOptions | None) -> None:
+    # OpenAI and vLLM refuse it too: without a stream there is no chunk to carry the usage.
+    if options is not None and not stream:
+        raise OpenAIError(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
 
 
 class _SamplingFields(_Request):
