@@ -217,6 +217,22 @@ def add_generation_routes(
         req = await parse_body(request, ResponsesRequest)
         return await handlers.responses.create_response(req, disconnect_watcher(request))
 
+    @app.get(
+        "/v1/responses/{response_id}",
+        response_model=None,
+        responses=responses(ResponsesResponse, v1_errors, "A stored response"),
+    )
+    async def retrieve_response(response_id: str) -> Any:
+        return await handlers.responses.retrieve_response(response_id)
+
+    @app.post(
+        "/v1/responses/{response_id}/cancel",
+        response_model=None,
+        responses=responses(ResponsesResponse, v1_errors, "The cancelled background response"),
+    )
+    async def cancel_response(response_id: str) -> Any:
+        return await handlers.responses.cancel_response(response_id)
+
 
 def add_invocations_route(app: FastAPI, handlers: Handlers, v1_errors: tuple[int, ...]) -> None:
     """SageMaker's one route (as vLLM): the body says which API it is meant for."""
