@@ -150,3 +150,34 @@ def test_out_of_range_seed_names_the_field_and_pydantics_error_type(
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="x", messages=CHAT, seed=seed)  # type: ignore[arg-type]
         assert kind in err.value.message and "seed" in err.value.message
+
+
+def with_defs(name: str, unit_enum: list[str]) -> dict:
+    """A tool whose parameters reach a sub-schema through `$ref` (pydantic writes them so)."""
+    options = {"type": "object", "properties": {"unit": {"enum": unit_enum}}, "required": ["unit"]}
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "options": {"$ref": "#/$defs/Options"}},
+        "required": ["city", "options"],
+        "$defs": {"Options": options},
+    }
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def test_tool_parameters_with_defs_and_refs_build_their_grammar(server: InProcessServer) -> None:
+    from minivllm.entrypoints.protocol_structured import ChatTool
+    from minivllm.entrypoints.tool_parsers.forced import required_schema
+
+    tool = with_defs("get_weather", ["celsius", "fahrenheit"])
+    schema = required_schema([ChatTool.model_validate(tool)], parallel=True)
+    assert schema["$defs"] == tool["function"]["parameters"]["$defs"]  # moved to the root
+    assert "$defs" in tool["function"]["parameters"]  # the request's own schema is untouched
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        body = {"messages": CHAT, "max_tokens": 8, "tools": [tool], "tool_choice": choice}
+        out = post(server, "/chat/completions", body)
+        assert out.status_code == 200, out.text
+    clash = [tool, with_defs("get_time", ["utc"])]  # one name, two schemas: vLLM refuses it
+    body = {"messages": CHAT, "max_tokens": 8, "tools": clash, "tool_choice": "required"}
+    out = post(server, "/chat/completions", body)
+    assert out.status_code == 400 and "has multiple schemas" in out.json()["error"]["message"]

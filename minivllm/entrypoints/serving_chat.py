@@ -230,7 +230,10 @@ class OpenAIServingChat(OpenAIServing):
                 param="tool_choice",
             )
         if choice == "required":
-            schema = required_schema(req.tools, req.parallel_tool_calls is not False)
+            try:
+                schema = required_schema(req.tools, req.parallel_tool_calls is not False)
+            except ValueError as exc:
+                raise OpenAIError(str(exc), param="tools") from None
             return "required", (StructuredOutputsParams(json=schema), "tools")
         by_name = {t.function.name: t for t in req.tools}
         name = choice.function.name
