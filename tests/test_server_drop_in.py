@@ -181,3 +181,28 @@ def test_tool_parameters_with_defs_and_refs_build_their_grammar(server: InProces
     body = {"messages": CHAT, "max_tokens": 8, "tools": clash, "tool_choice": "required"}
     out = post(server, "/chat/completions", body)
     assert out.status_code == 400 and "has multiple schemas" in out.json()["error"]["message"]
+
+
+def test_a_custom_role_reaches_the_template_as_vllm_passes_it(server: InProcessServer) -> None:
+    as_text = [{"role": "my-custom-role", "content": "what is 1+1?"}]
+    as_parts = [{"role": "my-custom-role", "content": [{"type": "text", "text": "what is 1+1?"}]}]
+    outs = [
+        post(server, "/chat/completions", {"messages": m, "max_tokens": 4, "temperature": 0})
+        for m in (as_text, as_parts)
+    ]
+    assert all(o.status_code == 200 for o in outs), outs[0].text
+    texts = [o.json()["choices"][0]["message"]["content"] for o in outs]
+    assert texts[0] == texts[1]
+    ids = httpx.post(server.url + "/tokenize", json={"messages": as_text}).json()["tokens"]
+    assert "my-custom-role" in server.engine.tokenizer.decode(ids)
+
+
+def test_completions_carry_system_fingerprint_and_logit_bias_names_the_vocabulary_size(
+    server: InProcessServer,
+) -> None:
+    out = post(server, "/completions", {"prompt": "Hi", "max_tokens": 2}).json()
+    assert "system_fingerprint" in out and out["system_fingerprint"] is None
+    vocab = len(server.engine.tokenizer)
+    body = {"messages": CHAT, "max_tokens": 2, "logit_bias": {str(vocab + 1): 1}}
+    error = post(server, "/chat/completions", body).json()["error"]["message"]
+    assert str(vocab + 1) in error and str(vocab) in error

@@ -212,9 +212,10 @@ class ChatMessage(_Request):
     # Other fields (e.g. `reasoning_content`) are kept and handed to the chat template with the
     # message, as vLLM does: a template that knows them uses them.
     model_config = ConfigDict(extra="allow", strict=True)
-    # "developer" is OpenAI's new name for "system"; "function" is OpenAI's older "tool" (a
-    # function's result), handed to the chat template as it is, as vLLM does.
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    # OpenAI's roles ("developer" is its new name for "system", "function" its older "tool"), or
+    # any other: vLLM's CustomChatCompletionMessageParam hands an unknown role to the chat
+    # template as it is, and the template decides what it means.
+    role: str = Field(description="system, developer, user, assistant, tool, function, or any.")
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant's calls.")

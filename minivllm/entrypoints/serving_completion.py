@@ -105,6 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "object": "text_completion",
             "created": int(time.time()),
             "model": model,
+            "system_fingerprint": None,  # OpenAI's field, which vLLM also sends as null
         }
         return CompletionPlan(req, [ids for _, ids in tokenized], echo_texts, params, header)
 
