@@ -27,11 +27,12 @@ def required_schema(tools: list[Any], parallel: bool) -> dict[str, Any]:
 
     A tool's `$defs` move to the array's root, where its `#/$defs/...` references now point
     (vLLM's `get_tool_schema_defs`); two tools defining one name differently are refused."""
-    items, defs = [], {}
+    items: list[dict[str, Any]] = []
+    defs: dict[str, Any] = {}
     for t in tools:
         parameters = dict(named_schema(t.function.parameters))
-        for name, schema in parameters.pop("$defs", {}).items():
-            if defs.setdefault(name, schema) != schema:
+        for name, definition in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, definition) != definition:
                 raise ValueError(
                     f"Tool definition '{name}' has multiple schemas, which is not supported."
                 )
