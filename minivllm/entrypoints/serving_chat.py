@@ -178,7 +178,10 @@ class OpenAIServingChat(OpenAIServing):
             reason = finish_reason(c)
             extracted = self._extract(plan.mode, plan.named, c)
             if extracted is not None and extracted.tools_called:
-                message["content"] = extracted.content
+                # A forced call's message has content "" (vLLM's), an auto call's what the
+                # parser left around the calls.
+                forced = plan.mode in ("named", "required")
+                message["content"] = "" if forced else extracted.content
                 message["tool_calls"] = [t.to_openai() for t in extracted.tool_calls]
                 reason = "tool_calls" if plan.mode != "named" else reason
             choice = {
