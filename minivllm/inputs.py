@@ -92,7 +92,7 @@ def process_token_params(params: Any, tokenizer: Any, vocab_size: int) -> list[l
         if bad:
             raise ValueError(
                 f"{name} contains out-of-vocab token id {bad[0]}: token ids must be in "
-                f"[0, {vocab_size - 1}]"
+                f"[0, {vocab_size - 1}] (vocabulary size: {vocab_size})"
             )
     if not params.bad_words:
         return []

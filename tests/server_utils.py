@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +65,9 @@ class RemoteServer:
 
 
 @contextmanager
-def run_server(args: Sequence[str] = (), api_key: str | None = None) -> Iterator[RemoteServer]:
+def run_server(
+    args: Sequence[str] = (), api_key: str | None = None, env: Mapping[str, str] | None = None
+) -> Iterator[RemoteServer]:
     port = free_port()
     cmd = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--port", str(port)]
     cmd += ["--log-stats-interval", "2", "--uvicorn-log-level", "warning", *args]
@@ -73,8 +75,13 @@ def run_server(args: Sequence[str] = (), api_key: str | None = None) -> Iterator
         cmd += ["--api-key", api_key]
     # Closed in the finally below; kept after the test for reading failures.
     log = tempfile.NamedTemporaryFile("w", prefix="minivllm-serve-", suffix=".log", delete=False)  # noqa: SIM115
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    environ = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ)
     server = RemoteServer(f"http://127.0.0.1:{port}", proc, log.name, api_key)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -245,7 +245,7 @@ BAD_REQUESTS = [
     ("seed-below-int64", "/v1/chat/completions", {**GOOD_CHAT, "seed": -(2**63) - 1}, 400, "seed"),
     ("mixed-prompt-list", "/v1/completions", {**GOOD_COMPLETION, "prompt": [1, "a"]}, 400, "prompt"),
     ("empty-messages", "/v1/chat/completions", {**GOOD_CHAT, "messages": []}, 400, "messages"),
-    ("wrong-role", "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("wrong-role", "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": 5, "content": "x"}]}, 400, "role"),
     ("message-without-role", "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"content": "x"}]}, 400, "role"),
     ("image-content", "/v1/chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
     ("tools-auto-not-enabled", "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
@@ -329,15 +329,23 @@ def sse_chunks(r: httpx.Response) -> list[dict]:
 
 def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(server: RemoteServer) -> None:
     body = {**GOOD_COMPLETION, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    body |= {"stream": True, "stream_options": {"continuous_usage_stats": True}}
-    chunks = sse_chunks(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
-    usages = [c["usage"] for c in chunks]
-    assert all(c["choices"] for c in chunks)  # no usage-only chunk without include_usage
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = sse_chunks(
+        httpx.post(server.url + "/v1/completions", json=body | {"stream": True,
+                   "stream_options": options}, timeout=60)
+    )  # fmt: skip
+    *token_chunks, last = chunks
+    assert last["choices"] == [] and all(c["choices"] for c in token_chunks)
+    usages = [c["usage"] for c in token_chunks]
     done = [u["completion_tokens"] for u in usages]
     assert done == sorted(done) and done[-1] == 6
     prompt = usages[0]["prompt_tokens"]
     for u, d in zip(usages, done):
         assert u == {"prompt_tokens": prompt, "completion_tokens": d, "total_tokens": prompt + d}
+    # vLLM's rule: continuous_usage_stats counts only together with include_usage.
+    alone = body | {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+    chunks = sse_chunks(httpx.post(server.url + "/v1/completions", json=alone, timeout=60))
+    assert chunks and all(c.get("usage") is None for c in chunks)
 
 
 def test_chat_stream_with_both_usage_options_counts_from_the_role_chunk(

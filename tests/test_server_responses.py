@@ -1,6 +1,6 @@
 """`POST /v1/responses` through the official `openai` client: the same text as a chat completion
 of the same messages, the event sequence of a stream, and clear 400s for what minivllm does not
-keep (stored responses) or serve (tools)."""
+serve (tools, reasoning). Stored responses: test_server_responses_store.py."""
 
 from __future__ import annotations
 
@@ -110,9 +110,9 @@ def test_stream_sends_the_event_sequence_and_the_same_text(client: openai.OpenAI
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("store", True), ("previous_response_id", "resp_123"), ("tools", [{"type": "web_search"}])],
+    [("tools", [{"type": "web_search"}]), ("reasoning", {"effort": "low"})],
 )
-def test_what_is_not_kept_or_served_is_a_400_naming_it(
+def test_what_is_not_served_is_a_400_naming_it(
     server: InProcessServer, field: str, value: object
 ) -> None:
     body = {"input": "Hi", field: value}

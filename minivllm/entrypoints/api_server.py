@@ -95,16 +95,29 @@ def make_engine_client(
 
 
 def make_metrics(
-    engine: EngineFacts, model_name: str, log_stats_interval_s: float
+    engine: EngineFacts,
+    model_name: str,
+    log_stats_interval_s: float,
+    show_hidden_metrics: bool = False,
 ) -> ServerMetrics:
     cache = engine.config.cache
+    # vLLM's CacheConfig.metrics_info() labels; what minivllm has no counterpart of is vLLM's
+    # value for "off" (no CPU offload, no swap space, no CPU blocks, no sliding window).
     cache_info = {
         "block_size": cache.block_size,
         "cache_dtype": cache.cache_dtype,  # vLLM reports the option as given ("auto")
+        "cpu_offload_gb": 0,
         "enable_prefix_caching": cache.enable_prefix_caching,
+        "gpu_memory_utilization": cache.gpu_memory_utilization,
+        "num_cpu_blocks": None,
         "num_gpu_blocks": engine.get_stats().num_kv_blocks,
+        "num_gpu_blocks_override": cache.num_gpu_blocks_override,
+        "sliding_window": None,
+        "swap_space_bytes": 0,
     }
-    return ServerMetrics(model_name, log_stats_interval_s, engine.max_model_len, cache_info)
+    return ServerMetrics(
+        model_name, log_stats_interval_s, engine.max_model_len, cache_info, show_hidden_metrics
+    )
 
 
 def make_handlers(
@@ -146,12 +159,13 @@ def build_app(
     return_tokens_as_token_ids: bool = False,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    show_hidden_metrics: bool = False,
 ) -> FastAPI:
     """An app serving `engine`: an `LLMEngine` stepped by a thread of this process, or the client
     of an engine-core process (minivllm/engine_core/client.py); either starts and stops with the
     app's lifespan."""
     names = served_model_names or [engine.source.name]
-    metrics = make_metrics(engine, names[0], log_stats_interval_s)
+    metrics = make_metrics(engine, names[0], log_stats_interval_s, show_hidden_metrics)
     client = make_engine_client(engine, metrics, log_requests)
     handlers = make_handlers(
         client,

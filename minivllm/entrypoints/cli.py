@@ -148,6 +148,7 @@ def serve(args: argparse.Namespace) -> int:
     from minivllm.engine import LLMEngine
     from minivllm.engine_args import EngineArgs
     from minivllm.engine_core.client import EngineCoreClient
+    from minivllm.entrypoints.api_key import resolve_api_key
     from minivllm.entrypoints.api_server import build_app
 
     with usage_errors(args.parser):
@@ -177,7 +178,7 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(
         engine,
         served_model_names=names,
-        api_key=args.api_key,
+        api_key=resolve_api_key(args.api_key),
         max_body_bytes=args.max_request_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
         log_stats_interval_s=args.log_stats_interval,
@@ -190,6 +191,7 @@ def serve(args: argparse.Namespace) -> int:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        show_hidden_metrics=args.show_hidden_metrics_for_version is not None,
     )
     uvicorn.run(
         app,

@@ -20,7 +20,11 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024  # beyond this, new requests get 503 + Retry
 SERVER_FLAGS: dict[str, dict[str, Any]] = {
     "--host": {"default": "127.0.0.1", "help": "address to listen on; 0.0.0.0 for all"},
     "--port": {"type": int, "default": 8000, "help": "port to listen on"},
-    "--api-key": {"default": None, "help": "require 'Authorization: Bearer KEY' on /v1"},
+    "--api-key": {
+        "default": None,
+        "help": "require 'Authorization: Bearer KEY' on /v1; unset: the VLLM_API_KEY environment "
+        "variable's value (the flag wins when both are set, as in vLLM)",
+    },
     "--served-model-name": {
         "nargs": "+",
         "default": None,
@@ -62,6 +66,11 @@ SERVER_FLAGS: dict[str, dict[str, Any]] = {
     "--enable-tokenizer-info-endpoint": {
         "action": "store_true",
         "help": "serve GET /tokenizer_info (the tokenizer's settings and chat template)",
+    },
+    "--show-hidden-metrics-for-version": {
+        "default": None,
+        "help": "also serve the metrics vLLM deprecated (e.g. vllm:gpu_cache_usage_perc); vLLM "
+        "takes the version they were hidden in, minivllm shows them for any value",
     },
     "--return-tokens-as-token-ids": {
         "action": "store_true",

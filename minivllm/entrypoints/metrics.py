@@ -76,10 +76,12 @@ class ServerMetrics:
         log_interval_s: float = 5.0,
         max_model_len: int = 2048,
         cache_config: dict[str, Any] | None = None,
+        show_hidden_metrics: bool = False,
     ) -> None:
         self.registry = CollectorRegistry()
         self._add_scheduler_gauges()
         self._add_step_counters()
+        self.hidden = self._add_hidden_series() if show_hidden_metrics else None
         self._add_request_histograms(build_1_2_5_buckets(max_model_len))
         self._add_latency_histograms()
         self._add_cache_info(cache_config or {})
@@ -140,6 +142,15 @@ class ServerMetrics:
             "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
             [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
         )  # fmt: skip
+
+    def _add_hidden_series(self) -> tuple[Gauge, Counter, Counter]:
+        # vLLM's deprecated names, shown only with --show-hidden-metrics-for-version (vLLM's
+        # rule: a deprecated series stays one minor version behind that flag before it goes).
+        return (
+            self._gauge("gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage."),
+            self._counter("gpu_prefix_cache_queries", "GPU prefix cache queries, in tokens."),
+            self._counter("gpu_prefix_cache_hits", "GPU prefix cache hits, in tokens."),
+        )
 
     def _add_request_histograms(self, token_buckets: list[int]) -> None:
         # Per request, at its end (histograms).
@@ -233,12 +244,15 @@ class ServerMetrics:
         self.generation_tokens.labels(**lab).inc(generated)
         if stats.num_steps > last.num_steps and prompt + generated > 0:
             self.iteration_tokens.labels(**lab).observe(prompt + generated)
-        self.prefix_queries.labels(**lab).inc(
-            stats.num_prefix_cache_queries - last.num_prefix_cache_queries
-        )
-        self.prefix_hits.labels(**lab).inc(
-            stats.num_prefix_cache_hit_tokens - last.num_prefix_cache_hit_tokens
-        )
+        queries = stats.num_prefix_cache_queries - last.num_prefix_cache_queries
+        hits = stats.num_prefix_cache_hit_tokens - last.num_prefix_cache_hit_tokens
+        self.prefix_queries.labels(**lab).inc(queries)
+        self.prefix_hits.labels(**lab).inc(hits)
+        if self.hidden is not None:  # the deprecated names, the same values
+            gpu_usage, gpu_queries, gpu_hits = self.hidden
+            gpu_usage.labels(**lab).set(stats.kv_cache_usage)
+            gpu_queries.labels(**lab).inc(queries)
+            gpu_hits.labels(**lab).inc(hits)
         self.preemptions.labels(**lab).inc(stats.num_preemptions - last.num_preemptions)
         self._last = stats
         for out in outputs:

@@ -91,6 +91,24 @@ async def _send_error(send: Send, exc: OpenAIError) -> None:
     await send({"type": "http.response.body", "body": resp.body})
 
 
+def _under_root_path(scope: Scope) -> tuple[Scope, str]:
+    """(the scope to route, the path the API sees) behind --root-path. uvicorn puts the root in
+    front of every path, so a client that sends the root itself (/llm/v1/..., no proxy to strip
+    it) arrives as /llm/llm/v1/...: the doubled root is dropped, and both /v1/... and
+    /llm/v1/... are served, as vLLM serves them. The API key is checked on the path without the
+    root (vLLM's AuthenticationMiddleware does the same), whichever way it came."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return scope, path
+    if path[len(root) :].startswith(root + "/"):
+        scope = {**scope, "path": path[len(root) :]}
+        raw = scope.get("raw_path")
+        if isinstance(raw, bytes) and raw.startswith(2 * root.encode()):
+            scope["raw_path"] = raw[len(root.encode()) :]
+        path = scope["path"]
+    return scope, path[len(root) :]
+
+
 class GuardMiddleware:
     """401 on /v1/* without the API key; 413 for a body over `max_body_bytes`, known from
     Content-Length up front or found while reading a chunked body."""
@@ -105,7 +123,8 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"].startswith("/v1"):
+        scope, path = _under_root_path(scope)
+        if self.expected is not None and path.startswith("/v1"):
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):  # constant time: no timing oracle
                 await _send_error(send, OpenAIError("Unauthorized: missing or wrong API key", 401))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from minivllm.entrypoints.protocol_structured import (
     ChatTool,
@@ -97,8 +97,17 @@ class StreamOptions(_Request):
         False, description="End the stream with a chunk that has `usage` and no choices."
     )
     continuous_usage_stats: bool = Field(
-        False, description="vLLM's extra: every chunk carries the `usage` of its choice so far."
+        False,
+        description="vLLM's extra: with include_usage, every chunk carries the `usage` of its choice so far.",
     )
+
+
+def check_stream_options(stream: bool, options: StreamOptions | None) -> None:
+    # OpenAI and vLLM refuse it too: without a stream there is no chunk to carry the usage.
+    if options is not None and not stream:
+        raise OpenAIError(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
 
 
 class _SamplingFields(_Request):
@@ -113,7 +122,9 @@ class _SamplingFields(_Request):
     stream: bool = Field(False, description="Send server-sent events, ending with `[DONE]`.")
     stream_options: StreamOptions | None = Field(None, description="Only with `stream: true`.")
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(
+        None, ge=-(2**63), le=2**63 - 1, description="A 64-bit integer (vLLM's bounds)."
+    )
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
@@ -144,6 +155,11 @@ class _SamplingFields(_Request):
         False,
         description="vLLM's extra: the prompt's and each choice's token ids in the response (in "
         "a stream: the prompt's in the first chunk, each chunk's new ids).",
+    )
+    return_tokens_as_token_ids: bool | None = Field(
+        None,
+        description="vLLM's extra: in logprobs, name each token 'token_id:N'; omitted: the "
+        "server's --return-tokens-as-token-ids.",
     )
     # OpenAI's and vLLM's fields that minivllm cannot honour
     logit_bias: dict[str, float] | None = Field(
@@ -196,8 +212,10 @@ class ChatMessage(_Request):
     # Other fields (e.g. `reasoning_content`) are kept and handed to the chat template with the
     # message, as vLLM does: a template that knows them uses them.
     model_config = ConfigDict(extra="allow", strict=True)
-    # "developer" is OpenAI's new name for "system".
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles ("developer" is its new name for "system", "function" its older "tool"), or
+    # any other: vLLM's CustomChatCompletionMessageParam hands an unknown role to the chat
+    # template as it is, and the template decides what it means.
+    role: str = Field(description="system, developer, user, assistant, tool, function, or any.")
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant's calls.")
@@ -215,8 +233,19 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(
         None, description="OpenAI's newer name for max_tokens; wins over it."
     )
-    logprobs: bool = False
+    logprobs: bool = Field(False, description='A boolean; the strings "true"/"false" too.')
     top_logprobs: int | None = Field(None, description="0..20; needs `logprobs: true`.")
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _lax_logprobs(cls, value: Any) -> Any:
+        # vLLM's models are not strict, so clients send `"logprobs": "true"` and vLLM takes it
+        # (pydantic's lax bool strings); every other field keeps its strict JSON type.
+        lax = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+        if isinstance(value, str) and value.lower() in lax:
+            return lax[value.lower()]
+        return value
+
     add_generation_prompt: bool = Field(True, description="vLLM's extra.")
     continue_final_message: bool = Field(
         False,
@@ -260,6 +289,9 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(
+        None, description="Rendered by the chat template, as a chat completion's tools are."
+    )
     return_token_strs: bool = Field(False, description="Also return each token's string (vLLM).")
 
 

@@ -3,9 +3,10 @@ choice to refuse by name what it does not serve.
 
 What minivllm serves: `input` as a string or a list of messages (`role` + `content`, a string or
 `input_text` / `output_text` parts), `instructions` (a system message ahead of the input),
-`max_output_tokens`, `temperature`, `top_p`, `stream`, `user` and `metadata` (echoed). It keeps
-no conversation state, so `store: true` and `previous_response_id` are a 400 that says so, as
-are tools, reasoning, background runs and non-text formats.
+`max_output_tokens`, `temperature`, `top_p`, `stream`, `user` and `metadata` (echoed), `text.format`
+(text, a JSON object, a JSON schema), output logprobs (`include` + `top_logprobs`), and the stored
+responses' fields (`store`, `previous_response_id`, `background`; responses_store.py). Tools and
+reasoning are a 400 that says so.
 
 Tier: frontends (may import anything below; nothing below imports it).
 """
@@ -40,7 +41,15 @@ class InputMessage(_Request):
 
 
 class TextFormat(_Request):
-    type: Literal["text"]
+    """`text.format`: plain text, any JSON object, or JSON that a schema validates (OpenAI's
+    names; the schema becomes the request's structured-output constraint)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class TextConfig(_Request):
@@ -55,23 +64,25 @@ class ResponsesRequest(_Request):
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = Field(False, description="Send the Responses API's server-sent events.")
-    store: bool = Field(False, description="Only false: minivllm keeps no responses.")
+    store: bool = Field(
+        True, description="Keep the response (bounded, least recently used evicted) for GET, "
+        "previous_response_id and background runs.",
+    )  # fmt: skip
+    background: bool = Field(False, description="Answer `queued` now; GET the result later.")
+    previous_response_id: str | None = Field(
+        None, description="Continue a stored response's conversation."
+    )
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     metadata: dict[str, str] | None = None
     user: str | None = None
     text: TextConfig | None = None
     truncation: Literal["disabled"] | None = None
     parallel_tool_calls: bool | None = None
-    previous_response_id: Any = _unsupported(
-        "previous_response_id needs stored responses, which minivllm does not keep; send the "
-        "whole conversation as `input`"
-    )
     tools: Any = _unsupported("tools are not supported on /v1/responses by minivllm")
     tool_choice: Any = _unsupported("tool_choice is not supported on /v1/responses by minivllm")
     reasoning: Any = _unsupported("reasoning is not supported by minivllm")
-    background: Any = _unsupported("background responses are not supported by minivllm")
-    include: Any = _unsupported("include is not supported by minivllm")
     prompt: Any = _unsupported("prompt templates are not supported by minivllm")
-    top_logprobs: Any = _unsupported("top_logprobs is not supported on /v1/responses by minivllm")
 
 
 # ---------------------------------------------------------------------- responses
@@ -104,7 +115,7 @@ class ResponsesResponse(_Response):
     object: Literal["response"]
     created_at: int
     model: str
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     incomplete_details: dict[str, str] | None = None
     output: list[OutputMessage]
     usage: ResponseUsage | None = None

@@ -73,6 +73,7 @@ class CompletionResponse(_Response):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: UsageInfo
 
@@ -84,6 +85,7 @@ class CompletionStreamResponse(_Response):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice] = Field(description="Empty in the final usage chunk.")
     usage: UsageInfo | None = Field(
         None, description="With include_usage (last chunk) or continuous_usage_stats (each chunk)."
@@ -107,6 +109,9 @@ class ChatChoiceLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: Literal["assistant"]
     content: str | None = Field(description="null when the answer is only tool calls.")
+    reasoning_content: str | None = Field(
+        None, description="vLLM's reasoning parsers' field; always null (minivllm has none)."
+    )
     tool_calls: list[ToolCall] | None = None
 
 

@@ -56,7 +56,9 @@ def _validation_error(exc: ValidationError) -> OpenAIError:
         return OpenAIError(f"Unrecognized request argument supplied: {loc}", param=loc)
     if err["type"] == "missing":
         return OpenAIError(f"missing required field: {loc}", param=loc)
-    return OpenAIError(f"{loc}: {err['msg']}", param=loc or None)
+    # pydantic's own error type closes the message, as in vLLM's 400s ("... [type=
+    # greater_than_equal, ...]"): clients match on it, and the field is still named first.
+    return OpenAIError(f"{loc}: {err['msg']} [type={err['type']}]", param=loc or None)
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -214,6 +216,22 @@ def add_generation_routes(
     async def create_response(request: Request) -> Any:
         req = await parse_body(request, ResponsesRequest)
         return await handlers.responses.create_response(req, disconnect_watcher(request))
+
+    @app.get(
+        "/v1/responses/{response_id}",
+        response_model=None,
+        responses=responses(ResponsesResponse, v1_errors, "A stored response"),
+    )
+    async def retrieve_response(response_id: str) -> Any:
+        return await handlers.responses.retrieve_response(response_id)
+
+    @app.post(
+        "/v1/responses/{response_id}/cancel",
+        response_model=None,
+        responses=responses(ResponsesResponse, v1_errors, "The cancelled background response"),
+    )
+    async def cancel_response(response_id: str) -> Any:
+        return await handlers.responses.cancel_response(response_id)
 
 
 def add_invocations_route(app: FastAPI, handlers: Handlers, v1_errors: tuple[int, ...]) -> None:

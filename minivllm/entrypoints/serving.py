@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from minivllm.beam_search import BeamSearchParams
 from minivllm.engine_core.protocol import EngineClient, StreamItem
-from minivllm.entrypoints.protocol import OpenAIError, StreamOptions
+from minivllm.entrypoints.protocol import OpenAIError, StreamOptions, check_stream_options
 from minivllm.inputs import PromptType, process_token_params, truncate_prompt
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -74,13 +74,7 @@ class OpenAIServing:
                 headers={"Retry-After": "1"},
             )
 
-    @staticmethod
-    def check_stream_options(stream: bool, options: StreamOptions | None) -> None:
-        # OpenAI and vLLM refuse it too: without a stream there is no chunk to carry the usage.
-        if options is not None and not stream:
-            raise OpenAIError(
-                "stream_options is only allowed when stream is true", param="stream_options"
-            )
+    check_stream_options = staticmethod(check_stream_options)
 
     def with_model_defaults(self, req: Any) -> tuple[Any, set[str]]:
         """`req` as if the client had sent the model's sampling defaults for every field it left
@@ -187,6 +181,11 @@ class OpenAIServing:
         except ValueError as exc:  # the messages name the field and the range
             name = str(exc).split(" ", 1)[0]
             raise OpenAIError(str(exc), param=name if name in _PARAM_NAMES else None) from None
+
+    def tokens_as_ids(self, req: Any) -> bool:
+        """Whether logprobs name tokens 'token_id:N': the request's say, else the server's."""
+        own = req.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if own is None else bool(own)
 
     def decode_one(self, token_id: int) -> str:
         """One token's text on its own (what logprobs name a token by)."""
@@ -303,7 +302,7 @@ class OpenAIServing:
         p0 = params[0]
         n = p0.beam_width if isinstance(p0, BeamSearchParams) else p0.n
         include_usage = options is not None and options.include_usage
-        continuous_usage = options is not None and options.continuous_usage_stats
+        continuous_usage = include_usage and options is not None and options.continuous_usage_stats
         num_prompt = [len(prompt_ids(p)) for p in prompts]
         submitted = self._submit(rid, prompts, params)  # now, as in _collect
 

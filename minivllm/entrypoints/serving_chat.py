@@ -97,7 +97,6 @@ class OpenAIServingChat(OpenAIServing):
             req.chat_template_kwargs,
             req.documents,
             tools=req.tools,
-            needs_tools=mode == "auto",
         )
         ids = self.truncate(req, ids)
         last = req.messages[-1]
@@ -117,7 +116,7 @@ class OpenAIServingChat(OpenAIServing):
             "model": model,
         }
         named = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
-        as_ids = self.return_tokens_as_token_ids
+        as_ids = self.tokens_as_ids(req)
         return ChatPlan(req, mode, named, ids, echo, k, params, header, as_ids)
 
     def stream_chat(self, plan: ChatPlan) -> StreamingResponse:
@@ -169,11 +168,20 @@ class OpenAIServingChat(OpenAIServing):
         """The whole response, once every choice finished; tool calls found in the text."""
         choices = []
         for c in finals[0].outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": plan.echo + c.text}
+            # `reasoning_content`: vLLM's field for a reasoning parser's output; minivllm has no
+            # reasoning parser, so it is always null (present, as in vLLM's responses).
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": plan.echo + c.text,
+                "reasoning_content": None,
+            }
             reason = finish_reason(c)
             extracted = self._extract(plan.mode, plan.named, c)
             if extracted is not None and extracted.tools_called:
-                message["content"] = extracted.content
+                # A forced call's message has content "" (vLLM's), an auto call's what the
+                # parser left around the calls.
+                forced = plan.mode in ("named", "required")
+                message["content"] = "" if forced else extracted.content
                 message["tool_calls"] = [t.to_openai() for t in extracted.tool_calls]
                 reason = "tool_calls" if plan.mode != "named" else reason
             choice = {
@@ -183,9 +191,13 @@ class OpenAIServingChat(OpenAIServing):
                 "finish_reason": reason,
             }
             choices.append(plan.with_ids(choice, c, 0))
-        extras = plan.prompt_extras
-        if plan.req.prompt_logprobs is not None:  # vLLM's extra: on the response, as its prompt's
-            extras["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs, plan.as_ids)
+        extras = dict(plan.prompt_extras)
+        # vLLM's extra, at the top level (its ChatCompletionResponse), null unless asked for
+        extras["prompt_logprobs"] = (
+            prompt_logprobs_json(finals[0].prompt_logprobs, plan.as_ids)
+            if plan.req.prompt_logprobs is not None
+            else None
+        )
         return {**plan.header, "choices": choices, "usage": usage(finals), **extras}
 
     # ------------------------------------------------------------------ tool calling
@@ -221,7 +233,10 @@ class OpenAIServingChat(OpenAIServing):
                 param="tool_choice",
             )
         if choice == "required":
-            schema = required_schema(req.tools, req.parallel_tool_calls is not False)
+            try:
+                schema = required_schema(req.tools, req.parallel_tool_calls is not False)
+            except ValueError as exc:
+                raise OpenAIError(str(exc), param="tools") from None
             return "required", (StructuredOutputsParams(json=schema), "tools")
         by_name = {t.function.name: t for t in req.tools}
         name = choice.function.name
@@ -280,7 +295,6 @@ class OpenAIServingChat(OpenAIServing):
         chat_template_kwargs: dict[str, Any] | None = None,
         documents: list[dict[str, str]] | None = None,
         tools: list[Any] | None = None,
-        needs_tools: bool = False,
     ) -> list[int]:
         if add_generation_prompt and continue_final_message:  # vLLM's rule and wording
             raise OpenAIError(
@@ -288,14 +302,9 @@ class OpenAIServingChat(OpenAIServing):
                 param="continue_final_message",
             )
         conversation = [_message_dict(m) for m in messages]
-        carries_calls = any(m.role == "tool" or m.tool_calls for m in messages)
-        template = getattr(self.tokenizer, "chat_template", None) or ""
-        if (needs_tools or carries_calls) and "tool" not in str(template):
-            raise OpenAIError(
-                "the model's chat template has no tool support (it never reads tools, tool "
-                "calls or tool messages)",
-                param="tools" if needs_tools else "messages",
-            )
+        # A template that never reads tools (SmolLM2's) is rendered anyway, and the output is
+        # parsed for calls all the same, as vLLM does: the tools then reach the model only through
+        # a forced call's grammar, or not at all, which is the template's choice, not the server's.
         kwargs = dict(chat_template_kwargs or {})
         reserved = {
             "conversation", "tokenize", "add_generation_prompt", "continue_final_message", "tools",

@@ -105,6 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "object": "text_completion",
             "created": int(time.time()),
             "model": model,
+            "system_fingerprint": None,  # OpenAI's field, which vLLM also sends as null
         }
         return CompletionPlan(req, [ids for _, ids in tokenized], echo_texts, params, header)
 
@@ -138,7 +139,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> dict[str, Any]:
         """Choice `i` (prompt-major) from token `start` on; `offset`: its text's first character
         in the whole choice (what logprobs' `text_offset` counts from)."""
-        req, k, as_ids = plan.req, plan.req.logprobs, self.return_tokens_as_token_ids
+        req, k, as_ids = plan.req, plan.req.logprobs, self.tokens_as_ids(plan.req)
         prompt_ids = plan.prompt_ids[i // req.n]
         lps = None
         if k is not None and c.logprobs is not None:
@@ -155,8 +156,12 @@ class OpenAIServingCompletion(OpenAIServing):
             if first:
                 out["prompt_token_ids"] = prompt_ids
             out["token_ids"] = c.token_ids[start:]
-        if req.prompt_logprobs is not None and first:
-            out["prompt_logprobs"] = prompt_logprobs_json(whole.prompt_logprobs, as_ids)
+        if first:  # vLLM's extra, on the choice (its CompletionResponseChoice), null unless asked
+            out["prompt_logprobs"] = (
+                prompt_logprobs_json(whole.prompt_logprobs, as_ids)
+                if req.prompt_logprobs is not None
+                else None
+            )
         return out
 
 

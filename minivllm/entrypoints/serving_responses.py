@@ -12,54 +12,57 @@ Tier: frontends (may import anything below; nothing below imports it).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from minivllm.entrypoints.logprobs import chat_logprobs
 from minivllm.entrypoints.protocol import ChatMessage, OpenAIError, refuse_unsupported
 from minivllm.entrypoints.protocol_responses import ResponsesRequest
+from minivllm.entrypoints.responses_store import ResponsesStore, StoredResponse
 from minivllm.entrypoints.serving import OpenAIServing
 from minivllm.entrypoints.serving_chat import OpenAIServingChat
+from minivllm.entrypoints.structured_requests import compile_or_400
 from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("minivllm")
 
 
 class OpenAIServingResponses(OpenAIServing):
-    def __init__(self, chat: OpenAIServingChat, *args: Any) -> None:
+    def __init__(
+        self, chat: OpenAIServingChat, *args: Any, store: ResponsesStore | None = None
+    ) -> None:
         super().__init__(*args)
         self.chat = chat  # the chat template, applied as for chat completions
+        self.store = store if store is not None else ResponsesStore()
 
     async def create_response(self, req: ResponsesRequest, is_disconnected: Any) -> Any:
         model = self.check_model(req.model)
         refuse_unsupported(req)
-        if req.store:
+        if req.background and not req.store:  # vLLM's wording
+            raise OpenAIError("background can only be used when `store` is true", param="store")
+        if req.background and req.stream:
             raise OpenAIError(
-                "store must be false: minivllm keeps no responses to retrieve later",
-                param="store",
+                "background responses are not streamed by minivllm: GET the response instead",
+                param="stream",
             )
+        prev = None
+        if req.previous_response_id is not None:
+            prev = self.store.get(req.previous_response_id, "previous_response_id")
         req, from_model = self.with_model_defaults(req)
-        ids = self.chat.apply_chat_template(self._messages(req), add_generation_prompt=True)
-        cap = "max_output_tokens" in from_model
-        max_tokens = self.max_tokens(req.max_output_tokens, len(ids), "max_output_tokens", cap)
-        try:
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
-                top_p=1.0 if req.top_p is None else req.top_p,
-            )
-        except ValueError as exc:
-            name = str(exc).split(" ", 1)[0]
-            raise OpenAIError(
-                str(exc), param=name.replace("max_tokens", "max_output_tokens")
-            ) from None
+        messages = self._messages(req, prev)
+        ids = self.chat.apply_chat_template(messages, add_generation_prompt=True)
+        params = await self._sampling_params(req, len(ids), from_model)
         self.check_capacity()
         rid = f"resp_{uuid.uuid4().hex}"
         base = {
@@ -71,32 +74,98 @@ class OpenAIServingResponses(OpenAIServing):
             "max_output_tokens": req.max_output_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
+            "top_logprobs": req.top_logprobs,
             "metadata": req.metadata or {},
             "user": req.user,
-            "store": False,
-            "previous_response_id": None,
+            "store": req.store,
+            "background": req.background,
+            "previous_response_id": req.previous_response_id,
             "parallel_tool_calls": True,
             "tool_choice": "none",
             "tools": [],
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _format_of(req)},
             "truncation": "disabled",
             "reasoning": None,
             "error": None,
         }
-        item_id = f"msg_{uuid.uuid4().hex}"
-        prompts: list[PromptType] = [{"prompt_token_ids": ids}]
+        run = _Run(rid, f"msg_{uuid.uuid4().hex}", [{"prompt_token_ids": ids}], params, base)
+        keep = messages if req.store else None
         if req.stream:
-            return self._stream_events(rid, prompts, params, base, item_id)
-        finals = await self._collect(rid, prompts, [params], is_disconnected)
-        return _response(base, item_id, finals[0])
+            return self._stream_events(run, keep)
+        if req.background:
+            return self._start_background(run, messages)
+        finals = await self._collect(rid, run.prompts, [params], is_disconnected)
+        done = _response(base, run.item_id, finals[0], params.logprobs)
+        if keep is not None:
+            self.store.put(rid, done, keep)
+        return done
+
+    async def retrieve_response(self, rid: str) -> dict[str, Any]:
+        return self.store.get(rid).response
+
+    async def cancel_response(self, rid: str) -> dict[str, Any]:
+        return await self.store.cancel(rid)
+
+    async def _sampling_params(
+        self, req: ResponsesRequest, num_prompt: int, from_model: Any
+    ) -> SamplingParams:
+        cap = "max_output_tokens" in from_model
+        max_tokens = self.max_tokens(req.max_output_tokens, num_prompt, "max_output_tokens", cap)
+        structured = _structured_outputs(req)
+        if structured is not None:  # compiled now, off the event loop: a bad schema is a 400
+            manager = self.engine_client.structured_output_manager
+            await asyncio.to_thread(compile_or_400, manager, structured, "text.format")
+        with_logprobs = req.include is not None and "message.output_text.logprobs" in req.include
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
+                top_p=1.0 if req.top_p is None else req.top_p,
+                logprobs=(req.top_logprobs or 0) if with_logprobs else None,
+                structured_outputs=structured,
+            )
+        except ValueError as exc:
+            name = str(exc).split(" ", 1)[0]
+            raise OpenAIError(
+                str(exc), param=name.replace("max_tokens", "max_output_tokens")
+            ) from None
+
+    def _start_background(self, run: _Run, messages: list[ChatMessage]) -> dict[str, Any]:
+        """Store the response as `queued` and run it in a task; GET reads its progress."""
+        queued = {**run.base, "status": "queued", "output": [], "usage": None}
+        self.store.put(run.rid, queued, messages)
+
+        async def background() -> None:
+            try:
+                finals = await self._collect(run.rid, run.prompts, [run.params], _never)
+                done = _response(run.base, run.item_id, finals[0], run.params.logprobs)
+            except OpenAIError as exc:
+                done = {**queued, "status": "failed", "error": _error(exc)}
+            except Exception as exc:  # the run is nobody's request now: record it
+                logger.exception("background response %s failed", run.rid)
+                error = OpenAIError(f"internal error: {type(exc).__name__}", 500)
+                done = {**queued, "status": "failed", "error": _error(error)}
+            self.store.finish(run.rid, done)
+
+        self.store.get(run.rid).task = asyncio.create_task(background())
+        return queued
 
     @staticmethod
-    def _messages(req: ResponsesRequest) -> list[ChatMessage]:
+    def _messages(req: ResponsesRequest, prev: StoredResponse | None) -> list[ChatMessage]:
+        """instructions, then the previous response's conversation and its answer, then input
+        (vLLM's `_construct_input_messages`)."""
         messages = []
         if req.instructions is not None:
             messages.append(
                 ChatMessage.model_validate({"role": "system", "content": req.instructions})
             )
+        if prev is not None:
+            messages += prev.messages
+            for item in prev.response["output"]:
+                for part in item["content"]:
+                    messages.append(
+                        ChatMessage.model_validate({"role": "assistant", "content": part["text"]})
+                    )
         if isinstance(req.input, str):
             messages.append(ChatMessage.model_validate({"role": "user", "content": req.input}))
         else:
@@ -105,15 +174,10 @@ class OpenAIServingResponses(OpenAIServing):
             ]
         return messages
 
-    def _stream_events(
-        self,
-        rid: str,
-        prompts: list[PromptType],
-        params: SamplingParams,
-        base: dict[str, Any],
-        item_id: str,
-    ) -> StreamingResponse:
-        submitted = self._submit(rid, prompts, [params])  # now: the waiting bound counts it
+    def _stream_events(self, run: _Run, keep: list[ChatMessage] | None) -> StreamingResponse:
+        """`keep`: the conversation to store the finished response with (None: not stored)."""
+        rid, item_id, base, params = run.rid, run.item_id, run.base, run.params
+        submitted = self._submit(rid, run.prompts, [params])  # now: the waiting bound counts it
 
         async def events() -> AsyncIterator[str]:
             seq = 0
@@ -163,7 +227,9 @@ class OpenAIServingResponses(OpenAIServing):
             finally:
                 await results.aclose()  # aborts the request if the client went away
             assert final is not None
-            done = _response(base, item_id, final)
+            done = _response(base, item_id, final, params.logprobs)
+            if keep is not None:
+                self.store.put(rid, done, keep)
             message = done["output"][0]
             text_part = message["content"][0]
             yield event("response.output_text.done", **where, text=text_part["text"], logprobs=[])
@@ -179,16 +245,22 @@ def _error(exc: OpenAIError) -> dict[str, Any]:
     return {"code": str(exc.status_code), "message": str(exc)}
 
 
-def _response(base: dict[str, Any], item_id: str, out: RequestOutput) -> dict[str, Any]:
+def _response(
+    base: dict[str, Any], item_id: str, out: RequestOutput, k: int | None
+) -> dict[str, Any]:
+    """`k`: the top logprobs per token (None: no logprobs were asked for)."""
     c = out.outputs[0]
     cut = c.finish_reason == "length"
     num_in, num_out = len(out.prompt_token_ids), len(c.token_ids)
+    logprobs = chat_logprobs(c.token_ids, c.logprobs, k) if k is not None and c.logprobs else []
     message = {
         "id": item_id,
         "type": "message",
         "status": "incomplete" if cut else "completed",
         "role": "assistant",
-        "content": [{"type": "output_text", "text": c.text, "annotations": [], "logprobs": []}],
+        "content": [
+            {"type": "output_text", "text": c.text, "annotations": [], "logprobs": logprobs}
+        ],
     }
     return {
         **base,
@@ -203,3 +275,39 @@ def _response(base: dict[str, Any], item_id: str, out: RequestOutput) -> dict[st
             "total_tokens": num_in + num_out,
         },
     }
+
+
+@dataclass
+class _Run:
+    """One response's engine request and the fields its body starts from."""
+
+    rid: str
+    item_id: str
+    prompts: list[PromptType]
+    params: SamplingParams
+    base: dict[str, Any]
+
+
+async def _never() -> bool:
+    """A background run's client never disconnects: only a cancel stops it."""
+    await asyncio.Event().wait()
+    return True
+
+
+def _format_of(req: ResponsesRequest) -> dict[str, Any]:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None:
+        return {"type": "text"}
+    return fmt.model_dump(by_alias=True, exclude_none=True)
+
+
+def _structured_outputs(req: ResponsesRequest) -> StructuredOutputsParams | None:
+    """`text.format` as the request's structured-output constraint (vLLM's `to_sampling_params`)."""
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None:
+        raise OpenAIError('text.format of type "json_schema" needs a schema', param="text.format")
+    return StructuredOutputsParams(json=fmt.json_schema)

@@ -3,7 +3,8 @@
 
 Tier: frontends (may import anything below; nothing below imports it). A client counts a prompt's
 tokens, or renders a conversation through the chat template exactly as a chat completion would,
-without running the model; `return_token_strs` adds each token's string. `tokenizer_info` is
+without running the model; `return_token_strs` adds each token's string, and `tools` are rendered
+as a chat completion with those tools renders them. `tokenizer_info` is
 vLLM's `GET /tokenizer_info` (behind `--enable-tokenizer-info-endpoint`, because it exposes the
 chat template): the tokenizer's class and its JSON-safe init settings.
 """
@@ -33,18 +34,19 @@ class OpenAIServingTokenization:
                 req.add_generation_prompt,
                 req.continue_final_message,
                 req.chat_template_kwargs,
+                tools=req.tools,
             )
         else:
             assert req.prompt is not None
             ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        resp: dict[str, Any] = {
+        # `token_strs` is always in the answer, null unless asked for (vLLM's TokenizeResponse).
+        strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {
             "count": len(ids),
             "max_model_len": self.engine_client.max_model_len,
             "tokens": ids,
+            "token_strs": strs,
         }
-        if req.return_token_strs:
-            resp["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
-        return resp
 
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.chat.check_model(req.model)
@@ -59,6 +61,12 @@ def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
     """vLLM's `/tokenizer_info`: `tokenizer_class` plus every init setting that is JSON."""
     info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
     for key, value in getattr(tokenizer, "init_kwargs", {}).items():
+        if key in ("vocab_file", "merges_file"):  # paths on the server's disk (vLLM drops them)
+            continue
+        if key == "added_tokens_decoder" and isinstance(value, dict):
+            # id -> the token's settings, as tokenizer_config.json writes them (not its repr)
+            info[key] = {str(i): _added_token(token) for i, token in value.items()}
+            continue
         try:
             json.dumps(value)
         except (TypeError, ValueError):
@@ -68,3 +76,10 @@ def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
     if template is not None:
         info["chat_template"] = template
     return info
+
+
+def _added_token(token: Any) -> dict[str, Any]:
+    if isinstance(token, dict):
+        return token
+    names = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+    return {name: getattr(token, name) for name in names if hasattr(token, name)}

@@ -23,21 +23,34 @@ def named_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def required_schema(tools: list[Any], parallel: bool) -> dict[str, Any]:
-    """tools: `ChatTool`s. One array item per call; `parallel=False` allows exactly one."""
-    items = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "enum": [t.function.name]},
-                "parameters": named_schema(t.function.parameters),
-            },
-            "required": ["name", "parameters"],
-        }
-        for t in tools
-    ]
+    """tools: `ChatTool`s. One array item per call; `parallel=False` allows exactly one.
+
+    A tool's `$defs` move to the array's root, where its `#/$defs/...` references now point
+    (vLLM's `get_tool_schema_defs`); two tools defining one name differently are refused."""
+    items: list[dict[str, Any]] = []
+    defs: dict[str, Any] = {}
+    for t in tools:
+        parameters = dict(named_schema(t.function.parameters))
+        for name, definition in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, definition) != definition:
+                raise ValueError(
+                    f"Tool definition '{name}' has multiple schemas, which is not supported."
+                )
+        items.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t.function.name]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
 
 

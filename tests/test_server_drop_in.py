@@ -1,0 +1,210 @@
+"""The last mile of drop-in: request and response fields that vLLM's own server tests (and the
+clients written against vLLM) read, each held to vLLM's shape (vllm/entrypoints/openai/protocol.py
+at 505805b6). A tiny random Llama with SmolLM2's tokenizer serves them: shapes, not answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from engine_utils import save_tiny_llama
+from server_utils import InProcessServer, serve_in_process
+
+from minivllm.engine import LLMEngine
+from minivllm.engine_args import EngineArgs
+
+CHAT = [{"role": "user", "content": "Hi there"}]
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path):
+    config = EngineArgs(
+        model=str(tiny_model), max_model_len=256, block_size=4, num_gpu_blocks_override=256
+    ).create_engine_config()
+    with serve_in_process(LLMEngine(config), enable_tokenizer_info_endpoint=True) as s:
+        yield s
+
+
+def post(server: InProcessServer, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, timeout=60)
+
+
+def test_prompt_logprobs_sit_where_vllm_puts_them_and_are_null_unless_asked(
+    server: InProcessServer,
+) -> None:
+    plain = post(server, "/completions", {"prompt": "Hello there", "max_tokens": 2}).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+    asked = post(
+        server, "/completions", {"prompt": "Hello there", "max_tokens": 2, "prompt_logprobs": 1}
+    ).json()
+    first, *rest = asked["choices"][0]["prompt_logprobs"]
+    assert first is None and rest and all(1 <= len(entry) <= 2 for entry in rest)
+    chat = post(server, "/chat/completions", {"messages": CHAT, "max_tokens": 2}).json()
+    assert chat["prompt_logprobs"] is None  # top-level on chat, as vLLM's ChatCompletionResponse
+    chat = post(
+        server, "/chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 0}
+    ).json()
+    assert len(chat["prompt_logprobs"]) > 1
+
+
+def test_chat_logprobs_accepts_the_string_true_as_vllm_does(server: InProcessServer) -> None:
+    body = {"messages": CHAT, "max_tokens": 3, "logprobs": "true", "top_logprobs": 2}
+    out = post(server, "/chat/completions", body)
+    assert out.status_code == 200, out.text
+    assert len(out.json()["choices"][0]["logprobs"]["content"]) == 3
+    assert post(server, "/chat/completions", {**body, "logprobs": "maybe"}).status_code == 400
+
+
+def test_function_role_is_accepted_and_messages_carry_reasoning_content(
+    server: InProcessServer,
+) -> None:
+    messages = [
+        *CHAT,
+        {"role": "function", "name": "get_weather", "content": '{"temp": 20}'},
+        {"role": "assistant", "content": "Warm.", "reasoning_content": "It said 20."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    out = post(server, "/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert out.status_code == 200, out.text
+    message = out.json()["choices"][0]["message"]
+    assert "reasoning_content" in message and message["reasoning_content"] is None
+
+
+def test_return_tokens_as_token_ids_per_request(server: InProcessServer) -> None:
+    body = {"prompt": "Hello", "max_tokens": 3, "logprobs": 1, "temperature": 0.0}
+    named = post(server, "/completions", body).json()["choices"][0]["logprobs"]["tokens"]
+    assert not any(t.startswith("token_id:") for t in named)
+    ids = post(server, "/completions", {**body, "return_tokens_as_token_ids": True}).json()
+    assert all(t.startswith("token_id:") for t in ids["choices"][0]["logprobs"]["tokens"])
+    chat = post(
+        server,
+        "/chat/completions",
+        {"messages": CHAT, "max_tokens": 2, "logprobs": True, "return_tokens_as_token_ids": True},
+    ).json()
+    assert all(
+        e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"]
+    )
+
+
+def test_tokenize_renders_tools_and_always_answers_token_strs(server: InProcessServer) -> None:
+    tok = server.engine.tokenizer
+    out = httpx.post(server.url + "/tokenize", json={"messages": CHAT, "tools": [TOOL]}).json()
+    expected = tok.apply_chat_template(
+        CHAT, tools=[TOOL], add_generation_prompt=True, tokenize=True
+    )
+    expected = expected["input_ids"] if hasattr(expected, "keys") else list(expected)
+    assert out["tokens"] == expected
+    assert out["token_strs"] is None
+    bad = httpx.post(server.url + "/tokenize", json={"messages": CHAT, "tools": [{"x": 1}]})
+    assert bad.status_code == 400  # the tools are read (as a chat completion's), not ignored
+
+
+def test_tokenizer_info_added_tokens_decoder_is_a_dict_of_settings(
+    server: InProcessServer,
+) -> None:
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    added = info["added_tokens_decoder"]
+    assert isinstance(added, dict) and added
+    for token_id, token in added.items():
+        assert token_id.isdigit()
+        assert isinstance(token["content"], str) and isinstance(token["special"], bool)
+    assert "vocab_file" not in info  # a path on the server's disk, as vLLM leaves it out
+
+
+def test_a_template_without_tool_support_is_rendered_anyway(server: InProcessServer) -> None:
+    assert "tool" not in (server.engine.tokenizer.chat_template or "")  # SmolLM2's template
+    # (a random model writes the forced call's JSON with endless whitespace: the grammar holds it
+    # to the calls' shape, and the test only asks that the request is served, not refused)
+    for choice in ("none", "required"):
+        body = {"messages": CHAT, "max_tokens": 8, "tools": [TOOL], "tool_choice": choice}
+        out = post(server, "/chat/completions", body)
+        assert out.status_code == 200, out.text
+    required = out.json()["choices"][0]["message"]
+    assert required["content"].lstrip().startswith("[")  # the calls' grammar was applied
+
+
+def test_out_of_range_seed_names_the_field_and_pydantics_error_type(
+    server: InProcessServer,
+) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+    for seed, kind in ((-(2**63) - 1, "greater_than_equal"), (2**63, "less_than_equal")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="x", messages=CHAT, seed=seed)  # type: ignore[arg-type]
+        assert kind in err.value.message and "seed" in err.value.message
+
+
+def with_defs(name: str, unit_enum: list[str]) -> dict:
+    """A tool whose parameters reach a sub-schema through `$ref` (pydantic writes them so)."""
+    options = {"type": "object", "properties": {"unit": {"enum": unit_enum}}, "required": ["unit"]}
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "options": {"$ref": "#/$defs/Options"}},
+        "required": ["city", "options"],
+        "$defs": {"Options": options},
+    }
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def test_tool_parameters_with_defs_and_refs_build_their_grammar(server: InProcessServer) -> None:
+    from minivllm.entrypoints.protocol_structured import ChatTool
+    from minivllm.entrypoints.tool_parsers.forced import required_schema
+
+    tool = with_defs("get_weather", ["celsius", "fahrenheit"])
+    schema = required_schema([ChatTool.model_validate(tool)], parallel=True)
+    assert schema["$defs"] == tool["function"]["parameters"]["$defs"]  # moved to the root
+    assert "$defs" in tool["function"]["parameters"]  # the request's own schema is untouched
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        body = {"messages": CHAT, "max_tokens": 40, "tools": [tool], "tool_choice": choice}
+        out = post(server, "/chat/completions", body)
+        assert out.status_code == 200, out.text
+        message = out.json()["choices"][0]["message"]
+        assert message["content"] == "" or not message.get("tool_calls")  # vLLM's "" beside calls
+    clash = [tool, with_defs("get_time", ["utc"])]  # one name, two schemas: vLLM refuses it
+    body = {"messages": CHAT, "max_tokens": 8, "tools": clash, "tool_choice": "required"}
+    out = post(server, "/chat/completions", body)
+    assert out.status_code == 400 and "has multiple schemas" in out.json()["error"]["message"]
+
+
+def test_a_custom_role_reaches_the_template_as_vllm_passes_it(server: InProcessServer) -> None:
+    as_text = [{"role": "my-custom-role", "content": "what is 1+1?"}]
+    as_parts = [{"role": "my-custom-role", "content": [{"type": "text", "text": "what is 1+1?"}]}]
+    outs = [
+        post(server, "/chat/completions", {"messages": m, "max_tokens": 4, "temperature": 0})
+        for m in (as_text, as_parts)
+    ]
+    assert all(o.status_code == 200 for o in outs), outs[0].text
+    texts = [o.json()["choices"][0]["message"]["content"] for o in outs]
+    assert texts[0] == texts[1]
+    ids = httpx.post(server.url + "/tokenize", json={"messages": as_text}).json()["tokens"]
+    assert "my-custom-role" in server.engine.tokenizer.decode(ids)
+
+
+def test_completions_carry_system_fingerprint_and_logit_bias_names_the_vocabulary_size(
+    server: InProcessServer,
+) -> None:
+    out = post(server, "/completions", {"prompt": "Hi", "max_tokens": 2}).json()
+    assert "system_fingerprint" in out and out["system_fingerprint"] is None
+    vocab = len(server.engine.tokenizer)
+    body = {"messages": CHAT, "max_tokens": 2, "logit_bias": {str(vocab + 1): 1}}
+    error = post(server, "/chat/completions", body).json()["error"]["message"]
+    assert str(vocab + 1) in error and str(vocab) in error
