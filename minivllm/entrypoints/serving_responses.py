@@ -33,7 +33,7 @@ from minivllm.entrypoints.structured_requests import compile_or_400
 from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.structured_output import StructuredOutputsParams
+from minivllm.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger("minivllm")
 
