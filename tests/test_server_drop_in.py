@@ -140,6 +140,10 @@ def test_a_template_without_tool_support_is_rendered_anyway(server: InProcessSer
         assert out.status_code == 200, out.text
     required = out.json()["choices"][0]["message"]
     assert required["content"].lstrip().startswith("[")  # the calls' grammar was applied
+    # A tool's answer in the history is rendered too (it used to be a 400 for this template).
+    history = [*CHAT, {"role": "tool", "tool_call_id": "1", "content": "sunny"}]
+    out = post(server, "/chat/completions", {"messages": history, "max_tokens": 4})
+    assert out.status_code == 200, out.text
 
 
 def test_out_of_range_seed_names_the_field_and_pydantics_error_type(

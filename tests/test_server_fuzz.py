@@ -96,7 +96,7 @@ def test_schemathesis_checks_pass_in_both_phases(fuzz: dict[str, Any]) -> None:
     assert report["failures"] == [] and report["errors"] == []
     assert report["phases"]["coverage"]["status"] == "success"
     assert report["phases"]["fuzzing"]["status"] == "success"
-    assert report["operations"]["tested"] == report["operations"]["total"] == 11
+    assert report["operations"]["tested"] == report["operations"]["total"] == 13
     assert report["test_cases"]["generated"] >= 500
 
 

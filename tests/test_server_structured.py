@@ -152,7 +152,6 @@ BAD = [
     ("two-ways", "/v1/completions", {"guided_regex": "a", "structured_outputs": {"choice": ["a"]}}, "guided_regex"),
     ("with-beam-search", "/v1/completions", {"guided_choice": ["a"], "use_beam_search": True}, "use_beam_search"),
     ("unknown-tool", "/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ("tool-message-without-template-support", "/v1/chat/completions", {"messages": [*ASK, {"role": "tool", "tool_call_id": "1", "content": "sunny"}]}, "messages"),
 ]  # fmt: skip
 
 
