@@ -142,7 +142,8 @@ def prepare_server_side(run: Path, root: Path) -> dict[str, str]:
     tokenizer_dir = run / "tokenizer"
     script = f"""
 import json
-from minivllm.model.loader import load_config, load_tokenizer, resolve_model
+from minivllm.model.loader import load_config, load_tokenizer
+from minivllm.model.resolver import resolve_model
 from minivllm.entrypoints.cli import make_serve_parser
 import minivllm
 source = resolve_model(None)
