@@ -36,7 +36,7 @@ from benchmarks.op_profile import print_profile, profile_run
 from benchmarks.peers.hf_peer import peer_process
 from benchmarks.peers.vllm_peer import HOW_TO_GET_IT, run_vllm_peer, same_outputs
 from minivllm.benchmarks import throughput
-from minivllm.benchmarks.common import ModelCost, drive_engine
+from minivllm.benchmarks.engine_under_test import ModelCost, drive_engine
 from minivllm.benchmarks.isolated import run_isolated
 from minivllm.benchmarks.machine import measure_copy_bandwidth, synchronize
 from minivllm.benchmarks.report import machine_load, write_json

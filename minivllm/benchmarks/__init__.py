@@ -3,7 +3,7 @@ throughput.py, serve.py, memory.py, prefix.py, sharing.py, paper.py, startup.py.
 workload.py (the one workload generator: random-token prompts, length profiles, Poisson
 arrivals), report.py (the one table printer and the rows the docs' hook reads too), machine.py
 (the matmul peak and the one copy-bandwidth probe), isolated.py (a system in a fresh process, with
-its peak RSS) and common.py (the engine under test).
+its peak RSS) and engine_under_test.py (the engine a bench drives).
 
 The peers (transformers, vLLM's CPU build), the matmul floor, the op profile and the other
 investigations are not commands a user runs: they live outside the package, in the top-level

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from minivllm.benchmarks.common import (
+from minivllm.benchmarks.engine_under_test import (
     GPU_EPILOG,
     add_run_arguments,
     build_llm,

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from minivllm.benchmarks.common import add_run_arguments
+from minivllm.benchmarks.engine_under_test import add_run_arguments
 from minivllm.benchmarks.paper_plots import plot_batch, plot_latency
 from minivllm.benchmarks.paper_sweep import (
     PaperRequest,

@@ -22,7 +22,7 @@ import gc
 import random
 from typing import Any
 
-from minivllm.benchmarks.common import (
+from minivllm.benchmarks.engine_under_test import (
     GPU_EPILOG,
     add_run_arguments,
     build_llm,

@@ -29,7 +29,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from minivllm.beam_search import BeamSearchParams
-from minivllm.benchmarks.common import (
+from minivllm.benchmarks.engine_under_test import (
     add_run_arguments,
     build_llm,
     drive_engine,

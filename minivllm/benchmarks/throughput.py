@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from minivllm.benchmarks.common import (
+from minivllm.benchmarks.engine_under_test import (
     GPU_EPILOG,
     ModelCost,
     add_run_arguments,

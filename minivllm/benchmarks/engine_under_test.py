@@ -1,7 +1,6 @@
 """What the `minivllm bench` commands share besides the workload (workload.py), the report
 (report.py) and the machine's limits (machine.py): the engine under test and a loop that drives it
-step by step, the model's cost in FLOPs and bytes, each tensor-parallel rank's share, the peers'
-model.
+step by step, the model's cost in FLOPs and bytes, each tensor-parallel rank's share.
 
 Tier: frontends. It may import anything below; nothing in the package imports it.
 """
