@@ -1,9 +1,12 @@
-"""All of minivllm's compiled code, in one place: the C++ sources, their build and their Python ops.
+"""The CPU plug-in: every piece of compiled code, its build, its Python ops and what uses them.
 
 vLLM keeps its kernels in a top-level `csrc/` beside the Python package and compiles them when the
-package is built. Here they are compiled on first use (`cpu_build.py`), so they must ship inside
-the package; `kernels` says what the folder holds to a reader of Python imports
-(`from minivllm.cpu import ops as cpu_ops`), where `csrc` would only say "C++ sources".
+package is built. Here they are compiled on first use (`build.py`), so they ship inside the
+package, together with everything that needs them: the Python wrappers of the ops (`ops.py`), the
+custom ops' CPU forwards (`op_forwards.py`), the CPU attention backend (`attention.py`) and the
+Llama decode loop (`decode_loop.py`). The package's name says which platform it serves; the CPU
+platform (minivllm/platforms/cpu.py) names these modules and classes, and they are imported by
+those names, at first use, so nothing below this tier imports them.
 
 What lives here, and the test that holds each source to its plain-PyTorch reference:
 
@@ -14,13 +17,10 @@ What lives here, and the test that holds each source to its plain-PyTorch refere
 | `cpu_layernorm.cpp` | `rms_norm`, `fused_add_rms_norm` | tests/test_kernels_cpu_layernorm.py |
 | `cpu_activation_rope.cpp` | `silu_and_mul`, `rotary_embedding` | tests/test_kernels_cpu_activation_rope.py |
 | `cpu_skinny_gemm.cpp` | `skinny_gemm` | tests/test_kernels_cpu_skinny_gemm.py |
-| `cpu_decode_layers.cpp` | `decode_layers` (wrapped by `cpu_decode_layers.py`) | tests/test_kernels_cpu_decode_loop.py |
+| `cpu_decode_layers.cpp` | `decode_layers` (wrapped by `decode_loop.py`) | tests/test_kernels_cpu_decode_loop.py |
 
-`cpu_build.py` compiles them into one library (tests/test_kernels_cpu_build.py), `cpu_ops.py`
-wraps each op in a Python function. Who calls them: the CPU attention backend
-(minivllm/cpu/attention.py), the CPU platform's custom-op forwards
-(minivllm/cpu/op_forwards.py), and the model runner's decode replay
-(`cpu_decode_layers.py`). The model's own files import nothing from here.
+`build.py` compiles them into one library (tests/test_kernels_cpu_build.py). The model's own
+files import nothing from here.
 
 Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """

@@ -25,7 +25,7 @@ in float32, so the result is the reference backend's on the same rounded cache, 
 bytes.
 
 The kernels live with the other compiled code in `minivllm/cpu/` (`cpu_attention.cpp`, their
-wrappers in `cpu_ops.py`) and are compiled on first use, into one library with the layer ops
+wrappers in `ops.py`) and are compiled on first use, into one library with the layer ops
 (about 20 s, once per machine; `minivllm/cpu/build.py` says how, and what a user sees).
 Where it cannot be built, `get_attention_backend("auto")` says why in one line and falls back to
 the reference backend.

@@ -25,7 +25,7 @@ step, at the price of three things this module takes care of:
   bounded by `LOCK_TIMEOUT_S`.
 
 Where it all lives: `$MINIVLLM_CACHE/torch_extensions/` (see `minivllm/envs.py`). Every op's Python
-wrapper is in `cpu_ops.py`; docs/concepts/attention-kernels.md explains the build.
+wrapper is in `ops.py`; docs/concepts/attention-kernels.md explains the build.
 
 Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """

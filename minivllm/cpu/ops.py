@@ -21,7 +21,7 @@ fusion saved. `is_feature_major` says which one a tensor has.
 The plain-PyTorch forms are their specification: each custom op's `forward_native` in
 `minivllm/model/` (`RMSNorm`, `SiluAndMul`, `RotaryEmbedding`, the parallel linears) and the
 reference attention backend; `tests/test_kernels_<source>.py` holds each source to its formula.
-The library is built on first use by `cpu_build.py`; where it cannot be built, `load_cpu_kernels`
+The library is built on first use by `build.py`; where it cannot be built, `load_cpu_kernels`
 raises `CpuKernelUnavailable`.
 
 Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
@@ -151,8 +151,8 @@ def skinny_gemm(
 
 def runs_packed(rows: int, weight: torch.Tensor, packed: torch.Tensor | None) -> bool:
     """Whether a linear of `rows` rows runs oneDNN on its packed weight: it has one, and the
-    skinny GEMM is not the faster choice (a few float32 rows). The decode replay asks the same
-    (cpu_decode_layers.py) as each linear's CPU forward does (minivllm/cpu/op_forwards.py), so
+    skinny GEMM is not the faster choice (a few float32 rows). The decode loop asks the same
+    (decode_loop.py) as each linear's CPU forward does (minivllm/cpu/op_forwards.py), so
     both paths call the same kernel."""
     if packed is None:
         return False

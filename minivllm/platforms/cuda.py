@@ -2,7 +2,7 @@
 
 Triton is the default attention backend; bfloat16 is the default dtype where the GPU has it. No
 custom op has a CUDA forward yet, so every layer runs `forward_native` (cuBLAS for the matmuls),
-and there is no decode replay: a CUDA graph would be that, and is not built here.
+and there is no decode loop: a CUDA graph would be that, and is not built here.
 
 Tier: leaves. It imports no other tier of the package.
 """
