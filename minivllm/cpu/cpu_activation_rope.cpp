@@ -34,7 +34,7 @@
 // arguments), which is what lets -O3 -ffast-math with the host's SIMD flags vectorize them, sums
 // included (fast-math lets the compiler split one sum into several partial ones; this is also why
 // results differ from PyTorch's in the last bits). Built into the same library as the attention
-// kernel by minivllm/kernels/cpu_build.py, whose cpu_attention.cpp owns the namespace
+// kernel by minivllm/cpu/build.py, whose cpu_attention.cpp owns the namespace
 // (TORCH_LIBRARY); this file and cpu_layernorm.cpp add to it (TORCH_LIBRARY_FRAGMENT).
 
 #include <ATen/Dispatch.h>

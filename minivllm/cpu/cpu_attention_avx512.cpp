@@ -23,7 +23,7 @@
 // bytes per token. bfloat16 is float32's top 16 bits, so widening 16 of them is one zero-extend to
 // 32 bits and one shift left by 16 (`load16`); the arithmetic is the float32 loops' own.
 //
-// Compiled into the library where PyTorch detected AVX-512 (minivllm/kernels/cpu_build.py).
+// Compiled into the library where PyTorch detected AVX-512 (minivllm/cpu/build.py).
 // Elsewhere `decode_avx512_applies` is false and cpu_attention.cpp keeps its portable loops, as it
 // does for float32 queries over a float16 cache, for bfloat16 or float16 queries, and for head
 // sizes other than 32, 64 and 128.

@@ -8,7 +8,7 @@
 // there is no such graph on a CPU, so here the host work itself moves to C++: this op runs every
 // layer of the step, calling the very kernels `LlamaModel.forward` calls on the CPU fast path, in
 // the same order, on the same layouts, so that its result is bit for bit the Python path's
-// (tests/test_kernels_cpu_decode_layers.py checks exactly that).
+// (tests/test_kernels_cpu_decode_loop.py checks exactly that).
 //
 // Per layer, with T token rows (T <= 64), the same sequence as minivllm/model/llama.py:
 //   input norm (the first layer: rms_norm; later: fused_add_rms_norm, adding the residual)
@@ -16,10 +16,10 @@
 //   reshape_and_cache(k, v); attention = paged_decode(q) over each request's blocks
 //   hidden = skinny_gemm(attention, W_o); post-attention fused_add_rms_norm
 //   hidden = skinny_gemm(silu_and_mul(skinny_gemm(hidden, W_gate_up)), W_down)
-// then the final fused_add_rms_norm. minivllm/kernels/cpu_decode_layers.py decides when it applies
+// then the final fused_add_rms_norm. minivllm/cpu/decode_loop.py decides when it applies
 // (decode-only steps, one device, no biases, float32 or prepacked bfloat16) and hands it the
 // weights. A bfloat16 model's linear weights come prepacked in oneDNN's layout (an MKLDNN tensor,
-// minivllm/platforms/cpu_ops.py `prepack_linear`): those linears call oneDNN, as the Python path
+// minivllm/cpu/op_forwards.py `prepack_linear`): those linears call oneDNN, as the Python path
 // does, and the attention output is computed in float32 and rounded to bf16, as the backend does.
 
 #include <ATen/ATen.h>
@@ -66,7 +66,7 @@ struct Kernels {
   }
 
   // oneDNN's linear on a prepacked weight (`mkldnn::_linear_pointwise`, what `packed_linear` in
-  // minivllm/platforms/cpu_ops.py calls), found on first use: a build without oneDNN lacks it.
+  // minivllm/cpu/op_forwards.py calls), found on first use: a build without oneDNN lacks it.
   static Tensor onednn_linear(const Tensor& x, const Tensor& packed) {
     static const c10::OperatorHandle op =
         c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");

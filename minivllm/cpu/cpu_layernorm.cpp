@@ -1,6 +1,6 @@
 // Fused RMSNorm for CPUs, alone and with the residual add before it, each one pass over its rows.
 //
-// The two norms of minivllm/kernels/cpu_activation_rope.cpp's family of fused layer ops (that file's
+// The two norms of minivllm/cpu/cpu_activation_rope.cpp's family of fused layer ops (that file's
 // header says why they exist, how they are built and how they are tested, and why an op takes
 // two layouts); here only what is particular to the norms. Plain PyTorch runs RMSNorm as float(),
 // pow, mean, add, rsqrt, mul, to() and mul, plus the residual add before it, each a pass over

@@ -22,8 +22,8 @@
 // The output is token-major rows. The model's other CPU ops take either layout (see
 // cpu_activation_rope.cpp), and the next linear reads rows as they are. Work is split over
 // PyTorch's intra-op threads by blocks of weight rows (at::parallel_for). The AVX-512 path is
-// compiled where PyTorch detected AVX-512 (minivllm/kernels/cpu_build.py); elsewhere the op
-// calls at::mm, and minivllm/kernels/cpu_ops.py keeps MKL's path there (`skinny_gemm_fast`).
+// compiled where PyTorch detected AVX-512 (minivllm/cpu/build.py); elsewhere the op
+// calls at::mm, and minivllm/cpu/ops.py keeps MKL's path there (`skinny_gemm_fast`).
 // tests/test_kernels_cpu_skinny_gemm.py holds it equal to torch.mm.
 
 #include <ATen/Parallel.h>
