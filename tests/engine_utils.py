@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,3 +76,10 @@ def save_tiny_llama(out: Path, seed: int = 0, **overrides: Any) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(bundled / name, out)
     return out
+
+
+def parse_bench_args(module: object, argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed by a bench module's own parser (its `add_arguments`), as its command does."""
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)  # type: ignore[attr-defined]
+    return parser.parse_args(argv)

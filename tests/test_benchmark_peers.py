@@ -5,12 +5,12 @@ tiny random Llama. Never timing: the CPUs are shared."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from engine_utils import parse_bench_args as parse
 from engine_utils import save_tiny_llama
 
 from benchmarks import op_profile
@@ -21,12 +21,6 @@ from benchmarks import throughput_vs_peers as peers_bench
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama with SmolLM2's tokenizer: loads in well under a second."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def parse(module: object, argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)  # type: ignore[attr-defined]
-    return parser.parse_args(argv)
 
 
 def test_throughput_reports_every_system_and_the_flops_fraction(

@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+from engine_utils import parse_bench_args as parse
 from engine_utils import save_tiny_llama
 
 from minivllm.benchmarks import memory, prefix, serve, sharing, throughput
@@ -31,12 +32,6 @@ from minivllm.benchmarks.workload import (
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama with SmolLM2's tokenizer: loads in well under a second."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def parse(module: object, argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)  # type: ignore[attr-defined]
-    return parser.parse_args(argv)
 
 
 def test_length_range_accepts_fixed_and_ranges() -> None:

@@ -55,7 +55,7 @@ class CountingReplay:
 def count_replays(llm: LLM) -> CountingReplay:
     runner = llm.llm_engine.executor.driver_runner  # the runner owns the replay (issue 25)
     if runner.decode_loop is None:
-        pytest.skip("no C++ decode-layers replay on this machine (see CpuDecodeLoop.supports)")
+        pytest.skip("no C++ decode loop on this machine (see CpuDecodeLoop.supports)")
     counter = CountingReplay(runner.decode_loop)
     runner.decode_loop = counter  # type: ignore[assignment]
     return counter

@@ -10,10 +10,7 @@ import httpx
 import openai
 import pytest
 from engine_utils import save_tiny_llama
-from server_utils import InProcessServer, serve_in_process
-
-from minivllm.engine import LLMEngine
-from minivllm.engine_args import EngineArgs
+from server_utils import InProcessServer, serve_tiny_model
 
 CHAT = [{"role": "user", "content": "Hi there"}]
 TOOL = {
@@ -37,10 +34,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path):
-    config = EngineArgs(
-        model=str(tiny_model), max_model_len=256, block_size=4, num_gpu_blocks_override=256
-    ).create_engine_config()
-    with serve_in_process(LLMEngine(config), enable_tokenizer_info_endpoint=True) as s:
+    with serve_tiny_model(tiny_model, enable_tokenizer_info_endpoint=True) as s:
         yield s
 
 

@@ -4,25 +4,16 @@ serve (tools, reasoning). Stored responses: test_server_responses_store.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import openai
 import pytest
 from engine_utils import save_tiny_llama
-from server_utils import InProcessServer, serve_in_process
-
-from minivllm.engine import LLMEngine
-from minivllm.engine_args import EngineArgs
+from server_utils import InProcessServer, serve_tiny_model
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    model: Path = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    config = EngineArgs(
-        model=str(model), max_model_len=256, block_size=4, num_gpu_blocks_override=256
-    ).create_engine_config()
-    with serve_in_process(LLMEngine(config)) as s:
+    with serve_tiny_model(save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))) as s:
         yield s
 
 
