@@ -179,8 +179,12 @@ def test_a_killed_core_fails_open_and_new_requests_and_health(
 # ---------------------------------------------------------------------- `minivllm serve` processes
 def core_pid(server_pid: int) -> int:
     """The server's engine-core child (not multiprocessing's resource tracker)."""
+    # -ww: without a terminal, ps cuts each line at 80 columns, which in a long checkout path
+    # cuts "resource_tracker" off the tracker's line.
     out = subprocess.run(
-        ["ps", "--ppid", str(server_pid), "-o", "pid=,args="], text=True, capture_output=True
+        ["ps", "-ww", "--ppid", str(server_pid), "-o", "pid=,args="],
+        text=True,
+        capture_output=True,
     ).stdout
     pids = [int(line.split()[0]) for line in out.splitlines() if "resource_tracker" not in line]
     assert len(pids) == 1, out
