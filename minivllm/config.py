@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from minivllm.model.source import GenerationDefaults, ModelSource
 
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
+# How weights are held (vLLM's `quantization`): "gguf" keeps a GGUF file's blocks as stored
+# (minivllm/model/quantization/); "none" dequantizes them at load. Unset: the checkpoint's own.
+QUANTIZATIONS = ("gguf", "none")
 # How the KV cache is handed out: paged blocks, or the paper's Orca baselines, which reserve a
 # contiguous range per request at admission (§6.2). Each names the KV cache manager class the
 # engine builds, by qualified name (as vLLM's platforms name classes), so that no module imports
@@ -64,8 +67,13 @@ class ModelConfig:
     max_model_len: int | None  # None: the model's own context length
     attention_backend: str  # one of BACKEND_NAMES
     enforce_eager: bool = False  # True: no decode step's layers in one C++ call
+    quantization: str | None = None  # one of QUANTIZATIONS; None: the checkpoint's own
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be unset or one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -164,6 +172,7 @@ class ResolvedConfig:
     device: torch.device  # "auto" resolved
     dtype: torch.dtype  # "auto" resolved for the device
     max_model_len: int  # the option, or the model's context length (the KV cache may lower it)
+    quantization: str = "none"  # "gguf": the GGUF file's blocks as stored; "none": float weights
 
 
 @dataclass

@@ -35,6 +35,7 @@ from minivllm.config import (
     DTYPES,
     KV_ALLOCATIONS,
     KV_CACHE_DTYPES,
+    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -44,6 +45,7 @@ from minivllm.config import (
 )
 from minivllm.model.loader import load_config
 from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
+from minivllm.model.source import ModelSource
 from minivllm.structured_output.params import StructuredOutputsConfig
 
 ENGINE_GROUP = "engine"  # the argparse group holding the engine's flags on every parser
@@ -70,6 +72,13 @@ class EngineArgs:
         "auto", "weights and activations; auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES
     )
     device: str = _arg("auto", "cpu, cuda or cuda:N; auto: cuda when available, else cpu")
+    quantization: str | None = _arg(
+        None,
+        "how weights are held (vLLM's flag): gguf keeps a .gguf file's quantized blocks in memory "
+        "and multiplies by them; none dequantizes them at load (float32 on CPU: token-exact with "
+        "transformers); unset: the checkpoint's own (gguf for a .gguf model)",
+        choices=QUANTIZATIONS,
+    )
     seed: int = _arg(0, "seeds the generators of random-sampling requests that bring no seed")
     max_model_len: int | None = _arg(
         None, "most tokens of prompt + output per request; unset: the model's context length"
@@ -200,6 +209,7 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            quantization=self.quantization,
         )
         return EngineConfig(
             model=model,
@@ -231,6 +241,7 @@ class EngineKwargs(TypedDict, total=False):
     skip_tokenizer_init: bool
     dtype: str
     device: str
+    quantization: str | None
     seed: int
     max_model_len: int | None
     attention_backend: str
@@ -297,7 +308,21 @@ def _resolve(mc: ModelConfig) -> ResolvedConfig:
             f"max_model_len must be at most the model's {model_max} positions, got {max_model_len}"
         )
     generation = load_generation_defaults(source)  # read before any worker starts
-    return ResolvedConfig(source, hf_config, generation, device, dtype, max_model_len)
+    quantization = resolve_quantization(mc.quantization, source)
+    return ResolvedConfig(source, hf_config, generation, device, dtype, max_model_len, quantization)
+
+
+def resolve_quantization(quantization: str | None, source: ModelSource) -> str:
+    """A .gguf model runs its own quantization unless told "none" (vLLM detects gguf the same
+    way); any other checkpoint has plain weights, and asking it for "gguf" is an error."""
+    if quantization == "gguf" and source.gguf_file is None:
+        raise ValueError(
+            f"quantization='gguf' needs a .gguf model; {source.name} is a folder of float "
+            "weights (leave quantization unset)"
+        )
+    if quantization is None:
+        return "gguf" if source.gguf_file is not None else "none"
+    return quantization
 
 
 @cache

@@ -75,6 +75,8 @@ def make_executor(config: EngineConfig, backend: AttentionBackend) -> Executor:
         device_type=device.type,
         attention_backend=backend.name,
         enforce_eager=config.model.enforce_eager,
+        quantization=resolved.quantization,
+        gguf_file=None if source.gguf_file is None else str(source.gguf_file),
         max_model_len=resolved.max_model_len,
         cache=config.cache,
         tensor_parallel_size=n,

@@ -41,6 +41,8 @@ class WorkerConfig:
     device_type: str  # "cpu" or "cuda"; on CUDA, rank r uses its local device cuda:r
     attention_backend: str  # the driver's backend, resolved ("cpu", "reference", "triton")
     enforce_eager: bool  # the layers always from Python (ModelConfig.enforce_eager)
+    quantization: str  # "gguf" (the file's blocks as stored) or "none" (ResolvedConfig's)
+    gguf_file: str | None  # the .gguf file the model came as, if it did
     max_model_len: int  # the RoPE table's length
     cache: CacheConfig
     tensor_parallel_size: int
@@ -65,8 +67,11 @@ def build_runner(
     """Load this rank's shard and size its KV cache: as many blocks as the *smallest* rank can
     hold, so that one block table means the same blocks on every rank."""
     backend = backend or get_attention_backend(wc.attention_backend, device)
-    source = ModelSource(Path(wc.model_path), wc.model_name)
-    model = load_model(source, backend, wc.dtype, device, wc.max_model_len, tp)
+    gguf_file = Path(wc.gguf_file) if wc.gguf_file is not None else None
+    source = ModelSource(Path(wc.model_path), wc.model_name, gguf_file)
+    model = load_model(
+        source, backend, wc.dtype, device, wc.max_model_len, tp, quantization=wc.quantization
+    )
     kv_dtype = kv_cache_torch_dtype(wc.cache.cache_dtype, wc.dtype)
     num_blocks = determine_num_blocks(model, wc.cache, kv_dtype, device)
     if control is not None:  # tensor parallelism: every rank the same blocks

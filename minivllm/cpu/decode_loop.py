@@ -128,6 +128,7 @@ class CpuDecodeLoop:
             )
             and not config.attention_bias
             and not config.mlp_bias
+            and layer.self_attn.qkv_proj.quant_method is None
             and (
                 (layer.self_attn.qkv_proj.weight.dtype == torch.float32 and skinny_gemm_fast())
                 or all_linears_packed(model)

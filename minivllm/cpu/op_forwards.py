@@ -82,7 +82,7 @@ def prepack_linear(op: ColumnParallelLinear | RowParallelLinear | ParallelLMHead
     (`op.packed_weight`; not set where `onednn_packs` is False). The plain weight stays: `forward_native`, the skinny GEMM, the state
     dict and the reports read it."""
     op.__dict__.pop("packed_weight", None)  # a copy of an earlier dispatch's weight
-    if onednn_packs(op.weight):
+    if op.quant_method is None and onednn_packs(op.weight):
         with torch.no_grad():
             # 64 rows is the hint oneDNN plans its blocking for; any row count runs on the result.
             op.packed_weight = torch.ops.mkldnn._reorder_linear_weight(op.weight, 64)
@@ -100,10 +100,22 @@ def packed_linear(
 def op_linear(
     op: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:  # [M, in] -> [M, out]
+    if op.quant_method is not None:
+        return gguf_linear_cpu(op, x, bias)
     packed = getattr(op, "packed_weight", None)  # [out, in]  in oneDNN's layout, or None
     if packed is not None and cpu_ops.runs_packed(x.shape[0], op.weight, packed):
         return packed_linear(x, packed, bias)
     return cpu_linear(x, op.weight, bias)
+
+
+def gguf_linear_cpu(
+    op: ColumnParallelLinear | RowParallelLinear | ParallelLMHead,
+    x: torch.Tensor,  # [M, in]  either layout
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # [M, out]
+    """x · Wᵀ (+ b) for a layer holding GGUF blocks: each part through the quantized GEMM,
+    which dequantizes inside the product (`GGUFLinearMethod.apply` is its specification)."""
+    return op.quant_method.apply(op, x, bias)
 
 
 @register_forward(ColumnParallelLinear, "cpu", process_weights_after_loading=prepack_linear)
@@ -151,6 +163,8 @@ def rotary_embedding_forward_cpu(
 @register_forward(ParallelLMHead, "cpu", process_weights_after_loading=prepack_linear)
 def lm_head_forward_cpu(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
     """[S, R] logits of this rank's vocabulary rows, in the weight's dtype, for hidden [S, h]."""
+    if head.quant_method is not None:
+        return gguf_linear_cpu(head, hidden, None)
     weight = head.weight  # [R, hidden]
     packed = getattr(head, "packed_weight", None)  # [R, hidden] in oneDNN's layout
     if packed is not None:

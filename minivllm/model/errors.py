@@ -34,3 +34,7 @@ class UnsupportedArchitectureError(ModelLoadError, UnsupportedModelError):
 
 class TokenizerNotFoundError(ModelNotFoundError):
     """The model folder (or the folder given as `tokenizer`) holds no tokenizer files."""
+
+
+class UnsupportedQuantizationError(ModelLoadError):
+    """A checkpoint tensor is stored in a quantization type minivllm does not run."""

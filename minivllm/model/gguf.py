@@ -1,4 +1,4 @@
-"""Reading llama.cpp's GGUF format: metadata into a `LlamaConfig`, quantized tensors into float32.
+"""Reading llama.cpp's GGUF format: metadata into a `LlamaConfig`, tensor names into HuggingFace's.
 
 GGUF stores one file with key/value metadata and (often quantized) tensors under llama.cpp's
 names. The `gguf` library (maintained with llama.cpp) parses the file and dequantizes every
@@ -6,10 +6,11 @@ quantization type; this module maps names and undoes one layout change: llama.cp
 permutes the rows of Q and K so that RoPE rotates interleaved pairs (x0, x1), (x2, x3), ...,
 whereas the HuggingFace layout minivllm uses rotates (x_i, x_{i+d/2}).
 
-Parsing the vocabulary, dequantizing and building a tokenizer from GGUF metadata take ~30 s, so
-`convert_gguf` does it once and leaves a HuggingFace-style folder (config.json, model.safetensors,
-tokenizer files) in a cache keyed by the file's path, size and mtime. Every later load reads that
-folder in about a second, through the same code path as any local checkpoint.
+Parsing the vocabulary and building a tokenizer from GGUF metadata is slow, so `convert_gguf`
+does it once and leaves a HuggingFace-style folder (config.json, tokenizer files) in a cache keyed
+by the file's path, size and mtime. The weights are read from the GGUF file itself, in their
+blocks (minivllm/model/quantization/gguf_loader.py); only `quantization="none"` dequantizes them,
+once, into that folder's model.safetensors, read then like any local checkpoint.
 
 Tier: model. It imports leaves and core.
 """
@@ -63,50 +64,72 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """The model's config and float32 tensors under HuggingFace's (unfused) names."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    try:
-        reader = GGUFReader(str(path))
-    except (ValueError, OSError, IndexError) as exc:
-        raise GGUFReadError(f"cannot read GGUF file {path}: {exc}") from exc
-    fields = {k: f.contents() for k, f in reader.fields.items() if k not in _SKIP_FIELDS}
-    names = {t.name for t in reader.tensors}
-    config = config_from_gguf_fields(fields, tie_word_embeddings="output.weight" not in names)
+    reader = open_gguf(path)
+    config = config_from_reader(reader)
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        parts = t.name.split(".")  # e.g. ["blk", "3", "attn_q", "weight"]
-        if t.name in _GLOBAL_NAMES:
-            name = _GLOBAL_NAMES[t.name]
-        elif parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-            name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-        else:
-            continue  # e.g. rope_freqs of llama3 scaling, which the config already describes
+        name = hf_name(t.name)
+        if name is None:
+            continue
         array = dequantize(t.data, t.tensor_type)  # float32, [rows, columns] in torch's order
         tensor = torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
-        if name.endswith("q_proj.weight"):
-            tensor = _unpermute(tensor, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            tensor = _unpermute(tensor, config.num_key_value_heads)
-        state[name] = tensor
+        state[name] = unpermute_qk(name, tensor, config)
     return config, state
 
 
+def open_gguf(path: Path) -> Any:
+    """The file's `GGUFReader` (memory-mapped: nothing is read until a tensor is)."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as exc:
+        raise GGUFReadError(f"cannot read GGUF file {path} (truncated or corrupt?): {exc}") from exc
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HuggingFace name of a llama.cpp tensor name; None for one the model does not load
+    (e.g. rope_freqs of llama3 scaling, which the config already describes)."""
+    parts = gguf_name.split(".")  # e.g. ["blk", "3", "attn_q", "weight"]
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_qk(name: str, rows: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
+    """A q_proj / k_proj tensor's rows in HuggingFace's order; any other tensor as it is. Only
+    whole rows move, so it applies to quantized blocks (uint8 [rows, row_bytes]) as well."""
+    if name.endswith("q_proj.weight"):
+        return _unpermute(rows, config.num_attention_heads)
+    if name.endswith("k_proj.weight"):
+        return _unpermute(rows, config.num_key_value_heads)
+    return rows
+
+
+def config_from_reader(reader: Any) -> LlamaConfig:
+    fields = {k: f.contents() for k, f in reader.fields.items() if k not in _SKIP_FIELDS}
+    names = {t.name for t in reader.tensors}
+    return config_from_gguf_fields(fields, tie_word_embeddings="output.weight" not in names)
+
+
 def convert_gguf(path: Path) -> Path:
-    """A cached HuggingFace-style folder holding the GGUF file's model and tokenizer."""
+    """A cached HuggingFace-style folder holding the GGUF file's config and tokenizer. The
+    float32 weights are added to it only when asked for (`dequantized_weights`)."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
     target = cache_root() / "gguf" / f"{path.stem}-{key[:16]}"
     if (target / "complete").is_file():
         return target
-    from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    config, state = read_gguf(path)
+    config = config_from_reader(open_gguf(path))
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(state, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
     tokenizer: Any = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(tmp))
@@ -115,6 +138,20 @@ def convert_gguf(path: Path) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)  # atomic: a concurrent reader sees the old folder or the whole new one
     return target
+
+
+def dequantized_weights(folder: Path, path: Path) -> Path:
+    """The converted folder of `path` with its weights dequantized to float32 (model.safetensors),
+    written once (`quantization="none"`)."""
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        from safetensors.torch import save_file
+
+        _, state = read_gguf(path)
+        tmp = weights.with_name(f"model.safetensors.tmp{os.getpid()}")
+        save_file(state, str(tmp))
+        os.replace(tmp, weights)
+    return folder
 
 
 def config_from_gguf_fields(fields: dict[str, Any], tie_word_embeddings: bool) -> LlamaConfig:

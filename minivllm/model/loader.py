@@ -14,9 +14,10 @@ Tier: model. Every failure is a `ModelLoadError` subclass whose message says wha
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-from collections.abc import Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,6 @@ from minivllm.model.errors import (
     UnsupportedArchitectureError,
 )
 from minivllm.model.llama import LlamaForCausalLM
-from minivllm.model.parallel_layers import Sliceable
 from minivllm.model.source import ModelSource
 from minivllm.model.weights import load_weights, open_checkpoint
 from minivllm.platforms import platform_for
@@ -52,7 +52,7 @@ def load_config(source: ModelSource) -> LlamaConfig:
 
 def build_model(
     config: LlamaConfig,
-    weights: Mapping[str, Sliceable],
+    load: Callable[[LlamaForCausalLM], None],
     backend: AttentionBackend,
     dtype: torch.dtype,
     device: torch.device,
@@ -61,7 +61,7 @@ def build_model(
     custom_ops: str = "auto",
 ) -> LlamaForCausalLM:
     """Create rank `tp.rank`'s shard on `meta`, allocate it on `device` (nothing is initialised:
-    every value comes from the checkpoint) and load the checkpoint's tensors into it. Then the
+    every value comes from the checkpoint) and `load` the checkpoint's tensors into it. Then the
     device's platform chooses each custom op's forward: its own kernels under `custom_ops="all"`,
     plain PyTorch under "none"; "auto" is settled by `Platform.resolve_custom_ops` ("none" with
     the reference attention backend)."""
@@ -76,7 +76,7 @@ def build_model(
             setattr(module, name, nn.Parameter(empty, requires_grad=False))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights(model, weights)
+    load(model)
     # The RoPE table is a non-persistent buffer, never loaded: build it for real (in float32).
     from minivllm.model.rope import RotaryEmbedding
 
@@ -96,12 +96,38 @@ def load_model(
     max_positions: int | None = None,
     tp: TensorParallelGroup = SINGLE_DEVICE,
     custom_ops: str = "auto",
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
-    """The model, or with `tp` one rank's shard of it, read slice by slice from safetensors. A
-    GGUF model takes the same path: `resolve_model` converted it to a safetensors folder once."""
+    """The model, or with `tp` one rank's shard of it, read slice by slice from safetensors; or,
+    with `quantization="gguf"`, from the GGUF file itself, its blocks kept as stored."""
     config = load_config(source)
+    build = functools.partial(
+        build_model,
+        backend=backend,
+        dtype=dtype,
+        device=device,
+        max_positions=max_positions,
+        tp=tp,
+        custom_ops=custom_ops,
+    )
+    if quantization == "gguf":
+        from minivllm.model.quantization.gguf_loader import load_gguf_weights, read_tensors
+
+        if source.gguf_file is None:
+            raise ModelLoadError(f"quantization='gguf' needs a .gguf model; {source.name} is not")
+        if tp.world_size > 1:
+            raise ModelLoadError(
+                "a GGUF model's blocks run on one device; for tensor_parallel_size > 1 pass "
+                "quantization='none' (--quantization none) to dequantize it at load"
+            )
+        tensors, quant = read_tensors(source.gguf_file, config)
+        return build(config, lambda model: load_gguf_weights(model, tensors, quant))
+    if source.gguf_file is not None:
+        from minivllm.model.gguf import dequantized_weights
+
+        dequantized_weights(source.path, source.gguf_file)
     with open_checkpoint(source.path) as weights:
-        return build_model(config, weights, backend, dtype, device, max_positions, tp, custom_ops)
+        return build(config, lambda model: load_weights(model, weights))
 
 
 # ---------------------------------------------------------------------------------- tokenizer

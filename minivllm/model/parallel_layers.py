@@ -23,6 +23,10 @@ do): given the *checkpoint's* tensor, or a lazy safetensors slice of it, it read
 rows or columns, so no rank ever holds the whole model. With N = 1 every layer is the plain layer:
 `TensorParallelGroup` returns at once and no collective is called.
 
+A layer of a quantized checkpoint (a GGUF file's blocks) has a `quant_method` the loader set
+(vLLM's `LinearMethodBase`, minivllm/model/quantization/), which holds its weight and computes
+its product; every other layer has none and runs `F.linear`.
+
 The linears and the LM head are custom ops (`custom_op.py`): their `forward_native` below is
 `F.linear` on token-major rows, the specification; a platform may run a faster matmul of equal
 results in its place (the CPU's: minivllm/cpu/op_forwards.py). See "Distributed execution" in
@@ -91,12 +95,24 @@ def check_tensor_parallel_size(config: LlamaConfig, world_size: int) -> None:
     )
 
 
+def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x Wᵀ (+ b) for a layer's weight: by its quantization method if it has one."""
+    method = layer.quant_method
+    return F.linear(x, layer.weight, bias) if method is None else method.apply(layer, x, bias)
+
+
 def _rows(rank: int, size: int) -> slice:
     return slice(rank * size, (rank + 1) * size)
 
 
 # ---------------------------------------------------------------------------------- linear layers
-class ColumnParallelLinear(CustomOp):
+class LinearBase(CustomOp):
+    """What every linear layer has: a quantization method, None for plain float weights."""
+
+    quant_method: Any = None  # a LinearMethodBase where the checkpoint stores blocks
+
+
+class ColumnParallelLinear(LinearBase):
     """y = x Wᵀ (+ b) with W's output rows split: rank r computes its slice of y, no communication.
 
     `output_sizes` lists the fused parts (gate and up: [I, I]); each part is split on its own, so a
@@ -118,7 +134,7 @@ class ColumnParallelLinear(CustomOp):
         param.data[offset : offset + size].copy_(loaded[_rows(self.tp.rank, size)])
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(local_sizes)]
-        return F.linear(x, self.weight, self.bias)
+        return linear(self, x, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -154,7 +170,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data[offset : offset + size].copy_(loaded[rows])
 
 
-class RowParallelLinear(CustomOp):
+class RowParallelLinear(LinearBase):
     """y = x Wᵀ (+ b) with W's input columns split: rank r multiplies its slice of x (the output
     of its column-parallel partner) by its columns, and one all-reduce adds the N partial sums.
     The bias is added once, after the sum."""
@@ -175,7 +191,7 @@ class RowParallelLinear(CustomOp):
             param.data.copy_(loaded[:, _rows(self.tp.rank, self.input_size)])
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / N] -> [T, out]
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(self, x))
         return y if self.bias is None else y + self.bias
 
 
@@ -184,6 +200,8 @@ class VocabParallelEmbedding(nn.Module):
     """Token embeddings with the vocabulary's rows split: rank r holds rows [r·R, (r+1)·R), R =
     ceil(vocab / N) (the last rank's tail is zero padding). A token is found on one rank; the
     others contribute zeros to the all-reduce."""
+
+    embedding_method: Any = None  # an EmbeddingMethodBase where the checkpoint stores blocks
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup) -> None:
         super().__init__()
@@ -200,6 +218,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[held:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # int64 [T] -> [T, hidden]
+        if self.embedding_method is not None:  # a quantized table (one device only)
+            return self.embedding_method.embedding(self, input_ids)
         if self.tp.world_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
@@ -208,7 +228,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(hidden * mine.unsqueeze(-1).to(hidden.dtype))
 
 
-class ParallelLMHead(VocabParallelEmbedding, CustomOp):
+class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     """The LM head: each rank computes the logits of its vocabulary rows; rank 0 gathers them.
     With tied embeddings its weight is the embedding's own slice (the same rows per rank).
 
@@ -218,7 +238,7 @@ class ParallelLMHead(VocabParallelEmbedding, CustomOp):
 
     def forward_native(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, R]
         """This rank's vocabulary rows' logits, in the weight's dtype."""
-        return F.linear(hidden, self.weight)
+        return linear(self, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 [S, vocab] on rank 0 (None on the others) for hidden [S, hidden_size]."""

@@ -105,12 +105,34 @@ def _shape(tensor: Sliceable) -> tuple[int, ...]:
     return tuple(tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape())  # type: ignore[attr-defined]
 
 
-def _target(name: str) -> tuple[str, tuple[str | int, ...]]:
+def target_of(name: str) -> tuple[str, tuple[str | int, ...]]:
     """The parameter a checkpoint tensor feeds, and which part of it (the loader's shard_id)."""
     for part, (fused, shard_id) in STACKED_PARAMS.items():
         if f".{part}." in name:
             return name.replace(part, fused), (shard_id,)
     return name, ()
+
+
+def check_checkpoint(
+    config: LlamaConfig, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, tuple[int, ...]]:
+    """The tensors the model needs, after checking that the checkpoint (name -> shape) holds
+    exactly those, each of the shape the config implies."""
+    expected = checkpoint_shapes(config)
+    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    given = {k for k in shapes if "rotary_emb.inv_freq" not in k and k not in ignored}
+    missing = sorted(expected.keys() - given)
+    if missing:
+        raise CorruptCheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    unexpected = sorted(given - expected.keys())
+    if unexpected:
+        raise CorruptCheckpointError(f"checkpoint has unexpected tensors, e.g. {unexpected[:3]}")
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            raise CorruptCheckpointError(
+                f"tensor {name} has shape {tuple(shapes[name])}, config implies {shape}"
+            )
+    return expected
 
 
 def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> None:
@@ -119,22 +141,9 @@ def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> N
     slice. Replicated parameters (the norms) are copied whole."""
     from safetensors import SafetensorError
 
-    config = model.config
-    expected = checkpoint_shapes(config)
-    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    given = {k for k in weights if "rotary_emb.inv_freq" not in k and k not in ignored}
-    missing = sorted(expected.keys() - given)
-    if missing:
-        raise CorruptCheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    unexpected = sorted(given - expected.keys())
-    if unexpected:
-        raise CorruptCheckpointError(f"checkpoint has unexpected tensors, e.g. {unexpected[:3]}")
-    for name, shape in expected.items():
-        if _shape(weights[name]) != shape:
-            raise CorruptCheckpointError(
-                f"tensor {name} has shape {_shape(weights[name])}, config implies {shape}"
-            )
-        target, shard = _target(name)
+    expected = check_checkpoint(model.config, {k: _shape(v) for k, v in weights.items()})
+    for name in expected:
+        target, shard = target_of(name)
         module_name, _, param_name = target.rpartition(".")
         module = model.get_submodule(module_name)
         param = getattr(module, param_name)

@@ -181,7 +181,7 @@ def dequantize(
     them (on any device: the ops are plain tensor ops)."""
     if qtype not in BLOCK_LAYOUTS:
         raise ValueError(f"GGUF type {qtype} is not one of {sorted(TYPE_NAMES.values())}")
-    block, size = BLOCK_LAYOUTS[qtype]
+    size = BLOCK_LAYOUTS[qtype][1]
     n = qweight.shape[0]
     blocks = qweight.reshape(-1, size)  # [N * K / block, type_size]
     return _DEQUANTIZE_BLOCKS[qtype](blocks).reshape(n, -1)
