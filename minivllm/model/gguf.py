@@ -126,13 +126,15 @@ def convert_gguf(path: Path) -> Path:
         return target
     from transformers import AutoTokenizer
 
-    config = config_from_reader(open_gguf(path))
+    reader = open_gguf(path)
+    config = config_from_reader(reader)
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
-    tokenizer: Any = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tokenizer.save_pretrained(str(tmp))
+    if "tokenizer.ggml.model" in reader.fields:  # a file may carry no tokenizer (token ids only)
+        tokenizer: Any = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer.save_pretrained(str(tmp))
     (tmp / "source.txt").write_text(f"converted from {path.resolve()}\n")
     (tmp / "complete").write_text("")
     shutil.rmtree(target, ignore_errors=True)

@@ -1,0 +1,95 @@
+"""A .gguf model runs its own blocks: loaded as stored, equal to the dequantized model where the
+math is the same, and refused by name where it cannot run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_utils import random_blocks, tiny_llama_gguf, write_gguf, TINY_FIELDS
+from paged import paged_logits
+
+from minivllm.attention.selector import get_attention_backend
+from minivllm.model.errors import ModelLoadError, UnsupportedQuantizationError
+from minivllm.model.gguf import GGUFReadError
+from minivllm.model.loader import load_model
+from minivllm.model.quantization.gguf import gguf_parts
+from minivllm.model.resolver import resolve_model
+
+CPU = torch.device("cpu")
+PROMPT = [5, 17, 250, 3, 99, 100, 1, 319, 42, 42, 7, 8, 13, 21]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def load(path: Path, quantization: str, backend: str = "reference", **kw) -> torch.nn.Module:
+    return load_model(
+        resolve_model(path), get_attention_backend(backend), torch.float32, CPU,
+        quantization=quantization, **kw,
+    )  # fmt: skip
+
+
+def test_the_blocks_stay_blocks(tiny_gguf: Path) -> None:
+    model = load(tiny_gguf, "gguf")
+    layer0 = model.model.layers[0]
+    qkv = layer0.self_attn.qkv_proj
+    assert [q for q, _ in gguf_parts(qkv)] == [12, 14]  # Q4_K q and k as one part, Q6_K v
+    assert [t.shape[0] for _, t in gguf_parts(qkv)] == [256 + 128, 128]
+    assert "weight" not in dict(qkv.named_parameters())
+    assert [q for q, _ in gguf_parts(layer0.mlp.gate_up_proj)] == [2, 3]
+    # the tied LM head multiplies by the embedding's very bytes
+    assert model.lm_head.qweight_0.data_ptr() == model.model.embed_tokens.qweight_0.data_ptr()
+    state = model.state_dict()
+    assert state["model.layers.1.mlp.down_proj.qweight_0"].dtype == torch.uint8
+    floats = [p for p in model.parameters() if p.dtype == torch.float32]
+    assert all(p.dim() == 1 for p in floats)  # only the norms are float weights
+
+
+@pytest.mark.parametrize("output_type", [None, 14], ids=["tied", "own-Q6_K-head"])
+def test_the_reference_path_equals_the_dequantized_model(tmp_path: Path, output_type) -> None:
+    """Dequantize-then-multiply on every call is the same math as dequantizing once at load."""
+    path = tiny_llama_gguf(tmp_path / "m.gguf", output_type=output_type)
+    native = paged_logits(load(path, "gguf"), PROMPT, chunk_sizes=[9, 5])
+    dequantized = paged_logits(load(path, "none"), PROMPT, chunk_sizes=[9, 5])
+    torch.testing.assert_close(native, dequantized, rtol=0, atol=0)
+
+
+def test_an_unsupported_type_is_refused_by_tensor_and_type(tmp_path: Path) -> None:
+    tensors = {
+        "token_embd.weight": (random_blocks(8, 320, 256), 8),
+        "blk.0.attn_q.weight": (random_blocks(8, 256, 256)[:, :84].copy(), 10),  # Q2_K bytes
+    }
+    path = write_gguf(tmp_path / "q2k.gguf", TINY_FIELDS, tensors)
+    with pytest.raises(
+        UnsupportedQuantizationError,
+        match=r"blk\.0\.attn_q\.weight is stored as Q2_K.*quantization='none'",
+    ):
+        load(path, "gguf")
+
+
+def test_a_truncated_file_is_a_clear_error(tiny_gguf: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size // 2])
+    with pytest.raises((GGUFReadError, ModelLoadError), match="cannot read"):
+        load(cut, "gguf")
+
+
+def test_quantization_gguf_needs_a_gguf_model_and_one_device(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    from minivllm.engine_args import EngineArgs
+
+    folder = load(tiny_gguf, "none")  # noqa: F841  (writes the dequantized folder)
+    source = resolve_model(tiny_gguf)
+    with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model"):
+        EngineArgs(
+            model=str(source.path), quantization="gguf", skip_tokenizer_init=True
+        ).create_engine_config()
+    with pytest.raises(ValueError, match="quantization must be unset or one of"):
+        EngineArgs(model=str(tiny_gguf), quantization="awq").create_engine_config()
+    config = EngineArgs(model=str(tiny_gguf), skip_tokenizer_init=True).create_engine_config()
+    assert config.resolved.quantization == "gguf"
