@@ -135,7 +135,12 @@ class ModelCost:
         elem = torch.empty((), dtype=engine.dtype).element_size()
         kv_elem = torch.empty((), dtype=engine.kv_cache_dtype).element_size()  # kv_cache_dtype
         kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_elem
-        return cls(body, lm_head, total * elem, kv)
+        stored = total * elem  # a GGUF model's blocks: the bytes it holds (one device only)
+        if engine.config.resolved.quantization == "gguf":
+            from minivllm.model.weights import weight_bytes
+
+            stored = weight_bytes(engine.model)
+        return cls(body, lm_head, stored, kv)
 
     def useful_flops(self, requests: Sequence[BenchRequest], n: int = 1) -> float:
         """The least work any engine must do: every prompt token and every output token but the

@@ -34,6 +34,7 @@ from minivllm.benchmarks.engine_under_test import (
     drive_engine,
     workload_for,
 )
+from minivllm.benchmarks.isolated import peak_rss_bytes
 from minivllm.benchmarks.report import (
     MEMORY_HEADERS,
     machine_load,
@@ -43,6 +44,8 @@ from minivllm.benchmarks.report import (
 )
 from minivllm.benchmarks.workload import BenchRequest, add_workload_arguments, fixed_params
 from minivllm.engine_args import EngineArgs
+from minivllm.llm import LLM
+from minivllm.model.weights import weight_bytes
 
 EPILOG = (
     "Default: the throughput workload (64 prompts, 16-256 in/out) under 1024 blocks of 16 slots,\n"
@@ -134,12 +137,28 @@ def trace_minivllm(args: argparse.Namespace) -> tuple[list[StepUsage], dict[str,
     drive_engine(llm, requests, params, after_step=after_step, desc="minivllm")
     stats = llm.get_stats()
     extra = {
+        **process_memory(llm, stats.peak_kv_blocks_used),
         "preemptions": stats.num_preemptions,
         "engine_peak_kv_blocks_used": stats.peak_kv_blocks_used,
         "engine_peak_kv_slot_utilization": stats.peak_kv_slot_utilization,
         "requests": [(len(r.prompt_token_ids), r.output_len) for r in requests],
     }
     return steps, extra
+
+
+def process_memory(llm: LLM, peak_blocks: int) -> dict[str, Any]:
+    """What the process holds: the weights as stored, the KV cache allocated and the part of it
+    the run touched (blocks used at the peak), and the peak RSS."""
+    engine = llm.llm_engine
+    kv = engine.runner.kv_cache  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    per_block = kv.element_size() * kv[:, :, 0].numel()
+    return {
+        "quantization": engine.config.resolved.quantization,
+        "weight_bytes": weight_bytes(engine.model),
+        "kv_cache_bytes": kv.numel() * kv.element_size(),
+        "kv_bytes_touched": peak_blocks * per_block,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
 
 
 # ---------------------------------------------------------------------------------- the naive twin
@@ -249,6 +268,15 @@ def main(args: argparse.Namespace) -> int:
         f"{len(requests)} requests; naive reserves {args.max_model_len} slots per request"
     )
     print_table(MEMORY_HEADERS, memory_rows(results))
+    mib = {
+        k: results["minivllm"][k] / 2**20
+        for k in ("weight_bytes", "kv_cache_bytes", "kv_bytes_touched", "peak_rss_bytes")
+    }
+    print(
+        f"minivllm memory: weights {mib['weight_bytes']:.0f} MiB as stored "
+        f"(quantization {results['minivllm']['quantization']}), KV cache {mib['kv_cache_bytes']:.0f} MiB "
+        f"allocated / {mib['kv_bytes_touched']:.0f} MiB touched at the peak, peak RSS {mib['peak_rss_bytes']:.0f} MiB"
+    )
     print(
         f"minivllm engine stats: peak {results['minivllm']['engine_peak_kv_blocks_used']} blocks, "
         f"slot utilization at peak {results['minivllm']['engine_peak_kv_slot_utilization']:.1%}, "

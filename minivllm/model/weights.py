@@ -157,3 +157,19 @@ def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> N
             raise CorruptCheckpointError(
                 f"cannot read {name} (truncated or corrupt?): {exc}"
             ) from exc
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes the model's weights take in memory, as held: its state dict (parameters and
+    persistent buffers: a GGUF layer's blocks), each storage counted once (a tied LM head shares
+    the embedding's), and any packed copy a platform keeps beside a weight (`packed_weight`)."""
+    seen: set[int] = set()
+    total = 0
+    tensors = list(model.state_dict(keep_vars=True).values())
+    tensors += [m.packed_weight for m in model.modules() if hasattr(m, "packed_weight")]
+    for tensor in tensors:
+        key = id(tensor) if tensor.is_mkldnn else tensor.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total

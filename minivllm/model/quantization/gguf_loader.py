@@ -19,6 +19,7 @@ Tier: model. It imports leaves and core.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -68,13 +69,15 @@ def read_tensors(path: Path, config: LlamaConfig) -> tuple[dict[str, torch.Tenso
                 f"does not run natively (it runs {', '.join(supported)}); pass "
                 f"quantization='none' (--quantization none) to dequantize it at load"
             )
-        try:
-            data = np.array(t.data, dtype=np.uint8 if qtype in BLOCK_LAYOUTS else np.float32)
+        try:  # a view of the memory-mapped file: the layer's buffer is the only copy made
+            data = np.asarray(t.data, dtype=np.uint8 if qtype in BLOCK_LAYOUTS else np.float32)
         except (ValueError, OSError) as exc:
             raise GGUFReadError(
                 f"cannot read tensor {t.name} of {path} (truncated?): {exc}"
             ) from exc
-        rows = torch.from_numpy(data.reshape(data.shape[0], -1) if data.ndim > 1 else data)
+        with warnings.catch_warnings():  # read-only: nothing writes to it, every loader copies
+            warnings.simplefilter("ignore", UserWarning)
+            rows = torch.from_numpy(data.reshape(data.shape[0], -1) if data.ndim > 1 else data)
         tensors[name] = unpermute_qk(name, rows, config)
         types[name] = qtype
     return tensors, GGUFConfig(types)
