@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_utils import random_blocks, tiny_llama_gguf, write_gguf, TINY_FIELDS
+from gguf_utils import TINY_FIELDS, random_blocks, tiny_llama_gguf, write_gguf
 from paged import paged_logits
 
 from minivllm.attention.selector import get_attention_backend
@@ -93,3 +93,18 @@ def test_quantization_gguf_needs_a_gguf_model_and_one_device(
         EngineArgs(model=str(tiny_gguf), quantization="awq").create_engine_config()
     config = EngineArgs(model=str(tiny_gguf), skip_tokenizer_init=True).create_engine_config()
     assert config.resolved.quantization == "gguf"
+
+
+def test_the_triton_forwards_give_the_reference_s_logits(tiny_gguf: Path) -> None:
+    """The CUDA platform's forwards (the Triton GEMM on the blocks, here in Triton's interpreter
+    on CPU tensors) within fp32 accumulation-order error of the reference."""
+    pytest.importorskip("triton")
+    import minivllm.model.quantization.gguf_cuda_forwards  # noqa: F401  (registers them)
+    from minivllm.model.custom_op import CustomOp
+
+    model = load(tiny_gguf, "gguf")
+    expected = paged_logits(model, PROMPT[:6])
+    linears = [m for m in model.modules() if isinstance(m, CustomOp) and hasattr(m, "qtypes")]
+    assert len(linears) == 2 * 4 + 1 and all(op.dispatch_forward("cuda") for op in linears)
+    got = paged_logits(model, PROMPT[:6])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

@@ -1,13 +1,17 @@
 """`CudaPlatform`: NVIDIA GPUs (vLLM's vllm/platforms/cuda.py).
 
-Triton is the default attention backend; bfloat16 is the default dtype where the GPU has it. No
-custom op has a CUDA forward yet, so every layer runs `forward_native` (cuBLAS for the matmuls),
-and there is no decode loop: a CUDA graph would be that, and is not built here.
+Triton is the default attention backend; bfloat16 is the default dtype where the GPU has it. The
+one CUDA forward is that of layers holding a GGUF file's blocks, a Triton GEMM that dequantizes
+inside the product (minivllm/model/quantization/gguf_cuda_forwards.py); every other layer runs
+`forward_native` (cuBLAS for the matmuls), and there is no decode loop: a CUDA graph would be
+that, and is not built here.
 
 Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -26,6 +30,10 @@ class CudaPlatform(Platform):
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def register_op_forwards(self) -> None:
+        # Named, not imported: the platforms are leaves, the forwards live with the model.
+        importlib.import_module("minivllm.model.quantization.gguf_cuda_forwards")
 
     def kv_cache_budget_bytes(
         self, device: torch.device, gpu_memory_utilization: float, cpu_kv_cache_space: float
