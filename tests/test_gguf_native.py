@@ -85,7 +85,7 @@ def test_quantization_gguf_needs_a_gguf_model_and_one_device(
 
     folder = load(tiny_gguf, "none")  # noqa: F841  (writes the dequantized folder)
     source = resolve_model(tiny_gguf)
-    with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model"):
+    with pytest.raises(ValueError, match=r"quantization='gguf' needs a \.gguf model"):
         EngineArgs(
             model=str(source.path), quantization="gguf", skip_tokenizer_init=True
         ).create_engine_config()
