@@ -17,6 +17,12 @@
 //   float32 rows as a block type of their own, `F32`). On this project's AMD CPU that tile kernel
 //   ran about twice as fast as at::mm (MKL) on the same chunk, so at::mm is only the fallback's.
 //
+// No int8 path. llama.cpp's CPU dots quantize x to int8 blocks and multiply with integer dot
+// products (AVX512-VNNI: 64 products per instruction). With 32-weight blocks each block's int32
+// sums still need, per token, a conversion and a scale FMA, so 64 weights cost about as many
+// instructions as the float32 path's four 16-lane FMAs, and x would lose precision for it. At
+// decode's single row the float32 path already streams the weights at memory speed.
+//
 // Exactness. Every product in a dequantization is exact in float32: an fp16 scale has an 11-bit
 // significand, a K-quant's sub-scale 6 or 7 bits and a quant at most 8, and a product of a- and
 // b-bit significands needs at most a + b <= 24 bits. The one rounding is the add of the offset
@@ -537,9 +543,10 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
     if (M == 0 || N == 0) return;
     const uint8_t* w = qweight.data_ptr<uint8_t>();
 #if defined(__AVX512F__)
-    at::Tensor packed = at::empty({M * K}, x.options());  // the token tiles, pack_tokens
+    // The token tiles (pack_tokens); one token's tile is its row as it is.
+    at::Tensor packed = M == 1 ? x : at::empty({M * K}, x.options());
     float* xp = packed.data_ptr<float>();
-    pack_tokens(x.data_ptr<float>(), x.stride(0), M, K, xp);
+    if (M > 1) pack_tokens(x.data_ptr<float>(), x.stride(0), M, K, xp);
     if (on_the_fly<Q>(M, K)) return linear_on_the_fly<Q>(w, xp, out.data_ptr<float>(), M, N, K);
 #else
     const float* xp = nullptr;
