@@ -21,7 +21,7 @@
 // products (AVX512-VNNI: 64 products per instruction). With 32-weight blocks each block's int32
 // sums still need, per token, a conversion and a scale FMA, so 64 weights cost about as many
 // instructions as the float32 path's four 16-lane FMAs, and x would lose precision for it. At
-// decode's single row the float32 path already streams the weights at memory speed.
+// decode's single row the float32 path already streams the weights at close to memory speed.
 //
 // Exactness. Every product in a dequantization is exact in float32: an fp16 scale has an 11-bit
 // significand, a K-quant's sub-scale 6 or 7 bits and a quant at most 8, and a product of a- and
