@@ -1,9 +1,10 @@
 """Building the CPU kernels (`SOURCES`) into one library once per machine, quietly and safely.
 
-Six C++ files of this package make the library: the paged attention kernel (`cpu_attention.cpp`,
+Seven C++ files of this package make the library: the paged attention kernel (`cpu_attention.cpp`,
 with its float32 AVX-512 loops in `cpu_attention_avx512.cpp`), the fused layer ops
 (`cpu_layernorm.cpp`: RMSNorm; `cpu_activation_rope.cpp`: SiLU-and-mul, RoPE), the skinny GEMM of
-decode's linears (`cpu_skinny_gemm.cpp`) and the loop that runs a decode step's layers in one call
+decode's linears (`cpu_skinny_gemm.cpp`), the linears on GGUF's quantized blocks and their
+dequantization (`cpu_gguf_gemm.cpp`) and the loop that runs a decode step's layers in one call
 (`cpu_decode_layers.cpp`); all register under `torch.ops.minivllm_cpu`, so one build and one load
 serve them all.
 `torch.utils.cpp_extension.load` compiles them with the system compiler and `ninja`, the way vLLM
@@ -62,6 +63,7 @@ SOURCES = tuple(
         "cpu_layernorm.cpp",
         "cpu_activation_rope.cpp",
         "cpu_skinny_gemm.cpp",
+        "cpu_gguf_gemm.cpp",
         "cpu_decode_layers.cpp",
     )
 )

@@ -10,6 +10,8 @@ and float16 CPU tensors and compute in float32:
   where plain PyTorch runs a chain of ops, each a full pass (RMSNorm alone is eight).
 - `skinny_gemm` (`cpu_skinny_gemm.cpp`): x · Wᵀ for decode's few rows, streaming W once.
 - `reshape_and_cache`, `paged_decode` (`cpu_attention.cpp`): the paged cache write and attention.
+- `gguf_linear`, `gguf_dequantize` (`cpu_gguf_gemm.cpp`): x · Wᵀ with W kept in GGUF's quantized
+  blocks (unpacked in registers, llama.cpp's `ggml_vec_dot_*` idea), and W's float32 rows.
 
 Two layouts. On the CPU fast path the model's linears may return (W · xᵀ)ᵀ, a transposed view
 ("feature-major": logically [T, N], stored as a contiguous [N, T], so `x.stride() == (1, T)`),
@@ -36,9 +38,13 @@ import torch
 from minivllm.cpu.build import load_cpu_kernels
 
 __all__ = [
+    "GGUF_BLOCK_SIZES",
+    "GGUF_KERNEL_TYPES",
     "SKINNY_BEFORE_ONEDNN_ROWS",
     "SKINNY_GEMM_MAX_ROWS",
     "fused_add_rms_norm",
+    "gguf_dequantize",
+    "gguf_linear",
     "is_feature_major",
     "paged_decode",
     "reshape_and_cache",
@@ -59,6 +65,12 @@ SKINNY_GEMM_MAX_ROWS = 64
 # than on oneDNN's prepacked weight; from 6 rows on oneDNN is as fast or faster (SmolLM2's four
 # linears, 2 cores: 140 vs 162 µs at 4 rows, 173 vs 172 at 6, 243 vs 222 at 8).
 SKINNY_BEFORE_ONEDNN_ROWS = 6
+# The GGML types that `gguf_linear` and `gguf_dequantize` take (`int(gguf.GGMLQuantizationType.X)`),
+# each with (weights per block, bytes per block) as in `gguf.GGML_QUANT_SIZES`: Q4_0, Q4_1, Q5_0,
+# Q5_1, Q8_0 in blocks of 32, the K-quants Q4_K, Q5_K, Q6_K in blocks of 256. Others are refused.
+GGUF_BLOCK_SIZES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+                    12: (256, 144), 13: (256, 176), 14: (256, 210)}  # fmt: skip
+GGUF_KERNEL_TYPES = frozenset(GGUF_BLOCK_SIZES)
 
 
 def is_feature_major(x: torch.Tensor) -> bool:  # x: [T, N]
@@ -198,3 +210,31 @@ def paged_decode(
     torch.ops.minivllm_cpu.paged_decode(
         out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale
     )
+
+
+def gguf_linear(
+    x: torch.Tensor,  # [M, K]  float32, either layout
+    qweight: torch.Tensor,  # uint8 [N, row_bytes]  GGUF's blocks of N rows of K weights, contiguous
+    qtype: int,  # the GGML type number, one of GGUF_KERNEL_TYPES
+) -> torch.Tensor:  # [M, N]  float32, new, token-major
+    """x · dequantize(qweight)ᵀ without a float32 copy of the weight: each block is unpacked where
+    it is used, and at decode's few rows the weight's bytes stream from memory once."""
+    load_cpu_kernels()
+    if x.stride(-1) != 1:  # a linear's feature-major output: the kernel reads token rows
+        x = x.contiguous()
+    out = torch.empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
+    torch.ops.minivllm_cpu.gguf_linear(out, x, qweight, qtype)
+    return out
+
+
+def gguf_dequantize(
+    qweight: torch.Tensor,  # uint8 [N, row_bytes]  contiguous (an embedding's gathered rows)
+    qtype: int,  # the GGML type number, one of GGUF_KERNEL_TYPES
+) -> torch.Tensor:  # [N, K]  float32, new; bit for bit gguf.quants.dequantize's
+    """The float32 weights of GGUF's blocks, K = row_bytes / type_size * block_size."""
+    load_cpu_kernels()
+    block_size, type_size = GGUF_BLOCK_SIZES.get(qtype, (1, 1))  # the op refuses unknown types
+    k = qweight.shape[-1] // type_size * block_size
+    out = torch.empty((qweight.shape[0], k), dtype=torch.float32)
+    torch.ops.minivllm_cpu.gguf_dequantize(out, qweight, qtype)
+    return out

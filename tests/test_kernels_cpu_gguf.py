@@ -1,0 +1,156 @@
+"""The GGUF block kernels (minivllm/cpu/cpu_gguf_gemm.cpp) against gguf's own numpy dequantization.
+
+`gguf_dequantize` must give `gguf.quants.dequantize`'s float32 bit for bit: every product in a
+block's formula is exact in float32 and the only rounding is one add, so there is no order to
+differ in (the C++ file's header says why). `gguf_linear` must equal `x @ dequantize(W).T` up to
+float32 summation order: the kernel sums each output in 16-lane partial sums along K, the float64
+reference exactly, so each output is held to
+
+    |out - ref| <= 4 * eps32 * sqrt(K) * (|x| @ |W|.T)      (eps32 = 2^-23)
+
+elementwise, the random-walk growth of rounding errors over K products (observed errors are ~30x
+below it). Weights: `gguf.quants.quantize` of random normals for Q4_0..Q8_0; for the K-quants, for
+which gguf has no quantizer, random bytes with their fp16 scales set to small finite values, so
+that every bit pattern of the quants and sub-scales is exercised. N = 37 leaves a partial row
+group and an uneven split over threads; M covers one token, partial token tiles, several tiles,
+and (300) the chunked path of larger batches.
+
+These build the library (once per machine) and skip, with the reason, where it cannot be built.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from minivllm.cpu.build import load_cpu_kernels
+from minivllm.cpu.ops import GGUF_BLOCK_SIZES, GGUF_KERNEL_TYPES, gguf_dequantize, gguf_linear
+from minivllm.exceptions import CpuKernelUnavailable
+
+T = gguf.GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
+N = 37
+EPS32 = 2.0**-23
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    try:
+        load_cpu_kernels()
+    except CpuKernelUnavailable as exc:
+        pytest.skip(f"the CPU kernels cannot be built here: {exc}")
+
+
+def random_blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:  # uint8 [n, row_bytes]
+    rng = np.random.default_rng(seed)
+    if qtype not in K_QUANTS:
+        return quantize(rng.standard_normal((n, k), dtype=np.float32), qtype)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n, k // block_size, type_size), dtype=np.uint8)
+
+    def scales() -> np.ndarray:  # uint8 [n, blocks, 2]: fp16 in [0.001, 0.1]
+        values = rng.uniform(0.001, 0.1, size=(n, k // block_size)).astype(np.float16)
+        return values.view(np.uint8).reshape(n, k // block_size, 2)
+
+    if qtype == T.Q6_K:  # | ql[128] | qh[64] | scales[16] | fp16 d |
+        blocks[..., 208:210] = scales()
+    else:  # | fp16 d | fp16 dmin | ...
+        blocks[..., 0:2], blocks[..., 2:4] = scales(), scales()
+    return blocks.reshape(n, -1)
+
+
+def assert_linear_close(out: torch.Tensor, x: torch.Tensor, w: np.ndarray) -> None:
+    wt = torch.from_numpy(w).double()  # [N, K] dequantized
+    ref = x.double() @ wt.T
+    bound = 4 * EPS32 * x.shape[1] ** 0.5 * (x.double().abs() @ wt.abs().T)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    excess = ((out.double() - ref).abs() - bound).max().item() if out.numel() else 0.0
+    assert excess <= 0, f"an output is {excess:.3g} past its bound"
+
+
+def test_kernel_types_are_gguf_block_formats() -> None:
+    assert {int(t) for t in TYPES} == GGUF_KERNEL_TYPES
+    for t in TYPES:
+        assert GGUF_BLOCK_SIZES[int(t)] == gguf.GGML_QUANT_SIZES[t]
+
+
+@pytest.mark.parametrize("k", [256, 512])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_is_gguf_dequantize_bit_for_bit(qtype: T, k: int) -> None:
+    q = random_blocks(qtype, N, k, seed=k)
+    got = gguf_dequantize(torch.from_numpy(q), int(qtype))
+    assert got.shape == (N, k) and got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy().view(np.uint32), dequantize(q, qtype).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_dequantize_gathered_rows_as_an_embedding_lookup(qtype: T) -> None:
+    q = random_blocks(qtype, 50, 256, seed=3)
+    ids = torch.tensor([7, 0, 49, 7])
+    got = gguf_dequantize(torch.from_numpy(q)[ids], int(qtype))
+    np.testing.assert_array_equal(got.numpy(), dequantize(q, qtype)[ids.numpy()])
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 100])
+@pytest.mark.parametrize("k", [256, 512])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_linear_equals_matmul_on_the_dequantized_weight(qtype: T, k: int, m: int) -> None:
+    q = random_blocks(qtype, N, k, seed=k + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    assert_linear_close(gguf_linear(x, torch.from_numpy(q), int(qtype)), x, dequantize(q, qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_linear_of_a_large_batch_takes_the_chunked_path(qtype: T) -> None:
+    q = random_blocks(qtype, N, 256, seed=9)
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(9))
+    assert_linear_close(gguf_linear(x, torch.from_numpy(q), int(qtype)), x, dequantize(q, qtype))
+
+
+def test_linear_reads_every_layout_the_model_hands_over() -> None:
+    q = random_blocks(T.Q4_1, N, 256, seed=4)
+    w = dequantize(q, T.Q4_1)
+    g = torch.Generator().manual_seed(4)
+    feature_major = torch.randn(256, 5, generator=g).t()  # a CPU linear's transposed output
+    wider = torch.randn(5, 300, generator=g)[:, :256]  # token rows with a longer row stride
+    one = torch.randn(256, 1, generator=g).t()  # [1, 256] with strides (1, 1)
+    for x in (feature_major, wider, one):
+        assert_linear_close(gguf_linear(x, torch.from_numpy(q), int(T.Q4_1)), x, w)
+    out = torch.empty(5, N)  # the op itself takes strided token rows as they are
+    torch.ops.minivllm_cpu.gguf_linear(out, wider, torch.from_numpy(q), int(T.Q4_1))
+    assert_linear_close(out, wider, w)
+
+
+def test_zero_tokens() -> None:
+    q = torch.from_numpy(random_blocks(T.Q8_0, N, 256, seed=5))
+    assert gguf_linear(torch.empty(0, 256), q, int(T.Q8_0)).shape == (0, N)
+
+
+@pytest.mark.parametrize("qtype", [0, 1, 10, 11, 15, 30])  # F32, F16, Q2_K, Q3_K, Q8_K, BF16
+def test_unsupported_types_are_refused_by_number(qtype: int) -> None:
+    q = torch.zeros(4, 64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match=f"GGML type {qtype} is not supported"):
+        torch.ops.minivllm_cpu.gguf_linear(torch.empty(1, 4), torch.zeros(1, 256), q, qtype)
+    with pytest.raises(RuntimeError, match=f"GGML type {qtype} is not supported"):
+        torch.ops.minivllm_cpu.gguf_dequantize(torch.empty(4, 256), q, qtype)
+
+
+@pytest.mark.parametrize(
+    ("x", "q", "qtype", "match"),
+    [
+        (torch.zeros(2, 256), torch.zeros(3, 144, dtype=torch.uint8), 3, "rows must be 160 bytes"),
+        (torch.zeros(2, 100), torch.zeros(3, 80, dtype=torch.uint8), 3, "multiple of the type's block"),
+        (torch.zeros(2, 288), torch.zeros(3, 144, dtype=torch.uint8), 12, "multiple of the type's block"),
+        (torch.zeros(2, 256, dtype=torch.bfloat16), torch.zeros(3, 160, dtype=torch.uint8), 3, "float32"),
+        (torch.zeros(2, 256), torch.zeros(3, 160), 3, "uint8"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_name_the_problem(
+    x: torch.Tensor, q: torch.Tensor, qtype: int, match: str
+) -> None:
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.minivllm_cpu.gguf_linear(torch.empty(x.shape[0], q.shape[0]), x, q, qtype)
