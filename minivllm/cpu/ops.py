@@ -36,7 +36,6 @@ import torch
 from minivllm.cpu.build import load_cpu_kernels
 
 __all__ = [
-    "SKINNY_BEFORE_ONEDNN_ROWS",
     "SKINNY_GEMM_MAX_ROWS",
     "fused_add_rms_norm",
     "is_feature_major",
@@ -44,7 +43,6 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
-    "runs_packed",
     "silu_and_mul",
     "skinny_gemm",
     "skinny_gemm_applies",
@@ -55,10 +53,6 @@ __all__ = [
 # packed GEMM is as fast or faster (measured over SmolLM2's 30 layers on 2 cores: the kernel is
 # 1.2x faster at 32 rows, 1.1x at 64, 0.96x at 96; python benchmarks/skinny_gemm.py).
 SKINNY_GEMM_MAX_ROWS = 64
-# Below this many float32 rows a decoder layer's linears run 1.1-1.3x faster on the skinny GEMM
-# than on oneDNN's prepacked weight; from 6 rows on oneDNN is as fast or faster (SmolLM2's four
-# linears, 2 cores: 140 vs 162 µs at 4 rows, 173 vs 172 at 6, 243 vs 222 at 8).
-SKINNY_BEFORE_ONEDNN_ROWS = 6
 
 
 def is_feature_major(x: torch.Tensor) -> bool:  # x: [T, N]
@@ -147,17 +141,6 @@ def skinny_gemm(
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
     torch.ops.minivllm_cpu.skinny_gemm(out, x, weight)
     return out
-
-
-def runs_packed(rows: int, weight: torch.Tensor, packed: torch.Tensor | None) -> bool:
-    """Whether a linear of `rows` rows runs oneDNN on its packed weight: it has one, and the
-    skinny GEMM is not the faster choice (a few float32 rows). The decode loop asks the same
-    (decode_loop.py) as each linear's CPU forward does (minivllm/cpu/op_forwards.py), so
-    both paths call the same kernel."""
-    if packed is None:
-        return False
-    few_float32_rows = rows < SKINNY_BEFORE_ONEDNN_ROWS and weight.dtype == torch.float32
-    return not (few_float32_rows and skinny_gemm_fast())
 
 
 @functools.cache
