@@ -13,9 +13,11 @@ Two phases, both in the bench's own process:
    `SchedulerOutput` the step already carries; nothing is timed inside the engine.
 2. `replay` times, with the model's own layers, what the model does with those rows: per layer
    the qkv, o, gate_up and down projections' own `forward` (minivllm/cpu/op_forwards.py:
-   on the CPU fast path the skinny GEMM at decode's row counts and MKL above them, otherwise MKL
-   throughout), and the LM head's own matmul, `ParallelLMHead`'s forward (on the CPU fast path
-   its oneDNN-prepacked weight; otherwise slices of `LM_HEAD_ROWS` vocabulary rows).
+   on the CPU fast path oneDNN on their prepacked weights, or where oneDNN does not pack them the
+   skinny GEMM at decode's row counts and MKL above; otherwise MKL throughout), and the LM head's
+   own matmul, `ParallelLMHead`'s forward (on the CPU fast path an untied head's oneDNN-prepacked
+   weight, a tied head's skinny GEMM at few rows; otherwise slices of `LM_HEAD_ROWS` vocabulary
+   rows).
    The elementwise work between them, the float32 cast of the logits and the attention are left
    out: they are what the floor is a floor to.
 

@@ -86,7 +86,7 @@ class EngineArgs:
     attention_backend: str = _arg(
         "auto",
         "reference (plain PyTorch throughout, the specification), cpu (compiled CPU kernels: "
-        "paged decode attention, fused RMSNorm / SiLU-mul / RoPE, a prepacked LM head), triton "
+        "paged decode attention, fused RMSNorm / SiLU-mul / RoPE, oneDNN-prepacked linears), triton "
         "(CUDA kernels); auto: cpu on a CPU, triton on CUDA",
         choices=BACKEND_NAMES,
     )

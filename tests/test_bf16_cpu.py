@@ -79,15 +79,17 @@ def fast_bf16(tiny: Path) -> list[tuple[list[int], list[dict[int, Any]]]]:
 
 def test_bf16_fast_path_prepacks_its_linears(tiny: Path) -> None:
     """The test below compares the path this module is about: every linear packed (where the CPU
-    has bf16 dot products; else the path is MKL's, still compared)."""
+    has bf16 dot products; else the path is MKL's, still compared). The tied LM head stays the
+    embedding's plain table, which the lookup reads."""
     model = load_model(
         resolve_model(tiny), get_attention_backend("cpu"), torch.bfloat16, torch.device("cpu")
     )
     hw = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     layer = model.model.layers[0]
     for op in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
-        assert (getattr(op, "packed_weight", None) is not None) is hw
-    assert (getattr(model.lm_head, "packed_weight", None) is not None) is hw
+        assert op.weight.is_mkldnn is hw
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not model.lm_head.weight.is_mkldnn
 
 
 def test_bf16_fast_path_logits_match_the_bf16_reference(tiny: Path) -> None:

@@ -18,6 +18,7 @@ from test_model_llama import CONFIGS, save_tiny_llama
 
 from minivllm.attention import AttentionMetadata
 from minivllm.attention.selector import get_attention_backend
+from minivllm.cpu import op_forwards
 from minivllm.cpu.decode_loop import CpuDecodeLoop
 from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
 from minivllm.llm import LLM
@@ -32,6 +33,9 @@ needs_avx512 = pytest.mark.skipif(
 )
 # bfloat16 models replay where their linears are prepacked for oneDNN: a CPU with bf16 dot products.
 BF16_HW = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="float32 weights are packed for oneDNN"
+)
 DTYPES = [
     pytest.param(torch.float32, marks=needs_avx512, id="float32"),
     pytest.param(
@@ -102,24 +106,43 @@ def prefilled(model: LlamaForCausalLM, prompt_lens: list[int]) -> tuple[torch.Te
     return kv, tables
 
 
-# 5 rows: float32 linears on the skinny GEMM; 9 and 70 (above SKINNY_GEMM_MAX_ROWS): on oneDNN's
-# prepacked weights, as the Python loop chooses per linear (runs_packed).
+# Linear weights prepacked for oneDNN (float32 wherever oneDNN is built in, bfloat16 with bf16 dot
+# products) run oneDNN at every row count; plain float32 weights (where oneDNN does not pack them)
+# the skinny GEMM, up to SKINNY_GEMM_MAX_ROWS rows, as the Python loop does per linear.
+WEIGHTS = [
+    pytest.param(torch.float32, True, marks=needs_onednn, id="float32"),
+    pytest.param(torch.float32, False, marks=needs_avx512, id="float32-plain"),
+    pytest.param(
+        torch.bfloat16, True, marks=pytest.mark.skipif(not BF16_HW, reason="no AVX512-BF16/AMX")
+    ),
+]
+
+
 @pytest.mark.parametrize("num_seqs", [5, 9, 70])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dtype", "packed"), WEIGHTS)
 @pytest.mark.parametrize("name", ["mha-hd32", "gqa4-hd64", "mqa-hd64-theta5e5", "tinyllama-shape"])
 def test_a_decode_step_equals_the_python_loop_bit_for_bit(
-    tmp_path: Path, name: str, dtype: torch.dtype, num_seqs: int
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    dtype: torch.dtype,
+    packed: bool,
+    num_seqs: int,
 ) -> None:
     _, path = save_tiny_llama(tmp_path, CONFIGS[name])
+    if not packed:  # as on a torch without oneDNN
+        monkeypatch.setattr(op_forwards, "onednn_packs", lambda weight: False)
     model = load(path, dtype=dtype)
     fused = capture(model)
-    assert fused is not None
+    assert fused is not None and fused.packed is packed
     # contexts ending mid-block and at block edges
     prompt_lens = ([5, 16, 17, 40, 33] * 14)[:num_seqs]
     kv, tables = prefilled(model, prompt_lens)
     seq_lens = [n + 1 for n in prompt_lens]
     meta = step_meta(model, [1] * len(prompt_lens), seq_lens, tables)
-    assert fused.applies(len(prompt_lens), meta)
+    if not fused.applies(len(prompt_lens), meta):  # more rows than a plain weight's skinny GEMM
+        assert not packed and num_seqs > SKINNY_GEMM_MAX_ROWS
+        return
     tokens = torch.randint(0, model.config.vocab_size, (len(prompt_lens),))
     positions = torch.tensor(prompt_lens)
     kv_python = kv.clone()
@@ -140,10 +163,10 @@ def test_it_applies_to_decode_steps_of_at_most_the_skinny_gemm_s_rows(tmp_path: 
     decode = step_meta(model, [1] * 4, [9, 20, 31, 2], tables)
     assert fused.applies(4, decode)
     # With every linear prepacked (oneDNN is built into torch here), oneDNN runs any row count in
-    # both paths; without, more rows than the skinny GEMM's go to MKL: the Python loop.
-    assert fused.packed_weights is not None
+    # both paths; on plain weights, more rows than the skinny GEMM's go to MKL: the Python loop.
+    assert fused.packed
     assert fused.applies(SKINNY_GEMM_MAX_ROWS + 1, decode)
-    fused.packed_weights = None
+    fused.packed = False
     assert not fused.applies(SKINNY_GEMM_MAX_ROWS + 1, decode)
     mixed = step_meta(model, [1, 5, 1, 2], [9, 20, 31, 2], tables)
     assert not fused.applies(9, mixed)

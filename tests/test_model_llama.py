@@ -83,7 +83,7 @@ def save_tiny_llama(tmp: Path, overrides: dict, seed: int = 0) -> tuple[HFLlama,
 
 
 # "reference" is plain PyTorch throughout; "cpu" runs the compiled CPU library: paged decode
-# attention, the fused RMSNorm / SiLU-mul / RoPE kernels and the prepacked LM head.
+# attention, the fused RMSNorm / SiLU-mul / RoPE kernels and the oneDNN-prepacked linears.
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_logits_match_transformers(tmp_path: Path, name: str, backend: str) -> None:
@@ -147,14 +147,13 @@ def test_bfloat16_model_tracks_float32(tmp_path: Path, backend_name: str) -> Non
 
 
 def test_cpu_fast_path_prepacks_the_lm_head_and_keeps_its_logits(tmp_path: Path) -> None:
-    """The CPU backend's LM head runs on a oneDNN-prepacked copy of its weight: the same logits as
-    the plain sliced matmul up to summation order."""
+    """The CPU backend's (untied) LM head runs on its weight prepacked for oneDNN: the same
+    logits as the plain sliced matmul up to summation order."""
     _, path = save_tiny_llama(tmp_path, CONFIGS["tinyllama-shape"])
     src = resolve_model(path)
     fast = load_model(src, get_attention_backend("cpu"), torch.float32, torch.device("cpu"))
     plain = load_model(src, get_attention_backend("reference"), torch.float32, torch.device("cpu"))
-    assert fast.lm_head.packed_weight is not None
-    assert getattr(plain.lm_head, "packed_weight", None) is None
+    assert fast.lm_head.weight.is_mkldnn and not plain.lm_head.weight.is_mkldnn
     for rows in (1, 7, 64, 130):  # the packing is planned for 64 rows; any count must work
         hidden = torch.randn(rows, fast.config.hidden_size)
         with torch.no_grad():

@@ -95,14 +95,15 @@ def test_cpu_dispatch_packs_weights_and_keeps_each_op_s_result(
     for op in build_ops(dtype):
         x = torch.randn(rows, op.weight.shape[1], generator=torch.Generator().manual_seed(7))
         x = x.to(dtype)
+        packs = onednn_packs(op.weight)
         with torch.no_grad():
             expected = op.forward_native(x).float()
             assert op.dispatch_forward(platform.device_type)
             got = op(x)
-        packed = getattr(op, "packed_weight", None)
         hardware = {torch.float32: True, torch.bfloat16: BF16_HW, torch.float16: False}[dtype]
-        assert (packed is not None) is hardware
-        assert (packed is not None) is onednn_packs(op.weight)
+        assert (
+            packs is hardware and op.weight.is_mkldnn is packs
+        )  # packed: in the plain one's place
         assert got.dtype == dtype and got.shape == expected.shape
         tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
         scale = expected.abs().max().item()

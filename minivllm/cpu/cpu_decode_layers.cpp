@@ -10,17 +10,19 @@
 // the same order, on the same layouts, so that its result is bit for bit the Python path's
 // (tests/test_kernels_cpu_decode_loop.py checks exactly that).
 //
-// Per layer, with T token rows (T <= 64), the same sequence as minivllm/model/llama.py:
+// Per layer, with T token rows, the same sequence as minivllm/model/llama.py (linear: oneDNN on a
+// prepacked weight, the skinny GEMM on a plain one):
 //   input norm (the first layer: rms_norm; later: fused_add_rms_norm, adding the residual)
-//   qkv = skinny_gemm(hidden, W_qkv); rotary_embedding on its query and key heads, in place
+//   qkv = linear(hidden, W_qkv); rotary_embedding on its query and key heads, in place
 //   reshape_and_cache(k, v); attention = paged_decode(q) over each request's blocks
-//   hidden = skinny_gemm(attention, W_o); post-attention fused_add_rms_norm
-//   hidden = skinny_gemm(silu_and_mul(skinny_gemm(hidden, W_gate_up)), W_down)
+//   hidden = linear(attention, W_o); post-attention fused_add_rms_norm
+//   hidden = linear(silu_and_mul(linear(hidden, W_gate_up)), W_down)
 // then the final fused_add_rms_norm. minivllm/cpu/decode_loop.py decides when it applies
-// (decode-only steps, one device, no biases, float32 or prepacked bfloat16) and hands it the
-// weights. A bfloat16 model's linear weights come prepacked in oneDNN's layout (an MKLDNN tensor,
-// minivllm/cpu/op_forwards.py `prepack_linear`): those linears call oneDNN, as the Python path
-// does, and the attention output is computed in float32 and rounded to bf16, as the backend does.
+// (decode-only steps, one device, no biases, prepacked weights or plain float32 ones on at most
+// 64 rows) and hands it the weights. Where oneDNN packs them, a model's linear weights come in
+// oneDNN's layout (an MKLDNN tensor, minivllm/cpu/op_forwards.py `prepack_linear`): those
+// linears call oneDNN, as the Python path does. A bfloat16 model's attention output is computed
+// in float32 and rounded to bf16, as the backend does.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -23,11 +23,12 @@ It applies where the whole of a step is what the C++ loop knows how to do:
 - the CPU attention backend (the op attends through its plan: every row is a work item of the
   paged kernel) and every custom op on its CPU forward (`custom_ops="all"`);
 - one device: with tensor parallelism, each layer's two all-reduces happen in Python;
-- no biases, and float32 weights on a CPU where the skinny GEMM runs its AVX-512 path, or
-  bfloat16 weights that every linear has prepacked for oneDNN (`prepack_linear` in
-  minivllm/cpu/op_forwards.py; the C++ loop then calls oneDNN on them, as the Python path does);
-- a step of decodes only, with at most `SKINNY_GEMM_MAX_ROWS` rows, since above that the linears
-  go to MKL;
+- no biases, and weights that every linear holds prepacked for oneDNN (`prepack_linear` in
+  minivllm/cpu/op_forwards.py: float32 wherever oneDNN is built in, bfloat16 where the CPU has
+  bf16 dot products; the C++ loop then calls oneDNN on them, as the Python path does), or plain
+  float32 weights on a CPU where the skinny GEMM runs its AVX-512 path;
+- a step of decodes only; on plain weights with at most `SKINNY_GEMM_MAX_ROWS` rows, since above
+  that the linears go to MKL;
 - no forward hook on the model, its body or their modules: a hook is Python, and a user who
   registers one on a layer expects it to run (vLLM's CUDA graphs skip hooks; here they turn the
   C++ call off).
@@ -45,7 +46,7 @@ from torch import nn
 
 from minivllm.attention import AttentionBackend, AttentionMetadata
 from minivllm.cpu.attention import CpuPlan
-from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, runs_packed, skinny_gemm_fast
+from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
 from minivllm.model.custom_op import CustomOp
 from minivllm.model.llama import LlamaForCausalLM
 
@@ -60,24 +61,22 @@ def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
 LINEARS_PER_LAYER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def layer_weights(layer: LlamaDecoderLayer, packed: bool) -> list[torch.Tensor]:
+def layer_weights(layer: LlamaDecoderLayer) -> list[torch.Tensor]:
     """A layer's six weights in the op's order (input norm, qkv, o, post-attention norm, gate_up,
-    down): each linear's oneDNN-prepacked copy if `packed`, else its plain weight."""
+    down); a linear's is an MKLDNN tensor where `prepack_linear` packed it for oneDNN."""
     linears = [
-        cast("torch.Tensor", getattr(op, "packed_weight", None) if packed else op.weight)
-        for op in map(layer.get_submodule, LINEARS_PER_LAYER)
+        cast("torch.Tensor", op.weight) for op in map(layer.get_submodule, LINEARS_PER_LAYER)
     ]
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     return [norms[0], linears[0], linears[1], norms[1], linears[2], linears[3]]
 
 
 def all_linears_packed(model: LlamaForCausalLM) -> bool:
-    """Whether every decoder layer's linear has a oneDNN-prepacked weight (prepack_linear)."""
-    return all(
-        getattr(layer.get_submodule(name), "packed_weight", None) is not None
-        for layer in decoder_layers(model)
-        for name in LINEARS_PER_LAYER
-    )
+    """Whether every decoder layer's linear weight is prepacked for oneDNN (prepack_linear)."""
+    linears = [
+        layer.get_submodule(name) for layer in decoder_layers(model) for name in LINEARS_PER_LAYER
+    ]
+    return all(op.quant_method is None and op.weight.is_mkldnn for op in linears)
 
 
 class CpuDecodeLoop:
@@ -98,15 +97,11 @@ class CpuDecodeLoop:
         self.embed_tokens = body.embed_tokens
         self.rotary_emb = body.rotary_emb
         self.final_norm = body.norm
-        # Six per layer, in the op's order. The plain weights run the skinny GEMM; the prepacked
-        # ones (where every linear has one) oneDNN, chosen per step by the rows, as each linear's
-        # CPU forward chooses (`runs_packed` in minivllm/cpu/op_forwards.py).
-        self.weights = [w for layer in layers for w in layer_weights(layer, packed=False)]
-        self.packed_weights = (
-            [w for layer in layers for w in layer_weights(layer, packed=True)]
-            if all_linears_packed(model)
-            else None
-        )
+        # Six per layer, in the op's order. The C++ loop calls oneDNN on a packed linear weight
+        # and the skinny GEMM on a plain one, as each linear's CPU forward does (`op_linear` in
+        # minivllm/cpu/op_forwards.py).
+        self.weights = [w for layer in layers for w in layer_weights(layer)]
+        self.packed = all_linears_packed(model)
         attention = layers[0].self_attn
         self.scale = attention.scale
         self.num_heads = attention.num_heads
@@ -141,7 +136,7 @@ class CpuDecodeLoop:
         forward hook on a layer, which the Python loop runs and this call would skip."""
         return (
             meta.is_decode_only
-            and (num_tokens <= SKINNY_GEMM_MAX_ROWS or self.packed_weights is not None)
+            and (num_tokens <= SKINNY_GEMM_MAX_ROWS or self.packed)
             and isinstance(meta.plan, CpuPlan)
             and not self.hooked()
         )
@@ -163,11 +158,6 @@ class CpuDecodeLoop:
         plan = meta.plan
         assert isinstance(plan, CpuPlan)  # `applies` checked it
         embeds = self.embed_tokens(input_ids)  # [T, hidden_size]; becomes the residual
-        weights = self.weights
-        if self.packed_weights is not None and runs_packed(
-            input_ids.shape[0], self.weights[1], self.packed_weights[1]
-        ):
-            weights = self.packed_weights
         return torch.ops.minivllm_cpu.decode_layers(
             embeds,
             positions,
@@ -177,7 +167,7 @@ class CpuDecodeLoop:
             plan.seq_lens,
             plan.rows,
             meta.slot_mapping,
-            weights,
+            self.weights,
             self.final_norm.weight,
             self.final_norm.eps,
             self.scale,

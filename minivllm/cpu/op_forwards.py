@@ -6,27 +6,29 @@ tests hold it there (tests/test_model_llama.py, greedy token-exact against trans
 each one buys, measured on SmolLM2-135M with 2 cores:
 
 - **Linears** (`ColumnParallelLinear`, `QKVParallelLinear`, `RowParallelLinear`): where oneDNN
-  is built in, each weight is prepacked once at load into oneDNN's blocked layout (vLLM's CPU
-  build does the same), and oneDNN runs every row count but the fewest: per decoder layer of
-  SmolLM2 it is 2.2-2.3x faster than MKL at 96-512 float32 rows (a prompt's), 1.1-1.2x faster
-  than the skinny GEMM at 8-64. Below `cpu_ops.SKINNY_BEFORE_ONEDNN_ROWS` float32 rows the skinny GEMM
-  (`cpu_skinny_gemm.cpp`, which streams the weight once) is still 1.1-1.3x faster. bfloat16
-  weights go to oneDNN at every row count where the CPU has bf16 dot-product instructions
-  (AVX512-BF16, AMX): MKL's bf16 `aten::mm` does not use them (oneDNN 1.6-1.9x faster at 1-8
-  rows). oneDNN's and the skinny GEMM's outputs are token-major. Without oneDNN, more than
-  `SKINNY_GEMM_MAX_ROWS` rows go to MKL as (W · xᵀ)ᵀ (~1.3x faster than `F.linear`), whose
-  result is a transposed ("feature-major") view that the fused ops, RoPE and the CPU attention
-  backend read as it is. The packed copy costs the linears' size again (425 MB for SmolLM2 in
-  float32): the plain weight stays for `forward_native`, the skinny GEMM and the state dict.
+  is built in, each weight is replaced at load by itself in oneDNN's blocked layout
+  (`prepack_linear`; vLLM's CPU build packs the same way), and oneDNN runs every row count on it:
+  per decoder layer of SmolLM2 it is 2.2-2.3x faster than MKL at 96-512 float32 rows (a
+  prompt's), 1.1-1.2x faster than the skinny GEMM at 8-64. The layer holds the packed weight
+  only: a plain copy beside it would cost the linears' size again (425 MB for SmolLM2 in float32)
+  for the skinny GEMM's 1.1-1.3x at 1-5 float32 rows. `forward_native` and `state_dict()` read it
+  back plain, exactly. bfloat16 weights are packed where the CPU has bf16 dot-product
+  instructions (AVX512-BF16, AMX): MKL's bf16 `aten::mm` does not use them (oneDNN 1.6-1.9x
+  faster at 1-8 rows). oneDNN's output is token-major. A weight oneDNN does not pack (no oneDNN,
+  float16) stays plain: up to `SKINNY_GEMM_MAX_ROWS` float32 rows go to the skinny GEMM
+  (`cpu_skinny_gemm.cpp`, which streams the weight once; token-major rows), more to MKL as
+  (W · xᵀ)ᵀ (~1.3x faster than `F.linear`), whose result is a transposed ("feature-major") view
+  that the fused ops, RoPE and the CPU attention backend read as it is.
 - **RMSNorm, SiLU·mul, RoPE**: one fused pass over memory each (`cpu_layernorm.cpp`,
   `cpu_activation_rope.cpp`), where plain PyTorch runs a chain of ops (RMSNorm alone is eight);
   unfused, that work was a sixth of an engine step (issue 16's profile).
-- **LM head**: the largest matmul of a small model's step (113 MB for SmolLM2). Up to
-  `LM_HEAD_SKINNY_ROWS` sampled rows it goes to the skinny GEMM; above, to oneDNN on a copy of
-  the weight prepacked in its blocked layout (1.5-3x faster than MKL at 1-128 rows; the copy costs
-  the weight's size again). Where oneDNN is missing or the weight is not float32, MKL runs it in
-  slices of `LM_HEAD_ROWS` vocabulary rows, 1.2-1.4x faster than in one call. A bfloat16 head
-  is prepacked as the linears are (1.8x faster than MKL at 1 row, 1.3x at 64).
+- **LM head**: the largest matmul of a small model's step (113 MB for SmolLM2). An untied head
+  is packed as the linears are and runs on oneDNN (1.5-3x faster than MKL at 1-128 float32 rows;
+  bfloat16: 1.8x at 1 row, 1.3x at 64). A tied head (SmolLM2's) is the embedding's table, whose
+  lookup reads plain rows, so it stays plain, held once for both: up to `SKINNY_GEMM_MAX_ROWS`
+  sampled float32 rows go to the skinny GEMM (1.1-1.3x faster than oneDNN up to 24 rows, 5-15 %
+  slower above), more (and a bfloat16 tied head's rows) to MKL in slices of `LM_HEAD_ROWS`
+  vocabulary rows, 1.2-1.4x faster than in one call.
 
 Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """
@@ -34,6 +36,7 @@ Tier: platform plug-ins. It imports the model and below; lower tiers name it, ne
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from minivllm.cpu import ops as cpu_ops
 from minivllm.model.custom_op import register_forward
@@ -41,10 +44,7 @@ from minivllm.model.llama import RMSNorm, SiluAndMul
 from minivllm.model.parallel_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from minivllm.model.rope import RotaryEmbedding
 
-LM_HEAD_ROWS = 1024  # vocabulary rows per LM-head matmul without a prepacked weight
-# Up to this many sampled rows the skinny GEMM runs SmolLM2's LM head 1.1-1.3x faster than the
-# oneDNN-prepacked weight; above it oneDNN is 5-15 % faster (measured at 1-64 rows, 2 cores).
-LM_HEAD_SKINNY_ROWS = 24
+LM_HEAD_ROWS = 1024  # vocabulary rows per MKL matmul of a plain LM-head weight
 
 
 # ---------------------------------------------------------------------------------- linears
@@ -67,8 +67,8 @@ def cpu_linear(
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:
-    """Whether a linear runs on a oneDNN-prepacked copy of `weight`: float32 wherever oneDNN is
-    built in; bfloat16 where the CPU also has bf16 dot-product instructions (AVX512-BF16 or AMX),
+    """Whether a linear's `weight` is prepacked for oneDNN and runs there: float32 wherever oneDNN
+    is built in; bfloat16 where the CPU also has bf16 dot-product instructions (AVX512-BF16 or AMX),
     which oneDNN's bf16 GEMM uses and MKL's `aten::mm` does not."""
     if not torch.backends.mkldnn.is_available():
         return False
@@ -78,14 +78,32 @@ def onednn_packs(weight: torch.Tensor) -> bool:
 
 
 def prepack_linear(op: ColumnParallelLinear | RowParallelLinear | ParallelLMHead) -> None:
-    """Keep a copy of a linear's (or the LM head's) weight in oneDNN's blocked layout
-    (`op.packed_weight`; not set where `onednn_packs` is False). The plain weight stays: `forward_native`, the skinny GEMM, the state
-    dict and the reports read it."""
-    op.__dict__.pop("packed_weight", None)  # a copy of an earlier dispatch's weight
-    if op.quant_method is None and onednn_packs(op.weight):
+    """Replace a linear's (or an untied LM head's) weight by itself in oneDNN's blocked layout,
+    where `onednn_packs`: `op.weight` becomes a Parameter holding an MKLDNN tensor, and the plain
+    one is freed, so the layer holds its weight once. What reads it plain gets it back exactly
+    (`to_dense()`): `forward_native` (`linear` in minivllm/model/parallel_layers.py) and
+    `state_dict()` (`dense_state_dict`). A tied head stays plain: the embedding's lookup reads rows
+    of the same table, which the blocked layout does not give without unpacking all of it."""
+    if op.quant_method is not None:
+        return  # a GGUF file's blocks, multiplied as they are
+    weight = op.weight  # [out, in]
+    tied = isinstance(op, ParallelLMHead) and op.tied
+    # weight.is_mkldnn: packed by an earlier dispatch already
+    if not weight.is_mkldnn and not tied and onednn_packs(weight):
         with torch.no_grad():
             # 64 rows is the hint oneDNN plans its blocking for; any row count runs on the result.
-            op.packed_weight = torch.ops.mkldnn._reorder_linear_weight(op.weight, 64)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        op.weight = nn.Parameter(packed, requires_grad=False)
+        op.register_state_dict_post_hook(dense_state_dict)
+
+
+def dense_state_dict(
+    op: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, local_metadata: object
+) -> None:
+    """`state_dict()` of a packed layer: its weight as the checkpoint holds it, a dense tensor."""
+    name = prefix + "weight"
+    if state_dict[name].is_mkldnn:
+        state_dict[name] = state_dict[name].to_dense()
 
 
 def packed_linear(
@@ -102,9 +120,8 @@ def op_linear(
 ) -> torch.Tensor:  # [M, in] -> [M, out]
     if op.quant_method is not None:
         return gguf_linear_cpu(op, x, bias)
-    packed = getattr(op, "packed_weight", None)  # [out, in]  in oneDNN's layout, or None
-    if packed is not None and cpu_ops.runs_packed(x.shape[0], op.weight, packed):
-        return packed_linear(x, packed, bias)
+    if op.weight.is_mkldnn:  # [out, in] in oneDNN's layout (prepack_linear): every row count
+        return packed_linear(x, op.weight, bias)
     return cpu_linear(x, op.weight, bias)
 
 
@@ -165,12 +182,11 @@ def lm_head_forward_cpu(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Ten
     """[S, R] logits of this rank's vocabulary rows, in the weight's dtype, for hidden [S, h]."""
     if head.quant_method is not None:
         return gguf_linear_cpu(head, hidden, None)
-    weight = head.weight  # [R, hidden]
-    packed = getattr(head, "packed_weight", None)  # [R, hidden] in oneDNN's layout
-    if packed is not None:
-        if hidden.shape[0] <= LM_HEAD_SKINNY_ROWS and cpu_ops.skinny_gemm_applies(hidden, weight):
-            return cpu_ops.skinny_gemm(hidden, weight)
-        return packed_linear(hidden, packed)
+    weight = head.weight  # [R, hidden]  in oneDNN's layout where prepacked (an untied head)
+    if weight.is_mkldnn:
+        return packed_linear(hidden, weight)
+    if cpu_ops.skinny_gemm_applies(hidden, weight):  # a tied head's few sampled rows
+        return cpu_ops.skinny_gemm(hidden, weight)
     local_t = torch.empty(weight.shape[0], hidden.shape[0], dtype=weight.dtype)  # [R, S]
     for start in range(0, weight.shape[0], LM_HEAD_ROWS):
         rows = slice(start, start + LM_HEAD_ROWS)

@@ -40,7 +40,6 @@ from minivllm.cpu.build import load_cpu_kernels
 __all__ = [
     "GGUF_BLOCK_SIZES",
     "GGUF_KERNEL_TYPES",
-    "SKINNY_BEFORE_ONEDNN_ROWS",
     "SKINNY_GEMM_MAX_ROWS",
     "fused_add_rms_norm",
     "gguf_dequantize",
@@ -50,7 +49,6 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
-    "runs_packed",
     "silu_and_mul",
     "skinny_gemm",
     "skinny_gemm_applies",
@@ -61,10 +59,6 @@ __all__ = [
 # packed GEMM is as fast or faster (measured over SmolLM2's 30 layers on 2 cores: the kernel is
 # 1.2x faster at 32 rows, 1.1x at 64, 0.96x at 96; python benchmarks/skinny_gemm.py).
 SKINNY_GEMM_MAX_ROWS = 64
-# Below this many float32 rows a decoder layer's linears run 1.1-1.3x faster on the skinny GEMM
-# than on oneDNN's prepacked weight; from 6 rows on oneDNN is as fast or faster (SmolLM2's four
-# linears, 2 cores: 140 vs 162 µs at 4 rows, 173 vs 172 at 6, 243 vs 222 at 8).
-SKINNY_BEFORE_ONEDNN_ROWS = 6
 # The GGML types that `gguf_linear` and `gguf_dequantize` take (`int(gguf.GGMLQuantizationType.X)`),
 # each with (weights per block, bytes per block) as in `gguf.GGML_QUANT_SIZES`: Q4_0, Q4_1, Q5_0,
 # Q5_1, Q8_0 in blocks of 32, the K-quants Q4_K, Q5_K, Q6_K in blocks of 256. Others are refused.
@@ -159,17 +153,6 @@ def skinny_gemm(
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
     torch.ops.minivllm_cpu.skinny_gemm(out, x, weight)
     return out
-
-
-def runs_packed(rows: int, weight: torch.Tensor, packed: torch.Tensor | None) -> bool:
-    """Whether a linear of `rows` rows runs oneDNN on its packed weight: it has one, and the
-    skinny GEMM is not the faster choice (a few float32 rows). The decode loop asks the same
-    (decode_loop.py) as each linear's CPU forward does (minivllm/cpu/op_forwards.py), so
-    both paths call the same kernel."""
-    if packed is None:
-        return False
-    few_float32_rows = rows < SKINNY_BEFORE_ONEDNN_ROWS and weight.dtype == torch.float32
-    return not (few_float32_rows and skinny_gemm_fast())
 
 
 @functools.cache

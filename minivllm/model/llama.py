@@ -230,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tied = True
         # What this rank's KV cache holds per token and layer (see ModelRunner's cache).
         self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp.world_size)
 

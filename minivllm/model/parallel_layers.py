@@ -95,10 +95,11 @@ def check_tensor_parallel_size(config: LlamaConfig, world_size: int) -> None:
     )
 
 
-def linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x Wᵀ (+ b) for a layer's weight: by its quantization method if it has one."""
-    method = layer.quant_method
-    return F.linear(x, layer.weight, bias) if method is None else method.apply(layer, x, bias)
+    if layer.quant_method is not None:
+        return layer.quant_method.apply(layer, x, bias)
+    return F.linear(x, layer.weight.to_dense(), bias)  # to_dense(): plain, as the checkpoint
 
 
 def _rows(rank: int, size: int) -> slice:
@@ -110,6 +111,7 @@ class LinearBase(CustomOp):
     """What every linear layer has: a quantization method, None for plain float weights."""
 
     quant_method: Any = None  # a LinearMethodBase where the checkpoint stores blocks
+    weight: nn.Parameter  # [out, in]; a platform may hold it in its kernels' layout
 
 
 class ColumnParallelLinear(LinearBase):
@@ -235,6 +237,7 @@ class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     A custom op: calling it computes this rank's logits, which a platform may do faster."""
 
     forward = CustomOp.forward  # the op's dispatch, not the embedding lookup it inherits
+    tied = False  # its weight is the embedding's (tie_word_embeddings), whose lookup reads rows
 
     def forward_native(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, R]
         """This rank's vocabulary rows' logits, in the weight's dtype."""

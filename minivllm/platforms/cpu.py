@@ -4,8 +4,9 @@ names for the same reason: the plug-in sits above the model, the platform below 
 
 The compiled CPU attention backend is the default ("cpu"), float32 the default dtype, and the KV
 cache takes `cpu_kv_cache_space` GiB (vLLM's VLLM_CPU_KVCACHE_SPACE). With `custom_ops="all"`
-every custom op runs its CPU forward (`minivllm/cpu/op_forwards.py`: fused norms, SiLU·mul and RoPE, the skinny
-GEMM and MKL's faster layout for the linears, a prepacked LM head), and a decode step's layers
+every custom op runs its CPU forward (`minivllm/cpu/op_forwards.py`: fused norms, SiLU·mul and RoPE,
+the linears and an untied LM head on their weights prepacked for oneDNN, else the skinny GEMM and
+MKL's faster layout), and a decode step's layers
 may run as one C++ loop (`decode_loop_cls`, minivllm/cpu/decode_loop.py).
 
 "auto" is "all" with the CPU attention backend only: the fused ops are built into the same
