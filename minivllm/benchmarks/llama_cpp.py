@@ -324,18 +324,15 @@ def run_workload(
     if tokens != expected:
         raise RuntimeError(f"llama.cpp generated {tokens} tokens, the workload asks for {expected}")
     timings = [r["timings"] for r in results]
-    prompt_ms = sum(t["prompt_ms"] for t in timings)
     return {
         "system": f"llama.cpp (-np {peer.parallel}, -t {peer.setup.threads})",
         "seconds": seconds,
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / seconds,
-        # llama-server's own clocks: decode time per generated token (each request's, averaged;
-        # at -np 1 the single stream's per-token latency) and prompt tokens per second.
+        # llama-server's own clock: each request's decode time per generated token, averaged
+        # (at -np 1 the single stream's per-token latency; with more slots, a step's time). Its
+        # prompt times overlap when prompts share a batch, so no prompt rate is made of them.
         "decode_ms_per_token": statistics.fmean(t["predicted_per_token_ms"] for t in timings),
-        "prompt_tokens_per_s": sum(t["prompt_n"] for t in timings) / prompt_ms * 1e3
-        if prompt_ms
-        else 0.0,
         "peak_rss_bytes": peer.peak_rss_bytes(),
         "llama_cpp_build": peer.build_info(),
         "command": " ".join(peer.command()),
