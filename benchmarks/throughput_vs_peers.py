@@ -9,6 +9,8 @@ request run to its exact output length) through
   hf-cb       transformers' own continuous batching with its paged cache (its manager API), each
               request with its own `max_new_tokens`
   vllm        with `--vllm-python`: vLLM's CPU build in its own interpreter (peers/vllm_peer.py)
+  llama.cpp   with `--llama-server`: llama.cpp's server on the same GGUF file
+              (minivllm/benchmarks/llama_cpp.py, the peer `minivllm bench throughput` runs too)
 
 each in a fresh process of its own, one after the other (minivllm/benchmarks/isolated.py), with
 its peak resident set. Beside it, the run's **matmul floor** (matmul_floor.py): the workload's
@@ -38,6 +40,7 @@ from benchmarks.peers.vllm_peer import HOW_TO_GET_IT, run_vllm_peer, same_output
 from minivllm.benchmarks import throughput
 from minivllm.benchmarks.engine_under_test import ModelCost, drive_engine
 from minivllm.benchmarks.isolated import run_isolated
+from minivllm.benchmarks.llama_cpp import LlamaCppSetup, setup_from_flags
 from minivllm.benchmarks.machine import measure_copy_bandwidth, synchronize
 from minivllm.benchmarks.report import machine_load, write_json
 from minivllm.benchmarks.workload import BenchRequest, fixed_params
@@ -151,14 +154,21 @@ def measure(llm: LLM, requests: Sequence[BenchRequest], args: argparse.Namespace
 
 
 # ---------------------------------------------------------------------------------- report
-def peer_rows(args: argparse.Namespace, mini: dict[str, Any], peers: list[str]) -> list[dict]:
-    """Each peer's row, each run in a fresh process (vLLM in its own interpreter)."""
+def peer_rows(
+    args: argparse.Namespace,
+    mini: dict[str, Any],
+    peers: list[str],
+    llama: LlamaCppSetup | None = None,
+) -> list[dict]:
+    """Each peer's row, each run in a fresh process (vLLM in its own interpreter, llama.cpp in
+    its own server)."""
     requests, dtype, device = mini["requests"], mini["dtype"], mini["device"]
     batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
     runs = [("hf-static", b) for b in batch_sizes if "hf-static" in peers]
     runs += [("hf-cb", 0)] if "hf-cb" in peers else []
     rows = [run_isolated(peer_process, args, requests, p, b, dtype, device) for p, b in runs]
-    mini_tokens = mini["row"].pop("token_ids")
+    mini_tokens = mini["row"]["token_ids"]
+    rows += throughput.llama_cpp_rows(llama, args, mini)  # takes minivllm's tokens off its row
     if args.vllm_python:
         vllm_row = run_vllm_peer(
             args.vllm_python, args, requests, str(dtype).removeprefix("torch.")
@@ -203,12 +213,13 @@ def main(args: argparse.Namespace) -> int:
     unknown = set(peers) - set(PEERS)
     if unknown:
         raise SystemExit(f"--peers must be from {PEERS} (or 'none'), got {sorted(unknown)}")
+    llama = setup_from_flags(args.llama_server, args.model, args.llama_cpp_threads)
     if args.threads:
         torch.set_num_threads(args.threads)  # as every system's process does: machine_load says so
 
     mini = run_isolated(throughput.minivllm_process, args, measure)
     workload = throughput.print_workload(args, mini)
-    rows = [mini["row"], *peer_rows(args, mini, peers)]
+    rows = [mini["row"], *peer_rows(args, mini, peers, llama)]
     floor, roofline, profile = (mini["extra"][k] for k in ("floor", "roofline", "profile"))
     if floor is not None:
         floor["minivllm_over_floor"] = rows[0]["seconds"] / floor["seconds"]
@@ -218,6 +229,7 @@ def main(args: argparse.Namespace) -> int:
         if floor is not None:  # the ceiling: minivllm's run taking its matmul floor alone
             row["speedup_at_floor"] = row["seconds"] / floor["seconds"]
     throughput.print_systems(rows)
+    throughput.print_ratios(rows)
     print_floor(floor)
     flops = throughput.flops_report(mini, rows[0]["seconds"], workload["output_tokens"])
     print_roofline(roofline)

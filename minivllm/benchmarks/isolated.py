@@ -33,11 +33,12 @@ def run_isolated(fn: Callable[..., T], *args: Any) -> T:
         return pool.submit(fn, *args).result()
 
 
-def _status_kib(field: str) -> int | None:
-    status = Path("/proc/self/status")
-    if not status.exists():
+def _status_kib(field: str, pid: int | str = "self") -> int | None:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # no /proc (macOS), or the process has ended
         return None
-    for line in status.read_text().splitlines():
+    for line in text.splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])  # "VmHWM:   123456 kB"
     return None
@@ -50,6 +51,13 @@ def peak_rss_bytes() -> int:
         return kib * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
+
+
+def peak_rss_bytes_of(pid: int) -> int | None:
+    """Another process's peak resident set (a peer server's, read before it stops), in bytes;
+    None where /proc is not there to read it from."""
+    kib = _status_kib("VmHWM", pid)
+    return None if kib is None else kib * 1024
 
 
 def current_rss_bytes() -> int:

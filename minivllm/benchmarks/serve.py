@@ -12,6 +12,11 @@ at once), optionally capped at `--max-concurrency` in flight. Per request we rec
 and report their mean, median and percentiles, with request and output-token throughput.
 Works against vLLM itself too (the same API), which is the point of using its names.
 
+With `--llama-server PATH`, the same prompts then go to llama.cpp's server, started by the bench on
+a GGUF file (`--llama-cpp-model`, unset: the bundled SmolLM2's; serve the same file from the server
+under test) with one slot per request in flight (llama_cpp.py), after a warm-up of each server; the
+two summaries and the ratio of their output throughputs are printed, and kept in the JSON.
+
 Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
@@ -28,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from minivllm.benchmarks import llama_cpp
 from minivllm.benchmarks.workload import Fixed, draw_requests, poisson_arrivals, token_pool
 
 
@@ -67,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--percentiles", default="50,90,99", help="comma-separated")
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    llama_cpp.add_peer_arguments(parser, model_flag=True)
 
 
 def random_prompts(n: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -78,10 +85,15 @@ def random_prompts(n: int, input_len: int, vocab_size: int, seed: int) -> list[l
 
 
 async def send_one(
-    client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    extra_body: dict[str, Any] | None = None,
 ) -> RequestResult:
     res = RequestResult(prompt_len=len(prompt))
-    body = {
+    body: dict[str, Any] = {
+        **(extra_body or {}),
         "model": model,
         "prompt": prompt,
         "max_tokens": output_len,
@@ -119,7 +131,9 @@ async def send_one(
     return res
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(args: argparse.Namespace, extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The load test of the server at `args.base_url`; `extra_body` goes into every request (a
+    server's own fields, such as llama-server's `cache_prompt`)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(
@@ -135,7 +149,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         async def limited(prompt: list[int]) -> RequestResult:
             async with gate:
-                return await send_one(client, model, prompt, args.random_output_len)
+                return await send_one(client, model, prompt, args.random_output_len, extra_body)
 
         tasks = []
         start = time.perf_counter()
@@ -145,7 +159,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(gap)
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(results, duration, [float(p) for p in args.percentiles.split(",")], model)
+    summary = summarize(results, duration, [float(p) for p in args.percentiles.split(",")], model)
+    summary["owned_by"] = models[0].get("owned_by", "")  # "minivllm", "vllm", "llamacpp"
+    return summary
 
 
 def _stats(values: list[float], percentiles: list[float], name: str) -> dict[str, float]:
@@ -193,10 +209,58 @@ def print_summary(s: dict[str, Any]) -> None:
     print("=" * 60)
 
 
+def run_llama_cpp(setup: llama_cpp.LlamaCppSetup, args: argparse.Namespace) -> dict[str, Any]:
+    """The same load test against llama-server, started for it alone: a slot per request that
+    may be in flight, each slot's context the prompt and the output; its peak RSS beside it."""
+    parallel = args.max_concurrency or args.num_prompts
+    ctx = llama_cpp.ctx_per_slot(args.random_input_len + args.random_output_len)
+    with llama_cpp.LlamaServerPeer(setup, parallel=parallel, ctx_per_slot=ctx) as peer:
+        peer_args = argparse.Namespace(**{**vars(args), "base_url": peer.url})
+        peer_args.model = peer_args.api_key = None
+        no_reuse = {"cache_prompt": False}  # as minivllm's random prompts: no prefix to reuse
+        asyncio.run(run(warm_up_args(peer_args), no_reuse))
+        summary = asyncio.run(run(peer_args, no_reuse))
+        summary |= {"peak_rss_bytes": peer.peak_rss_bytes(), "command": " ".join(peer.command())}
+    return summary
+
+
+def warm_up_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Two short requests, all at once: a server's first requests are not timed."""
+    overrides = {"num_prompts": 2, "random_output_len": 4, "request_rate": float("inf")}
+    return argparse.Namespace(**{**vars(args), **overrides})
+
+
+def print_comparison(summary: dict[str, Any], peer: dict[str, Any]) -> None:
+    name = summary["owned_by"] or "server"
+    print(
+        f"{name} / llama.cpp: {summary['output_throughput_vs_llama_cpp']:.2f}x the output tok/s "
+        f"({summary['output_throughput']:.1f} / {peer['output_throughput']:.1f}), median TPOT "
+        f"{summary['median_tpot_ms']:.1f} / {peer['median_tpot_ms']:.1f} ms, median TTFT "
+        f"{summary['median_ttft_ms']:.0f} / {peer['median_ttft_ms']:.0f} ms"
+    )
+
+
 def main(args: argparse.Namespace) -> int:
+    llama = llama_cpp.setup_from_flags(
+        args.llama_server, args.llama_cpp_model, args.llama_cpp_threads
+    )
+    if llama is not None:
+        asyncio.run(run(warm_up_args(args)))
     summary = asyncio.run(run(args))
+    failed = summary["failed"]
+    peer = None
+    if llama is not None:  # after the server under test's run: the two never share the cores
+        peer = run_llama_cpp(llama, args)
+        summary["peers"] = {"llama.cpp": peer}
+        summary["output_throughput_vs_llama_cpp"] = (
+            summary["output_throughput"] / peer["output_throughput"]
+        )
+        failed += peer["failed"]
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print_summary(summary)
-    return 0 if summary["failed"] == 0 else 1
+        print_summary({k: v for k, v in summary.items() if k != "peers"})
+        if peer is not None:
+            print_summary(peer)
+            print_comparison(summary, peer)
+    return 0 if failed == 0 else 1

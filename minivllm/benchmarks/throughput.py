@@ -7,10 +7,13 @@ distance to the physical limit: on a few CPU cores the work is compute-bound, so
 model FLOP/s (2 x parameters per computed token) is set against the best dense matmul FLOP/s the
 machine reaches in the model's dtype.
 
-The comparison with peers on the same workload, in the same run (transformers' static and
-continuous batching, vLLM's CPU build), the matmul floor, the decode roofline and the op profile
-are investigations, not a user's command: `python -m benchmarks.throughput_vs_peers` in a checkout
-(benchmarks/README.md), which builds on the functions here.
+With `--llama-server PATH`, llama.cpp's server runs the same workload on the same GGUF file after
+minivllm's run (llama_cpp.py), with `-np` slots for minivllm's `--max-num-seqs` (1: the single
+stream), and the table shows both speeds and their ratio. The comparison with the other peers
+(transformers' static and continuous batching, vLLM's CPU build), the matmul floor, the decode
+roofline and the op profile are investigations, not a user's command: `python -m
+benchmarks.throughput_vs_peers` in a checkout (benchmarks/README.md), which builds on the
+functions here.
 
 Tier: frontends (a command). It imports the offline API and the engine's arguments.
 """
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 
+from minivllm.benchmarks import llama_cpp
 from minivllm.benchmarks.engine_under_test import (
     GPU_EPILOG,
     ModelCost,
@@ -53,6 +57,10 @@ EPILOG = (
     "  minivllm bench throughput --json throughput.json\n"
     "A quick look (16 prompts, 16-128 tokens):\n"
     "  minivllm bench throughput --quick\n"
+    "Against llama.cpp's llama-server on the same GGUF file: one stream, then 32 at once:\n"
+    "  minivllm bench throughput --num-prompts 4 --input-len 128 --output-len 128 \\\n"
+    "      --max-num-seqs 1 --llama-server PATH\n"
+    "  minivllm bench throughput --num-prompts 32 --llama-server PATH\n"
     "Against transformers and vLLM's CPU build, in the same run (from a checkout):\n"
     "  python -m benchmarks.throughput_vs_peers --help\n\n"
     + GPU_EPILOG.format(name="throughput", extra=" \\\n      --num-prompts 1000")
@@ -72,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--matmul-size", type=int, default=2048, help="square matmul size for the FLOP/s peak"
     )
+    llama_cpp.add_peer_arguments(parser)
     parser.epilog = EPILOG  # shown by `minivllm bench NAME --help`
 
 
@@ -207,16 +216,45 @@ def print_ranks(mini: dict[str, Any]) -> None:
     print_rank_rows(ranks)
 
 
+def llama_cpp_rows(
+    setup: llama_cpp.LlamaCppSetup | None, args: argparse.Namespace, mini: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """llama.cpp's row (none without `--llama-server`), run after minivllm's process has ended,
+    with as many slots as minivllm runs sequences at once; minivllm's tokens leave its row here."""
+    mini_tokens = mini["row"].pop("token_ids")
+    if setup is None:
+        return []
+    requests = mini["requests"]
+    parallel = min(len(requests), args.max_num_seqs)
+    return [llama_cpp.peer_row(setup, requests, parallel, mini_tokens)]
+
+
+def print_ratios(rows: list[dict[str, Any]]) -> None:
+    """minivllm's output tok/s against each peer's, in words (the table's "x faster" column)."""
+    mine = rows[0]["output_tokens_per_s"]
+    for row in rows[1:]:
+        line = (
+            f"minivllm / {row['system']}: {row['minivllm_speedup']:.2f}x the output tok/s "
+            f"({mine:.1f} / {row['output_tokens_per_s']:.1f})"
+        )
+        if "decode_ms_per_token" in row:
+            line += f"; by llama-server's own clock {row['decode_ms_per_token']:.2f} ms per token"
+        print(line)
+
+
 def main(args: argparse.Namespace) -> int:
     apply_quick(args)
+    llama = llama_cpp.setup_from_flags(args.llama_server, args.model, args.llama_cpp_threads)
     if args.threads:
         torch.set_num_threads(args.threads)  # as the bench's process does: machine_load says so
     mini = run_isolated(minivllm_process, args)
     workload = print_workload(args, mini)
     row = mini["row"]
-    row.pop("token_ids")
-    row["minivllm_speedup"] = 1.0
-    print_systems([row])
+    rows = [row, *llama_cpp_rows(llama, args, mini)]
+    for r in rows:
+        r["minivllm_speedup"] = row["output_tokens_per_s"] / r["output_tokens_per_s"]
+    print_systems(rows)
+    print_ratios(rows)
     flops = flops_report(mini, row["seconds"], workload["output_tokens"])
     print_ranks(mini)
     print(f"({machine_load()})")
@@ -227,7 +265,7 @@ def main(args: argparse.Namespace) -> int:
             "args": vars(args),
             "machine": machine_load(),
             "workload": workload,
-            "systems": [row],
+            "systems": rows,
             "flops": flops,
             "ranks": mini["ranks"],
         },

@@ -50,6 +50,8 @@ def setup_logging() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
+    # httpx logs every request at INFO: a line per request would bury a load test's report.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def name_flags(parser: argparse.ArgumentParser, message: str) -> str | None:
