@@ -132,7 +132,11 @@ def gguf_linear_cpu(
 ) -> torch.Tensor:  # [M, out]
     """x · Wᵀ (+ b) for a layer holding GGUF blocks: each part through the quantized GEMM,
     which dequantizes inside the product (`GGUFLinearMethod.apply` is its specification)."""
-    return op.quant_method.apply(op, x, bias)
+    from minivllm.model.quantization.gguf import gguf_parts
+
+    outs = [cpu_ops.gguf_linear(x.float(), q, qtype) for qtype, q in gguf_parts(op)]
+    y = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(x.dtype)
+    return y if bias is None else y + bias
 
 
 @register_forward(ColumnParallelLinear, "cpu", process_weights_after_loading=prepack_linear)
