@@ -10,8 +10,11 @@ the reference backend.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
-from engine_utils import checked_llm, hf_greedy
+from engine_utils import checked_llm as _checked_llm
+from engine_utils import hf_greedy
 
 from minivllm.sampling_params import SamplingParams
 
@@ -39,6 +42,13 @@ QUESTIONS = [
     "Explain gravity to a child.",
     "What is a prime number?",
 ]
+
+
+def checked_llm(**kwargs: Any) -> Any:
+    """The bundled model dequantized at load (quantization="none"): float32 weights, the path
+    that is token-exact with transformers by construction (its native Q4_1 blocks are held to it
+    as vLLM judges closeness, in tests/test_gguf_native.py)."""
+    return _checked_llm(quantization="none", **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -163,7 +163,7 @@ def test_forks_seeds_and_copy_on_write_give_one_rank_s_samples(tmp_path: Path) -
 @pytest.mark.slow
 def test_smollm2_at_three_ranks_gives_transformers_greedy_tokens(smollm2_hf_model) -> None:
     """The real model: 9 query heads and 3 KV heads, so each of 3 ranks holds 3 and 1."""
-    with tp_llm(None, 3, num_gpu_blocks_override=64, max_model_len=512) as llm:
+    with tp_llm(None, 3, num_gpu_blocks_override=64, max_model_len=512, quantization="none") as llm:
         tok = llm.get_tokenizer()
         texts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
         prompts = [tok.encode(t) for t in texts]
