@@ -71,7 +71,9 @@ def write_gguf(
             writer.add_float32(key, value)
         elif isinstance(value, str):
             writer.add_string(key, value)
-        elif (isinstance(value, list) and value and isinstance(value[0], str)) or isinstance(value, list):
+        elif (isinstance(value, list) and value and isinstance(value[0], str)) or isinstance(
+            value, list
+        ):
             writer.add_array(key, value)
         else:
             raise TypeError(f"{key}: {type(value)}")

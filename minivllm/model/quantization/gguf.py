@@ -20,6 +20,7 @@ Tier: model. It imports leaves and core.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,7 @@ def merge_parts(qtypes: list[int], rows: list[int]) -> list[GGUFPart]:
     return parts
 
 
-def gguf_parts(layer: nn.Module) -> list[tuple[int, torch.Tensor]]:
+def gguf_parts(layer: Any) -> list[tuple[int, torch.Tensor]]:
     """(qtype, uint8 [rows, row_bytes]) of each of the layer's buffers, in row order."""
     return [(qtype, getattr(layer, f"qweight_{i}")) for i, qtype in enumerate(layer.qtypes)]
 
@@ -60,7 +61,7 @@ def gguf_parts(layer: nn.Module) -> list[tuple[int, torch.Tensor]]:
 class GGUFLinearMethod(LinearMethodBase):
     """A linear layer (or LM head) whose weight is GGUF blocks."""
 
-    def create_weights(self, layer: nn.Module, parts: list[GGUFPart], in_features: int) -> None:
+    def create_weights(self, layer: Any, parts: list[GGUFPart], in_features: int) -> None:
         """Replace the layer's float `weight` by empty block buffers, filled by `load_part`."""
         if "weight" in layer._parameters:
             del layer._parameters["weight"]

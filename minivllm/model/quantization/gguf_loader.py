@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -121,7 +122,7 @@ def _tie_quantized_head(model: LlamaForCausalLM) -> None:
     head, embed = model.lm_head, model.model.embed_tokens
     del head._parameters["weight"]
     head.qtypes = embed.qtypes
-    head.register_buffer("qweight_0", embed.qweight_0)
+    head.register_buffer("qweight_0", cast(torch.Tensor, embed.qweight_0))
     head.quant_method = GGUFLinearMethod()
 
 
