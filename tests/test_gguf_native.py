@@ -108,3 +108,26 @@ def test_the_triton_forwards_give_the_reference_s_logits(tiny_gguf: Path) -> Non
     assert len(linears) == 2 * 4 + 1 and all(op.dispatch_forward("cuda") for op in linears)
     got = paged_logits(model, PROMPT[:6])
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def test_the_cpu_kernels_are_close_to_the_dequantized_model_as_vllm_judges(tiny_gguf: Path) -> None:
+    """The default CPU path (gguf_linear on the blocks) against quantization="none": greedy,
+    each token within the other's top-5 logprobs until the first divergence (vLLM's
+    check_logprobs_close)."""
+    from minivllm.llm import LLM
+    from minivllm.sampling_params import SamplingParams
+
+    prompts = [{"prompt_token_ids": PROMPT[:n]} for n in (3, 8, 14)]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=5, ignore_eos=True)
+    outs = {}
+    for quantization in ("gguf", "none"):
+        llm = LLM(
+            str(tiny_gguf), quantization=quantization, skip_tokenizer_init=True,
+            num_gpu_blocks_override=32,
+        )  # fmt: skip
+        outs[quantization] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for a, b in zip(outs["gguf"], outs["none"]):
+        for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+            if x != y:
+                assert y in a.logprobs[i] and x in b.logprobs[i], (i, a.token_ids, b.token_ids)
+                break
