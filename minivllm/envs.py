@@ -1,8 +1,12 @@
 """The environment variables minivllm reads (vLLM keeps its own in `vllm/envs.py`).
 
-One today: `MINIVLLM_CACHE`, the one folder where minivllm keeps what it makes once and reuses
-(GGUF models converted to safetensors, the compiled CPU attention kernel). Like
-`VLLM_CACHE_ROOT`, it defaults to a `minivllm` folder under `$XDG_CACHE_HOME`, else `~/.cache`.
+`MINIVLLM_CACHE`: the one folder where minivllm keeps what it makes once and reuses (GGUF models
+converted to safetensors, the compiled CPU kernels). Like `VLLM_CACHE_ROOT`, it defaults to a
+`minivllm` folder under `$XDG_CACHE_HOME`, else `~/.cache`.
+
+`MINIVLLM_CPU_GGUF_DOT`: how the CPU multiplies a GGUF model's quantized weights: `auto` (the
+default: bf16 dot products where the CPU has AVX512-BF16, else float32), `bf16` or `float32`
+(products exact in float32, half as many a cycle). docs/concepts/quantization.md says what each costs.
 
 This module imports nothing of minivllm, so any module may import it without creating a cycle
 (tests/test_imports.py holds the package's import graph acyclic).
@@ -23,3 +27,16 @@ def cache_root() -> Path:
         return Path(os.environ["MINIVLLM_CACHE"]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg).expanduser() / "minivllm"
+
+
+CPU_GGUF_DOTS = ("auto", "bf16", "float32")
+
+
+def cpu_gguf_dot() -> str:
+    """`$MINIVLLM_CPU_GGUF_DOT`, one of CPU_GGUF_DOTS (default auto); any other value is refused."""
+    value = os.environ.get("MINIVLLM_CPU_GGUF_DOT", "auto").strip().lower() or "auto"
+    if value not in CPU_GGUF_DOTS:
+        raise ValueError(
+            f"MINIVLLM_CPU_GGUF_DOT must be one of {', '.join(CPU_GGUF_DOTS)}, got {value!r}"
+        )
+    return value

@@ -64,9 +64,11 @@ SOURCES = tuple(
         "cpu_activation_rope.cpp",
         "cpu_skinny_gemm.cpp",
         "cpu_gguf_gemm.cpp",
+        "cpu_gguf_gemm_bf16.cpp",
         "cpu_decode_layers.cpp",
     )
 )
+HEADERS = (Path(__file__).with_name("cpu_gguf_blocks.h"),)  # included by the GGUF sources
 # Compiler flags per SIMD level PyTorch detected on this CPU: the kernels' loops are vectorized by
 # the compiler, so it must be told which instructions it may use (and no more than the CPU has).
 SIMD_FLAGS = {
@@ -93,7 +95,7 @@ def kernel_build_dir() -> Path:
     """
     simd = torch.backends.cpu.get_cpu_capability()
     digest = hashlib.sha256()
-    for source in SOURCES:  # each file's name too: moving code between the files is a change
+    for source in (*SOURCES, *HEADERS):  # each file's name too: moving code between files is a change
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     digest.update(repr((cflags(simd), LDFLAGS)).encode())
     name = f"cpu_kernels-{simd}-torch{torch.__version__}-{digest.hexdigest()[:10]}"

@@ -35,10 +35,13 @@ Tier: platform plug-ins. It imports the model and below; lower tiers name it, ne
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from minivllm.cpu import ops as cpu_ops
+from minivllm.envs import cpu_gguf_dot
 from minivllm.model.custom_op import register_forward
 from minivllm.model.llama import RMSNorm, SiluAndMul
 from minivllm.model.parallel_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
@@ -125,6 +128,19 @@ def op_linear(
     return cpu_linear(x, op.weight, bias)
 
 
+@functools.cache
+def gguf_dot() -> str:
+    """The quantized GEMM's products, "bf16" or "float32": MINIVLLM_CPU_GGUF_DOT, where auto
+    means bf16 on a CPU with AVX512-BF16 (twice the products a cycle; within 2^-8 of float32's
+    each, as llama.cpp's 8-bit activations are within theirs). Read once per process."""
+    choice = cpu_gguf_dot()
+    if choice == "bf16" and not cpu_ops.gguf_has_bf16_dot():
+        raise ValueError("MINIVLLM_CPU_GGUF_DOT=bf16, but this CPU has no AVX512-BF16")
+    if choice == "auto":
+        return "bf16" if cpu_ops.gguf_has_bf16_dot() else "float32"
+    return choice
+
+
 def gguf_linear_cpu(
     op: ColumnParallelLinear | RowParallelLinear | ParallelLMHead,
     x: torch.Tensor,  # [M, in]  either layout
@@ -134,7 +150,8 @@ def gguf_linear_cpu(
     which dequantizes inside the product (`GGUFLinearMethod.apply` is its specification)."""
     from minivllm.model.quantization.gguf import gguf_parts
 
-    outs = [cpu_ops.gguf_linear(x.float(), q, qtype) for qtype, q in gguf_parts(op)]
+    dot = gguf_dot()
+    outs = [cpu_ops.gguf_linear(x.float(), q, qtype, dot) for qtype, q in gguf_parts(op)]
     y = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(x.dtype)
     return y if bias is None else y + bias
 

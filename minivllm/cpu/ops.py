@@ -43,6 +43,7 @@ __all__ = [
     "SKINNY_GEMM_MAX_ROWS",
     "fused_add_rms_norm",
     "gguf_dequantize",
+    "gguf_has_bf16_dot",
     "gguf_linear",
     "is_feature_major",
     "paged_decode",
@@ -199,15 +200,29 @@ def gguf_linear(
     x: torch.Tensor,  # [M, K]  float32, either layout
     qweight: torch.Tensor,  # uint8 [N, row_bytes]  GGUF's blocks of N rows of K weights, contiguous
     qtype: int,  # the GGML type number, one of GGUF_KERNEL_TYPES
+    dot: str = "float32",  # "float32" products, or "bf16" ones (gguf_has_bf16_dot() CPUs only)
 ) -> torch.Tensor:  # [M, N]  float32, new, token-major
     """x · dequantize(qweight)ᵀ without a float32 copy of the weight: each block is unpacked where
-    it is used, and at decode's few rows the weight's bytes stream from memory once."""
+    it is used, and at decode's few rows the weight's bytes stream from memory once. With
+    dot="bf16" the unpacked weights and x are rounded to bf16 and multiplied 32 pairs an
+    instruction (cpu_gguf_gemm_bf16.cpp): twice the products a cycle, within 2^-8 · (|x| · |W|ᵀ)."""
     load_cpu_kernels()
     if x.stride(-1) != 1:  # a linear's feature-major output: the kernel reads token rows
         x = x.contiguous()
     out = torch.empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
-    torch.ops.minivllm_cpu.gguf_linear(out, x, qweight, qtype)
+    if dot == "bf16":
+        torch.ops.minivllm_cpu.gguf_linear_bf16(out, x, qweight, qtype)
+    elif dot == "float32":
+        torch.ops.minivllm_cpu.gguf_linear(out, x, qweight, qtype)
+    else:
+        raise ValueError(f"gguf_linear: dot must be 'float32' or 'bf16', got {dot!r}")
     return out
+
+
+def gguf_has_bf16_dot() -> bool:
+    """Whether this CPU (and this build of the library) has AVX512-BF16 for gguf_linear's bf16 dot."""
+    load_cpu_kernels()
+    return bool(torch.ops.minivllm_cpu.gguf_has_bf16_dot())
 
 
 def gguf_dequantize(
