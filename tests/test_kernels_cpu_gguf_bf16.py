@@ -47,7 +47,9 @@ def assert_bf16_linear(out: torch.Tensor, x: torch.Tensor, w: np.ndarray) -> Non
     magnitude = x.double().abs() @ wt.abs().T
     rounded = bf16(x) @ bf16(wt).T
     excess = ((out.double() - rounded).abs() - 4 * EPS32 * x.shape[1] ** 0.5 * magnitude).max()
-    assert excess.item() <= 0, f"an output is {excess.item():.3g} past bf16 products summed in float32"
+    assert excess.item() <= 0, (
+        f"an output is {excess.item():.3g} past bf16 products summed in float32"
+    )
     promised = ((out.double() - x.double() @ wt.T).abs() - 2.0**-8 * magnitude).max()
     assert promised.item() <= 0, f"an output is {promised.item():.3g} past the 2^-8 tolerance"
 
@@ -89,5 +91,7 @@ def test_the_environment_variable_is_checked(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("MINIVLLM_CPU_GGUF_DOT", "BF16")
     assert envs.cpu_gguf_dot() == "bf16"
     monkeypatch.setenv("MINIVLLM_CPU_GGUF_DOT", "fp8")
-    with pytest.raises(ValueError, match="MINIVLLM_CPU_GGUF_DOT must be one of auto, bf16, float32"):
+    with pytest.raises(
+        ValueError, match="MINIVLLM_CPU_GGUF_DOT must be one of auto, bf16, float32"
+    ):
         envs.cpu_gguf_dot()

@@ -95,7 +95,8 @@ def kernel_build_dir() -> Path:
     """
     simd = torch.backends.cpu.get_cpu_capability()
     digest = hashlib.sha256()
-    for source in (*SOURCES, *HEADERS):  # each file's name too: moving code between files is a change
+    # each file's name too: moving code between files is a change
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     digest.update(repr((cflags(simd), LDFLAGS)).encode())
     name = f"cpu_kernels-{simd}-torch{torch.__version__}-{digest.hexdigest()[:10]}"
