@@ -131,3 +131,36 @@ def test_the_cpu_kernels_are_close_to_the_dequantized_model_as_vllm_judges(tiny_
             if x != y:
                 assert y in a.logprobs[i] and x in b.logprobs[i], (i, a.token_ids, b.token_ids)
                 break
+
+
+def test_decode_steps_run_the_blocks_in_the_cpp_loop_as_in_the_python_one(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C++ decode loop (minivllm/cpu/decode_loop.py) takes a GGUF model's block parts, mixed
+    types included, and gives the Python loop's logprobs bit for bit."""
+    from minivllm.cpu.decode_loop import CpuDecodeLoop
+    from minivllm.llm import LLM
+    from minivllm.sampling_params import SamplingParams
+
+    calls = []
+    inner = CpuDecodeLoop.__call__
+
+    def counted(self: CpuDecodeLoop, *args: object) -> torch.Tensor:
+        calls.append(1)
+        return inner(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CpuDecodeLoop, "__call__", counted)
+    llm = LLM(str(tiny_gguf), skip_tokenizer_init=True, num_gpu_blocks_override=32)
+    loop = llm.llm_engine.runner.decode_loop
+    assert isinstance(loop, CpuDecodeLoop) and max(loop.parts) > 1  # a layer of several types
+    prompts = [{"prompt_token_ids": PROMPT[:n]} for n in (3, 8, 14)]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
+    fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert len(calls) == 7  # one prefill step, then 7 decode steps
+    llm.llm_engine.runner.decode_loop = None
+    python = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in fused] == [o.token_ids for o in python]
+    for a, b in zip(fused, python):
+        assert [{t: p.logprob for t, p in d.items()} for d in a.logprobs] == [
+            {t: p.logprob for t, p in d.items()} for d in b.logprobs
+        ]

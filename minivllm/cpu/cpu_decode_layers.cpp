@@ -11,15 +11,15 @@
 // (tests/test_kernels_cpu_decode_loop.py checks exactly that).
 //
 // Per layer, with T token rows, the same sequence as minivllm/model/llama.py (linear: oneDNN on a
-// prepacked weight, the skinny GEMM on a plain one):
+// prepacked weight, the skinny GEMM on a plain one, gguf_linear on a GGUF model's blocks):
 //   input norm (the first layer: rms_norm; later: fused_add_rms_norm, adding the residual)
 //   qkv = linear(hidden, W_qkv); rotary_embedding on its query and key heads, in place
 //   reshape_and_cache(k, v); attention = paged_decode(q) over each request's blocks
 //   hidden = linear(attention, W_o); post-attention fused_add_rms_norm
 //   hidden = linear(silu_and_mul(linear(hidden, W_gate_up)), W_down)
 // then the final fused_add_rms_norm. minivllm/cpu/decode_loop.py decides when it applies
-// (decode-only steps, one device, no biases, prepacked weights or plain float32 ones on at most
-// 64 rows) and hands it the weights. Where oneDNN packs them, a model's linear weights come in
+// (decode-only steps, one device, no biases, prepacked weights, GGUF blocks, or plain float32
+// ones on at most 64 rows) and hands it the weights. Where oneDNN packs them, a model's linear weights come in
 // oneDNN's layout (an MKLDNN tensor, minivllm/cpu/op_forwards.py `prepack_linear`): those
 // linears call oneDNN, as the Python path does. A bfloat16 model's attention output is computed
 // in float32 and rounded to bf16, as the backend does.
@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -61,6 +62,10 @@ struct Kernels {
       find_op<void(CT, CT, CT, CT, CT)>("minivllm_cpu::reshape_and_cache");
   c10::TypedOperatorHandle<void(CT, CT, CT, CT, CT, CT, CT, double)> paged_decode =
       find_op<void(CT, CT, CT, CT, CT, CT, CT, double)>("minivllm_cpu::paged_decode");
+  c10::TypedOperatorHandle<void(Tensor&, CT, CT, int64_t)> gguf_linear =
+      find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear");
+  c10::TypedOperatorHandle<void(Tensor&, CT, CT, int64_t)> gguf_linear_bf16 =
+      find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear_bf16");
 
   static const Kernels& get() {
     static const Kernels kernels;  // after every op is registered: on the first call
@@ -90,6 +95,23 @@ struct Kernels {
     skinny_gemm.call(out, x, weight);
     return out;
   }
+
+  // A linear of `n` weights from `w`: one plain (qtype < 0) weight, or the GGUF block parts of a
+  // quantized layer (qtypes[i] its GGML type), each multiplied in float32 and their outputs side
+  // by side, as `gguf_linear_cpu` in minivllm/cpu/op_forwards.py does.
+  Tensor linear(const Tensor& x, const Tensor* w, const int64_t* qtypes, int64_t n,
+                bool bf16_dot) const {
+    if (qtypes[0] < 0) return linear(x, w[0]);
+    const Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+    std::vector<Tensor> outs;
+    for (int64_t i = 0; i < n; ++i) {
+      Tensor out = at::empty({x.size(0), w[i].size(0)}, xf.options());  // [T, rows of part i]
+      (bf16_dot ? gguf_linear_bf16 : gguf_linear).call(out, xf, w[i], qtypes[i]);
+      outs.push_back(std::move(out));
+    }
+    Tensor y = n == 1 ? outs[0] : at::cat(outs, 1);
+    return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+  }
 };
 
 constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post-attention norm, gate_up, down
@@ -103,9 +125,13 @@ Tensor decode_layers(
     const Tensor& seq_lens,       // int32 [T]
     const Tensor& rows,           // int64 [T]
     const Tensor& slot_mapping,   // int64 [T]
-    at::TensorList weights,       // kWeightsPerLayer per layer, in the order above
+    at::TensorList weights,       // kWeightsPerLayer slots per layer, in the order above
     const Tensor& final_norm,     // [hidden]
-    double eps, double scale, int64_t num_heads) {
+    double eps, double scale, int64_t num_heads,
+    at::IntArrayRef qtypes,       // per tensor of `weights`: its GGML type, -1 plain; [] all plain
+    at::IntArrayRef parts,        // per slot: how many tensors of `weights` it takes; [] one each
+    bool bf16_dot) {              // a GGUF linear's products: gguf_linear_bf16's, or float32
+
   const char* op = "minivllm_cpu::decode_layers";
   const int64_t layers = kv_caches.size(0);
   TORCH_CHECK(embeds.dim() == 2 && embeds.is_contiguous() &&
@@ -113,8 +139,18 @@ Tensor decode_layers(
               op, ": embeds must be contiguous float32 or bfloat16 [T, hidden]");
   TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(1) == 2, op,
               ": kv_caches must be [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(int64_t(weights.size()) == kWeightsPerLayer * layers, op, ": expected ",
-              kWeightsPerLayer * layers, " weights for ", layers, " layers, got ", weights.size());
+  const int64_t slots = parts.empty() ? int64_t(weights.size()) : int64_t(parts.size());
+  TORCH_CHECK(slots == kWeightsPerLayer * layers, op, ": expected ", kWeightsPerLayer * layers,
+              " weights for ", layers, " layers, got ", slots);
+  // Where slot s's tensors start in `weights` (and in `qtypes`).
+  std::vector<int64_t> start(slots + 1, 0);
+  for (int64_t i = 0; i < slots; ++i) start[i + 1] = start[i] + (parts.empty() ? 1 : parts[i]);
+  TORCH_CHECK(start[slots] == int64_t(weights.size()), op, ": parts add up to ", start[slots],
+              " tensors, but ", weights.size(), " weights were given");
+  TORCH_CHECK(qtypes.empty() || qtypes.size() == weights.size(), op, ": qtypes must name ",
+              weights.size(), " weights' types, got ", qtypes.size());
+  const std::vector<int64_t> plain(weights.size(), -1);
+  const int64_t* types = qtypes.empty() ? plain.data() : qtypes.data();
   const Kernels& k = Kernels::get();
   const int64_t T = embeds.size(0);
   const int64_t num_kv_heads = kv_caches.size(4), head_dim = kv_caches.size(5);
@@ -125,13 +161,17 @@ Tensor decode_layers(
   Tensor residual = embeds;
   Tensor hidden = at::empty_like(embeds);
   for (int64_t l = 0; l < layers; ++l) {
-    const Tensor* w = weights.data() + kWeightsPerLayer * l;
+    const int64_t* slot = start.data() + kWeightsPerLayer * l;  // this layer's six slots
+    const Tensor* w = weights.data();
+    auto linear = [&](const Tensor& x, int j) {  // slot j (1, 2, 4, 5: the layer's linears)
+      return k.linear(x, w + slot[j], types + slot[j], slot[j + 1] - slot[j], bf16_dot);
+    };
     if (l == 0) {
-      k.rms_norm.call(hidden, residual, w[0], eps);
+      k.rms_norm.call(hidden, residual, w[slot[0]], eps);
     } else {
-      k.fused_add_rms_norm.call(hidden, residual, w[0], eps);
+      k.fused_add_rms_norm.call(hidden, residual, w[slot[0]], eps);
     }
-    Tensor qkv = k.linear(hidden, w[1]);  // [T, q_size + 2 * kv_size]
+    Tensor qkv = linear(hidden, 1);  // [T, q_size + 2 * kv_size]
     // RoPE turns the query and key heads, side by side in each row, in one pass.
     k.rotary_embedding.call(
         positions, qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, head_dim}),
@@ -145,12 +185,12 @@ Tensor decode_layers(
     Tensor attention = at::empty({T, num_heads, head_dim}, embeds.options().dtype(at::kFloat));
     k.paged_decode.call(attention, q, k_cache, v_cache, block_tables, seq_lens, rows, scale);
     if (embeds.scalar_type() != at::kFloat) attention = attention.to(embeds.scalar_type());
-    hidden = k.linear(attention.view({T, q_size}), w[2]);
-    k.fused_add_rms_norm.call(hidden, residual, w[3], eps);
-    Tensor gate_up = k.linear(hidden, w[4]);  // [T, 2 * intermediate]
+    hidden = linear(attention.view({T, q_size}), 2);
+    k.fused_add_rms_norm.call(hidden, residual, w[slot[3]], eps);
+    Tensor gate_up = linear(hidden, 4);  // [T, 2 * intermediate]
     Tensor activation = at::empty({T, gate_up.size(1) / 2}, embeds.options());
     k.silu_and_mul.call(activation, gate_up);
-    hidden = k.linear(activation, w[5]);
+    hidden = linear(activation, 5);
   }
   k.fused_add_rms_norm.call(hidden, residual, final_norm, eps);
   return hidden;
@@ -162,6 +202,7 @@ TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def(
       "decode_layers(Tensor(b!) embeds, Tensor positions, Tensor cos_sin, Tensor(a!) kv_caches, "
       "Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor slot_mapping, Tensor[] weights, "
-      "Tensor final_norm, float eps, float scale, int num_heads) -> Tensor",
+      "Tensor final_norm, float eps, float scale, int num_heads, int[] qtypes=[], "
+      "int[] parts=[], bool bf16_dot=False) -> Tensor",
       &decode_layers);
 }

@@ -25,8 +25,9 @@ It applies where the whole of a step is what the C++ loop knows how to do:
 - one device: with tensor parallelism, each layer's two all-reduces happen in Python;
 - no biases, and weights that every linear holds prepacked for oneDNN (`prepack_linear` in
   minivllm/cpu/op_forwards.py: float32 wherever oneDNN is built in, bfloat16 where the CPU has
-  bf16 dot products; the C++ loop then calls oneDNN on them, as the Python path does), or plain
-  float32 weights on a CPU where the skinny GEMM runs its AVX-512 path;
+  bf16 dot products; the C++ loop then calls oneDNN on them, as the Python path does) or as a
+  GGUF file's blocks (the loop calls `gguf_linear` on each part, with the same products), or
+  plain float32 weights on a CPU where the skinny GEMM runs its AVX-512 path;
 - a step of decodes only; on plain weights with at most `SKINNY_GEMM_MAX_ROWS` rows, since above
   that the linears go to MKL;
 - no forward hook on the model, its body or their modules: a hook is Python, and a user who
@@ -61,22 +62,36 @@ def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
 LINEARS_PER_LAYER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def layer_weights(layer: LlamaDecoderLayer) -> list[torch.Tensor]:
-    """A layer's six weights in the op's order (input norm, qkv, o, post-attention norm, gate_up,
-    down); a linear's is an MKLDNN tensor where `prepack_linear` packed it for oneDNN."""
-    linears = [
-        cast("torch.Tensor", op.weight) for op in map(layer.get_submodule, LINEARS_PER_LAYER)
+def linear_weights(op: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+    """A linear's tensors and their GGML types (-1: plain): its one weight (an MKLDNN tensor where
+    `prepack_linear` packed it for oneDNN), or the GGUF block parts a quantized layer holds."""
+    if getattr(op, "quant_method", None) is not None:
+        from minivllm.model.quantization.gguf import gguf_parts
+
+        parts = gguf_parts(op)
+        return [q for _, q in parts], [qtype for qtype, _ in parts]
+    return [cast("torch.Tensor", op.weight)], [-1]
+
+
+def layer_weights(layer: LlamaDecoderLayer) -> list[tuple[list[torch.Tensor], list[int]]]:
+    """A layer's six weight slots in the op's order (input norm, qkv, o, post-attention norm,
+    gate_up, down), each its tensors and their GGML types."""
+    qkv, o, gate_up, down = (linear_weights(layer.get_submodule(n)) for n in LINEARS_PER_LAYER)
+    norms = [
+        ([layer.input_layernorm.weight], [-1]),
+        ([layer.post_attention_layernorm.weight], [-1]),
     ]
-    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    return [norms[0], linears[0], linears[1], norms[1], linears[2], linears[3]]
+    return [norms[0], qkv, o, norms[1], gate_up, down]
+
+
+def linears(model: LlamaForCausalLM) -> list[nn.Module]:
+    return [layer.get_submodule(n) for layer in decoder_layers(model) for n in LINEARS_PER_LAYER]
 
 
 def all_linears_packed(model: LlamaForCausalLM) -> bool:
-    """Whether every decoder layer's linear weight is prepacked for oneDNN (prepack_linear)."""
-    linears = [
-        layer.get_submodule(name) for layer in decoder_layers(model) for name in LINEARS_PER_LAYER
-    ]
-    return all(op.quant_method is None and op.weight.is_mkldnn for op in linears)
+    """Whether every decoder layer's linear takes any number of rows in the C++ loop: each holds
+    GGUF blocks (gguf_linear) or a weight prepacked for oneDNN (prepack_linear)."""
+    return all(op.quant_method is not None or op.weight.is_mkldnn for op in linears(model))
 
 
 class CpuDecodeLoop:
@@ -97,10 +112,19 @@ class CpuDecodeLoop:
         self.embed_tokens = body.embed_tokens
         self.rotary_emb = body.rotary_emb
         self.final_norm = body.norm
-        # Six per layer, in the op's order. The C++ loop calls oneDNN on a packed linear weight
-        # and the skinny GEMM on a plain one, as each linear's CPU forward does (`op_linear` in
-        # minivllm/cpu/op_forwards.py).
-        self.weights = [w for layer in layers for w in layer_weights(layer)]
+        # Six slots per layer, in the op's order, flattened: `parts` says how many tensors each
+        # slot takes, `qtypes` each tensor's GGML type. The C++ loop calls oneDNN on a packed
+        # linear weight, the skinny GEMM on a plain one and gguf_linear on GGUF blocks, as each
+        # linear's CPU forward does (`op_linear` in minivllm/cpu/op_forwards.py).
+        slots = [slot for layer in layers for slot in layer_weights(layer)]
+        self.weights = [w for tensors, _ in slots for w in tensors]
+        self.qtypes = [t for _, types in slots for t in types]
+        self.parts = [len(tensors) for tensors, _ in slots]
+        self.bf16_dot = False
+        if any(t >= 0 for t in self.qtypes):
+            from minivllm.cpu.op_forwards import gguf_dot
+
+            self.bf16_dot = gguf_dot() == "bf16"
         self.packed = all_linears_packed(model)
         attention = layers[0].self_attn
         self.scale = attention.scale
@@ -123,10 +147,13 @@ class CpuDecodeLoop:
             )
             and not config.attention_bias
             and not config.mlp_bias
-            and layer.self_attn.qkv_proj.quant_method is None
             and (
-                (layer.self_attn.qkv_proj.weight.dtype == torch.float32 and skinny_gemm_fast())
-                or all_linears_packed(model)
+                all_linears_packed(model)
+                or (
+                    layer.self_attn.qkv_proj.quant_method is None
+                    and layer.self_attn.qkv_proj.weight.dtype == torch.float32
+                    and skinny_gemm_fast()
+                )
             )
         )
 
@@ -172,4 +199,7 @@ class CpuDecodeLoop:
             self.final_norm.eps,
             self.scale,
             self.num_heads,
+            self.qtypes,
+            self.parts,
+            self.bf16_dot,
         )
