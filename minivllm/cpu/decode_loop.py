@@ -77,7 +77,7 @@ def layer_weights(layer: LlamaDecoderLayer) -> list[tuple[list[torch.Tensor], li
     """A layer's six weight slots in the op's order (input norm, qkv, o, post-attention norm,
     gate_up, down), each its tensors and their GGML types."""
     qkv, o, gate_up, down = (linear_weights(layer.get_submodule(n)) for n in LINEARS_PER_LAYER)
-    norms = [
+    norms: list[tuple[list[torch.Tensor], list[int]]] = [
         ([layer.input_layernorm.weight], [-1]),
         ([layer.post_attention_layernorm.weight], [-1]),
     ]
