@@ -52,3 +52,4 @@ class CpuPlatform(Platform):
         # forwards' module registers them (`register_forward`).
         resolve_obj_by_qualname("minivllm.cpu.build.load_cpu_kernels")()
         importlib.import_module("minivllm.cpu.op_forwards")
+        importlib.import_module("minivllm.cpu.moe")  # the fused MoE op (torch and oneDNN)
