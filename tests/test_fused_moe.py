@@ -19,6 +19,11 @@ one rounding of each product's inputs apart, so `atol=rtol=2e-2` of outputs of s
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +39,8 @@ from minivllm.model.fused_moe import (
     select_experts,
     sort_by_expert,
 )
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def assert_close(got: torch.Tensor, expected: torch.Tensor, bf16: bool = False) -> None:
@@ -264,3 +271,83 @@ def test_triton_forward_is_the_op_s_cuda_forward() -> None:
     assert op.dispatch_forward("cuda") and op.dispatched_to == "cuda"
     x, logits = inputs(3, 16, 4, seed=0)
     assert_close(op(x, logits), op.forward_native(x, logits))
+
+
+# ======================================================================== compile-only, sm_90
+def compile_all_variants() -> list[dict[str, Any]]:
+    """Build every launch variant (float32 / bfloat16 × decode / prefill tiles × each of the two
+    GEMMs) for sm_90 at Mixtral-8x7B's widths, with CPU tensors standing in for the GPU's (the
+    driver is `Sm90Driver`, which only names the target)."""
+    import triton
+    from test_attention_triton_launch import Sm90Driver, resource_usage
+
+    if not torch.cuda.is_available():
+        triton.runtime.driver.set_active(Sm90Driver())
+    e, h, i = 8, 4096, 14336
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for assignments in (2, 600):
+            tiles = triton_moe.moe_tiles(assignments, dtype, interpreted=False)
+            ids = torch.empty(assignments + e * tiles["BLOCK_M"], dtype=torch.int32)
+            for gemm, (n, k, per_token, mul) in {
+                "w13": (2 * i, h, 2, False),
+                "w2": (h, i, 1, True),
+            }.items():
+                a = torch.empty(assignments, k, dtype=dtype)
+                w = torch.empty(e, n, k, dtype=dtype)
+                c = torch.empty(assignments, n, dtype=dtype if gemm == "w13" else torch.float32)
+                kernel = triton_moe.fused_moe_kernel.warmup(
+                    a, w, c, torch.empty(assignments), ids, ids, ids, n, k, assignments,
+                    a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+                    A_ROWS_PER_TOKEN=per_token, MUL_ROUTED_WEIGHT=mul,
+                    DOT_16BIT=dtype != torch.float32, grid=(1, 1), **tiles,
+                )  # fmt: skip
+                usage = resource_usage(kernel.asm["cubin"])
+                rows.append(dict(
+                    variant=f"{gemm} {str(dtype).removeprefix('torch.')} a{assignments}",
+                    regs=usage["REG"], spill_bytes=usage["STACK"] + usage["LOCAL"],
+                ))  # fmt: skip
+    return rows
+
+
+@pytest.mark.slow
+def test_every_variant_compiles_for_sm90_without_spills() -> None:
+    """8 sm_90 builds in a process of their own (this one runs the kernel interpreted)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    # The worker is started as a script, so its sys.path starts at tests/: name this checkout.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    table = "\n".join(
+        f"{r['variant']:<20} regs {r['regs']:>3}  spills {r['spill_bytes']} B" for r in rows
+    )
+    print("\nsm_90 builds:\n" + table)
+    assert len(rows) == 8
+    assert not [r for r in rows if r["spill_bytes"]], f"variants that spill:\n{table}"
+
+
+# ================================================================================ a real GPU
+@pytest.mark.gpu
+def test_compiled_triton_moe_matches_reference_on_cuda(request: pytest.FixtureRequest) -> None:
+    """Decode- and prefill-sized batches at widths that are no multiple of any tile. bfloat16
+    rounds the intermediate activations and the output: 2^-6 relative room."""
+    from test_attention_gpu import require_compiled_cuda
+
+    require_compiled_cuda(request.config)
+    assert not triton_moe.INTERPRETED
+    e, k, h, i = 8, 2, 1000, 1400
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2**-6)):
+        op = make_op(e, k, h, i, True, seed=7).to("cuda", dtype)
+        for t in (1, 5, 300):
+            x, logits = (v.to("cuda", dtype) for v in inputs(t, h, e, seed=t))
+            weights, ids = op.route(logits)
+            expected = fused_experts_native(x, op.w13_weight, op.w2_weight, weights, ids)
+            got = triton_moe.fused_experts_triton(x, op.w13_weight, op.w2_weight, weights, ids)
+            torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+if __name__ == "__main__":  # the compile-only test's worker
+    print(json.dumps(compile_all_variants()))
