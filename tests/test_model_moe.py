@@ -3,7 +3,8 @@
 Each config is saved with `save_pretrained` (safetensors, the per-expert names of the real
 checkpoints) and read back through the model's own `load_weights`, so the expert-name mapping
 and the stacking into w13/w2 are checked by the same comparison. The MoE op runs its reference,
-its CPU forward and its Triton kernel (in the interpreter); attention is the reference backend.
+its CPU forward and its Triton kernel (in the interpreter) with the reference attention backend,
+and the CPU platform's whole fast path runs once per family (every op's CPU kernel).
 float32 throughout; the bound (1e-4 on logits of scale ~1) is the Llama tests' own.
 """
 
@@ -19,11 +20,13 @@ import transformers
 from paged import paged_logits
 
 from minivllm.attention.selector import get_attention_backend
+from minivllm.model.custom_op import CustomOp
 from minivllm.model.fused_moe import FusedMoE
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.mixtral import MixtralConfig, MixtralForCausalLM
 from minivllm.model.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from minivllm.model.weights import open_checkpoint
+from minivllm.platforms import platform_for
 
 COMMON = dict(
     vocab_size=256,
@@ -56,7 +59,7 @@ FAMILIES: dict[str, tuple[Any, Any, Any, Any, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def save_tiny(tmp: Path, family: str) -> tuple[Any, LlamaForCausalLM]:
+def save_tiny(tmp: Path, family: str, backend: str = "reference") -> tuple[Any, LlamaForCausalLM]:
     """transformers' model saved to `tmp`, and ours built from the saved config and weights."""
     hf_config_cls, hf_cls, config_cls, model_cls, overrides = FAMILIES[family]
     torch.manual_seed(0)
@@ -69,7 +72,7 @@ def save_tiny(tmp: Path, family: str) -> tuple[Any, LlamaForCausalLM]:
                 p.normal_(0, 0.5)
     hf.save_pretrained(tmp, safe_serialization=True)
     config = config_cls.from_hf_dict(json.loads((tmp / "config.json").read_text()))
-    model = model_cls(config, get_attention_backend("reference")).float()
+    model = model_cls(config, get_attention_backend(backend)).float()
     with open_checkpoint(tmp) as weights:
         model.load_weights(weights)
     return hf, model.eval()
@@ -94,6 +97,20 @@ def test_logits_match_transformers(tmp_path: Path, family: str, moe_forward: str
     diff = (got - expected).abs().max().item()
     print(f"{family} ({moe_forward}): max |logit diff| = {diff:.2e}")
     assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_transformers_with_every_cpu_kernel(tmp_path: Path, family: str) -> None:
+    """The CPU platform's whole fast path, as the loader dispatches it (`custom_ops="all"`, the
+    CPU attention backend): QK-norm's rows through the fused RMSNorm, the MoE op on oneDNN."""
+    hf, model = save_tiny(tmp_path, family, backend="cpu")
+    platform_for("cpu").dispatch_custom_ops(model, "all")
+    ops = [m for m in model.modules() if isinstance(m, CustomOp)]
+    assert {op.dispatched_to for op in ops} == {"cpu"}
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    assert (paged_logits(model, ids.tolist()) - expected).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
