@@ -6,8 +6,8 @@ The compiled CPU attention backend is the default ("cpu"), float32 the default d
 cache takes `cpu_kv_cache_space` GiB (vLLM's VLLM_CPU_KVCACHE_SPACE). With `custom_ops="all"`
 every custom op runs its CPU forward (`minivllm/cpu/op_forwards.py`: fused norms, SiLU·mul and RoPE,
 the linears and an untied LM head on their weights prepacked for oneDNN, else the skinny GEMM and
-MKL's faster layout), and a decode step's layers
-may run as one C++ loop (`decode_loop_cls`, minivllm/cpu/decode_loop.py).
+MKL's faster layout; `minivllm/cpu/moe.py`: the fused MoE op's experts on oneDNN), and a decode
+step's layers may run as one C++ loop (`decode_loop_cls`, minivllm/cpu/decode_loop.py).
 
 "auto" is "all" with the CPU attention backend only: the fused ops are built into the same
 library as that backend, so where the library could not be built (and "auto" fell back to the
@@ -52,3 +52,4 @@ class CpuPlatform(Platform):
         # forwards' module registers them (`register_forward`).
         resolve_obj_by_qualname("minivllm.cpu.build.load_cpu_kernels")()
         importlib.import_module("minivllm.cpu.op_forwards")
+        importlib.import_module("minivllm.cpu.moe")  # the fused MoE op (torch and oneDNN)

@@ -1,8 +1,9 @@
 """`CudaPlatform`: NVIDIA GPUs (vLLM's vllm/platforms/cuda.py).
 
 Triton is the default attention backend; bfloat16 is the default dtype where the GPU has it. The
-one CUDA forward is that of layers holding a GGUF file's blocks, a Triton GEMM that dequantizes
-inside the product (minivllm/model/quantization/gguf_cuda_forwards.py); every other layer runs
+CUDA forwards are that of layers holding a GGUF file's blocks, a Triton GEMM that dequantizes
+inside the product (minivllm/model/quantization/gguf_cuda_forwards.py), and the fused MoE op's
+Triton grouped GEMM (minivllm/model/triton_fused_moe.py); every other layer runs
 `forward_native` (cuBLAS for the matmuls), and there is no decode loop: a CUDA graph would be
 that, and is not built here.
 
@@ -34,6 +35,7 @@ class CudaPlatform(Platform):
     def register_op_forwards(self) -> None:
         # Named, not imported: the platforms are leaves, the forwards live with the model.
         importlib.import_module("minivllm.model.quantization.gguf_cuda_forwards")
+        importlib.import_module("minivllm.model.triton_fused_moe")  # the fused MoE op
 
     def kv_cache_budget_bytes(
         self, device: torch.device, gpu_memory_utilization: float, cpu_kv_cache_space: float

@@ -1,0 +1,88 @@
+"""The CPU's forward of the fused MoE op (`FusedMoE`, minivllm/model/fused_moe.py): each expert's
+group of rows multiplied on oneDNN, with the expert's weights prepacked in oneDNN's layout.
+
+The reference (`fused_experts_native`) already groups the assignments by expert, so its matmuls
+are few; what it spends beyond them is `F.linear` on plain weights, the kernel the linears of
+op_forwards.py leave for oneDNN's blocked layout (`prepack_linear` there says why). Here each
+expert's w13 [2·I, H] and w2 [H, I] is reordered once at load (`prepack_experts`), and a step
+runs, per expert with tokens, two `packed_linear`s on its contiguous rows; the outputs are put
+back in assignment order with one scatter, weighted, and summed over each token's top_k in
+float32, the arithmetic of the reference (to summation order).
+
+The stacked tensors stay beside the packed copies, since `forward_native` and `state_dict()` read
+them (so this path holds the experts twice); where oneDNN does not pack the dtype (float16, or a
+build without oneDNN) the op runs the reference. tests/test_fused_moe.py holds this forward to
+the reference.
+
+Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.cpu.op_forwards import onednn_packs, packed_linear
+from minivllm.model.custom_op import register_forward
+from minivllm.model.fused_moe import (
+    FusedMoE,
+    fused_experts_native,
+    silu_and_mul,
+    sort_by_expert,
+)
+
+# One expert's (w13, w2) in oneDNN's layout: [2·I, H] and [H, I] as `packed_linear` reads them.
+PackedExpert = tuple[torch.Tensor, torch.Tensor]
+
+
+def prepack_experts(op: FusedMoE) -> None:
+    """`op.packed_experts`: every expert's two weights reordered for oneDNN, or None where oneDNN
+    does not run this dtype. Run once, when the op switches to this forward."""
+    if getattr(op, "packed_experts", None) is not None:
+        return  # dispatched before
+    packed: list[PackedExpert] | None = None
+    if onednn_packs(op.w13_weight):
+        reorder = torch.ops.mkldnn._reorder_linear_weight  # 64: the row count oneDNN plans for
+        with torch.no_grad():
+            packed = [
+                (reorder(op.w13_weight[e].contiguous(), 64), reorder(op.w2_weight[e], 64))
+                for e in range(op.num_experts)
+            ]
+    op.packed_experts = packed  # type: ignore[assignment]
+
+
+def fused_experts_cpu(
+    hidden: torch.Tensor,  # [T, H]
+    packed: list[PackedExpert],  # E experts' weights, from `prepack_experts`
+    topk_weights: torch.Tensor,  # [T, top_k]
+    topk_ids: torch.Tensor,  # int64 [T, top_k]
+) -> torch.Tensor:  # [T, H]  in hidden's dtype
+    """`fused_experts_native`'s result, each expert's group on oneDNN."""
+    num_tokens, top_k = topk_ids.shape
+    order, counts = sort_by_expert(topk_ids, len(packed))  # [T * top_k], [E]
+    x = hidden[order // top_k]  # [T * top_k, H]  rows grouped by expert
+    y = torch.empty_like(x)  # [T * top_k, H]  each sorted assignment's expert output
+    start = 0
+    for expert, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        w13, w2 = packed[expert]
+        rows = slice(start, start + n)
+        y[rows] = packed_linear(silu_and_mul(packed_linear(x[rows], w13)), w2)
+        start += n
+    by_assignment = torch.empty_like(y)  # [T * top_k, H]  row a = t * top_k + j
+    by_assignment[order] = y
+    weighted = by_assignment.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1)
+    return weighted.float().sum(dim=1).to(hidden.dtype)  # [T, H]
+
+
+@register_forward(FusedMoE, "cpu", process_weights_after_loading=prepack_experts)
+def fused_moe_forward_cpu(
+    op: FusedMoE,
+    hidden: torch.Tensor,  # [T, H]
+    router_logits: torch.Tensor,  # [T, E]
+) -> torch.Tensor:  # [T, H]
+    topk_weights, topk_ids = op.route(router_logits)  # [T, top_k] each
+    packed: list[PackedExpert] | None = getattr(op, "packed_experts", None)
+    if packed is None:
+        return fused_experts_native(hidden, op.w13_weight, op.w2_weight, topk_weights, topk_ids)
+    return fused_experts_cpu(hidden, packed, topk_weights, topk_ids)
