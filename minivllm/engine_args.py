@@ -43,7 +43,7 @@ from minivllm.config import (
     ResolvedConfig,
     SchedulerConfig,
 )
-from minivllm.model.loader import load_config
+from minivllm.model.loader import check_sliding_window, load_config
 from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
 from minivllm.model.source import ModelSource
 from minivllm.structured_output.params import StructuredOutputsConfig
@@ -307,6 +307,7 @@ def _resolve(mc: ModelConfig) -> ResolvedConfig:
         raise ValueError(
             f"max_model_len must be at most the model's {model_max} positions, got {max_model_len}"
         )
+    check_sliding_window(hf_config, max_model_len)  # before any weight loads
     generation = load_generation_defaults(source)  # read before any worker starts
     quantization = resolve_quantization(mc.quantization, source)
     return ResolvedConfig(source, hf_config, generation, device, dtype, max_model_len, quantization)

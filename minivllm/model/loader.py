@@ -30,24 +30,42 @@ from minivllm.model.config import LlamaConfig, UnsupportedModelError
 from minivllm.model.errors import (
     CorruptCheckpointError,
     ModelLoadError,
+    SlidingWindowNotSupportedError,
     TokenizerNotFoundError,
     UnsupportedArchitectureError,
 )
 from minivllm.model.llama import LlamaForCausalLM
+from minivllm.model.registry import check_architecture, model_class
 from minivllm.model.source import ModelSource
 from minivllm.model.weights import load_weights, open_checkpoint
 from minivllm.platforms import platform_for
 
 
 def load_config(source: ModelSource) -> LlamaConfig:
+    """The model's config, after the registry has said its architecture runs."""
     try:
-        return LlamaConfig.from_hf_dict(json.loads((source.path / "config.json").read_text()))
+        config = LlamaConfig.from_hf_dict(json.loads((source.path / "config.json").read_text()))
+        check_architecture(config.architecture)
     except UnsupportedModelError as exc:
         raise UnsupportedArchitectureError(f"{source.name}: {exc}") from exc
     except (json.JSONDecodeError, KeyError) as exc:
         raise CorruptCheckpointError(
             f"{source.path / 'config.json'} is not a valid config: {exc!r}"
         ) from exc
+    return config
+
+
+def check_sliding_window(config: LlamaConfig, max_model_len: int) -> None:
+    """Refuse a sliding window that a request of max_model_len tokens could outgrow: attention
+    here always sees the whole context, which is the window's result only up to its length."""
+    window = config.sliding_window
+    if window is not None and window < max_model_len:
+        raise SlidingWindowNotSupportedError(
+            f"{config.architecture} attends within a sliding window of {window} tokens, and "
+            f"sliding-window attention is not supported yet; pass max_model_len={window} "
+            f"(--max-model-len {window}) or less to run it with full attention, which is the "
+            "same up to the window's length"
+        )
 
 
 def build_model(
@@ -65,8 +83,9 @@ def build_model(
     device's platform chooses each custom op's forward: its own kernels under `custom_ops="all"`,
     plain PyTorch under "none"; "auto" is settled by `Platform.resolve_custom_ops` ("none" with
     the reference attention backend)."""
+    model_cls = model_class(config.architecture)  # the registry's class for the checkpoint
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions, tp).to(dtype)
+        model = model_cls(config, backend, max_positions, tp).to(dtype)
     # `to_empty`, with `torch.empty` for its `empty_like`: on meta tensors `empty_like` runs
     # torch's Python reference ops, whose first use imports sympy (~1 s of start-up). Parameters
     # only: the one buffer (the RoPE table) is rebuilt below.
@@ -101,6 +120,7 @@ def load_model(
     """The model, or with `tp` one rank's shard of it, read slice by slice from safetensors; or,
     with `quantization="gguf"`, from the GGUF file itself, its blocks kept as stored."""
     config = load_config(source)
+    check_sliding_window(config, max_positions or config.max_position_embeddings)
     build = functools.partial(
         build_model,
         backend=backend,

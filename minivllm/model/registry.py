@@ -1,0 +1,54 @@
+"""The model registry: a checkpoint's architecture name -> the class that runs it (vLLM's registry).
+
+A HuggingFace `config.json` names its model class in `architectures` ("Qwen2ForCausalLM"); a GGUF
+file names its family in `general.architecture` ("qwen2", which gguf.py turns into the former).
+vLLM's `vllm/model_executor/models/registry.py` maps each name to a module and a class and imports
+the module only when a model of that kind is loaded; the same here, so adding a family is one line
+below plus its model file, and reading a config imports no model code.
+
+Several names may share a class where the math is the same: Mistral without a sliding window is
+Llama (vLLM maps it to `LlamaForCausalLM` too). An architecture not listed is refused by name,
+with the list of those that run, before any weight is read.
+
+Tier: model. It imports leaves and core.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from minivllm.model.errors import UnsupportedArchitectureError
+
+if TYPE_CHECKING:
+    from minivllm.model.llama import LlamaForCausalLM
+
+# architecture (config.json's `architectures[0]`) -> "module:Class" of the model that runs it.
+MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "minivllm.model.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "minivllm.model.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "minivllm.model.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "minivllm.model.qwen3:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": "minivllm.model.phi3:Phi3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODELS)
+
+
+def check_architecture(architecture: str) -> None:
+    """Refuse an architecture the registry does not name, listing those it does."""
+    if architecture not in MODELS:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not supported; minivllm runs "
+            f"{', '.join(supported_architectures())}"
+        )
+
+
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """The model class for `architecture`, its module imported now (the first time it is asked)."""
+    check_architecture(architecture)
+    module, _, name = MODELS[architecture].partition(":")
+    cls: type[LlamaForCausalLM] = getattr(importlib.import_module(module), name)
+    return cls
