@@ -83,9 +83,7 @@ def greedy(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[li
 
 
 def family_llm(path: Path, **kwargs: Any) -> Any:
-    return checked_llm(
-        model=str(path), skip_tokenizer_init=True, cpu_kv_cache_space=0.01, **kwargs
-    )
+    return checked_llm(model=str(path), skip_tokenizer_init=True, cpu_kv_cache_space=0.01, **kwargs)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
@@ -97,3 +95,112 @@ def test_family_greedy_tokens_equal_transformers(tmp_path: Path, family: str, ba
         model = llm.llm_engine.runner.model
         assert type(model).__name__ == FAMILIES[family][1].replace("Mistral", "Llama")
         assert greedy(llm, prompts, max_tokens) == expected
+
+
+def test_the_cpu_decode_replay_runs_llama_s_math_only_and_qwen2_stays_exact(
+    tmp_path: Path,
+) -> None:
+    """The C++ decode loop replays Llama's layers; Qwen2's q/k/v bias and Qwen3's q/k norms are
+    not in it, so those models decode in Python (and stay exact); Phi-3 is Llama's math, so
+    where the replay runs at all (oneDNN-packed weights or the AVX-512 skinny GEMM), it runs."""
+    from minivllm.cpu.decode_loop import CpuDecodeLoop
+
+    hf, path = save_family(tmp_path / "qwen2", "qwen2-tied")
+    prompts, max_tokens, expected = prompts_and_oracle(hf)
+    with family_llm(path, max_model_len=256) as llm:  # the default: the CPU backend, compiled
+        runner = llm.llm_engine.runner
+        assert runner.decode_loop is None
+        assert greedy(llm, prompts, max_tokens) == expected
+    _, qwen3 = save_family(tmp_path / "qwen3", "qwen3-hd32")
+    with family_llm(qwen3, max_model_len=256) as llm:
+        assert llm.llm_engine.runner.decode_loop is None
+    _, phi3 = save_family(tmp_path / "phi3", "phi3")
+    with family_llm(phi3, max_model_len=256) as llm:
+        model = llm.llm_engine.runner.model
+        assert (llm.llm_engine.runner.decode_loop is not None) == CpuDecodeLoop.supports(model)
+
+
+def write_config(tmp: Path, **fields: Any) -> Path:
+    (tmp / "config.json").write_text(json.dumps(SHAPE | fields))
+    return tmp
+
+
+def load_config_of(path: Path) -> Any:
+    from minivllm.model.loader import load_config
+    from minivllm.model.resolver import resolve_model
+
+    return load_config(resolve_model(path))
+
+
+def test_an_unknown_architecture_is_refused_naming_it_and_the_supported_ones(
+    tmp_path: Path,
+) -> None:
+    path = write_config(tmp_path, architectures=["GemmaForCausalLM"])
+    with pytest.raises(UnsupportedArchitectureError, match="GemmaForCausalLM") as err:
+        load_config_of(path)
+    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"):
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(architectures=["MistralForCausalLM"], sliding_window=64),
+        dict(architectures=["Phi3ForCausalLM"], sliding_window=64),
+        dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64),
+    ],
+)
+def test_a_sliding_window_shorter_than_max_model_len_is_refused_by_name(
+    tmp_path: Path, fields: dict[str, Any]
+) -> None:
+    from minivllm.llm import LLM
+
+    path = write_config(tmp_path, **fields)
+    with pytest.raises(SlidingWindowNotSupportedError, match="sliding-window attention is not"):
+        LLM(model=str(path), skip_tokenizer_init=True, cpu_kv_cache_space=0.01)
+    assert load_config_of(path).sliding_window == 64
+
+
+def test_a_window_that_is_off_or_as_long_as_max_model_len_runs(tmp_path: Path) -> None:
+    """Qwen2 writes a window it does not use unless `use_sliding_window`; Mistral's window at
+    least as long as max_model_len is full attention for every request."""
+    from minivllm.model.registry import check_sliding_window
+
+    off = write_config(
+        tmp_path, architectures=["Qwen2ForCausalLM"], use_sliding_window=False, sliding_window=8
+    )
+    assert load_config_of(off).sliding_window is None
+    config = load_config_of(write_config(tmp_path, architectures=["MistralForCausalLM"]))
+    config.sliding_window = 128
+    check_sliding_window(config, 128)
+    with pytest.raises(SlidingWindowNotSupportedError, match="max_model_len=128"):
+        check_sliding_window(config, 129)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        (
+            dict(rope_scaling=dict(type="longrope", short_factor=[1.0], long_factor=[1.0])),
+            "longrope",
+        ),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    ],
+)
+def test_phi3_rope_variants_that_do_not_run_are_refused_by_name(
+    tmp_path: Path, fields: dict[str, Any], named: str
+) -> None:
+    path = write_config(tmp_path, architectures=["Phi3ForCausalLM"], **fields)
+    with pytest.raises(UnsupportedArchitectureError, match=named):
+        load_config_of(path)
+
+
+def test_the_registry_builds_the_class_it_names(tmp_path: Path) -> None:
+    from minivllm.model.qwen3 import Qwen3ForCausalLM
+    from minivllm.model.registry import MODELS, model_class
+
+    config = load_config_of(write_config(tmp_path, architectures=["Qwen3ForCausalLM"]))
+    assert model_class(config, 256) is Qwen3ForCausalLM
+    for architecture in MODELS:
+        config.architecture = architecture
+        assert issubclass(model_class(config, 256), torch.nn.Module)

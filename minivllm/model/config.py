@@ -1,7 +1,7 @@
-"""The Llama-like decoders as one typed config, read from a HuggingFace `config.json` or GGUF metadata.
+"""Llama-like decoders as a typed config, read from a HuggingFace `config.json` or GGUF metadata.
 
-Everything the model code needs and nothing else: Llama's shapes, plus the few switches by which
-Mistral, Qwen2, Qwen3 and Phi-3 differ from it (`qkv_bias`, `qk_norm`, `sliding_window`). Two readers feed it — HuggingFace's JSON (both
+Everything the model code needs and nothing else (the other families differ from Llama by a few
+switches: `qkv_bias`, `qk_norm`, `sliding_window`). Two readers feed it — HuggingFace's JSON (both
 the `rope_theta`/`rope_scaling` spelling of transformers 4 and the `rope_parameters` spelling of
 transformers 5) and llama.cpp's GGUF key/value metadata — so the model itself never sees where its
 weights came from. (GGUF's reader is `config_from_gguf_fields` in gguf.py, loaded with GGUF files.)
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Which architectures run, and by which class, is the model registry's (minivllm/model/registry.py).
-# What an architecture's config.json leaves unsaid because its modelling code hard-codes it.
+# What an architecture's config.json leaves unsaid, its modelling code hard-coding it. (Which
+# architectures run, and by which class, is the model registry's: registry.py.)
 ARCHITECTURE_FACTS: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True},  # q/k/v carry a bias, o does not
     "Qwen3ForCausalLM": {"qk_norm": True},  # each head's q and k are RMS-normalised before RoPE
@@ -49,9 +49,7 @@ class LlamaConfig:
     qkv_bias: bool = False  # a bias on q, k and v only (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head's q and k, before RoPE (Qwen3)
     mlp_bias: bool = False
-    # Attention sees only the last `sliding_window` tokens (Mistral, Qwen2 with use_sliding_window,
-    # Phi-3); None: the whole context. The loader refuses a window shorter than max_model_len.
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # attend to the last W tokens only (Mistral); None: all
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)  # a model may stop on several tokens
     architecture: str = "LlamaForCausalLM"
@@ -77,38 +75,10 @@ class LlamaConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The config in HuggingFace's `config.json` spelling (what `from_hf_dict` reads back)."""
-        return {
-            "architectures": [self.architecture],
-            "model_type": self.architecture.removesuffix("ForCausalLM").lower(),
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "mlp_bias": self.mlp_bias,
-            "sliding_window": self.sliding_window,
-            "hidden_act": "silu",
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_ids[0]
-            if len(self.eos_token_ids) == 1
-            else self.eos_token_ids,
-        }
-
     # ------------------------------------------------------------------ readers
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
-        """Read a HuggingFace `config.json` (transformers 4 or 5 spelling) of any family the
-        registry names; whether the architecture runs is the registry's to say."""
+        """Read a HuggingFace `config.json` (transformers 4 or 5 spelling)."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(
@@ -117,10 +87,14 @@ class LlamaConfig:
         rope = dict(cfg.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling here
         partial = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
         if float(partial) != 1.0:  # Phi-3's option (and others'): RoPE on part of each head
-            raise UnsupportedModelError(
-                f"partial_rotary_factor {partial} is not supported (RoPE turns whole heads)"
-            )
+            raise UnsupportedModelError(f"partial_rotary_factor {partial} is not supported")
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or rope or None
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+            if scaling["rope_type"] == "default":
+                scaling = None
         heads = int(cfg["num_attention_heads"])
         eos = cfg.get("eos_token_id")
         return cls(
@@ -133,7 +107,7 @@ class LlamaConfig:
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            rope_scaling=_rope_scaling(cfg.get("rope_scaling") or rope or None),
+            rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
@@ -146,24 +120,10 @@ class LlamaConfig:
         )
 
 
-def _rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The scaling with its type under `rope_type` (transformers 4 also wrote `type`); None for
-    plain RoPE."""
-    if scaling is None:
-        return None
-    scaling = dict(scaling)
-    scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
-    return None if scaling["rope_type"] == "default" else scaling
-
-
 def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    """The window any layer attends within, or None where every layer sees the whole context.
-    Qwen2 and Qwen3 write a `sliding_window` that is off unless `use_sliding_window` is set;
-    transformers 5 also lists each layer's kind in `layer_types`."""
-    window = cfg.get("sliding_window")
-    if window is None or cfg.get("use_sliding_window") is False:
+    """The window of a config that uses one: Qwen2 and Qwen3 write one that is off unless
+    `use_sliding_window` (transformers 5 also lists each layer's kind in `layer_types`)."""
+    kinds = cfg.get("layer_types") or ["sliding_attention"]
+    if cfg.get("use_sliding_window") is False or "sliding_attention" not in kinds:
         return None
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
+    return None if cfg.get("sliding_window") is None else int(cfg["sliding_window"])

@@ -1,13 +1,8 @@
-"""The layers every model file shares: RMSNorm and the SwiGLU activation (vLLM's `layers/`).
+"""The layers every model file shares: RMSNorm and SwiGLU's activation (vLLM's `layers/`).
 
-vLLM keeps each model file to its own math by putting what several architectures use in
-`vllm/model_executor/layers/` (`layernorm.py`, `activation.py`, `linear.py`, `rotary_embedding.py`).
-Here the parallel linears are `parallel_layers.py`, RoPE is `rope.py`, and the two elementwise
-layers are below. Each is a custom op (`custom_op.py`): `forward_native` is the plain-PyTorch
-specification, and a platform may run a fused kernel of equal results in its place
-(minivllm/cpu/op_forwards.py registers the CPU's). A model file imports them from here, so a
-kernel registered for `RMSNorm` serves Llama's norms, Qwen3's per-head q/k norms and any later
-family's alike.
+Custom ops (`custom_op.py`): `forward_native` is the plain-PyTorch specification, and a platform
+may run a fused kernel of equal results instead (minivllm/cpu/op_forwards.py), for Llama's norms
+and Qwen3's per-head q/k norms alike. The linears are `parallel_layers.py`, RoPE `rope.py`.
 
 Tier: model. It imports leaves and core.
 """

@@ -182,16 +182,11 @@ class LlamaForCausalLM(nn.Module):
     """Llama with an LM head. `forward` returns hidden states; `compute_logits` is applied only to
     the rows that will be sampled, since the LM head is the largest matmul for a small model.
 
-    `tp` is this rank's place in the tensor-parallel group; the default is one device.
-
-    Another family whose math differs in a layer subclasses this and names its own `layer_type`
-    (vLLM's `LlamaModel(..., layer_type=...)`); the model registry (`registry.py`) maps each
-    checkpoint's `architectures` to the class that runs it."""
+    `tp` is this rank's place in the tensor-parallel group; the default is one device. A family
+    whose layer differs subclasses it with its own `layer_type` (registry.py lists them)."""
 
     layer_type: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
-    # Whether the checkpoint stores q/k/v and gate/up already fused, as `qkv_proj` and
-    # `gate_up_proj` (Phi-3); the weight loader then splits them into the parts the layers load.
-    packed_checkpoint: ClassVar[bool] = False
+    packed_checkpoint: ClassVar[bool] = False  # q/k/v, gate/up stored fused (Phi-3)
 
     def __init__(
         self,

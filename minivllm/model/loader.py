@@ -15,7 +15,6 @@ Tier: model. Every failure is a `ModelLoadError` subclass whose message says wha
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -30,12 +29,10 @@ from minivllm.model.config import LlamaConfig, UnsupportedModelError
 from minivllm.model.errors import (
     CorruptCheckpointError,
     ModelLoadError,
-    SlidingWindowNotSupportedError,
     TokenizerNotFoundError,
     UnsupportedArchitectureError,
 )
 from minivllm.model.llama import LlamaForCausalLM
-from minivllm.model.registry import check_architecture, model_class
 from minivllm.model.source import ModelSource
 from minivllm.model.weights import load_weights, open_checkpoint
 from minivllm.platforms import platform_for
@@ -43,6 +40,8 @@ from minivllm.platforms import platform_for
 
 def load_config(source: ModelSource) -> LlamaConfig:
     """The model's config, after the registry has said its architecture runs."""
+    from minivllm.model.registry import check_architecture
+
     try:
         config = LlamaConfig.from_hf_dict(json.loads((source.path / "config.json").read_text()))
         check_architecture(config.architecture)
@@ -53,19 +52,6 @@ def load_config(source: ModelSource) -> LlamaConfig:
             f"{source.path / 'config.json'} is not a valid config: {exc!r}"
         ) from exc
     return config
-
-
-def check_sliding_window(config: LlamaConfig, max_model_len: int) -> None:
-    """Refuse a sliding window that a request of max_model_len tokens could outgrow: attention
-    here always sees the whole context, which is the window's result only up to its length."""
-    window = config.sliding_window
-    if window is not None and window < max_model_len:
-        raise SlidingWindowNotSupportedError(
-            f"{config.architecture} attends within a sliding window of {window} tokens, and "
-            f"sliding-window attention is not supported yet; pass max_model_len={window} "
-            f"(--max-model-len {window}) or less to run it with full attention, which is the "
-            "same up to the window's length"
-        )
 
 
 def build_model(
@@ -83,7 +69,9 @@ def build_model(
     device's platform chooses each custom op's forward: its own kernels under `custom_ops="all"`,
     plain PyTorch under "none"; "auto" is settled by `Platform.resolve_custom_ops` ("none" with
     the reference attention backend)."""
-    model_cls = model_class(config.architecture)  # the registry's class for the checkpoint
+    from minivllm.model.registry import model_class
+
+    model_cls = model_class(config, max_positions or config.max_position_embeddings)
     with torch.device("meta"):
         model = model_cls(config, backend, max_positions, tp).to(dtype)
     # `to_empty`, with `torch.empty` for its `empty_like`: on meta tensors `empty_like` runs
@@ -120,7 +108,6 @@ def load_model(
     """The model, or with `tp` one rank's shard of it, read slice by slice from safetensors; or,
     with `quantization="gguf"`, from the GGUF file itself, its blocks kept as stored."""
     config = load_config(source)
-    check_sliding_window(config, max_positions or config.max_position_embeddings)
     build = functools.partial(
         build_model,
         backend=backend,
@@ -160,35 +147,6 @@ _TOKENIZER_HINT = (
 )
 
 
-# `tokenizer_class` values that name transformers' generic tokenizers.json-backed class, which
-# can be imported from its own module (v5 calls it TokenizersBackend; v4 PreTrainedTokenizerFast).
-_GENERIC_FAST_TOKENIZERS = {
-    "TokenizersBackend": ("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
-    "PreTrainedTokenizerFast": ("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast"),
-}
-
-
-def generic_tokenizer_class(folder: Path) -> Any | None:
-    """The generic fast-tokenizer class a local folder asks for, imported from its own module, or
-    None. `AutoTokenizer` answers the same for such a folder, but first reads the model's config
-    through `AutoConfig`, which imports much of transformers' model zoo: about 2 s of a 5 s
-    start-up on two cores (`python -X importtime`)."""
-    config = folder / "tokenizer_config.json"
-    if not (folder / "tokenizer.json").is_file() or not config.is_file():
-        return None
-    try:
-        wanted = json.loads(config.read_text()).get("tokenizer_class")
-    except (OSError, json.JSONDecodeError):
-        return None  # AutoTokenizer reports it
-    if wanted not in _GENERIC_FAST_TOKENIZERS:
-        return None
-    module, name = _GENERIC_FAST_TOKENIZERS[wanted]
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):  # another transformers version: AutoTokenizer decides
-        return None
-
-
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
     """The model's transformers tokenizer (or `tokenizer`'s: a folder or a hub id), as
     `AutoTokenizer` would build it."""
@@ -203,6 +161,8 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
             + _TOKENIZER_HINT
         )
     try:
+        from minivllm.model.tokenizer_class import generic_tokenizer_class
+
         generic = generic_tokenizer_class(folder) if folder.is_dir() else None
         if generic is not None:
             return generic.from_pretrained(name)

@@ -18,7 +18,6 @@ import json
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -39,17 +38,8 @@ STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
 }
 
 
-# Where a checkpoint stores those projections fused already (Phi-3), each tensor is cut into its
-# parts, in row order, and each part goes to the fused layer's loader as the separate one would.
-PACKED_PARAMS: dict[str, tuple[str | int, ...]] = {
-    "self_attn.qkv_proj": ("q", "k", "v"),
-    "mlp.gate_up_proj": (0, 1),
-}
-
-
-def checkpoint_shapes(config: LlamaConfig, packed: bool = False) -> dict[str, tuple[int, ...]]:
-    """Every tensor a HuggingFace checkpoint of `config` must hold, with its full shape; with
-    `packed`, q/k/v and gate/up as one fused tensor each (`PACKED_PARAMS`)."""
+def checkpoint_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a HuggingFace Llama checkpoint must hold for `config`, with its full shape."""
     h, d, i, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     shapes: dict[str, tuple[int, ...]] = {
@@ -58,32 +48,25 @@ def checkpoint_shapes(config: LlamaConfig, packed: bool = False) -> dict[str, tu
     }
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
-    qkv_bias = config.attention_bias or config.qkv_bias
-    linears = {
-        "self_attn.q_proj": (q, h, qkv_bias),
-        "self_attn.k_proj": (kv, h, qkv_bias),
-        "self_attn.v_proj": (kv, h, qkv_bias),
-        "self_attn.o_proj": (h, q, config.attention_bias),
-        "mlp.gate_proj": (i, h, config.mlp_bias),
-        "mlp.up_proj": (i, h, config.mlp_bias),
-        "mlp.down_proj": (h, i, config.mlp_bias),
-    }
-    if packed:
-        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-            del linears[part]
-        del linears["mlp.gate_proj"], linears["mlp.up_proj"]
-        linears["self_attn.qkv_proj"] = (q + 2 * kv, h, qkv_bias)
-        linears["mlp.gate_up_proj"] = (2 * i, h, config.mlp_bias)
-    norms = ["input_layernorm", "post_attention_layernorm"]
-    norms += ["self_attn.q_norm", "self_attn.k_norm"] if config.qk_norm else []
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
+        linears = {
+            "self_attn.q_proj": (q, h, config.attention_bias or config.qkv_bias),
+            "self_attn.k_proj": (kv, h, config.attention_bias or config.qkv_bias),
+            "self_attn.v_proj": (kv, h, config.attention_bias or config.qkv_bias),
+            "self_attn.o_proj": (h, q, config.attention_bias),
+            "mlp.gate_proj": (i, h, config.mlp_bias),
+            "mlp.up_proj": (i, h, config.mlp_bias),
+            "mlp.down_proj": (h, i, config.mlp_bias),
+        }
         for name, (rows, cols, bias) in linears.items():
             shapes[f"{p}{name}.weight"] = (rows, cols)
             if bias:
                 shapes[f"{p}{name}.bias"] = (rows,)
-        for norm in norms:
-            shapes[f"{p}{norm}.weight"] = (d if norm.endswith(("q_norm", "k_norm")) else h,)
+        shapes[f"{p}input_layernorm.weight"] = (h,)
+        shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+        if config.qk_norm:  # Qwen3: one weight over a head's dimensions, for q and one for k
+            shapes[f"{p}self_attn.q_norm.weight"] = shapes[f"{p}self_attn.k_norm.weight"] = (d,)
     return shapes
 
 
@@ -134,11 +117,11 @@ def target_of(name: str) -> tuple[str, tuple[str | int, ...]]:
 
 
 def check_checkpoint(
-    config: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], packed: bool = False
+    config: LlamaConfig, shapes: Mapping[str, tuple[int, ...]]
 ) -> dict[str, tuple[int, ...]]:
     """The tensors the model needs, after checking that the checkpoint (name -> shape) holds
     exactly those, each of the shape the config implies."""
-    expected = checkpoint_shapes(config, packed)
+    expected = checkpoint_shapes(config)
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
     given = {k for k in shapes if "rotary_emb.inv_freq" not in k and k not in ignored}
     missing = sorted(expected.keys() - given)
@@ -155,72 +138,32 @@ def check_checkpoint(
     return expected
 
 
-class RowRange:
-    """Rows [start, stop) of a checkpoint tensor, as a tensor of its own: indexing it reads only
-    the rows asked for, from the (lazy) tensor it is cut from. One part of a fused tensor."""
-
-    def __init__(self, tensor: Sliceable, start: int, stop: int) -> None:
-        self.tensor, self.start, self.stop = tensor, start, stop
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
-        first, last, step = rows.indices(self.stop - self.start)  # a slice of this part's rows
-        assert step == 1, "weight loaders read contiguous rows"
-        return self.tensor[(slice(self.start + first, self.start + last), *rest)]
-
-
-def packed_parts(name: str, config: LlamaConfig) -> list[tuple[str, str | int, int, int]] | None:
-    """For a fused checkpoint tensor (`PACKED_PARAMS`): (parameter, shard id, first row, end row)
-    of each part; None for any other tensor."""
-    for fused, shard_ids in PACKED_PARAMS.items():
-        if f".{fused}." in name:
-            d = config.head_dim
-            sizes = (
-                [config.num_attention_heads * d] + [config.num_key_value_heads * d] * 2
-                if fused == "self_attn.qkv_proj"
-                else [config.intermediate_size] * 2
-            )
-            starts = [sum(sizes[:n]) for n in range(len(sizes))]
-            return [(name, s, a, a + n) for s, a, n in zip(shard_ids, starts, sizes)]
-    return None
-
-
 def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> None:
-    """Check the checkpoint's names and shapes against the config, then hand each tensor (each
-    part of a fused one) to the weight loader of the layer that holds it (`parallel_layers.py`),
-    which copies this rank's slice. Replicated parameters (the norms) are copied whole."""
+    """Check the checkpoint's names and shapes against the config, then hand each tensor to the
+    weight loader of the layer that holds it (`parallel_layers.py`), which copies this rank's
+    slice. Replicated parameters (the norms) are copied whole."""
     from safetensors import SafetensorError
 
-    packed = model.packed_checkpoint
-    shapes = {k: _shape(v) for k, v in weights.items()}
-    expected = check_checkpoint(model.config, shapes, packed)
+    if model.packed_checkpoint:  # q/k/v and gate/up stored fused (Phi-3): seen as the parts
+        from minivllm.model.packed_weights import unpack_checkpoint
+
+        weights = unpack_checkpoint(weights, model.config)
+    expected = check_checkpoint(model.config, {k: _shape(v) for k, v in weights.items()})
     for name in expected:
-        parts = packed_parts(name, model.config) if packed else None
-        if parts is None:
-            target, shard = target_of(name)
-            loads = [(target, weights[name], shard)]
-        else:
-            loads = [(t, RowRange(weights[name], a, b), (s,)) for t, s, a, b in parts]
+        target, shard = target_of(name)
+        module_name, _, param_name = target.rpartition(".")
+        module = model.get_submodule(module_name)
+        param = getattr(module, param_name)
+        weight_loader = getattr(module, "weight_loader", None)  # None: replicated (the norms)
         try:
-            for target, tensor, shard in loads:
-                _load_one(model, target, tensor, shard)
+            if weight_loader is not None:
+                weight_loader(param, weights[name], *shard)
+            else:
+                param.data.copy_(weights[name][:])
         except (SafetensorError, OSError) as exc:
             raise CorruptCheckpointError(
                 f"cannot read {name} (truncated or corrupt?): {exc}"
             ) from exc
-
-
-def _load_one(
-    model: LlamaForCausalLM, target: str, tensor: Sliceable, shard: tuple[str | int, ...]
-) -> None:
-    module_name, _, param_name = target.rpartition(".")
-    module = model.get_submodule(module_name)
-    param = getattr(module, param_name)
-    weight_loader = getattr(module, "weight_loader", None)  # None: replicated (the norms)
-    if weight_loader is not None:
-        weight_loader(param, tensor, *shard)
-    else:
-        param.data.copy_(tensor[:])
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
