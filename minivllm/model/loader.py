@@ -1,9 +1,10 @@
 """Loading a model that is on disk: its config, its weights onto the device, its tokenizer.
 
 vLLM's model loader in miniature. Finding the model (the bundled GGUF, a folder, a .gguf file, a
-hub id), its generation defaults and its dtype is `resolver.py`'s, before the engine starts. Weights are read with `safetensors` or the `gguf` reader — never
-with pickle, so a checkpoint cannot run code — and mapped onto minivllm's parameter names, fusing
-q/k/v and gate/up as the model expects. The model is built on the `meta` device, allocated without
+hub id), its generation defaults and its dtype is `resolver.py`'s, before the engine starts; which
+class runs it is the registry's (`registry.py`). Weights are read with `safetensors` or the `gguf`
+reader — never with pickle, so a checkpoint cannot run code — and mapped onto minivllm's parameter
+names, fusing q/k/v and gate/up as the model expects. The model is built on `meta`, allocated without
 initialisation, and `weights.py` hands each checkpoint tensor, as a lazy safetensors slice, to
 its layer's weight loader, which copies the part this rank holds: a rank of a tensor-parallel
 group reads only its own slices and never holds the whole model (paper §4.6; the docs'
