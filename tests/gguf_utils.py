@@ -55,13 +55,16 @@ def reference_dequantize(data: np.ndarray, qtype: int) -> torch.Tensor:
 
 
 def write_gguf(
-    path: Path, fields: dict[str, object], tensors: dict[str, tuple[np.ndarray, int]]
+    path: Path,
+    fields: dict[str, object],
+    tensors: dict[str, tuple[np.ndarray, int]],
+    arch: str = "llama",
 ) -> Path:
-    """A GGUF file with llama-architecture `fields` and `tensors` (name -> (data, qtype)): data is
-    float32 for F32 tensors, or the uint8 blocks of a quantized one."""
+    """A GGUF file of llama.cpp architecture `arch` with `fields` and `tensors` (name -> (data,
+    qtype)): data is float32 for F32 tensors, or the uint8 blocks of a quantized one."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     for key, value in fields.items():
         if isinstance(value, bool):
             writer.add_bool(key, value)

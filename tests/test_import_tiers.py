@@ -248,7 +248,15 @@ def test_the_cache_folder_module_imports_nothing_of_minivllm() -> None:
     assert imports_of("minivllm.envs") == []
 
 
-MATH_FILES = ("model/llama.py", "model/parallel_layers.py", "model/rope.py")
+MATH_FILES = (
+    "model/llama.py",
+    "model/layers.py",
+    "model/qwen2.py",
+    "model/qwen3.py",
+    "model/phi3.py",
+    "model/parallel_layers.py",
+    "model/rope.py",
+)
 
 
 def test_the_model_s_math_files_import_no_kernel_and_branch_on_no_platform() -> None:

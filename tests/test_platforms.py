@@ -15,7 +15,7 @@ import torch
 import minivllm.platforms as platforms
 from minivllm.distributed.parallel_state import SINGLE_DEVICE
 from minivllm.model.custom_op import CustomOp, platform_forward, register_forward
-from minivllm.model.llama import RMSNorm
+from minivllm.model.layers import RMSNorm
 from minivllm.model.parallel_layers import ColumnParallelLinear, QKVParallelLinear
 from minivllm.platforms import platform_for
 from minivllm.platforms.cpu import CpuPlatform

@@ -3,7 +3,8 @@
 Tier: platform plug-ins (minivllm/cpu/). This is not a capture of the model but a second
 implementation of Llama's decoder loop, in C++ (`cpu_decode_layers.cpp`), held bit for bit to the
 Python one; it knows Llama's module layout (`LINEARS_PER_LAYER`) and refuses every other model
-(`CpuDecodeLoop.build`), which then runs its Python loop.
+(`CpuDecodeLoop.build`), which then runs its Python loop: a family with math of its own (Qwen2's
+q/k/v bias, Qwen3's q/k norms: `llama_math`) as much as a model that is not a Llama at all.
 
 A decode step runs each layer on 1-64 token rows, so each of its ~10 kernels is short, and between
 two of them Python does the layer's bookkeeping: module calls, custom-op dispatch, views, the
@@ -23,7 +24,8 @@ It applies where the whole of a step is what the C++ loop knows how to do:
 - the CPU attention backend (the op attends through its plan: every row is a work item of the
   paged kernel) and every custom op on its CPU forward (`custom_ops="all"`);
 - one device: with tensor parallelism, each layer's two all-reduces happen in Python;
-- no biases, and weights that every linear holds prepacked for oneDNN (`prepack_linear` in
+- Llama's math in every layer (`llama_math`: Llama's layer and attention classes, no q/k norm),
+  no biases, and weights that every linear holds prepacked for oneDNN (`prepack_linear` in
   minivllm/cpu/op_forwards.py: float32 wherever oneDNN is built in, bfloat16 where the CPU has
   bf16 dot products; the C++ loop then calls oneDNN on them, as the Python path does) or as a
   GGUF file's blocks (the loop calls `gguf_linear` on each part, with the same products), or
@@ -40,7 +42,7 @@ keeps every step there.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -49,10 +51,7 @@ from minivllm.attention import AttentionBackend, AttentionMetadata
 from minivllm.cpu.attention import CpuPlan
 from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
 from minivllm.model.custom_op import CustomOp
-from minivllm.model.llama import LlamaForCausalLM
-
-if TYPE_CHECKING:
-    from minivllm.model.llama import LlamaDecoderLayer
+from minivllm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
 def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
@@ -92,6 +91,19 @@ def all_linears_packed(model: LlamaForCausalLM) -> bool:
     """Whether every decoder layer's linear takes any number of rows in the C++ loop: each holds
     GGUF blocks (gguf_linear) or a weight prepacked for oneDNN (prepack_linear)."""
     return all(op.quant_method is not None or op.weight.is_mkldnn for op in linears(model))
+
+
+def llama_math(model: LlamaForCausalLM) -> bool:
+    """Whether every decoder layer is Llama's own, with Llama's attention: a family that brings
+    its own layer or attention (Qwen3's q/k norms) computes something the C++ loop does not.
+    Phi-3 qualifies (only its checkpoint's layout differs), and so does Mistral."""
+    return (
+        all(
+            type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
+            for layer in decoder_layers(model)
+        )
+        and not model.config.qk_norm
+    )
 
 
 class CpuDecodeLoop:
@@ -139,13 +151,15 @@ class CpuDecodeLoop:
         config = model.config
         layer = decoder_layers(model)[0]
         return (
-            model.tp.world_size == 1
+            llama_math(model)
+            and model.tp.world_size == 1
             and all(
                 op.dispatched_to == "cpu"
                 for op in model.model.modules()
                 if isinstance(op, CustomOp)
             )
             and not config.attention_bias
+            and not config.qkv_bias
             and not config.mlp_bias
             and (
                 all_linears_packed(model)

@@ -43,7 +43,7 @@ from torch import nn
 from minivllm.cpu import ops as cpu_ops
 from minivllm.envs import cpu_gguf_dot
 from minivllm.model.custom_op import register_forward
-from minivllm.model.llama import RMSNorm, SiluAndMul
+from minivllm.model.layers import RMSNorm, SiluAndMul
 from minivllm.model.parallel_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from minivllm.model.rope import RotaryEmbedding
 

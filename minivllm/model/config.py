@@ -1,6 +1,7 @@
-"""The Llama architecture as a typed config, read from a HuggingFace `config.json` or GGUF metadata.
+"""Llama-like decoders as a typed config, read from a HuggingFace `config.json` or GGUF metadata.
 
-Everything the model code needs and nothing else. Two readers feed it — HuggingFace's JSON (both
+Everything the model code needs and nothing else (the other families differ from Llama by a few
+switches: `qkv_bias`, `qk_norm`, `sliding_window`). Two readers feed it — HuggingFace's JSON (both
 the `rope_theta`/`rope_scaling` spelling of transformers 4 and the `rope_parameters` spelling of
 transformers 5) and llama.cpp's GGUF key/value metadata — so the model itself never sees where its
 weights came from. (GGUF's reader is `config_from_gguf_fields` in gguf.py, loaded with GGUF files.)
@@ -13,9 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Architectures whose math this code reproduces exactly. Mistral is Llama's math when it has no
-# sliding window, so it is accepted on that condition only.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# What an architecture's config.json leaves unsaid, its modelling code hard-coding it. (Which
+# architectures run, and by which class, is the model registry's: registry.py.)
+ARCHITECTURE_FACTS: dict[str, dict[str, Any]] = {
+    "Qwen2ForCausalLM": {"qkv_bias": True},  # q/k/v carry a bias, o does not
+    "Qwen3ForCausalLM": {"qk_norm": True},  # each head's q and k are RMS-normalised before RoPE
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -41,8 +45,11 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # a bias on q, k, v and o (Llama's flag; Qwen3's)
+    qkv_bias: bool = False  # a bias on q, k and v only (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head's q and k, before RoPE (Qwen3)
     mlp_bias: bool = False
+    sliding_window: int | None = None  # attend to the last W tokens only (Mistral); None: all
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)  # a model may stop on several tokens
     architecture: str = "LlamaForCausalLM"
@@ -68,52 +75,19 @@ class LlamaConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The config in HuggingFace's `config.json` spelling (what `from_hf_dict` reads back)."""
-        return {
-            "architectures": [self.architecture],
-            "model_type": "mistral" if self.architecture == "MistralForCausalLM" else "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "mlp_bias": self.mlp_bias,
-            "hidden_act": "silu",
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_ids[0]
-            if len(self.eos_token_ids) == 1
-            else self.eos_token_ids,
-        }
-
     # ------------------------------------------------------------------ readers
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
         """Read a HuggingFace `config.json` (transformers 4 or 5 spelling)."""
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"architecture {arch!r} is not supported; minivllm runs {SUPPORTED_ARCHITECTURES}"
-            )
-        if arch == "MistralForCausalLM" and cfg.get("sliding_window") is not None:
-            raise UnsupportedModelError(
-                "MistralForCausalLM with a sliding window is not supported (set sliding_window to null "
-                "only if the model was trained without it)"
-            )
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(
                 f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)"
             )
         rope = dict(cfg.get("rope_parameters") or {})  # transformers 5 keeps theta and scaling here
+        partial = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
+        if float(partial) != 1.0:  # Phi-3's option (and others'): RoPE on part of each head
+            raise UnsupportedModelError(f"partial_rotary_factor {partial} is not supported")
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         scaling = cfg.get("rope_scaling") or rope or None
         if scaling is not None:
@@ -138,7 +112,18 @@ class LlamaConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=_sliding_window(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             architecture=arch,
+            **ARCHITECTURE_FACTS.get(arch, {}),
         )
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The window of a config that uses one: Qwen2 and Qwen3 write one that is off unless
+    `use_sliding_window` (transformers 5 also lists each layer's kind in `layer_types`)."""
+    kinds = cfg.get("layer_types") or ["sliding_attention"]
+    if cfg.get("use_sliding_window") is False or "sliding_attention" not in kinds:
+        return None
+    return None if cfg.get("sliding_window") is None else int(cfg["sliding_window"])

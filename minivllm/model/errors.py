@@ -29,7 +29,12 @@ class HubUnavailableError(ModelLoadError, ConnectionError):
 
 
 class UnsupportedArchitectureError(ModelLoadError, UnsupportedModelError):
-    """The checkpoint is not a Llama-family model this code runs exactly."""
+    """The checkpoint's architecture is not one the model registry names, or it asks for a
+    feature of one (a RoPE scaling, an activation) that this code does not run exactly."""
+
+
+class SlidingWindowNotSupportedError(UnsupportedArchitectureError):
+    """The model attends within a sliding window shorter than max_model_len: not run yet."""
 
 
 class TokenizerNotFoundError(ModelNotFoundError):

@@ -10,8 +10,8 @@ docs' architecture page).
 
 As in vLLM, q/k/v and gate/up projections are fused into one matmul each (their weight loaders
 place the checkpoint's separate weights); that halves the matmul launches, which matters on a CPU.
-Also as in vLLM, RMSNorm, SiLU·mul, RoPE, the projections and the LM head are custom ops
-(`custom_op.py`): what this file and its neighbours hold is their plain-PyTorch specification,
+Also as in vLLM, RMSNorm, SiLU·mul (shared by every family: `layers.py`), RoPE, the projections
+and the LM head are custom ops (`custom_op.py`): what they hold is their plain-PyTorch specification,
 and a platform may run a fused kernel of equal results in its place (minivllm/platforms/). Each
 sublayer's residual add is done by the norm that follows it, so that a fused kernel adds and
 normalises in one pass.
@@ -27,14 +27,15 @@ Tier: model. It imports leaves and core.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention import AttentionBackend, AttentionMetadata
 from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
 from minivllm.model.config import LlamaConfig
-from minivllm.model.custom_op import CustomOp
+from minivllm.model.layers import RMSNorm, SiluAndMul
 from minivllm.model.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -44,41 +45,6 @@ from minivllm.model.parallel_layers import (
     kv_heads_per_rank,
 )
 from minivllm.model.rope import RotaryEmbedding
-
-
-class RMSNorm(CustomOp):
-    """x / rms(x) * weight, computed in float32 like the reference implementation.
-
-    Given a `residual`, it first adds it to x and returns the sum as the new residual too (vLLM's
-    fused add + norm): the decoder adds each sublayer's output to the residual stream right
-    before normalising it, so a fused kernel does both in one pass over the rows."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward_native(
-        self,
-        x: torch.Tensor,  # [T, hidden_size]
-        residual: torch.Tensor | None = None,  # [T, hidden_size]
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * x32.to(dtype)
-        return out if residual is None else (out, residual)
-
-
-class SiluAndMul(CustomOp):
-    """SwiGLU's gate: silu(gate) * up, for the fused gate_up projection's [T, 2 * I] output."""
-
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
 
 
 class LlamaAttention(nn.Module):
@@ -92,7 +58,7 @@ class LlamaAttention(nn.Module):
             config.head_dim,
             config.num_attention_heads,
             config.num_key_value_heads,
-            config.attention_bias,
+            config.attention_bias or config.qkv_bias,  # qkv_bias: Qwen2's q/k/v only
             tp,
         )
         self.num_heads = self.qkv_proj.num_heads  # this rank's query heads
@@ -147,12 +113,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # The attention a family's layer builds (Qwen3's adds per-head q/k norms); the rest is Llama's.
+    attention_type: ClassVar[type[LlamaAttention]] = LlamaAttention
+
     def __init__(
         self, config: LlamaConfig, backend: AttentionBackend, tp: TensorParallelGroup
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend, tp)
+        self.self_attn = self.attention_type(config, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
@@ -184,11 +153,12 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         max_positions: int,
         tp: TensorParallelGroup,
+        layer_type: type[LlamaDecoderLayer] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, tp) for _ in range(config.num_hidden_layers)
+            layer_type(config, backend, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, max_positions)
@@ -212,7 +182,11 @@ class LlamaForCausalLM(nn.Module):
     """Llama with an LM head. `forward` returns hidden states; `compute_logits` is applied only to
     the rows that will be sampled, since the LM head is the largest matmul for a small model.
 
-    `tp` is this rank's place in the tensor-parallel group; the default is one device."""
+    `tp` is this rank's place in the tensor-parallel group; the default is one device. A family
+    whose layer differs subclasses it with its own `layer_type` (registry.py lists them)."""
+
+    layer_type: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+    packed_checkpoint: ClassVar[bool] = False  # q/k/v, gate/up stored fused (Phi-3)
 
     def __init__(
         self,
@@ -225,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = LlamaModel(
-            config, backend, max_positions or config.max_position_embeddings, tp
+            config, backend, max_positions or config.max_position_embeddings, tp, self.layer_type
         )
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:

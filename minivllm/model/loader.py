@@ -1,9 +1,10 @@
 """Loading a model that is on disk: its config, its weights onto the device, its tokenizer.
 
 vLLM's model loader in miniature. Finding the model (the bundled GGUF, a folder, a .gguf file, a
-hub id), its generation defaults and its dtype is `resolver.py`'s, before the engine starts. Weights are read with `safetensors` or the `gguf` reader — never
-with pickle, so a checkpoint cannot run code — and mapped onto minivllm's parameter names, fusing
-q/k/v and gate/up as the model expects. The model is built on the `meta` device, allocated without
+hub id), its generation defaults and its dtype is `resolver.py`'s, before the engine starts; which
+class runs it is the registry's (`registry.py`). Weights are read with `safetensors` or the `gguf`
+reader — never with pickle, so a checkpoint cannot run code — and mapped onto minivllm's parameter
+names, fusing q/k/v and gate/up as the model expects. The model is built on `meta`, allocated without
 initialisation, and `weights.py` hands each checkpoint tensor, as a lazy safetensors slice, to
 its layer's weight loader, which copies the part this rank holds: a rank of a tensor-parallel
 group reads only its own slices and never holds the whole model (paper §4.6; the docs'
@@ -15,7 +16,6 @@ Tier: model. Every failure is a `ModelLoadError` subclass whose message says wha
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -40,14 +40,19 @@ from minivllm.platforms import platform_for
 
 
 def load_config(source: ModelSource) -> LlamaConfig:
+    """The model's config, after the registry has said its architecture runs."""
+    from minivllm.model.registry import check_architecture
+
     try:
-        return LlamaConfig.from_hf_dict(json.loads((source.path / "config.json").read_text()))
+        config = LlamaConfig.from_hf_dict(json.loads((source.path / "config.json").read_text()))
+        check_architecture(config.architecture)
     except UnsupportedModelError as exc:
         raise UnsupportedArchitectureError(f"{source.name}: {exc}") from exc
     except (json.JSONDecodeError, KeyError) as exc:
         raise CorruptCheckpointError(
             f"{source.path / 'config.json'} is not a valid config: {exc!r}"
         ) from exc
+    return config
 
 
 def build_model(
@@ -65,8 +70,11 @@ def build_model(
     device's platform chooses each custom op's forward: its own kernels under `custom_ops="all"`,
     plain PyTorch under "none"; "auto" is settled by `Platform.resolve_custom_ops` ("none" with
     the reference attention backend)."""
+    from minivllm.model.registry import model_class
+
+    model_cls = model_class(config, max_positions or config.max_position_embeddings)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_positions, tp).to(dtype)
+        model = model_cls(config, backend, max_positions, tp).to(dtype)
     # `to_empty`, with `torch.empty` for its `empty_like`: on meta tensors `empty_like` runs
     # torch's Python reference ops, whose first use imports sympy (~1 s of start-up). Parameters
     # only: the one buffer (the RoPE table) is rebuilt below.
@@ -140,35 +148,6 @@ _TOKENIZER_HINT = (
 )
 
 
-# `tokenizer_class` values that name transformers' generic tokenizers.json-backed class, which
-# can be imported from its own module (v5 calls it TokenizersBackend; v4 PreTrainedTokenizerFast).
-_GENERIC_FAST_TOKENIZERS = {
-    "TokenizersBackend": ("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
-    "PreTrainedTokenizerFast": ("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast"),
-}
-
-
-def generic_tokenizer_class(folder: Path) -> Any | None:
-    """The generic fast-tokenizer class a local folder asks for, imported from its own module, or
-    None. `AutoTokenizer` answers the same for such a folder, but first reads the model's config
-    through `AutoConfig`, which imports much of transformers' model zoo: about 2 s of a 5 s
-    start-up on two cores (`python -X importtime`)."""
-    config = folder / "tokenizer_config.json"
-    if not (folder / "tokenizer.json").is_file() or not config.is_file():
-        return None
-    try:
-        wanted = json.loads(config.read_text()).get("tokenizer_class")
-    except (OSError, json.JSONDecodeError):
-        return None  # AutoTokenizer reports it
-    if wanted not in _GENERIC_FAST_TOKENIZERS:
-        return None
-    module, name = _GENERIC_FAST_TOKENIZERS[wanted]
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):  # another transformers version: AutoTokenizer decides
-        return None
-
-
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
     """The model's transformers tokenizer (or `tokenizer`'s: a folder or a hub id), as
     `AutoTokenizer` would build it."""
@@ -183,6 +162,8 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
             + _TOKENIZER_HINT
         )
     try:
+        from minivllm.model.tokenizer_class import generic_tokenizer_class
+
         generic = generic_tokenizer_class(folder) if folder.is_dir() else None
         if generic is not None:
             return generic.from_pretrained(name)

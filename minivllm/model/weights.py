@@ -26,7 +26,8 @@ from minivllm.model.errors import CorruptCheckpointError, ModelNotFoundError
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.parallel_layers import Sliceable
 
-# part of it). vLLM calls this `stacked_params_mapping`; the fused layer's weight loader puts
+# A checkpoint tensor stored separately -> (the fused parameter it feeds, which part of it).
+# vLLM calls this `stacked_params_mapping`; the fused layer's weight loader puts
 # each part (and, with tensor parallelism, only this rank's rows of it) in its place.
 STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
     "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
@@ -50,9 +51,9 @@ def checkpoint_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
         linears = {
-            "self_attn.q_proj": (q, h, config.attention_bias),
-            "self_attn.k_proj": (kv, h, config.attention_bias),
-            "self_attn.v_proj": (kv, h, config.attention_bias),
+            "self_attn.q_proj": (q, h, config.attention_bias or config.qkv_bias),
+            "self_attn.k_proj": (kv, h, config.attention_bias or config.qkv_bias),
+            "self_attn.v_proj": (kv, h, config.attention_bias or config.qkv_bias),
             "self_attn.o_proj": (h, q, config.attention_bias),
             "mlp.gate_proj": (i, h, config.mlp_bias),
             "mlp.up_proj": (i, h, config.mlp_bias),
@@ -64,6 +65,8 @@ def checkpoint_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
                 shapes[f"{p}{name}.bias"] = (rows,)
         shapes[f"{p}input_layernorm.weight"] = (h,)
         shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+        if config.qk_norm:  # Qwen3: one weight over a head's dimensions, for q and one for k
+            shapes[f"{p}self_attn.q_norm.weight"] = shapes[f"{p}self_attn.k_norm.weight"] = (d,)
     return shapes
 
 
@@ -141,6 +144,10 @@ def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> N
     slice. Replicated parameters (the norms) are copied whole."""
     from safetensors import SafetensorError
 
+    if model.packed_checkpoint:  # q/k/v and gate/up stored fused (Phi-3): seen as the parts
+        from minivllm.model.packed_weights import unpack_checkpoint
+
+        weights = unpack_checkpoint(weights, model.config)
     expected = check_checkpoint(model.config, {k: _shape(v) for k, v in weights.items()})
     for name in expected:
         target, shard = target_of(name)

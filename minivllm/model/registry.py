@@ -1,0 +1,71 @@
+"""The model registry: a checkpoint's architecture name -> the class that runs it (vLLM's registry).
+
+A HuggingFace `config.json` names its model class in `architectures` ("Qwen2ForCausalLM"); a GGUF
+file names its family in `general.architecture` ("qwen2", which gguf.py turns into the former).
+vLLM's `vllm/model_executor/models/registry.py` maps each name to a module and a class and imports
+the module only when a model of that kind is loaded; the same here, so adding a family is one line
+below plus its model file, and reading a config imports no model code.
+
+Several names may share a class where the math is the same: Mistral without a sliding window is
+Llama (vLLM maps it to `LlamaForCausalLM` too). An architecture not listed is refused by name,
+with the list of those that run, before any weight is read; so is a listed one that asks for a
+sliding window shorter than max_model_len (`check_sliding_window`), until the window is built.
+
+Tier: model. It imports leaves and core.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from minivllm.model.config import LlamaConfig
+from minivllm.model.errors import SlidingWindowNotSupportedError, UnsupportedArchitectureError
+
+if TYPE_CHECKING:
+    from minivllm.model.llama import LlamaForCausalLM
+
+# architecture (config.json's `architectures[0]`) -> "module:Class" of the model that runs it.
+MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "minivllm.model.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "minivllm.model.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "minivllm.model.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "minivllm.model.qwen3:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": "minivllm.model.phi3:Phi3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODELS)
+
+
+def check_architecture(architecture: str) -> None:
+    """Refuse an architecture the registry does not name, listing those it does."""
+    if architecture not in MODELS:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not supported; minivllm runs "
+            f"{', '.join(supported_architectures())}"
+        )
+
+
+def model_class(config: LlamaConfig, max_model_len: int) -> type[LlamaForCausalLM]:
+    """The class that runs `config` for requests of up to max_model_len tokens, its module
+    imported now (the first time it is asked); refused by name where nothing runs it exactly."""
+    check_architecture(config.architecture)
+    check_sliding_window(config, max_model_len)
+    module, _, name = MODELS[config.architecture].partition(":")
+    cls: type[LlamaForCausalLM] = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def check_sliding_window(config: LlamaConfig, max_model_len: int) -> None:
+    """Refuse a sliding window that a request of max_model_len tokens could outgrow: attention
+    here always sees the whole context, which is the window's result only up to its length."""
+    window = config.sliding_window
+    if window is not None and window < max_model_len:
+        raise SlidingWindowNotSupportedError(
+            f"{config.architecture} attends within a sliding window of {window} tokens, and "
+            f"sliding-window attention is not supported yet; pass max_model_len={window} "
+            f"(--max-model-len {window}) or less to run it with full attention, which is the "
+            "same up to the window's length"
+        )

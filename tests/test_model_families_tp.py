@@ -1,0 +1,42 @@
+"""Qwen2, Qwen3 and Phi-3 split over two ranks give transformers' greedy tokens (paper §4.6).
+
+Each family stresses the parallel layers in its own way: Qwen2's q/k/v bias is split by heads
+with the weight (`QKVParallelLinear`), Phi-3's fused checkpoint tensors are cut into parts
+before each rank takes its heads of each part, and Qwen3's q/k norms are replicated. Two ranks
+over gloo on this CPU, spawned by the engine, as in tests/test_tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_model_families import greedy, prompts_and_oracle, save_family
+from tp_utils import no_leftover_processes
+
+from minivllm import LLM
+
+pytestmark = pytest.mark.timeout(600)  # a hang guard for a broken collective; no timing
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes() -> Iterator[None]:
+    yield from no_leftover_processes()
+
+
+@pytest.mark.parametrize("family", ["qwen2-tied", "qwen3-hd32", "phi3"])
+def test_two_ranks_give_transformers_greedy_tokens(tmp_path: Path, family: str) -> None:
+    hf, path = save_family(tmp_path, family)
+    prompts, max_tokens, expected = prompts_and_oracle(hf, count=3)
+    llm = LLM(
+        str(path),
+        tensor_parallel_size=2,
+        skip_tokenizer_init=True,
+        cpu_kv_cache_space=0.01,
+        max_model_len=256,
+    )
+    try:
+        assert greedy(llm, prompts, max_tokens) == expected
+    finally:
+        llm.shutdown()
