@@ -1,4 +1,5 @@
-"""Qwen2, Qwen3, Mistral and Phi-3 give transformers' greedy tokens, each through the registry.
+"""Qwen2, Qwen3, Mistral, Phi-3, Mixtral and Qwen3-MoE give transformers' greedy tokens, each
+through the registry.
 
 Each family is a random tiny checkpoint built with transformers' own config class and
 `save_pretrained`, loaded from its safetensors folder by minivllm's `LLM`: the registry picks the
@@ -48,6 +49,23 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         dict(sliding_window=256),
     ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict()),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            head_dim=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+        ),
+    ),
 }
 
 

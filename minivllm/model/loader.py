@@ -41,11 +41,10 @@ from minivllm.platforms import platform_for
 
 def load_config(source: ModelSource) -> LlamaConfig:
     """The model's config, after the registry has said its architecture runs."""
-    from minivllm.model.registry import check_architecture
+    from minivllm.model.registry import config_from_hf_dict
 
     try:
-        config = LlamaConfig.from_hf_dict(json.loads((source.path / "config.json").read_text()))
-        check_architecture(config.architecture)
+        config = config_from_hf_dict(json.loads((source.path / "config.json").read_text()))
     except UnsupportedModelError as exc:
         raise UnsupportedArchitectureError(f"{source.name}: {exc}") from exc
     except (json.JSONDecodeError, KeyError) as exc:

@@ -32,6 +32,13 @@ MODELS: dict[str, str] = {
     "Qwen2ForCausalLM": "minivllm.model.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "minivllm.model.qwen3:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "minivllm.model.phi3:Phi3ForCausalLM",
+    "MixtralForCausalLM": "minivllm.model.mixtral:MixtralForCausalLM",
+    "Qwen3MoeForCausalLM": "minivllm.model.qwen3_moe:Qwen3MoeForCausalLM",
+}
+# The families whose config has fields of its own (the experts); the others read a LlamaConfig.
+CONFIGS: dict[str, str] = {
+    "MixtralForCausalLM": "minivllm.model.mixtral:MixtralConfig",
+    "Qwen3MoeForCausalLM": "minivllm.model.qwen3_moe:Qwen3MoeConfig",
 }
 
 
@@ -46,6 +53,18 @@ def check_architecture(architecture: str) -> None:
             f"architecture {architecture!r} is not supported; minivllm runs "
             f"{', '.join(supported_architectures())}"
         )
+
+
+def config_from_hf_dict(cfg: dict[str, object]) -> LlamaConfig:
+    """A config.json's config, read by its architecture's config class, after the registry has
+    said the architecture runs."""
+    architecture = str((cfg.get("architectures") or ["LlamaForCausalLM"])[0])  # type: ignore[index]
+    check_architecture(architecture)
+    if architecture not in CONFIGS:
+        return LlamaConfig.from_hf_dict(cfg)
+    module, _, name = CONFIGS[architecture].partition(":")
+    config: LlamaConfig = getattr(importlib.import_module(module), name).from_hf_dict(cfg)
+    return config
 
 
 def model_class(config: LlamaConfig, max_model_len: int) -> type[LlamaForCausalLM]:

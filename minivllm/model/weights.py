@@ -141,7 +141,9 @@ def check_checkpoint(
 def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> None:
     """Check the checkpoint's names and shapes against the config, then hand each tensor to the
     weight loader of the layer that holds it (`parallel_layers.py`), which copies this rank's
-    slice. Replicated parameters (the norms) are copied whole."""
+    slice. Replicated parameters (the norms) are copied whole. A family with experts loads its own."""
+    if hasattr(model, "load_weights"):
+        return model.load_weights(weights)  # type: ignore[no-any-return]
     from safetensors import SafetensorError
 
     if model.packed_checkpoint:  # q/k/v and gate/up stored fused (Phi-3): seen as the parts
