@@ -143,7 +143,7 @@ def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> N
     weight loader of the layer that holds it (`parallel_layers.py`), which copies this rank's
     slice. Replicated parameters (the norms) are copied whole. A family with experts loads its own."""
     if hasattr(model, "load_weights"):
-        return model.load_weights(weights)  # type: ignore[no-any-return]
+        return model.load_weights(weights)  # type: ignore[operator]
     from safetensors import SafetensorError
 
     if model.packed_checkpoint:  # q/k/v and gate/up stored fused (Phi-3): seen as the parts
