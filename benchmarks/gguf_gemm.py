@@ -17,7 +17,7 @@ The `step` row sums a whole decode step's linears: 30 layers' four and the LM he
 weights (quantized by `gguf.quants.quantize`) and activations; no timing is asserted anywhere.
 Run it from the checkout's root, on a machine as idle as you can make it:
 
-    python -m benchmarks.gguf_gemm [--tokens 1 4 32] [--layers 30] [--threads 2]
+    python -m benchmarks.gguf_gemm [--tokens 1 4 32] [--layers 30] [--threads 2] [--dot bf16]
 """
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ def pass_us(
     return min(times) / len(weights) * 1e6
 
 
-def measure(weight: Weight, x: torch.Tensor) -> tuple[float, float, float]:  # x: [M, K]
-    """(gguf_linear, skinny_gemm, torch.mm) microseconds per call."""
-    gguf_us = pass_us(lambda q: cpu_ops.gguf_linear(x, q, weight.qtype), weight.quantized)
+def measure(weight: Weight, x: torch.Tensor, dot: str) -> tuple[float, float, float]:  # x: [M, K]
+    """(gguf_linear with `dot` products, skinny_gemm, torch.mm) microseconds per call."""
+    gguf_us = pass_us(lambda q: cpu_ops.gguf_linear(x, q, weight.qtype, dot), weight.quantized)
     skinny_us = pass_us(lambda w: cpu_ops.skinny_gemm(x, w), weight.dense)
     mm_us = pass_us(lambda w: torch.mm(x, w.t()), weight.dense)
     return gguf_us, skinny_us, mm_us
@@ -93,7 +93,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 32])
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--dot", choices=["auto", "bf16", "float32"], default="auto",
+        help="gguf_linear's products; auto: what the engine uses here (MINIVLLM_CPU_GGUF_DOT)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.dot == "auto":
+        from minivllm.cpu.op_forwards import gguf_dot
+
+        args.dot = gguf_dot()
     torch.set_num_threads(args.threads)
     weights = {
         name: Weight(n, k, qtype, HEAD_COPIES if name == "lm_head" else args.layers, seed)
@@ -104,7 +112,7 @@ def main() -> None:
         w.nbytes * (1 if name == "lm_head" else args.layers) for name, w in weights.items()
     )
     print(
-        f"threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}; copy bandwidth "
+        f"{args.dot} products; threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}; copy bandwidth "
         f"{copy_bw / 1e9:.1f} GB/s; a step's quantized weights {step_bytes / 1e6:.1f} MB "
         f"(floor {step_bytes / copy_bw * 1e3:.2f} ms); µs per call, fastest of 7 passes"
     )
@@ -113,7 +121,7 @@ def main() -> None:
         step = [0.0, 0.0, 0.0]
         for name, weight in weights.items():
             x = torch.randn(m, weight.k)  # [M, K]
-            times = measure(weight, x)
+            times = measure(weight, x, args.dot)
             calls = 1 if name == "lm_head" else args.layers
             step = [s + t * calls for s, t in zip(step, times)]
             rows.append(
