@@ -90,7 +90,9 @@ def test_beams_match_an_independent_reference(tiny: tuple[Path, Any], width: int
 
 
 def test_smollm2_beams_match_an_independent_reference(smollm2_hf_model: Any) -> None:
-    llm = LLM(num_gpu_blocks_override=64, max_model_len=256)
+    # The reference is transformers on the dequantized weights: the exact comparison is with
+    # minivllm's float32 path on them (the native blocks' bf16 products are close, not equal).
+    llm = LLM(num_gpu_blocks_override=64, max_model_len=256, quantization="none")
     check_against_reference(
         llm, smollm2_hf_model, BeamSearchParams(3, max_tokens=4, ignore_eos=True)
     )
