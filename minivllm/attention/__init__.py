@@ -9,7 +9,8 @@ every layer (nano-vllm keeps it in a global; we do not).
 A backend does two things per layer: `write_kv` scatters the new tokens' K/V into their cache
 slots, then `attend` computes causal attention of the new tokens over everything in the cache for
 their request. One interface serves prefill, chunked prefill, prefix-cache hits and decode, because
-a step is just a set of (request, new tokens) pairs.
+a step is just a set of (request, new tokens) pairs. A layer with a sliding window passes it to
+`attend` (the window is the layer's, not the step's: Gemma alternates windowed and global layers).
 
 Backends: "reference" (gather + scaled-dot-product attention, the specification), "cpu" (every
 row through a compiled paged kernel, the CPU default) and "triton" (fused kernels, the CUDA
@@ -90,7 +91,13 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Causal attention of the new tokens over their requests' cached context. With a
+        `sliding_window` W (a per-layer attribute of the model: Mistral's every layer, Gemma's
+        every other) a query at position p sees key j iff p - W < j <= p, HF transformers'
+        sliding-window mask; the blocks wholly before the step's first visible key may have been
+        freed (their block-table entries are a placeholder) and must not be read unmasked."""
         ...
 
 
