@@ -18,6 +18,8 @@ import torch
 from test_attention_reference import TOLERANCES, PagedBatch, batch_shape, make_paged_batch
 
 from minivllm.attention.reference import ReferenceBackend
+from minivllm.attention.triton import TritonBackend
+from minivllm.cpu.attention import CpuBackend
 
 MODES = ["decode", "prefill", "extend", "mixed"]
 
@@ -95,3 +97,20 @@ def test_reference_backend_without_window_is_unchanged_by_a_windowed_layer() -> 
     tol = TOLERANCES[torch.float32]
     torch.testing.assert_close(full.double(), naive_windowed_attention(b, 10**6), **tol)
     torch.testing.assert_close(windowed.double(), naive_windowed_attention(b, 5), **tol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", windows_for(16))
+def test_cpu_backend_masks_outside_the_window(mode: str, window: int) -> None:
+    check_backend(CpuBackend(), mode, window, 16)
+
+
+# Triton in its interpreter (tests/test_attention_kernels.py's way, where there is no GPU): fewer
+# windows, each through one KV split and several (a window's range shared out by the splits).
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", [1, 19, 1000])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_backend_masks_outside_the_window(mode: str, window: int, num_splits: int) -> None:
+    if mode in ("prefill", "extend") and num_splits > 1:
+        pytest.skip("the split count only changes decode rows")
+    check_backend(TritonBackend(num_splits=num_splits), mode, window, 16)
