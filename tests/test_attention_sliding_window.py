@@ -72,8 +72,10 @@ def windowed_batch(
     return b
 
 
-def check_backend(backend: object, mode: str, window: int, block_size: int) -> None:
-    b = windowed_batch(mode, window, 4, 2, 16, block_size)
+def check_backend(
+    backend: object, mode: str, window: int, block_size: int, head_dim: int = 16
+) -> None:
+    b = windowed_batch(mode, window, 4, 2, head_dim, block_size)
     expected = naive_windowed_attention(b, window)
     b.meta.plan = backend.plan(b.meta, block_size)  # type: ignore[attr-defined]
     out = backend.attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale, sliding_window=window)  # type: ignore[attr-defined]
@@ -99,10 +101,13 @@ def test_reference_backend_without_window_is_unchanged_by_a_windowed_layer() -> 
     torch.testing.assert_close(windowed.double(), naive_windowed_attention(b, 5), **tol)
 
 
+# head_dim 16 runs the portable loops of cpu_attention.cpp, 64 the AVX-512 ones where the CPU has
+# them (cpu_attention_avx512.cpp): the window shifts the block table both walk.
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("window", windows_for(16))
-def test_cpu_backend_masks_outside_the_window(mode: str, window: int) -> None:
-    check_backend(CpuBackend(), mode, window, 16)
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_cpu_backend_masks_outside_the_window(mode: str, window: int, head_dim: int) -> None:
+    check_backend(CpuBackend(), mode, window, 16, head_dim)
 
 
 # Triton in its interpreter (tests/test_attention_kernels.py's way, where there is no GPU): fewer
