@@ -97,6 +97,9 @@ class CacheConfig:
     cpu_kv_cache_space: float  # GiB
     kv_allocation: str  # one of KV_ALLOCATIONS
     cache_dtype: str  # one of KV_CACHE_DTYPES (EngineArgs.kv_cache_dtype; vLLM's names both)
+    # The model's, not the user's (vLLM's CacheConfig.sliding_window): set by the engine when
+    # every attention layer has this window, so the KV cache manager frees what none can see.
+    sliding_window: int | None = None
 
     @property
     def kv_cache_manager_cls(self) -> str:
@@ -126,6 +129,8 @@ class CacheConfig:
             )
         if self.num_gpu_blocks_override is not None:
             _positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
+        if self.sliding_window is not None:
+            _positive("sliding_window", self.sliding_window)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

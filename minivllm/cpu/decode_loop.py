@@ -23,7 +23,7 @@ It applies where the whole of a step is what the C++ loop knows how to do:
 - the CPU attention backend (the op attends through its plan: every row is a work item of the
   paged kernel) and every custom op on its CPU forward (`custom_ops="all"`);
 - one device: with tensor parallelism, each layer's two all-reduces happen in Python;
-- no biases, and weights that every linear holds prepacked for oneDNN (`prepack_linear` in
+- no biases, no sliding window, and weights that every linear holds prepacked for oneDNN (`prepack_linear` in
   minivllm/cpu/op_forwards.py: float32 wherever oneDNN is built in, bfloat16 where the CPU has
   bf16 dot products; the C++ loop then calls oneDNN on them, as the Python path does), or plain
   float32 weights on a CPU where the skinny GEMM runs its AVX-512 path;
@@ -123,6 +123,8 @@ class CpuDecodeLoop:
             )
             and not config.attention_bias
             and not config.mlp_bias
+            # The C++ loop calls paged_decode, which has no window (paged_decode_sliding has).
+            and all(layer.self_attn.sliding_window is None for layer in decoder_layers(model))
             and layer.self_attn.qkv_proj.quant_method is None
             and (
                 (layer.self_attn.qkv_proj.weight.dtype == torch.float32 and skinny_gemm_fast())
