@@ -97,14 +97,13 @@ class CacheConfig:
     cpu_kv_cache_space: float  # GiB
     kv_allocation: str  # one of KV_ALLOCATIONS
     cache_dtype: str  # one of KV_CACHE_DTYPES (EngineArgs.kv_cache_dtype; vLLM's names both)
-    # The model's, not the user's (vLLM's CacheConfig.sliding_window): set by the engine when
-    # every attention layer has this window, so the KV cache manager frees what none can see.
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # every layer's window: set by the engine from the model
 
     @property
     def kv_cache_manager_cls(self) -> str:
-        """The qualified name of the KV cache manager `kv_allocation` chooses."""
-        return KV_CACHE_MANAGERS[self.kv_allocation]
+        if self.sliding_window is not None and self.kv_allocation == "paged":  # frees by it
+            return "minivllm.core.sliding_window_manager.SlidingWindowKVCacheManager"
+        return KV_CACHE_MANAGERS[self.kv_allocation]  # the qualified name `kv_allocation` names
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -129,8 +128,6 @@ class CacheConfig:
             )
         if self.num_gpu_blocks_override is not None:
             _positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
-        if self.sliding_window is not None:
-            _positive("sliding_window", self.sliding_window)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -21,7 +21,6 @@ Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Iterable
@@ -33,7 +32,6 @@ from minivllm.after_sampling import AfterSampling, ParallelSampling, RequestCont
 from minivllm.attention.selector import get_attention_backend
 from minivllm.config import EngineConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.kv_cache_utils import kv_sliding_window
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.executor import Executor, make_executor
 from minivllm.input_processor import InputProcessor
@@ -82,9 +80,9 @@ class LLMEngine:
         self.kv_cache_dtype = kv_cache_torch_dtype(cc.cache_dtype, self.dtype)  # "auto": dtype
         num_blocks = self.executor.num_blocks  # the same on every rank: the smallest any can hold
         self._fit_max_model_len(num_blocks * cc.block_size)
+        windows = resolve_obj_by_qualname("minivllm.core.sliding_window_manager.kv_sliding_window")
+        cc.sliding_window = windows(self.model)  # all layers' window, if any: names the manager
         manager_cls = kv_cache_manager_cls or resolve_obj_by_qualname(cc.kv_cache_manager_cls)
-        # The model's sliding window, where every layer has one, lets the manager free blocks.
-        cc = dataclasses.replace(cc, sliding_window=kv_sliding_window(self.model))
         self.kv_cache_manager = manager_cls.from_config(cc, num_blocks, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         # Unseeded random sampling draws from the engine's own generator, seeded by `seed`: a

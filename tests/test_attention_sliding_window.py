@@ -72,6 +72,11 @@ def windowed_batch(
     return b
 
 
+def close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    tol = TOLERANCES[torch.float32]  # float32 against float64: summation order only
+    torch.testing.assert_close(out.double(), expected, atol=tol["atol"], rtol=tol["rtol"])
+
+
 def check_backend(
     backend: object, mode: str, window: int, block_size: int, head_dim: int = 16
 ) -> None:
@@ -80,7 +85,7 @@ def check_backend(
     b.meta.plan = backend.plan(b.meta, block_size)  # type: ignore[attr-defined]
     out = backend.attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale, sliding_window=window)  # type: ignore[attr-defined]
     assert not out.isnan().any()
-    torch.testing.assert_close(out.double(), expected, **TOLERANCES[torch.float32])
+    close(out, expected)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -96,9 +101,8 @@ def test_reference_backend_without_window_is_unchanged_by_a_windowed_layer() -> 
     b.meta.plan = ref.plan(b.meta, 8)
     windowed = ref.attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale, sliding_window=5)
     full = ref.attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale)
-    tol = TOLERANCES[torch.float32]
-    torch.testing.assert_close(full.double(), naive_windowed_attention(b, 10**6), **tol)
-    torch.testing.assert_close(windowed.double(), naive_windowed_attention(b, 5), **tol)
+    close(full, naive_windowed_attention(b, 10**6))
+    close(windowed, naive_windowed_attention(b, 5))
 
 
 # head_dim 16 runs the portable loops of cpu_attention.cpp, 64 the AVX-512 ones where the CPU has

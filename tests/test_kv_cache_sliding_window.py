@@ -14,29 +14,34 @@ import random
 import pytest
 from kv_helpers import allocate, make_seq
 
-from minivllm.config import SchedulerConfig
-from minivllm.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
-from minivllm.core.kv_cache_utils import kv_sliding_window
+from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.core.scheduler import Scheduler
+from minivllm.core.sliding_window_manager import (
+    NULL_BLOCK_ID,
+    SlidingWindowKVCacheManager,
+    kv_sliding_window,
+)
 from minivllm.sequence import SequenceStatus
 
 BS = 4
 
 
-def make(num_blocks: int = 16, window: int | None = 6, caching: bool = True) -> KVCacheManager:
-    return KVCacheManager(num_blocks, BS, caching, sliding_window=window)
+def make(
+    num_blocks: int = 16, window: int = 6, caching: bool = True
+) -> SlidingWindowKVCacheManager:
+    return SlidingWindowKVCacheManager(num_blocks, BS, caching, sliding_window=window)
 
 
-def held_refs(kv: KVCacheManager) -> dict[int, int]:
-    """Each block's holders, counted from the block tables (entries past num_skipped)."""
+def held_refs(kv: SlidingWindowKVCacheManager) -> dict[int, int]:
+    """Each block's holders, counted from the block tables (entries past the skipped ones)."""
     counts: dict[int, int] = {}
-    for seq in kv._seqs.values():
-        for b in seq.held_blocks:
+    for seq_id, seq in kv._seqs.items():
+        for b in seq.block_table[kv.num_skipped_blocks(seq_id) :]:
             counts[b] = counts.get(b, 0) + 1
     return counts
 
 
-def check_no_leak(kv: KVCacheManager) -> None:
+def check_no_leak(kv: SlidingWindowKVCacheManager) -> None:
     """Reference counts are exactly the block tables' holds, and free = not held."""
     counts = held_refs(kv)
     assert {b.block_id: b.ref_cnt for b in kv.block_pool.blocks if b.ref_cnt} == counts
@@ -67,25 +72,34 @@ def test_a_block_with_one_visible_key_is_kept() -> None:
     kv.remove_skipped_blocks(1, 12)
     table = kv.get_block_table(1)
     assert table[0] == NULL_BLOCK_ID and table[1] != NULL_BLOCK_ID
-    assert kv._seqs[1].num_skipped == 1
+    assert kv.num_skipped_blocks(1) == 1
 
 
 def test_window_of_one_never_frees_the_block_being_written() -> None:
     kv = make(window=1)
     allocate(kv, 1, list(range(6)), 6)  # block 1 holds 4, 5 and has room for 6
     kv.remove_skipped_blocks(1, 6)
-    assert kv._seqs[1].num_skipped == 1  # block 0 only
+    assert kv.num_skipped_blocks(1) == 1  # block 0 only
     kv.append_slots(1, list(range(7)), 1)
     check_no_leak(kv)
 
 
-def test_without_a_window_nothing_is_freed() -> None:
-    kv = make(window=None)
+def test_a_window_wider_than_the_context_frees_nothing() -> None:
+    kv = make(window=100)
     allocate(kv, 1, list(range(13)), 13)
     free_before = kv.num_free_blocks
     kv.remove_skipped_blocks(1, 13)
     assert kv.num_free_blocks == free_before
-    assert kv._seqs[1].num_skipped == 0
+    assert kv.num_skipped_blocks(1) == 0
+
+
+def test_the_cache_config_names_the_sliding_window_manager_only_for_paged_windows() -> None:
+    cc = CacheConfig(16, False, None, 0.9, 1.0, "paged", "auto")
+    assert cc.kv_cache_manager_cls.endswith(".KVCacheManager")
+    cc.sliding_window = 8
+    assert cc.kv_cache_manager_cls.endswith(".SlidingWindowKVCacheManager")
+    cc.kv_allocation = "orca-max"  # a reservation never frees early: correct, if wasteful
+    assert cc.kv_cache_manager_cls.endswith(".ReservationKVCacheManager")
 
 
 def test_freed_blocks_stay_prefix_cache_hits_until_evicted() -> None:
@@ -99,7 +113,7 @@ def test_freed_blocks_stay_prefix_cache_hits_until_evicted() -> None:
     assert stats.num_evictable_blocks == 2  # freed, hash kept
     # A new prompt with the same start hits all three full blocks; its first query (at 12)
     # cannot see block 0, so that hit is not taken, block 1 is.
-    hit = allocate(kv, 2, prompt + [7], 2)
+    hit = allocate(kv, 2, [*prompt, 7], 2)
     assert hit == 12
     table = kv.get_block_table(2)
     assert table[0] == NULL_BLOCK_ID and table[1] == first_two[1]
@@ -157,7 +171,7 @@ def run_scheduler(
     aborted, the rest run to their length. After every step: each running sequence holds every
     block its next query can see, the counts have no leak; at the end the pool is full."""
     rng = random.Random(seed)
-    kv = KVCacheManager(num_blocks, BS, caching, sliding_window=window)
+    kv = SlidingWindowKVCacheManager(num_blocks, BS, caching, sliding_window=window)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10), kv)
     shared = [rng.randrange(50) for _ in range(9)]  # a common prefix: prefix-cache hits
     lengths = {}
@@ -175,8 +189,8 @@ def run_scheduler(
         for item in out.scheduled:
             # The blocks from the one of the step's first visible key on are still held.
             first = max(0, item.num_computed_tokens - window + 1) // BS
-            assert kv._seqs[item.seq_id].num_skipped <= first
-            num_freed += kv._seqs[item.seq_id].num_skipped
+            assert kv.num_skipped_blocks(item.seq_id) <= first
+            num_freed += kv.num_skipped_blocks(item.seq_id)
         sched.update_after_step(out)
         check_no_leak(kv)
         for item in out.scheduled:
@@ -210,7 +224,7 @@ def test_the_scheduler_runs_preempt_and_free_under_a_window() -> None:
 
 def test_a_window_lets_a_long_sequence_run_in_fewer_blocks_than_it_spans() -> None:
     """40 tokens span 10 blocks; with W = 6 a decode needs at most 3 at a time."""
-    kv = KVCacheManager(4, BS, True, sliding_window=6)
+    kv = SlidingWindowKVCacheManager(4, BS, True, sliding_window=6)
     sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8), kv)
     seq = make_seq(0, list(range(6)))
     sched.add_seq(seq)

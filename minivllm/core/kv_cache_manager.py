@@ -18,12 +18,6 @@ and turns block tables into slot mappings.
   step commits (`commit_step`); a step that fails withdraws the names it gave (`rollback_step`),
   so no block whose K/V was never written is ever served to a later step. Freed blocks keep their
   hash and stay reusable until the pool needs them.
-- Sliding windows (Mistral, Gemma 2/3; vLLM v1's `SlidingWindowManager`): when every layer sees
-  only the last `sliding_window` keys, a block whose last token no query can see again (the next
-  query is at `num_computed_tokens`) goes back to the pool (`remove_skipped_blocks`), its hash kept
-  so that it stays a prefix-cache hit until evicted; its entry in the block table becomes
-  `NULL_BLOCK_ID`, a placeholder the attention backends never read (minivllm/attention/). A
-  model that mixes windowed and global layers passes no window: a global layer reads everything.
 - Other allocation policies subclass this one and are handed to the engine (the paper's Orca
   baselines: minivllm/experiments/reservation.py); `supports_forks` says whether forks may share.
 """
@@ -46,11 +40,6 @@ from minivllm.core.kv_cache_utils import (
     NoFreeBlocksError,
     hash_block_tokens,
 )
-
-# What a block table holds in place of a block freed under a sliding window: a real block id, so
-# that the tables stay valid tensors, but one that no backend reads for that entry (it is before
-# every query's window) and that no bookkeeping here counts (entries before `num_skipped`).
-NULL_BLOCK_ID = 0
 
 if TYPE_CHECKING:
     from minivllm.config import CacheConfig
@@ -95,14 +84,6 @@ class SeqBlocks:
     num_slots: int  # tokens that have a slot
     block_hashes: list[BlockHash]  # names of its full blocks, in order (canonical when cached)
     extra_keys: ExtraKeys  # folded into every block hash of this sequence
-    # Leading entries freed under the sliding window (NULL_BLOCK_ID now); always a prefix, since
-    # the window only moves forward.
-    num_skipped: int = 0
-
-    @property
-    def held_blocks(self) -> list[int]:
-        """The block ids this sequence holds a reference to, in logical order."""
-        return self.block_table[self.num_skipped :]
 
 
 class KVCacheManager:
@@ -116,15 +97,12 @@ class KVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         hash_fn: HashFn = hash_block_tokens,  # vLLM lets users choose it too (builtin or sha256)
-        sliding_window: int | None = None,  # every layer's window; None: keep every block
     ) -> None:
-        sizes = [("num_blocks", num_blocks), ("block_size", block_size)]
-        for name, value in sizes + ([] if sliding_window is None else [("sliding_window", sliding_window)]):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching, hash_fn)
         self._seqs: dict[SeqId, SeqBlocks] = {}
@@ -139,12 +117,7 @@ class KVCacheManager:
     @classmethod
     def from_config(cls, cache: CacheConfig, num_blocks: int, max_model_len: int) -> KVCacheManager:
         """The factory the engine calls (`LLMEngine(..., kv_cache_manager_cls=...)`)."""
-        return cls(
-            num_blocks,
-            cache.block_size,
-            cache.enable_prefix_caching,
-            sliding_window=cache.sliding_window,
-        )
+        return cls(num_blocks, cache.block_size, cache.enable_prefix_caching)
 
     def check_forks_allowed(self) -> None:
         """Raise where a request that forks (n > 1, beam search) cannot run on this manager."""
@@ -165,7 +138,7 @@ class KVCacheManager:
     def num_blocks_without_sharing(self) -> int:
         """The blocks in use if no block were shared: each sequence holding its own copy of every
         block in its table (the baseline of the paper's Fig. 15 memory saving)."""
-        return sum(len(seq.held_blocks) for seq in self._seqs.values())
+        return sum(len(seq.block_table) for seq in self._seqs.values())
 
     def has_seq(self, seq_id: SeqId) -> bool:
         return seq_id in self._seqs
@@ -234,17 +207,12 @@ class KVCacheManager:
                 f"(tokens after the {num_cached_tokens} cached ones), got {num_new_tokens}"
             )
         self._check_free(seq_id, self._num_blocks_to_take(computed, num_new_tokens))
-        # Hits before the first query's window are not taken: their names still chain the hashes
-        # of the blocks after them, but nothing will read their K/V.
-        num_skipped = self._num_skipped_blocks(num_cached_tokens)
-        live = computed.blocks[num_skipped:]
-        self.block_pool.touch(live)  # hits first, so the pops below cannot evict them
+        self.block_pool.touch(computed.blocks)  # hits first, so the pops below cannot evict them
         entry = SeqBlocks(
-            block_table=[NULL_BLOCK_ID] * num_skipped + [b.block_id for b in live],
+            block_table=[b.block_id for b in computed.blocks],
             num_slots=num_cached_tokens,
             block_hashes=[b.block_hash for b in computed.blocks if b.block_hash is not None],
             extra_keys=extra_keys,
-            num_skipped=num_skipped,
         )
         self._seqs[seq_id] = entry
         self._grow(entry, token_ids, num_new_tokens)
@@ -285,36 +253,10 @@ class KVCacheManager:
         parent = self._seq(parent_id)
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} already holds blocks; cannot fork into it")
-        self.block_pool.touch(self.block_pool.blocks[b] for b in parent.held_blocks)
+        self.block_pool.touch(self.block_pool.blocks[b] for b in parent.block_table)
         self._seqs[child_id] = SeqBlocks(
-            list(parent.block_table),
-            parent.num_slots,
-            list(parent.block_hashes),
-            parent.extra_keys,
-            parent.num_skipped,
+            list(parent.block_table), parent.num_slots, list(parent.block_hashes), parent.extra_keys
         )
-
-    def remove_skipped_blocks(self, seq_id: SeqId, num_computed_tokens: int) -> None:
-        """Free the blocks that no query of `seq_id` can see again (vLLM v1's name). Its next
-        query is at position `num_computed_tokens` and sees keys > that - sliding_window, and
-        later queries see less; a block whose last token is before that goes back to the pool
-        (kept in the prefix cache, evictable) and its table entry becomes NULL_BLOCK_ID. Call it
-        before asking for the step's slots, so the freed blocks count as free. No window: no-op."""
-        seq = self._seq(seq_id)
-        if not 0 <= num_computed_tokens <= seq.num_slots:
-            raise ValueError(
-                f"num_computed_tokens must be in [0, {seq.num_slots}], got {num_computed_tokens}"
-            )
-        num_skipped = self._num_skipped_blocks(num_computed_tokens)
-        if num_skipped <= seq.num_skipped:
-            return
-        blocks = self.block_pool.blocks
-        freed = [blocks[b] for b in seq.block_table[seq.num_skipped : num_skipped]]
-        # Tail first, as `free` does: the front of a prefix is the likelier to be shared.
-        self.block_pool.free_blocks(reversed(freed))
-        seq.block_table[seq.num_skipped : num_skipped] = [NULL_BLOCK_ID] * len(freed)
-        seq.num_skipped = num_skipped
-        self._record_utilization()
 
     def free(self, seq_id: SeqId) -> None:
         """Release a finished, aborted or preempted sequence's blocks. Tail first: the queue evicts
@@ -326,7 +268,7 @@ class KVCacheManager:
                 f"sequence {seq_id!r} holds no blocks (never allocated, or already freed)"
             )
         blocks = self.block_pool.blocks
-        self.block_pool.free_blocks(blocks[b] for b in reversed(seq.held_blocks))
+        self.block_pool.free_blocks(blocks[b] for b in reversed(seq.block_table))
         self._record_utilization()
 
     def commit_step(self) -> None:
@@ -359,7 +301,7 @@ class KVCacheManager:
             self.num_blocks,
             self.num_free_blocks,
             lambda: {s: tuple(seq.block_table) for s, seq in seqs.items()},
-            lambda: {b: blocks[b].ref_cnt for seq in seqs.values() for b in seq.held_blocks},
+            lambda: {b: blocks[b].ref_cnt for seq in seqs.values() for b in seq.block_table},
             lambda: {block.block_id: key for key, block in cached.items()},
             self.get_stats,
         )
@@ -397,21 +339,12 @@ class KVCacheManager:
             msg = f"sequence {seq_id!r} needs {num_to_take} blocks, {self.num_free_blocks} are free"
             raise NoFreeBlocksError(msg)
 
-    def _num_skipped_blocks(self, num_computed_tokens: int) -> int:
-        """Leading blocks that a query at `num_computed_tokens` (and every later one) cannot see:
-        those before the block of its first visible key, num_computed_tokens - window + 1."""
-        if self.sliding_window is None:
-            return 0
-        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
-
     def _num_blocks_to_take(self, computed: ComputedBlocks, num_new_tokens: int) -> int:
-        """Free-queue blocks an admission consumes: fresh blocks + hits that are now evictable
-        (and inside the first query's window: the others are not taken)."""
+        """Free-queue blocks an admission consumes: fresh blocks + hits that are now evictable."""
         num_hits = len(computed.blocks)
         num_tokens = computed.num_computed_tokens + num_new_tokens
         fresh = -(-num_tokens // self.block_size) - num_hits
-        live = computed.blocks[self._num_skipped_blocks(computed.num_computed_tokens) :]
-        return fresh + sum(1 for b in live if b.ref_cnt == 0)
+        return fresh + sum(1 for b in computed.blocks if b.ref_cnt == 0)
 
     def _num_blocks_to_append(self, seq: SeqBlocks, num_new_tokens: int) -> int:
         if num_new_tokens <= 0:

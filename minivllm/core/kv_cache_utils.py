@@ -12,7 +12,6 @@ the per-sequence block tables.
   sequence holds, front = least recently freed = evicted first. A `collections.deque` could not
   take a block out of its middle, which a prefix-cache hit on a free block needs; the links make
   that removal O(1).
-- Which sliding window the manager may free by (`kv_sliding_window`): one shared by every layer.
 - Block hashing for automatic prefix caching (vLLM v1's `hash_block_tokens` / `BlockHash`): a FULL
   block is named by a hash of (its parent's hash, its token ids, extra keys), so a name stands for
   the whole prefix up to and including the block, and equal prefixes get equal names.
@@ -27,16 +26,6 @@ from types import MappingProxyType
 
 ExtraKeys = tuple[Hashable, ...] | None  # what else shapes a block's KV (LoRA id, cache salt)
 HashFn = Callable[[int | None, tuple[int, ...], ExtraKeys], int]  # (parent hash, tokens, extra)
-
-
-def kv_sliding_window(model: object) -> int | None:
-    """The sliding window the KV cache manager frees blocks by, read off the model's attention
-    layers (the modules with a `sliding_window` attribute, None on a global layer): the largest
-    window when every layer has one, since what it cannot see no layer can; None when a layer is
-    global or none has the attribute. So Gemma 2/3, which mix both, keep every block for now."""
-    modules = getattr(model, "modules", None)  # an nn.Module's; duck-typed, this tier has no torch
-    found = [m.sliding_window for m in modules() if hasattr(m, "sliding_window")] if modules else []
-    return None if not found or None in found else max(found)
 
 
 class NoFreeBlocksError(RuntimeError):

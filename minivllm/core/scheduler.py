@@ -132,9 +132,6 @@ class Scheduler:
             if num_new == 0:  # a beam that has sampled waits for its round's other beams
                 i += 1
                 continue
-            # Under a sliding window, what the step's first query can no longer see is freed
-            # first, so that it counts as free below (vLLM v1's allocate_slots does the same).
-            kv.remove_skipped_blocks(seq.seq_id, seq.num_computed_tokens)
             while not kv.can_append_slots(seq.seq_id, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)

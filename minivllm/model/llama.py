@@ -107,9 +107,7 @@ class LlamaAttention(nn.Module):
             tp,
         )
         self.backend = backend
-        # This layer's sliding window (None: global). A model sets it per layer (Gemma alternates);
-        # the engine frees KV blocks by it where all layers share one (core/kv_cache_utils.py).
-        self.sliding_window: int | None = getattr(config, "sliding_window", None)
+        self.sliding_window: int | None = getattr(config, "sliding_window", None)  # None: global
 
     def forward(
         self,
@@ -129,9 +127,7 @@ class LlamaAttention(nn.Module):
         # Write first, then attend: the new tokens must see themselves, and another request
         # that shares a prefix block computed in this same step reads it from the cache.
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.backend.attend(
-            q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window
-        )  # [T, num_heads, head_dim]
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.q_size))  # the layer's first all-reduce
 
 
