@@ -11,6 +11,7 @@ do greedy tokens under chunking, preemption and prefix caching, with every block
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from minivllm import SamplingParams
 from minivllm.attention.selector import get_attention_backend
 from minivllm.core.sliding_window_manager import SlidingWindowKVCacheManager
 from minivllm.model.config import LlamaConfig
+from minivllm.model.llama import LlamaAttention
 from minivllm.model.loader import load_model
 from minivllm.model.resolver import resolve_model
 
@@ -35,7 +37,8 @@ def tiny_pair(tmp: Path) -> tuple[MistralForCausalLM, MistralForCausalLM, Path]:
     llama, path = save_tiny_llama(tmp, OVERRIDES)
     models = []
     for window in (WINDOW, None):
-        cfg = MistralConfig(**(BASE | OVERRIDES), sliding_window=window, head_dim=32)
+        kwargs: dict[str, Any] = {**BASE, **OVERRIDES}
+        cfg = MistralConfig(**kwargs, sliding_window=window, head_dim=32)
         cfg._attn_implementation = "eager"
         hf = MistralForCausalLM(cfg).float().eval()
         hf.load_state_dict(llama.state_dict())
@@ -49,8 +52,9 @@ def test_windowed_logits_match_transformers_mistral_in_chunks(tmp_path: Path, ba
     model = load_model(
         resolve_model(path), get_attention_backend(backend), torch.float32, torch.device("cpu")
     )
-    for layer in model.model.layers:
-        layer.self_attn.sliding_window = WINDOW
+    for module in model.modules():
+        if isinstance(module, LlamaAttention):
+            module.sliding_window = WINDOW  # what a windowed model's layers carry
     ids = torch.randint(0, 512, (60,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(ids[None]).logits[0]
