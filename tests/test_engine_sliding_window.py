@@ -99,3 +99,17 @@ def test_engine_frees_out_of_window_blocks_and_matches_greedy_mistral(
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert engine.kv_cache_manager.num_free_blocks == 24
+
+
+def test_the_cpu_decode_replay_refuses_a_windowed_model(tmp_path: Path) -> None:
+    """The C++ decode loop calls paged_decode, which has no window: such a model stays in Python."""
+    from minivllm.cpu.decode_loop import CpuDecodeLoop
+
+    _, path = save_tiny_llama(tmp_path, OVERRIDES)
+    model = load_model(
+        resolve_model(path), get_attention_backend("cpu"), torch.float32, torch.device("cpu")
+    )
+    if not CpuDecodeLoop.supports(model):
+        pytest.skip("the C++ decode loop does not run this model on this CPU even without a window")
+    model.model.layers[1].self_attn.sliding_window = WINDOW  # type: ignore[union-attr]
+    assert not CpuDecodeLoop.supports(model)

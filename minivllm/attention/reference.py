@@ -60,7 +60,7 @@ def bottom_right_causal_mask(
 
 def first_visible_key(query_start: int, sliding_window: int | None) -> int:
     """The first key position any query at `query_start` or later can see: 0 without a window.
-    The KV cache manager frees the blocks wholly before it (core/kv_cache_manager.py), so a
+    The KV cache manager frees the blocks wholly before it (core/sliding_window_manager.py), so a
     backend must not read them: their block-table entries are a placeholder."""
     return 0 if sliding_window is None else max(0, query_start - sliding_window + 1)
 
