@@ -72,20 +72,21 @@ def windowed_batch(
     return b
 
 
-def close(out: torch.Tensor, expected: torch.Tensor) -> None:
-    tol = TOLERANCES[torch.float32]  # float32 against float64: summation order only
+def close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    tol = TOLERANCES[dtype]  # float32 against float64: summation order only
     torch.testing.assert_close(out.double(), expected, atol=tol["atol"], rtol=tol["rtol"])
 
 
 def check_backend(
-    backend: object, mode: str, window: int, block_size: int, head_dim: int = 16
-) -> None:
-    b = windowed_batch(mode, window, 4, 2, head_dim, block_size)
+    backend: object, mode: str, window: int, block_size: int, head_dim: int = 16,
+    heads: tuple[int, int] = (4, 2), dtype: torch.dtype = torch.float32,
+) -> None:  # fmt: skip
+    b = windowed_batch(mode, window, *heads, head_dim, block_size, dtype)
     expected = naive_windowed_attention(b, window)
     b.meta.plan = backend.plan(b.meta, block_size)  # type: ignore[attr-defined]
     out = backend.attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale, sliding_window=window)  # type: ignore[attr-defined]
     assert not out.isnan().any()
-    close(out, expected)
+    close(out, expected, dtype)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -123,3 +124,10 @@ def test_triton_backend_masks_outside_the_window(mode: str, window: int, num_spl
     if mode in ("prefill", "extend") and num_splits > 1:
         pytest.skip("the split count only changes decode rows")
     check_backend(TritonBackend(num_splits=num_splits), mode, window, 16)
+
+
+def test_triton_prefill_rows_that_see_nothing_of_the_first_key_tile_stay_finite() -> None:
+    """The GPU's bfloat16 tiles hold 128 query rows and 64 keys (MHA): with W = 5, the later rows
+    of a query block see none of the first key tile, whose max is -inf for them."""
+    backend = TritonBackend(gpu_tiles=True)
+    check_backend(backend, "prefill", 5, 16, 64, heads=(4, 4), dtype=torch.bfloat16)
