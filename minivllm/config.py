@@ -97,11 +97,13 @@ class CacheConfig:
     cpu_kv_cache_space: float  # GiB
     kv_allocation: str  # one of KV_ALLOCATIONS
     cache_dtype: str  # one of KV_CACHE_DTYPES (EngineArgs.kv_cache_dtype; vLLM's names both)
+    sliding_window: int | None = None  # every layer's window: set by the engine from the model
 
     @property
     def kv_cache_manager_cls(self) -> str:
-        """The qualified name of the KV cache manager `kv_allocation` chooses."""
-        return KV_CACHE_MANAGERS[self.kv_allocation]
+        if self.sliding_window is not None and self.kv_allocation == "paged":  # frees by it
+            return "minivllm.core.sliding_window_manager.SlidingWindowKVCacheManager"
+        return KV_CACHE_MANAGERS[self.kv_allocation]  # the qualified name `kv_allocation` names
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

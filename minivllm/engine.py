@@ -80,6 +80,8 @@ class LLMEngine:
         self.kv_cache_dtype = kv_cache_torch_dtype(cc.cache_dtype, self.dtype)  # "auto": dtype
         num_blocks = self.executor.num_blocks  # the same on every rank: the smallest any can hold
         self._fit_max_model_len(num_blocks * cc.block_size)
+        windows = resolve_obj_by_qualname("minivllm.core.sliding_window_manager.kv_sliding_window")
+        cc.sliding_window = windows(self.model)  # all layers' window, if any: names the manager
         manager_cls = kv_cache_manager_cls or resolve_obj_by_qualname(cc.kv_cache_manager_cls)
         self.kv_cache_manager = manager_cls.from_config(cc, num_blocks, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)

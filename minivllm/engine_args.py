@@ -44,7 +44,6 @@ from minivllm.config import (
     SchedulerConfig,
 )
 from minivllm.model.loader import load_config
-from minivllm.model.registry import check_sliding_window
 from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
 from minivllm.model.source import ModelSource
 from minivllm.structured_output.params import StructuredOutputsConfig
@@ -308,7 +307,6 @@ def _resolve(mc: ModelConfig) -> ResolvedConfig:
         raise ValueError(
             f"max_model_len must be at most the model's {model_max} positions, got {max_model_len}"
         )
-    check_sliding_window(hf_config, max_model_len)  # before any weight loads
     generation = load_generation_defaults(source)  # read before any worker starts
     quantization = resolve_quantization(mc.quantization, source)
     if quantization == "gguf" and hf_config.architecture == "Phi3ForCausalLM":

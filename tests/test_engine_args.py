@@ -144,6 +144,9 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         ):  # one JSON flag -> one typed config
             carried.update(dataclasses.asdict(getattr(config, section.name)))
     carried["kv_cache_dtype"] = carried.pop("cache_dtype")  # vLLM's names: CacheConfig.cache_dtype
+    # The model's window (vLLM's CacheConfig.sliding_window too), not an argument: set by the
+    # engine from the model's attention layers (core/sliding_window_manager.py).
+    assert carried.pop("sliding_window") is None
     assert carried == {k: v for k, v in values.items() if k != "structured_outputs_config"}
     assert config.structured_outputs.backend == "xgrammar"
     assert config.structured_outputs.disable_any_whitespace is True

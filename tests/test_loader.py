@@ -89,14 +89,6 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
         _load(tmp_path)
 
 
-def test_mistral_with_sliding_window_is_refused(tmp_path: Path) -> None:
-    save_tiny_llama(tmp_path, {})  # a whole checkpoint: refused before a weight is read
-    cfg = dict(BASE, architectures=["MistralForCausalLM"], sliding_window=64)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedArchitectureError, match="sliding window"):
-        _load(tmp_path)
-
-
 def test_truncated_safetensors_is_a_corrupt_checkpoint(tmp_path: Path) -> None:
     save_tiny_llama(tmp_path, {})
     weights = tmp_path / "model.safetensors"

@@ -21,7 +21,7 @@ import pytest
 import torch
 from engine_utils import checked_llm, hf_greedy
 
-from minivllm.model.errors import SlidingWindowNotSupportedError, UnsupportedArchitectureError
+from minivllm.model.errors import UnsupportedArchitectureError
 from minivllm.sampling_params import SamplingParams
 
 SHAPE = dict(
@@ -160,39 +160,38 @@ def test_an_unknown_architecture_is_refused_naming_it_and_the_supported_ones(
         assert name in str(err.value)
 
 
-@pytest.mark.parametrize(
-    "fields",
-    [
-        dict(architectures=["MistralForCausalLM"], sliding_window=64),
-        dict(architectures=["Phi3ForCausalLM"], sliding_window=64),
-        dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64),
-    ],
-)
-def test_a_sliding_window_shorter_than_max_model_len_is_refused_by_name(
-    tmp_path: Path, fields: dict[str, Any]
+@pytest.mark.parametrize("family", ["mistral-no-window", "phi3"])
+def test_a_sliding_window_shorter_than_the_context_gives_transformers_tokens(
+    tmp_path: Path, family: str
 ) -> None:
-    from minivllm.llm import LLM
+    """A window of 8 under prompts of 5-32 tokens: the backends mask outside it and the KV cache
+    manager frees what falls out (test_engine_sliding_window.py goes further, for Mistral)."""
+    hf, path = save_family(tmp_path, family, sliding_window=8)
+    prompts, max_tokens, expected = prompts_and_oracle(hf)
+    with family_llm(path, max_model_len=256) as llm:
+        assert {layer.self_attn.sliding_window for layer in llm.llm_engine.model.model.layers} == {
+            8
+        }
+        assert greedy(llm, prompts, max_tokens) == expected
 
-    path = write_config(tmp_path, **fields)
-    with pytest.raises(SlidingWindowNotSupportedError, match="sliding-window attention is not"):
-        LLM(model=str(path), skip_tokenizer_init=True, cpu_kv_cache_space=0.01)
-    assert load_config_of(path).sliding_window == 64
 
-
-def test_a_window_that_is_off_or_as_long_as_max_model_len_runs(tmp_path: Path) -> None:
-    """Qwen2 writes a window it does not use unless `use_sliding_window`; Mistral's window at
-    least as long as max_model_len is full attention for every request."""
-    from minivllm.model.registry import check_sliding_window
-
+def test_a_window_that_is_off_is_no_window_and_mixed_layer_kinds_are_refused(
+    tmp_path: Path,
+) -> None:
+    """Qwen2 writes a window it does not use unless `use_sliding_window`, and then only from
+    layer `max_window_layers` on: a window per layer group is refused by name."""
     off = write_config(
         tmp_path, architectures=["Qwen2ForCausalLM"], use_sliding_window=False, sliding_window=8
     )
     assert load_config_of(off).sliding_window is None
-    config = load_config_of(write_config(tmp_path, architectures=["MistralForCausalLM"]))
-    config.sliding_window = 128
-    check_sliding_window(config, 128)
-    with pytest.raises(SlidingWindowNotSupportedError, match="max_model_len=128"):
-        check_sliding_window(config, 129)
+    mixed = write_config(
+        tmp_path, architectures=["Qwen2ForCausalLM"], sliding_window=8,
+        layer_types=["full_attention", "sliding_attention"],
+    )  # fmt: skip
+    with pytest.raises(
+        UnsupportedArchitectureError, match="mixed sliding and full attention layers: unsupported"
+    ):
+        load_config_of(mixed)
 
 
 @pytest.mark.parametrize(
@@ -218,7 +217,7 @@ def test_the_registry_builds_the_class_it_names(tmp_path: Path) -> None:
     from minivllm.model.registry import MODELS, model_class
 
     config = load_config_of(write_config(tmp_path, architectures=["Qwen3ForCausalLM"]))
-    assert model_class(config, 256) is Qwen3ForCausalLM
+    assert model_class(config) is Qwen3ForCausalLM
     for architecture in MODELS:
         config.architecture = architecture
-        assert issubclass(model_class(config, 256), torch.nn.Module)
+        assert issubclass(model_class(config), torch.nn.Module)

@@ -9,7 +9,7 @@ every layer (nano-vllm keeps it in a global; we do not).
 A backend does two things per layer: `write_kv` scatters the new tokens' K/V into their cache
 slots, then `attend` computes causal attention of the new tokens over everything in the cache for
 their request. One interface serves prefill, chunked prefill, prefix-cache hits and decode, because
-a step is just a set of (request, new tokens) pairs.
+a step is just a set of (request, new tokens) pairs; a layer's sliding window is an argument.
 
 Backends: "reference" (gather + scaled-dot-product attention, the specification), "cpu" (every
 row through a compiled paged kernel, the CPU default) and "triton" (fused kernels, the CUDA
@@ -42,12 +42,8 @@ class AttentionMetadata:
 
     query_start_loc: torch.Tensor  # int32 [B + 1]  prefix sums of new-token counts
     seq_lens: torch.Tensor  # int32 [B]  tokens in cache after this step's write
-    block_tables: (
-        torch.Tensor
-    )  # int32 [B, max_blocks_per_seq]  logical -> physical block (padded with 0)
-    slot_mapping: (
-        torch.Tensor
-    )  # int64 [T]  flat slot (block * block_size + offset) per new token; -1 skips
+    block_tables: torch.Tensor  # int32 [B, max_blocks]  logical -> physical (0: padding, or freed)
+    slot_mapping: torch.Tensor  # int64 [T]  flat slot (block * block_size + offset); -1 skips
     max_query_len: int
     max_seq_len: int
     # The backend's own per-step work list (which rows are decodes, how prompt chunks gather),
@@ -90,6 +86,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # the layer's: p sees j iff p - W < j <= p
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 

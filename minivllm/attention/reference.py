@@ -5,7 +5,9 @@ its K/V blocks through the block table into one contiguous tensor, then call
 `scaled_dot_product_attention` with a *bottom-right* aligned causal mask. The new tokens are the
 last `query_len` of the `seq_len` tokens in cache, so query row i may see keys 0..seq_len-query_len+i.
 (`is_causal=True` aligns the triangle top-left, which is wrong as soon as a cached prefix or an
-earlier prefill chunk precedes the new tokens.)
+earlier prefill chunk precedes the new tokens.) A layer's sliding window W narrows the mask to the
+last W keys of each query (HF transformers' `sliding_window_overlay`), and a prompt chunk then
+gathers only from the block of its first visible key on.
 
 Decode requests (one new token each) are batched into a few padded calls, grouped by length, which
 is what makes this backend fast enough to be the CPU default; prompt chunks are attended one
@@ -18,7 +20,7 @@ Tier: model. It imports leaves and core.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,11 +40,29 @@ def gather_kv(
     return blocks.view(b, n * block_size, h, d)
 
 
-def bottom_right_causal_mask(query_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    """Bool [query_len, seq_len]: query i (at position seq_len-query_len+i) sees keys <= its position."""
+def bottom_right_causal_mask(
+    query_len: int,
+    seq_len: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+    first_key: int = 0,
+) -> torch.Tensor:
+    """Bool [query_len, seq_len - first_key]: query i (at position seq_len-query_len+i) sees keys
+    first_key.. up to its position; with a sliding window W only the last W of them (HF's
+    `sliding_window_overlay`: key j is visible from position p iff p - W < j <= p)."""
     q_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
-    k_pos = torch.arange(seq_len, device=device)[None, :]
-    return k_pos <= q_pos
+    k_pos = torch.arange(first_key, seq_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= q_pos - k_pos < sliding_window
+    return mask
+
+
+def first_visible_key(query_start: int, sliding_window: int | None) -> int:
+    """The first key position any query at `query_start` or later can see: 0 without a window.
+    The KV cache manager frees the blocks wholly before it (core/sliding_window_manager.py), so a
+    backend must not read them: their block-table entries are a placeholder."""
+    return 0 if sliding_window is None else max(0, query_start - sliding_window + 1)
 
 
 def group_by_length(
@@ -79,15 +99,28 @@ class PromptChunk:
 
     start: int  # first row in the flat batch
     query_len: int
-    block_table: torch.Tensor  # int32 [1, n_blocks]
+    block_table: torch.Tensor  # int32 [1, n_blocks - first_key // block_size]  from first_key's
     seq_len: int
-    mask: torch.Tensor  # bool [query_len, seq_len]  bottom-right causal
+    mask: torch.Tensor  # bool [query_len, seq_len - first_key]  bottom-right causal (+ window)
+    first_key: int = 0  # position of the gathered context's first key: a multiple of block_size
 
 
 @dataclass
 class AttentionPlan:
     decode_groups: list[DecodeGroup]
     prompt_chunks: list[PromptChunk]
+    # The same step's plan under each sliding window met so far, built at the first layer with
+    # that window (Gemma alternates windowed and global layers; each kind is planned once).
+    windowed: dict[int, AttentionPlan] = field(default_factory=dict)
+
+    def for_window(
+        self, meta: AttentionMetadata, block_size: int, sliding_window: int | None
+    ) -> AttentionPlan:
+        if sliding_window is None:
+            return self
+        if sliding_window not in self.windowed:
+            self.windowed[sliding_window] = make_plan(meta, block_size, sliding_window)
+        return self.windowed[sliding_window]
 
 
 def query_lens_of(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
@@ -96,8 +129,11 @@ def query_lens_of(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
     return [starts[i + 1] - starts[i] for i in range(len(starts) - 1)], meta.seq_lens.tolist()
 
 
-def plan_prompt_chunks(meta: AttentionMetadata, block_size: int) -> list[PromptChunk]:
-    """One `PromptChunk` per request with more than one new token."""
+def plan_prompt_chunks(
+    meta: AttentionMetadata, block_size: int, sliding_window: int | None = None
+) -> list[PromptChunk]:
+    """One `PromptChunk` per request with more than one new token. Under a sliding window the
+    gather starts at the block of the first key the chunk's first row sees."""
     device = meta.seq_lens.device
     starts = meta.query_start_loc.tolist()
     query_lens, seq_lens = query_lens_of(meta)
@@ -105,19 +141,26 @@ def plan_prompt_chunks(meta: AttentionMetadata, block_size: int) -> list[PromptC
     for i, q_len in enumerate(query_lens):
         if q_len > 1:
             n_blocks = -(-seq_lens[i] // block_size)
+            first_block = first_visible_key(seq_lens[i] - q_len, sliding_window) // block_size
+            first_key = first_block * block_size
             chunks.append(
                 PromptChunk(
                     start=starts[i],
                     query_len=q_len,
-                    block_table=meta.block_tables[i : i + 1, :n_blocks],
+                    block_table=meta.block_tables[i : i + 1, first_block:n_blocks],
                     seq_len=seq_lens[i],
-                    mask=bottom_right_causal_mask(q_len, seq_lens[i], device),
+                    mask=bottom_right_causal_mask(
+                        q_len, seq_lens[i], device, sliding_window, first_key
+                    ),
+                    first_key=first_key,
                 )
             )
     return chunks
 
 
-def make_plan(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
+def make_plan(
+    meta: AttentionMetadata, block_size: int, sliding_window: int | None = None
+) -> AttentionPlan:
     device = meta.seq_lens.device
     starts = meta.query_start_loc.tolist()
     query_lens, seq_lens = query_lens_of(meta)
@@ -126,8 +169,12 @@ def make_plan(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
         n_blocks = -(-max(seq_lens[i] for i in rows) // block_size)
         idx = torch.tensor(rows, device=device)
         lens = meta.seq_lens[idx].long()  # [G]
-        # A decode token is the newest token, so it sees every real key: the mask is padding only.
-        valid = torch.arange(n_blocks * block_size, device=device)[None, :] < lens[:, None]
+        # A decode token is the newest token, so it sees every real key: the mask is padding only,
+        # and under a sliding window W also the keys before its last W.
+        k_pos = torch.arange(n_blocks * block_size, device=device)[None, :]
+        valid = k_pos < lens[:, None]  # [G, n_blocks * block_size]
+        if sliding_window is not None:
+            valid &= k_pos >= lens[:, None] - sliding_window
         groups.append(
             DecodeGroup(
                 token_idx=torch.tensor([starts[i] for i in rows], device=device),
@@ -135,7 +182,7 @@ def make_plan(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
                 valid=valid[:, None, None, :],
             )
         )
-    return AttentionPlan(groups, plan_prompt_chunks(meta, block_size))
+    return AttentionPlan(groups, plan_prompt_chunks(meta, block_size, sliding_window))
 
 
 def attend_prompt_chunk(
@@ -146,9 +193,10 @@ def attend_prompt_chunk(
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim]  the chunk's rows are written
 ) -> None:
-    """Causal attention of one request's new tokens over its whole cached context."""
-    k = gather_kv(k_cache, chunk.block_table)[:, : chunk.seq_len]  # [1, S, Hkv, D]
-    v = gather_kv(v_cache, chunk.block_table)[:, : chunk.seq_len]
+    """Causal attention of one request's new tokens over its cached context (from first_key)."""
+    context_len = chunk.seq_len - chunk.first_key  # S
+    k = gather_kv(k_cache, chunk.block_table)[:, :context_len]  # [1, S, Hkv, D]
+    v = gather_kv(v_cache, chunk.block_table)[:, :context_len]
     rows = slice(chunk.start, chunk.start + chunk.query_len)
     q = query[rows].unsqueeze(0).transpose(1, 2)  # [1, num_heads, query_len, head_dim]
     o = F.scaled_dot_product_attention(
@@ -195,14 +243,16 @@ class ReferenceBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # the layer's: key j seen from p iff p - W < j <= p
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        plan = (
-            meta.plan if isinstance(meta.plan, AttentionPlan) else make_plan(meta, k_cache.shape[1])
-        )
+        block_size = k_cache.shape[1]
+        plan = meta.plan if isinstance(meta.plan, AttentionPlan) else make_plan(meta, block_size)
+        plan = plan.for_window(meta, block_size, sliding_window)
         out = torch.empty_like(query)
         for group in plan.decode_groups:
-            # The padding of a short row reads never-written slots (the cache is not zero-filled):
-            # the mask alone would not do, since 0 * NaN is NaN, so its keys and values become 0.
+            # The padding of a short row reads never-written slots (the cache is not zero-filled),
+            # and keys before a sliding window may sit in freed blocks (a placeholder's, another
+            # request's): the mask alone would not do, since 0 * NaN is NaN, so they become 0.
             pad = ~group.valid.view(group.valid.shape[0], -1, 1, 1)  # [G, L, 1, 1]
             k = gather_kv(k_cache, group.block_tables).masked_fill(pad, 0)  # [G, L, Hkv, D]
             v = gather_kv(v_cache, group.block_tables).masked_fill(pad, 0)

@@ -13,6 +13,8 @@ Which kernel serves which rows of a batch (see docs/architecture.md for the step
   first stage writes the output and the merge is not launched.
 - requests with several new tokens (prefill, chunked prefill, prefix-cache hits): the
   prefill/extend kernel, over a flat list of the query blocks that exist.
+- a layer's sliding window is a run-time argument of both attention kernels: they start each
+  key range at the first key its rows can see and mask the rest (one compiled kernel for all).
 
 Every launch is a `KernelLaunch` value (kernel, grid, arguments, settings) built by the functions
 below: the backend runs them, and the compile-only test compiles the very same values for sm_90
@@ -126,6 +128,7 @@ def attend_launches(
     meta: AttentionMetadata,
     layer: LayerPlan,
     scale: float,
+    sliding_window: int | None = None,
 ) -> list[KernelLaunch]:
     """The launches of one layer's attention: prefill blocks, decode stage 1, decode stage 2.
 
@@ -134,6 +137,7 @@ def attend_launches(
     """
     num_kv_heads = k_cache.shape[2]
     qk_scale = scale * LOG2E
+    window = K.NO_WINDOW if sliding_window is None else sliding_window
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     launches = []
     args: tuple[Any, ...]
@@ -143,7 +147,7 @@ def attend_launches(
             query, k_cache, v_cache, out,
             meta.block_tables, meta.seq_lens, meta.query_start_loc,
             layer.q_blocks,
-            qk_scale,
+            qk_scale, window,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             meta.block_tables.stride(0), *cache_strides,
         )  # fmt: skip
@@ -160,7 +164,7 @@ def attend_launches(
         args = (
             query, k_cache, v_cache, out, part_out, part_lse, layer.decode_seqs,
             meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            layer.num_splits, qk_scale,
+            layer.num_splits, qk_scale, window,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             meta.block_tables.stride(0), *cache_strides, *part_strides,
         )  # fmt: skip
@@ -234,6 +238,7 @@ class TritonBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # the layer's: key j seen from p iff p - W < j <= p
     ) -> torch.Tensor:  # [T, num_heads, head_dim], query.dtype
         _check_inputs(k_cache, v_cache, query, meta=meta)
         query = _last_dim_contiguous(query)
@@ -246,7 +251,7 @@ class TritonBackend:
             return out.to(query.dtype)
         plan = meta.plan if isinstance(meta.plan, TritonPlan) else self.plan(meta, k_cache.shape[1])
         layer = plan.for_layer(self.layer_shape(query, k_cache))
-        launches = attend_launches(query, k_cache, v_cache, out, meta, layer, scale)
+        launches = attend_launches(query, k_cache, v_cache, out, meta, layer, scale, sliding_window)
         with device_guard(query.device):
             for launch in launches:
                 launch()

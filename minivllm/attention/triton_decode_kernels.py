@@ -19,7 +19,7 @@ from minivllm.attention.triton_kernels import _attend_key_range
 # ============================================================================== decode (2 stages)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "window", "stride_bt"])
 def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
     query_ptr,  # [T, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -33,6 +33,7 @@ def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyp
     query_start_loc_ptr,  # int32 [B + 1]
     num_splits,
     qk_scale,
+    window,  # the layer's sliding window (NO_WINDOW: none): the row sees its last `window` keys
     stride_qt,
     stride_qh,
     stride_ot,
@@ -55,8 +56,9 @@ def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyp
 ):
     """Stage 1 of flash-decoding. Grid: (decode row, KV head, split).
 
-    The newest token sees every key, so no causal mask: only the split's range [lo, hi). Splits
-    are whole numbers of key tiles, sized per request (`ceil(seq_len / num_splits)`), so a short
+    The newest token sees every key (under a sliding window, the last `window`), so no causal
+    mask: only the split's range [lo, hi). Splits are whole numbers of key tiles, sized per
+    request (`ceil(visible keys / num_splits)`), so a short
     request leaves its last splits empty; those write lse = -inf and weigh nothing in stage 2.
     A request with nothing in cache (seq_len 0, a padded row) leaves every split empty.
     """
@@ -69,8 +71,11 @@ def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyp
     if tl.load(query_start_loc_ptr + req + 1) - token != 1:
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    # The keys the newest token sees: all, or under a sliding window the last `window`; the
+    # splits share out that range, so blocks before it (perhaps freed) are never read.
+    first = tl.maximum(0, seq_len - window)
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -87,7 +92,7 @@ def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyp
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc, m_i, l_i = _attend_key_range(
-        q, acc, m_i, l_i, offs_g, k_cache_ptr, v_cache_ptr,
+        q, acc, m_i, l_i, offs_g, window, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + req.to(tl.int64) * stride_bt, kv_head, lo, hi, qk_scale,
         stride_cb, stride_cs, stride_ch,
         BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, False, UPCAST,
@@ -133,7 +138,7 @@ def paged_decode_merge_kernel(  # type: ignore[no-untyped-def]  # Triton's untyp
 ):
     """Stage 2 of flash-decoding: out = Σ_s 2^(lse_s - max lse) · out_s / Σ_s 2^(lse_s - max lse).
 
-    Grid: (decode row, query head). Split 0 holds key 0 whenever seq_len > 0, so the max is
+    Grid: (decode row, query head). Split 0 holds the first visible key whenever seq_len > 0, so the max is
     finite; with seq_len 0 every split is empty, and the output is defined as 0 (not the NaN of
     -inf - -inf).
     """

@@ -133,6 +133,7 @@ def _attend_key_range(  # type: ignore[no-untyped-def]  # Triton's untyped kerne
     m_i,  # [BLOCK_M] float32 running max of the scores (log2 domain)
     l_i,  # [BLOCK_M] float32 running softmax denominator
     q_pos,  # [BLOCK_M] int32 position of each query row in its sequence (used if CAUSAL)
+    window,  # a sliding window: row p sees keys > p - window (used if CAUSAL; huge: none)
     k_cache_ptr,
     v_cache_ptr,
     block_table_ptr,  # int32 [max_blocks_per_seq], this request's row of the block tables
@@ -171,12 +172,15 @@ def _attend_key_range(  # type: ignore[no-untyped-def]  # Triton's untyped kerne
         visible = n_mask[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= q_pos[:, None])
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        # No row is ever all -inf on its first tile (key lo is visible to every row: the callers
-        # make sure), so m_new is finite from the first tile on and exp2(-inf - m_new) = 0.
+        # Under a sliding window a row may see nothing of the first tiles (its window starts
+        # after them): its max is still -inf, and -inf - -inf would be NaN. Rescaling by 0
+        # instead keeps such a row at l = 0, acc = 0 until its first visible key.
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated under the old max
+        p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
@@ -186,7 +190,7 @@ def _attend_key_range(  # type: ignore[no-untyped-def]  # Triton's untyped kerne
 # ============================================================================ prefill / extend
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
     query_ptr,  # [T, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -197,6 +201,7 @@ def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped ke
     query_start_loc_ptr,  # int32 [B + 1]
     q_blocks_ptr,  # int32 [NB, 2]  (request, block index within its new tokens) per program
     qk_scale,
+    window,  # the layer's sliding window (NO_WINDOW: none)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -223,6 +228,8 @@ def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped ke
     `seq_len` in cache (bottom-right alignment), so new token j sits at position
     `seq_len - query_len + j` and sees keys 0..that position: cached prefix, earlier chunks and
     the new tokens before it. That one rule covers prefill, chunked prefill and prefix-cache hits.
+    Under a sliding window W it sees only keys > its position - W, and the block's keys start at
+    the first one its first row sees: the blocks before, perhaps freed, are never read.
     """
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -246,15 +253,16 @@ def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped ke
         q = q.to(tl.float32)
 
     q_pos = ctx_len + tok
-    # Keys beyond the last row's position are invisible to the whole block: stop there.
+    # Keys beyond the last row's position are invisible to the whole block: stop there; keys
+    # before the first row's window are invisible to it too: start after them.
     hi = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)
+    lo = tl.maximum(0, ctx_len + q_block * BLOCK_Q - window + 1)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # Key 0 is visible to every row (padding rows included) whenever seq_len > 0.
     acc, m_i, l_i = _attend_key_range(
-        q, acc, m_i, l_i, q_pos, k_cache_ptr, v_cache_ptr,
-        block_tables_ptr + req.to(tl.int64) * stride_bt, kv_head, 0, hi, qk_scale,
+        q, acc, m_i, l_i, q_pos, window, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr + req.to(tl.int64) * stride_bt, kv_head, lo, hi, qk_scale,
         stride_cb, stride_cs, stride_ch,
         BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, True, UPCAST,
     )  # fmt: skip
@@ -265,6 +273,10 @@ def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped ke
         out_ptr + o_row[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask
     )
 
+
+# The `window` of a layer without a sliding window: farther back than any context reaches, and
+# small enough that position - NO_WINDOW cannot overflow int32.
+NO_WINDOW = 2**30
 
 # True when the kernels above were decorated under Triton's interpreter (they run on CPU tensors).
 INTERPRETED = not isinstance(write_kv_kernel, triton.runtime.jit.JITFunction)

@@ -15,7 +15,8 @@
 // Built on first use by minivllm/attention/cpu.py (torch.utils.cpp_extension). The loops are
 // plain C++ that the compiler vectorizes: -O3 with the host's SIMD flags and -ffast-math, which
 // lets it reorder the dot-product sums and call glibc's vector expf. Scores are finite here (every
-// key of a decode token is visible, no mask), which is all fast-math's finite-math assumes.
+// key of a decode token is visible, no mask; a sliding window's skipped keys get weight 0, not a
+// -inf score), which is all fast-math's finite-math assumes.
 //
 // Two passes over a request's context (all scores, one softmax, then the values) rather than
 // flash-decoding's one pass with an online softmax: both read the same bytes, and the one-pass
@@ -116,7 +117,8 @@ void paged_decode_kernel(
     const int32_t* __restrict__ seq_lens,     // [B]
     const int64_t* __restrict__ token_rows,   // [B] row of request b's query in query/out
     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, const int64_t* q_stride, float scale) {
+    int64_t head_dim, int64_t block_size, const int64_t* q_stride, float scale,
+    int64_t sliding_window) {  // > 0: a row sees only its last sliding_window keys
   const int64_t hd = HEAD_DIM > 0 ? HEAD_DIM : head_dim;  // the loops' head_dim
   const int64_t group = num_heads / num_kv_heads;        // query heads per KV head
   const int64_t row_elems = num_kv_heads * head_dim;     // one token's K (or V), all KV heads
@@ -146,8 +148,16 @@ void paged_decode_kernel(
     std::vector<float> scores;                     // [num_heads, seq_len]
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_seqs;) {
       const int64_t b = order[i];
-      const int64_t seq_len = seq_lens[b];
-      const int32_t* table = block_tables + b * max_blocks;
+      // A sliding window W: the row (the newest of its seq_lens[b] keys) sees only the last W.
+      // The walk starts at the block of the first of them, so the blocks before it, which the
+      // KV cache manager may have freed (a placeholder in the table), are never read; the
+      // `skip` keys of that block before the window get weight 0. Without a window skip is 0.
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_lens[b] - sliding_window)
+                                               : 0;
+      const int64_t first_block = first / block_size;
+      const int64_t skip = first - first_block * block_size;
+      const int64_t seq_len = seq_lens[b] - first_block * block_size;  // keys walked
+      const int32_t* table = block_tables + b * max_blocks + first_block;
       // The query is read once per request (num_heads * head_dim values), so its strides cost
       // nothing here and any layout the model hands over is read where it lies.
       const query_t* src = query + token_rows[b] * q_stride[0];  // [num_heads, head_dim]
@@ -179,13 +189,15 @@ void paged_decode_kernel(
         });
         // --8<-- [end:scores]
       }
-      // Softmax per query head (max-subtracted, so exp never overflows).
+      // Softmax per query head (max-subtracted, so exp never overflows) over the visible keys;
+      // the skipped ones weigh 0 (no -inf: -ffast-math assumes finite numbers).
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * seq_len;
-        float m = s[0];
-        for (int64_t t = 1; t < seq_len; ++t) m = std::max(m, s[t]);
+        float m = s[skip];
+        for (int64_t t = skip + 1; t < seq_len; ++t) m = std::max(m, s[t]);
         float sum = 0.f;
-        for (int64_t t = 0; t < seq_len; ++t) {
+        for (int64_t t = 0; t < skip; ++t) s[t] = 0.f;
+        for (int64_t t = skip; t < seq_len; ++t) {
           s[t] = std::exp(s[t] - m);
           sum += s[t];
         }
@@ -230,8 +242,9 @@ void dispatch_cache_type(at::ScalarType act, at::ScalarType cache, const char* o
               " or float32 activations (kv_cache_dtype narrower than float32 weights), got ", act);
 }
 
-// out[token_rows[b]] = softmax(q · Kᵀ · scale) · V over request b's seq_lens[b] cached tokens.
-void paged_decode(
+// out[token_rows[b]] = softmax(q · Kᵀ · scale) · V over request b's seq_lens[b] cached tokens,
+// or (sliding_window W > 0) over the last W of them.
+void paged_decode_sliding(
     const at::Tensor& out,           // float32 [T, num_heads, head_dim]
     const at::Tensor& query,         // [T, num_heads, head_dim], any strides
     const at::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
@@ -239,7 +252,8 @@ void paged_decode(
     const at::Tensor& block_tables,  // int32 [B, max_blocks]
     const at::Tensor& seq_lens,      // int32 [B]
     const at::Tensor& token_rows,    // int64 [B]
-    double scale) {
+    double scale, int64_t sliding_window) {
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat, "out: contiguous float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -273,9 +287,16 @@ void paged_decode(
               block_tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
               rows.const_data_ptr<int64_t>(), block_tables.size(0), block_tables.size(1),
               num_heads, num_kv_heads, head_dim, block_size, query.strides().data(),
-              static_cast<float>(scale));
+              static_cast<float>(scale), sliding_window);
         });
       });
+}
+
+// The op without a window, whose schema cpu_decode_layers.cpp calls by its typed handle.
+void paged_decode(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                  const at::Tensor& seq_lens, const at::Tensor& token_rows, double scale) {
+  paged_decode_sliding(out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale, 0);
 }
 
 // ---------------------------------------------------------------------------------- cache write
@@ -379,6 +400,11 @@ TORCH_LIBRARY(minivllm_cpu, m) {
       "paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor token_rows, float scale) -> ()",
       &paged_decode);
+  m.def(
+      "paged_decode_sliding(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor token_rows, float scale, "
+      "int sliding_window) -> ()",
+      &paged_decode_sliding);
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()",

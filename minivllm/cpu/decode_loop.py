@@ -25,7 +25,7 @@ It applies where the whole of a step is what the C++ loop knows how to do:
   paged kernel) and every custom op on its CPU forward (`custom_ops="all"`);
 - one device: with tensor parallelism, each layer's two all-reduces happen in Python;
 - Llama's math in every layer (`llama_math`: Llama's layer and attention classes, no q/k norm),
-  no biases, and weights that every linear holds prepacked for oneDNN (`prepack_linear` in
+  no biases, no sliding window, and weights that every linear holds prepacked for oneDNN (`prepack_linear` in
   minivllm/cpu/op_forwards.py: float32 wherever oneDNN is built in, bfloat16 where the CPU has
   bf16 dot products; the C++ loop then calls oneDNN on them, as the Python path does) or as a
   GGUF file's blocks (the loop calls `gguf_linear` on each part, with the same products), or
@@ -161,6 +161,8 @@ class CpuDecodeLoop:
             and not config.attention_bias
             and not config.qkv_bias
             and not config.mlp_bias
+            # The C++ loop calls paged_decode, which has no window (paged_decode_sliding has).
+            and all(layer.self_attn.sliding_window is None for layer in decoder_layers(model))
             and (
                 all_linears_packed(model)
                 or (

@@ -121,9 +121,10 @@ class LlamaConfig:
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    """The window of a config that uses one: Qwen2 and Qwen3 write one that is off unless
-    `use_sliding_window` (transformers 5 also lists each layer's kind in `layer_types`)."""
+    """The window of a config that uses one (Qwen2/3 write one that is off: `use_sliding_window`)."""
     kinds = cfg.get("layer_types") or ["sliding_attention"]
     if cfg.get("use_sliding_window") is False or "sliding_attention" not in kinds:
         return None
+    if "full_attention" in kinds:  # Qwen2's max_window_layers: the first layers attend fully
+        raise UnsupportedModelError("mixed sliding and full attention layers: unsupported")
     return None if cfg.get("sliding_window") is None else int(cfg["sliding_window"])

@@ -33,10 +33,6 @@ class UnsupportedArchitectureError(ModelLoadError, UnsupportedModelError):
     feature of one (a RoPE scaling, an activation) that this code does not run exactly."""
 
 
-class SlidingWindowNotSupportedError(UnsupportedArchitectureError):
-    """The model attends within a sliding window shorter than max_model_len: not run yet."""
-
-
 class TokenizerNotFoundError(ModelNotFoundError):
     """The model folder (or the folder given as `tokenizer`) holds no tokenizer files."""
 

@@ -73,6 +73,7 @@ class LlamaAttention(nn.Module):
             tp,
         )
         self.backend = backend
+        self.sliding_window: int | None = getattr(config, "sliding_window", None)  # None: global
 
     def forward(
         self,
@@ -92,7 +93,7 @@ class LlamaAttention(nn.Module):
         # Write first, then attend: the new tokens must see themselves, and another request
         # that shares a prefix block computed in this same step reads it from the cache.
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, num_heads, head_dim]
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.q_size))  # the layer's first all-reduce
 
 

@@ -71,7 +71,7 @@ def build_model(
     the reference attention backend)."""
     from minivllm.model.registry import model_class
 
-    model_cls = model_class(config, max_positions or config.max_position_embeddings)
+    model_cls = model_class(config)
     with torch.device("meta"):
         model = model_cls(config, backend, max_positions, tp).to(dtype)
     # `to_empty`, with `torch.empty` for its `empty_like`: on meta tensors `empty_like` runs

@@ -6,10 +6,10 @@ vLLM's `vllm/model_executor/models/registry.py` maps each name to a module and a
 the module only when a model of that kind is loaded; the same here, so adding a family is one line
 below plus its model file, and reading a config imports no model code.
 
-Several names may share a class where the math is the same: Mistral without a sliding window is
-Llama (vLLM maps it to `LlamaForCausalLM` too). An architecture not listed is refused by name,
-with the list of those that run, before any weight is read; so is a listed one that asks for a
-sliding window shorter than max_model_len (`check_sliding_window`), until the window is built.
+Several names may share a class where the math is the same: Mistral is Llama with a sliding
+window, which every attention layer takes from the config (vLLM maps it to `LlamaForCausalLM`
+too). An architecture not listed is refused by name, with the list of those that run, before any
+weight is read.
 
 Tier: model. It imports leaves and core.
 """
@@ -20,7 +20,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from minivllm.model.config import LlamaConfig
-from minivllm.model.errors import SlidingWindowNotSupportedError, UnsupportedArchitectureError
+from minivllm.model.errors import UnsupportedArchitectureError
 
 if TYPE_CHECKING:
     from minivllm.model.llama import LlamaForCausalLM
@@ -67,24 +67,10 @@ def config_from_hf_dict(cfg: dict[str, object]) -> LlamaConfig:
     return config
 
 
-def model_class(config: LlamaConfig, max_model_len: int) -> type[LlamaForCausalLM]:
-    """The class that runs `config` for requests of up to max_model_len tokens, its module
-    imported now (the first time it is asked); refused by name where nothing runs it exactly."""
+def model_class(config: LlamaConfig) -> type[LlamaForCausalLM]:
+    """The class that runs `config`, its module imported now (the first time it is asked);
+    refused by name where nothing runs it exactly."""
     check_architecture(config.architecture)
-    check_sliding_window(config, max_model_len)
     module, _, name = MODELS[config.architecture].partition(":")
     cls: type[LlamaForCausalLM] = getattr(importlib.import_module(module), name)
     return cls
-
-
-def check_sliding_window(config: LlamaConfig, max_model_len: int) -> None:
-    """Refuse a sliding window that a request of max_model_len tokens could outgrow: attention
-    here always sees the whole context, which is the window's result only up to its length."""
-    window = config.sliding_window
-    if window is not None and window < max_model_len:
-        raise SlidingWindowNotSupportedError(
-            f"{config.architecture} attends within a sliding window of {window} tokens, and "
-            f"sliding-window attention is not supported yet; pass max_model_len={window} "
-            f"(--max-model-len {window}) or less to run it with full attention, which is the "
-            "same up to the window's length"
-        )

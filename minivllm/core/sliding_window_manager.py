@@ -1,0 +1,176 @@
+"""The KV cache manager of a model whose every layer has a sliding window (Mistral; vLLM v1's
+`SlidingWindowManager`, vllm/v1/core/single_type_kv_cache_manager.py).
+
+A query at position p of a layer with window W sees key j iff p - W < j <= p (HF transformers'
+sliding-window mask). Positions only grow, so once a sequence's next query is at position
+`num_computed_tokens`, no query of it will see a key before num_computed_tokens - W + 1 again,
+and every block wholly before that key's block can go back to the pool. A long sequence then
+holds about W / block_size + 1 blocks, however long it gets.
+
+- A freed block keeps its hash: it stays a prefix-cache hit (and the parent in the hash chain of
+  the blocks after it) until the pool evicts it, as any free cached block does.
+- Its block-table entry becomes `NULL_BLOCK_ID`, a placeholder that keeps the tables valid
+  tensors for the model runner: every attention backend starts a windowed layer's key range at
+  its first visible key's block (minivllm/attention/), so it never reads the entry.
+- The entries freed are always a prefix of the table (`num_skipped_blocks`); free, fork and the
+  counts skip them. The next query of a running sequence is at `num_slots` when the scheduler asks
+  for its next slots (every slot's K/V was computed by the steps that committed), so that is when
+  they are freed (`append_slots`), and `can_append_slots` counts them as free already.
+- A prefix-cache hit at admission is taken whole, then what its first query cannot see is freed
+  at once; `can_allocate` counts those hits as taken, a conservative answer.
+
+A model that mixes windowed and global layers (Gemma 2/3) gets the plain manager: a global layer
+reads every block, so none may be freed (vLLM gives each kind of layer its own block tables; not
+done here). `kv_sliding_window` decides, from the model's attention layers.
+
+Tier: core bookkeeping (imports only leaves and core; no torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as TokenIds
+from typing import TYPE_CHECKING
+
+from minivllm.core.kv_cache_manager import (
+    NO_COMPUTED_BLOCKS,
+    ComputedBlocks,
+    KVCacheManager,
+    KVCacheRequest,
+    SeqBlocks,
+    SeqId,
+)
+from minivllm.core.kv_cache_utils import ExtraKeys, HashFn, hash_block_tokens
+
+if TYPE_CHECKING:
+    from minivllm.config import CacheConfig
+
+# What a block table holds in place of a block freed under the window: a real block id (so the
+# tables stay valid tensors), that no backend reads for that entry and no count here includes.
+NULL_BLOCK_ID = 0
+
+
+def kv_sliding_window(model: object) -> int | None:
+    """The window the KV cache manager may free blocks by, read off the model's attention layers
+    (the modules with a `sliding_window` attribute, None on a global layer): the largest when
+    every layer has one, since what it cannot see no layer can; None when a layer is global or
+    none has the attribute (a model without attention modules, the simulated executor's)."""
+    modules = getattr(model, "modules", None)  # an nn.Module's; duck-typed, this tier has no torch
+    found = [m.sliding_window for m in modules() if hasattr(m, "sliding_window")] if modules else []
+    return None if not found or None in found else max(found)
+
+
+class SlidingWindowKVCacheManager(KVCacheManager):
+    """`KVCacheManager` that frees the blocks no query can see again under a sliding window."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        hash_fn: HashFn = hash_block_tokens,
+        sliding_window: int = 4096,  # every layer's window, in tokens
+    ) -> None:
+        if (
+            isinstance(sliding_window, bool)
+            or not isinstance(sliding_window, int)
+            or sliding_window < 1
+        ):
+            raise ValueError(f"sliding_window must be a positive integer, got {sliding_window!r}")
+        super().__init__(num_blocks, block_size, enable_prefix_caching, hash_fn)
+        self.sliding_window = sliding_window
+        self._num_skipped: dict[SeqId, int] = {}  # leading table entries freed, per sequence
+
+    @classmethod
+    def from_config(
+        cls, cache: CacheConfig, num_blocks: int, max_model_len: int
+    ) -> SlidingWindowKVCacheManager:
+        assert cache.sliding_window is not None  # CacheConfig names this class only then
+        return cls(
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            sliding_window=cache.sliding_window,
+        )
+
+    # ------------------------------------------------------------------ queries (no side effects)
+
+    def num_skipped_blocks(self, seq_id: SeqId) -> int:
+        """How many leading entries of the sequence's block table were freed (NULL_BLOCK_ID)."""
+        return self._num_skipped.get(seq_id, 0)
+
+    def num_blocks_without_sharing(self) -> int:
+        return super().num_blocks_without_sharing() - sum(self._num_skipped.values())
+
+    def can_append_slots(self, seq_id: SeqId, num_new_tokens: int) -> bool:
+        """As the base's, counting the blocks `append_slots` frees first as free."""
+        seq = self._seq(seq_id)
+        blocks = self.block_pool.blocks
+        releasable = sum(1 for b in self._blocks_to_skip(seq_id, seq) if blocks[b].ref_cnt == 1)
+        return self._num_blocks_to_append(seq, num_new_tokens) <= self.num_free_blocks + releasable
+
+    # ----------------------------------------------------------------------------------- mutations
+
+    def allocate_slots(
+        self,
+        seq: KVCacheRequest,
+        num_new_tokens: int,
+        computed: ComputedBlocks = NO_COMPUTED_BLOCKS,
+        extra_keys: ExtraKeys = None,
+        count_as_query: bool = True,
+    ) -> int:
+        num_cached = super().allocate_slots(
+            seq, num_new_tokens, computed, extra_keys, count_as_query
+        )
+        self.remove_skipped_blocks(seq.seq_id, num_cached)  # the first query is at num_cached
+        return num_cached
+
+    def append_slots(self, seq_id: SeqId, token_ids: TokenIds[int], num_new_tokens: int) -> None:
+        if num_new_tokens > 0:
+            self.remove_skipped_blocks(seq_id, self._seq(seq_id).num_slots)
+        super().append_slots(seq_id, token_ids, num_new_tokens)
+
+    def remove_skipped_blocks(self, seq_id: SeqId, num_computed_tokens: int) -> None:
+        """Free the blocks no query of `seq_id` at `num_computed_tokens` or later can see
+        (vLLM's name); tail first, as `free` does, so the front of a prefix is evicted last."""
+        seq = self._seq(seq_id)
+        if not 0 <= num_computed_tokens <= seq.num_slots:
+            raise ValueError(
+                f"num_computed_tokens must be in [0, {seq.num_slots}], got {num_computed_tokens}"
+            )
+        start = self.num_skipped_blocks(seq_id)
+        freed = self._blocks_to_skip(seq_id, seq, num_computed_tokens)
+        if not freed:
+            return
+        self.block_pool.free_blocks(self.block_pool.blocks[b] for b in reversed(freed))
+        seq.block_table[start : start + len(freed)] = [NULL_BLOCK_ID] * len(freed)
+        self._num_skipped[seq_id] = start + len(freed)
+        self._record_utilization()
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """The child shares the parent's held blocks and its placeholders (paper §4.4)."""
+        parent = self._seq(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} already holds blocks; cannot fork into it")
+        skipped = self.num_skipped_blocks(parent_id)
+        self.block_pool.touch(self.block_pool.blocks[b] for b in parent.block_table[skipped:])
+        self._seqs[child_id] = SeqBlocks(
+            list(parent.block_table), parent.num_slots, list(parent.block_hashes), parent.extra_keys
+        )
+        if skipped:
+            self._num_skipped[child_id] = skipped
+
+    def free(self, seq_id: SeqId) -> None:
+        seq = self._seq(seq_id)  # raises for an unknown sequence, as the base does
+        del seq.block_table[: self._num_skipped.pop(seq_id, 0)]  # placeholders hold nothing
+        super().free(seq_id)
+
+    # ------------------------------------------------------------------------------------ helpers
+
+    def _blocks_to_skip(
+        self, seq_id: SeqId, seq: SeqBlocks, num_computed_tokens: int | None = None
+    ) -> list[int]:
+        """The held blocks that a query at `num_computed_tokens` (default: the next slot) cannot
+        see: those before the block of its first visible key, num_computed_tokens - W + 1."""
+        pos = seq.num_slots if num_computed_tokens is None else num_computed_tokens
+        end = max(0, pos - self.sliding_window + 1) // self.block_size
+        return seq.block_table[self.num_skipped_blocks(seq_id) : end]

@@ -1,0 +1,113 @@
+"""A model whose every layer has a sliding window, end to end, against transformers' Mistral.
+
+Mistral is Llama's math plus a sliding window on every layer; transformers' `MistralForCausalLM`
+with `sliding_window=W` is the oracle. The window reaches minivllm as the attention layers'
+`sliding_window` attribute (the model-families work will set it from the checkpoint's config; here
+the config class carries it for the test), and the engine finds it there, so the KV cache manager
+frees the blocks no query can see again: logits through the paged cache, chunked, match, and so
+do greedy tokens under chunking, preemption and prefix caching, with every block returned.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_utils import checked_llm, hf_greedy
+from paged import paged_logits
+from test_model_llama import BASE, save_tiny_llama
+from transformers import MistralConfig, MistralForCausalLM
+
+from minivllm import SamplingParams
+from minivllm.attention.selector import get_attention_backend
+from minivllm.core.sliding_window_manager import SlidingWindowKVCacheManager
+from minivllm.model.llama import LlamaAttention
+from minivllm.model.loader import load_model
+from minivllm.model.resolver import resolve_model
+
+WINDOW = 11  # smaller than the prompts, not a multiple of the block size
+OVERRIDES = dict(num_key_value_heads=2, initializer_range=0.5)
+
+
+def tiny_pair(tmp: Path) -> tuple[MistralForCausalLM, MistralForCausalLM, Path]:
+    """(HF Mistral with the window, the same weights without it, the saved checkpoint)."""
+    llama, path = save_tiny_llama(tmp, OVERRIDES)
+    models = []
+    for window in (WINDOW, None):
+        kwargs: dict[str, Any] = {**BASE, **OVERRIDES}
+        cfg = MistralConfig(**kwargs, sliding_window=window, head_dim=32)
+        cfg._attn_implementation = "eager"
+        hf = MistralForCausalLM(cfg).float().eval()
+        hf.load_state_dict(llama.state_dict())
+        models.append(hf)
+    models[0].save_pretrained(path, safe_serialization=True)  # a Mistral checkpoint, window and all
+    return models[0], models[1], path
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_windowed_logits_match_transformers_mistral_in_chunks(tmp_path: Path, backend: str) -> None:
+    hf, hf_global, path = tiny_pair(tmp_path)
+    model = load_model(
+        resolve_model(path), get_attention_backend(backend), torch.float32, torch.device("cpu")
+    )
+    for module in model.modules():
+        if isinstance(module, LlamaAttention):
+            module.sliding_window = WINDOW  # what a windowed model's layers carry
+    ids = torch.randint(0, 512, (60,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+        unwindowed = hf_global(ids[None]).logits[0]
+    assert (expected - unwindowed).abs().max() > 1e-2  # the window changes the answer
+    for chunks in ([60], [7, 1, 20, 1, 31]):
+        got = paged_logits(model, ids.tolist(), chunk_sizes=chunks, block_size=4)
+        # float32 rounding only, on logits of up to ~15 (initializer_range=0.5)
+        torch.testing.assert_close(got, expected, atol=3e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_engine_frees_out_of_window_blocks_and_matches_greedy_mistral(
+    tmp_path: Path, caching: bool
+) -> None:
+    hf, hf_global, path = tiny_pair(tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, 512, (20,), generator=gen).tolist()  # prefix-cache hits
+    prompts = [
+        (shared if i % 3 == 0 else []) + torch.randint(0, 512, (n,), generator=gen).tolist()
+        for i, n in enumerate(range(5, 50, 6))
+    ]
+    max_tokens = [10 + i % 15 for i in range(len(prompts))]
+    expected = [hf_greedy(hf, p, m, None) for p, m in zip(prompts, max_tokens)]
+    assert expected != [hf_greedy(hf_global, p, m, None) for p, m in zip(prompts, max_tokens)]
+    with checked_llm(
+        model=str(path),
+        skip_tokenizer_init=True,
+        block_size=4,
+        num_gpu_blocks_override=24,  # 96 slots for 8 requests of up to 91 tokens
+        max_model_len=96,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        enable_prefix_caching=caching,
+    ) as llm:
+        engine = llm.llm_engine
+        assert isinstance(engine.kv_cache_manager, SlidingWindowKVCacheManager)
+        assert engine.kv_cache_manager.sliding_window == WINDOW
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert engine.kv_cache_manager.num_free_blocks == 24
+
+
+def test_the_cpu_decode_replay_refuses_a_windowed_model(tmp_path: Path) -> None:
+    """The C++ decode loop calls paged_decode, which has no window: such a model stays in Python."""
+    from minivllm.cpu.decode_loop import CpuDecodeLoop
+
+    _, path = save_tiny_llama(tmp_path, OVERRIDES)
+    model = load_model(
+        resolve_model(path), get_attention_backend("cpu"), torch.float32, torch.device("cpu")
+    )
+    if not CpuDecodeLoop.supports(model):
+        pytest.skip("the C++ decode loop does not run this model on this CPU even without a window")
+    model.model.layers[1].self_attn.sliding_window = WINDOW  # type: ignore[union-attr]
+    assert not CpuDecodeLoop.supports(model)
