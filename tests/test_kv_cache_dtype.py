@@ -17,6 +17,7 @@ import torch
 from engine_utils import save_tiny_llama
 
 from minivllm.config import KV_CACHE_DTYPES
+from minivllm.cpu.decode_loop import all_linears_packed
 from minivllm.cpu.ops import skinny_gemm_fast
 from minivllm.engine_args import EngineArgs
 from minivllm.llm import LLM
@@ -142,8 +143,11 @@ def test_reference_and_cpu_backends_agree_over_a_bfloat16_cache(tiny_llama: Path
         tiny_llama, kv_cache_dtype="bfloat16", attention_backend="cpu", enforce_eager=True
     )
     llm, replay = run(tiny_llama, kv_cache_dtype="bfloat16", attention_backend="cpu")
-    # The replay runs a bfloat16 cache: it is captured wherever the skinny GEMM is fast.
-    assert (llm.llm_engine.runner.decode_loop is not None) == skinny_gemm_fast()
+    # The replay runs a bfloat16 cache: it is captured wherever every linear runs in the C++ loop,
+    # prepacked for oneDNN (any row count) or plain on the skinny GEMM's AVX-512 path.
+    model = llm.llm_engine.runner.model
+    captured = all_linears_packed(model) or skinny_gemm_fast()
+    assert (llm.llm_engine.runner.decode_loop is not None) == captured
     identical, prefixes, _ = check_logprobs_close(ref, eager, BACKENDS_ATOL)
     assert identical == len(prefixes), prefixes
     # The decode replay calls the same kernels on the same layouts: bit for bit the Python loop.
