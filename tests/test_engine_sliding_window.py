@@ -111,3 +111,41 @@ def test_the_cpu_decode_replay_refuses_a_windowed_model(tmp_path: Path) -> None:
         pytest.skip("the C++ decode loop does not run this model on this CPU even without a window")
     model.model.layers[1].self_attn.sliding_window = WINDOW  # type: ignore[union-attr]
     assert not CpuDecodeLoop.supports(model)
+
+
+def test_the_trace_records_window_freed_entries_as_null_and_holds_no_placeholder(
+    tmp_path: Path,
+) -> None:
+    """A freed entry's placeholder id names a block another sequence may hold: the trace writes
+    it as null, counts no ref for it, and the page draws it as freed (docs/trace.md)."""
+    _, _, path = tiny_pair(tmp_path)
+    with checked_llm(
+        model=str(path), skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=24,
+        max_model_len=96,
+    ) as llm:  # fmt: skip
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        with llm.trace() as recorder:
+            llm.generate([{"prompt_token_ids": list(range(1, 21))}], params, use_tqdm=False)
+        steps = recorder.steps
+    ((seq, last_table),) = steps[-2]["block_tables"].items()  # the step before the finish
+    # 48 tokens computed in blocks of 4; the next query (at 48) sees keys from 48 - 11 + 1 = 38:
+    # the 9 blocks before block 38 // 4 are freed, the 3 from it on are held
+    assert last_table[:9] == [None] * 9 and None not in last_table[9:] and len(last_table) == 12
+    for step in steps:
+        held = {b for t in step["block_tables"].values() for b in t if b is not None}
+        assert set(map(int, step["ref_counts"])) == held
+    page_path = recorder.save(tmp_path / "trace")
+    last = steps[-2]["step"]  # the last step before the finish freed everything
+    from minivllm.trace.screenshot import launch_browser
+
+    with launch_browser() as browser:
+        tab = browser.new_page()
+        errors: list[str] = []
+        tab.on("pageerror", lambda e: errors.append(str(e)))
+        tab.goto(f"{page_path.resolve().as_uri()}#step={last}")
+        tab.wait_for_selector("#grid .block")
+        outside = tab.locator("#tables .lblock.outside").count()
+        owners = tab.locator("#grid .block[data-block='0']").get_attribute("data-owners")
+    assert errors == []
+    assert outside == 9
+    assert owners == (seq if 0 in last_table else "")

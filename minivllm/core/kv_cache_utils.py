@@ -183,11 +183,20 @@ class BlockPoolSnapshot:
     _read_ref_counts: Callable[[], dict[int, int]] = field(repr=False)
     _read_cached: Callable[[], dict[int, BlockHash]] = field(repr=False)
     _read_stats: Callable[[], KVCacheManagerStats] = field(repr=False)
+    # seq_id -> leading table entries freed under a sliding window (placeholders, not blocks)
+    _read_skipped: Callable[[], dict[Hashable, int]] = field(repr=False, default=dict)
 
     @cached_property
     def block_tables(self) -> Mapping[Hashable, tuple[int, ...]]:
-        """seq_id -> its blocks, in logical order."""
+        """seq_id -> its blocks, in logical order (the first `num_skipped_blocks[seq_id]` entries
+        are placeholders for blocks freed under a sliding window)."""
         return MappingProxyType(self._read_tables())
+
+    @cached_property
+    def num_skipped_blocks(self) -> Mapping[Hashable, int]:
+        """seq_id -> how many leading entries of its table no longer hold a block (the sliding
+        window freed them); absent for a sequence with none."""
+        return MappingProxyType(self._read_skipped())
 
     @cached_property
     def ref_counts(self) -> Mapping[int, int]:

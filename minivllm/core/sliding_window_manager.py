@@ -29,6 +29,7 @@ Tier: core bookkeeping (imports only leaves and core; no torch).
 from __future__ import annotations
 
 from collections.abc import Sequence as TokenIds
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from minivllm.core.kv_cache_manager import (
@@ -39,7 +40,7 @@ from minivllm.core.kv_cache_manager import (
     SeqBlocks,
     SeqId,
 )
-from minivllm.core.kv_cache_utils import ExtraKeys, HashFn, hash_block_tokens
+from minivllm.core.kv_cache_utils import BlockPoolSnapshot, ExtraKeys, HashFn, hash_block_tokens
 
 if TYPE_CHECKING:
     from minivllm.config import CacheConfig
@@ -100,6 +101,20 @@ class SlidingWindowKVCacheManager(KVCacheManager):
 
     def num_blocks_without_sharing(self) -> int:
         return super().num_blocks_without_sharing() - sum(self._num_skipped.values())
+
+    def snapshot(self) -> BlockPoolSnapshot:
+        """As the base's, with the freed entries named (`num_skipped_blocks`) and left out of the
+        ref counts: a placeholder entry holds no block (the trace draws it outside the window)."""
+        seqs, skipped, blocks = self._seqs, self._num_skipped, self.block_pool.blocks
+        return replace(
+            super().snapshot(),
+            _read_ref_counts=lambda: {
+                b: blocks[b].ref_cnt
+                for s, seq in seqs.items()
+                for b in seq.block_table[skipped.get(s, 0) :]
+            },
+            _read_skipped=lambda: dict(skipped),
+        )
 
     def can_append_slots(self, seq_id: SeqId, num_new_tokens: int) -> bool:
         """As the base's, counting the blocks `append_slots` frees first as free."""

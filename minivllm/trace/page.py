@@ -82,7 +82,7 @@ TEMPLATE = """<!doctype html>
       <span class="block swatch copied"></span> copy-on-write destination
       <span class="block swatch hit"></span> prefix-cache hit taken
       <span class="block swatch evicted"></span> cache name evicted
-      <span class="block swatch freed"></span> freed by a preemption
+      <span class="block swatch freed"></span> freed (a preemption, or out of a sliding window)
     </p>
   </section>
   <section id="batch-section">

@@ -19,12 +19,15 @@ A step's record, as `trace.json` stores it (docs/trace.md documents every field;
 keys are strings, so seq ids and block ids are strings as keys):
 
     {"step", "scheduled": [{"seq_id", "request_id", "num_computed_tokens", "num_new_tokens",
-     "block_table"}], "num_batched_tokens", "block_tables": {seq_id: [block ids]},
+     "block_table"}], "num_batched_tokens", "block_tables": {seq_id: [block id | null]},
      "num_computed_tokens": {seq_id: n}, "ref_counts": {block id: n > 0}, "cached_blocks",
      "copies": [[src, dst]], "preempted", "forked", "finished", "finish_reasons",
      "cache_hits": [{"seq_id", "num_cached_tokens", "blocks"}], "evicted", "num_free_blocks",
      "kv_slots": {"reserved", "filled", "future", "internal_fragmentation"}, "num_running",
      "num_waiting", "waiting"}
+
+A `null` in a block table is an entry a sliding window freed: no query of that sequence sees its
+tokens again, so the block went back to the pool (minivllm/core/sliding_window_manager.py).
 
 Thread safety (the live dashboard reads from the server's thread while the engine thread
 records): records are built outside the lock and never changed afterwards; the lock only guards
@@ -130,8 +133,8 @@ class StepRecorder:
         step_no = self._num_recorded + 1
 
         holders = sorted(s for s in outputs.seqs if s in blocks.block_tables)
-        tables = {s: list(blocks.block_tables[s]) for s in holders}
-        ref_counts = {b: blocks.ref_counts[b] for table in tables.values() for b in table}
+        tables = _held_tables(blocks, holders)
+        ref_counts = {b: blocks.ref_counts[b] for t in tables.values() for b in t if b is not None}
         cached = dict(blocks.cached_blocks)
         evicted = sorted(b for b, h in self._prev_cached.items() if cached.get(b) is not h)
         finished = sorted(s for s, seq in seqs.items() if seq.status.is_finished)
@@ -288,3 +291,15 @@ def _kv_slots(stats: KVCacheManagerStats) -> dict[str, int]:
         "future": getattr(stats, "num_future_slots", 0),
         "internal_fragmentation": stats.internal_fragmentation_slots,
     }
+
+
+def _held_tables(blocks: BlockPoolSnapshot, holders: list[int]) -> dict[int, list[int | None]]:
+    """Each holder's block table, with None for the entries a sliding window freed (their
+    placeholder id names no block the sequence holds)."""
+    tables: dict[int, list[int | None]] = {}
+    for s in holders:
+        table: list[int | None] = list(blocks.block_tables[s])
+        skipped = blocks.num_skipped_blocks.get(s, 0)
+        table[:skipped] = [None] * skipped
+        tables[s] = table
+    return tables

@@ -86,11 +86,25 @@
     const byBlock = new Map(); // block id -> [seq ids holding it]
     for (const [seq, table] of Object.entries(step.block_tables)) {
       for (const b of table) {
+        if (b === null) continue; // an entry the sliding window freed holds no block
         if (!byBlock.has(b)) byBlock.set(b, []);
         byBlock.get(b).push(Number(seq));
       }
     }
     return byBlock;
+  }
+
+  // Blocks the sliding window freed in this step: entries that held a block the step before and
+  // are null now. [[seq id, logical index, block id]]
+  function windowFreed(step) {
+    const before = trace.steps[trace.steps.indexOf(step) - 1];
+    if (!before) return [];
+    const out = [];
+    for (const [seq, table] of Object.entries(step.block_tables)) {
+      const prev = before.block_tables[seq] || [];
+      table.forEach((b, i) => { if (b === null && prev[i] != null) out.push([Number(seq), i, prev[i]]); });
+    }
+    return out;
   }
 
   function renderPool(step) {
@@ -105,6 +119,7 @@
     const freed = new Set(
       before ? step.preempted.flatMap((s) => before.block_tables[String(s)] || []) : []
     );
+    for (const [, , b] of windowFreed(step)) freed.add(b);
     let shared = 0;
     for (const node of $("grid").children) {
       const b = Number(node.dataset.block);
@@ -195,6 +210,11 @@
     for (const s of step.forked) {
       add("forked", `${seqName(s)} shares every block of its parent (n > 1): reference counts go up`);
     }
+    const slid = new Map(); // seq id -> blocks the window freed this step
+    for (const [seq, , b] of windowFreed(step)) slid.set(seq, [...(slid.get(seq) || []), b]);
+    for (const [seq, freedBlocks] of slid) {
+      add("out of window", `${seqName(seq)} — no query of it can see block${freedBlocks.length > 1 ? "s" : ""} ${freedBlocks.join(", ")} again (sliding window): freed, its cache name kept`);
+    }
     for (const s of step.finished) {
       add("finished", `${seqName(s)} (${step.finish_reasons[String(s)]}) — its blocks are freed`);
     }
@@ -219,6 +239,11 @@
           const empty = (i + 1) * bs - Math.max(end, i * bs);
           if (empty > 0) toks.append(el("span", { class: "pending", text: " ·".repeat(empty) }));
         }
+        if (b === null) { // freed under the sliding window: its tokens are out of every query's sight
+          return el("span", { class: "lblock outside", "data-logical": i, title: "outside the sliding window: freed" }, [
+            el("span", { class: "map", text: `${i} → freed` }), el("br"), toks,
+          ]);
+        }
         const sharedCls = (step.ref_counts[String(b)] || 0) > 1 ? " shared" : "";
         return el("span", { class: "lblock" + sharedCls, "data-logical": i, "data-block": b }, [
           el("span", { class: "map", text: `${i} → ${b}` }), el("br"), toks,
@@ -226,7 +251,7 @@
       });
       rows.push(el("div", { class: "seqrow", "data-seq": seq }, [
         el("span", { class: "seqname" }, [dot(seq), seqName(seq), el("br"),
-          el("small", { text: `${computed} tokens in ${table.length} blocks` })]),
+          el("small", { text: `${computed} tokens in ${table.filter((b) => b !== null).length} blocks` })]),
         ...cells,
       ]));
     }
