@@ -170,11 +170,8 @@ class FreeKVCacheBlockQueue:
 class BlockPoolSnapshot:
     """The pool as one step left it, read-only (`KVCacheManager.snapshot`): what a step listener
     (the trace, a metrics exporter) reads instead of the KV cache manager's own structures.
-
-    The three mappings are copied when first read, not when the snapshot is taken: listeners run
-    right after the step's commit, before anything else touches the pool, and a listener that
-    reads none of them (the engine's counters) costs the step nothing. Read them inside `on_step`
-    and keep the mappings, not the snapshot."""
+    Its mappings are copied when first read: listeners run right after the step's commit, and one
+    that reads none (the engine's counters) costs the step nothing. Read them inside `on_step`."""
 
     block_size: int
     num_blocks: int
@@ -183,19 +180,16 @@ class BlockPoolSnapshot:
     _read_ref_counts: Callable[[], dict[int, int]] = field(repr=False)
     _read_cached: Callable[[], dict[int, BlockHash]] = field(repr=False)
     _read_stats: Callable[[], KVCacheManagerStats] = field(repr=False)
-    # seq_id -> leading table entries freed under a sliding window (placeholders, not blocks)
     _read_skipped: Callable[[], dict[Hashable, int]] = field(repr=False, default=dict)
 
     @cached_property
     def block_tables(self) -> Mapping[Hashable, tuple[int, ...]]:
-        """seq_id -> its blocks, in logical order (the first `num_skipped_blocks[seq_id]` entries
-        are placeholders for blocks freed under a sliding window)."""
+        """seq_id -> its blocks, in logical order (after `num_skipped_blocks` placeholders)."""
         return MappingProxyType(self._read_tables())
 
     @cached_property
     def num_skipped_blocks(self) -> Mapping[Hashable, int]:
-        """seq_id -> how many leading entries of its table no longer hold a block (the sliding
-        window freed them); absent for a sequence with none."""
+        """seq_id -> its leading entries a sliding window freed (absent: none)."""
         return MappingProxyType(self._read_skipped())
 
     @cached_property
@@ -210,8 +204,7 @@ class BlockPoolSnapshot:
 
     @cached_property
     def stats(self) -> KVCacheManagerStats:
-        """The manager's counters and its slot accounting (a subclass where the manager has more:
-        the reservation baselines' `ReservationStats`)."""
+        """The manager's counters and slot accounting (the baselines' `ReservationStats` has more)."""
         return self._read_stats()
 
 
@@ -230,9 +223,8 @@ class KVCacheManagerStats:
     min_kv_slot_utilization: float  # lowest seen after any operation while blocks were used
     peak_kv_slot_utilization: float  # the utilization when used blocks were at their peak (latest)
     peak_used_blocks: int = 0  # the most blocks held at once, after any operation
-    # The paper's Fig. 2 split of the slots held by sequences: reserved = filled (token states) +
-    # internal fragmentation (never filled: the unfilled tail of each last block, for paged
-    # blocks). A manager that reserves ahead adds its own part (minivllm/experiments/).
+    # The paper's Fig. 2 split of the held slots: reserved = filled (token states) + internal
+    # fragmentation (each last block's unfilled tail); minivllm/experiments/ adds reservations.
     num_reserved_slots: int = 0  # used blocks * block_size
     num_filled_slots: int = 0  # slots holding a token's K/V
     internal_fragmentation_slots: int = 0
