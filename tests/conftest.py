@@ -26,12 +26,48 @@ def smollm2_gguf() -> Path:
     return path
 
 
+def smollm2_hf_folder(gguf: Path) -> Path:
+    """transformers' own reading of the GGUF file (its float32 weights and tokenizer), saved once
+    as a plain checkpoint under the cache and reused: transformers dequantizes a GGUF file in
+    Python (~30 s a process), and every pytest worker that needs the reference would pay it.
+    Keyed by the file and transformers' version; built under a lock, so two workers build it once."""
+    import torch
+    import transformers
+    from filelock import FileLock
+
+    from minivllm.envs import cache_root
+
+    stat = gguf.stat()
+    key = f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
+    folder = cache_root() / "tests" / key
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if (folder / "complete").exists():
+            return folder
+        read = transformers.AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        config = read.config.to_dict()
+        for k in ("architectures", "model_type", "quantization_config", "transformers_version"):
+            config.pop(k, None)
+        # transformers will not save a model it read from GGUF: its weights go into a fresh one.
+        plain = type(read)(type(read.config)(**config))
+        plain.load_state_dict(read.state_dict())
+        plain.save_pretrained(folder)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name
+        )
+        tokenizer.save_pretrained(folder)
+        (folder / "complete").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf_tokenizer(smollm2_gguf: Path):
-    """transformers' own tokenizer for SmolLM2, read from the GGUF file (slow: ~15 s, once)."""
+    """transformers' own tokenizer for SmolLM2, as transformers reads it from the GGUF file."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    return AutoTokenizer.from_pretrained(str(smollm2_hf_folder(smollm2_gguf)))
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -58,11 +94,9 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 
 @pytest.fixture(scope="session")
 def smollm2_hf_model(smollm2_gguf: Path):
-    """transformers' own LlamaForCausalLM read from the GGUF file, float32: the reference (~30 s)."""
+    """transformers' own LlamaForCausalLM read from the GGUF file, float32: the reference."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
-    return model.eval()
+    folder = smollm2_hf_folder(smollm2_gguf)
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
