@@ -127,7 +127,7 @@ def write_kv_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel 
 
 
 @triton.jit
-def _tanh(x):  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
+def _tanh(x):
     """tanh from exp2 (Triton's core has no tanh that both the interpreter and a GPU run), in the
     form that cannot overflow: sign(x) · (1 - e) / (1 + e) with e = 2^(-2|x| log2 e) in (0, 1]."""
     e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 log2(e)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -246,7 +246,7 @@ class Gemma2MLP(nn.Module):
 
 
 class Gemma2DecoderLayer(nn.Module):
-    attention_type: type[Gemma2Attention] = Gemma2Attention  # Gemma 3's adds q/k norms
+    attention_type: ClassVar[type[Gemma2Attention]] = Gemma2Attention  # Gemma 3's: q/k norms
 
     def __init__(
         self, config: Gemma2Config, backend: AttentionBackend, tp: TensorParallelGroup, idx: int
@@ -294,6 +294,7 @@ class Gemma2Model(nn.Module):
         # Gemma 3's sliding layers rotate with their own theta (None: every layer uses the above).
         self.rotary_emb_local: RotaryEmbedding | None = None
         self.embed_scale = math.sqrt(config.hidden_size)
+        self.sliding_layers = config.sliding_layers  # which layers rotate with the local table
 
     def forward(
         self,
@@ -305,8 +306,8 @@ class Gemma2Model(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         # sqrt(hidden_size) as a float32 constant rounded to the dtype, as transformers has it.
         hidden = hidden * torch.tensor(self.embed_scale).to(hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            local = layer.self_attn.is_sliding and self.rotary_emb_local is not None
+        for layer, kv_cache, sliding in zip(self.layers, kv_caches, self.sliding_layers):
+            local = sliding and self.rotary_emb_local is not None
             rope = self.rotary_emb_local if local else self.rotary_emb
             hidden = layer(hidden, positions, rope, kv_cache, meta)
         return self.norm(hidden)
@@ -315,7 +316,7 @@ class Gemma2Model(nn.Module):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2 with its (tied) LM head; `compute_logits` soft-caps the logits."""
 
-    layer_type: type[Gemma2DecoderLayer] = Gemma2DecoderLayer  # type: ignore[assignment]
+    layer_type: ClassVar[type[Gemma2DecoderLayer]] = Gemma2DecoderLayer  # type: ignore[assignment]
 
     def __init__(
         self,

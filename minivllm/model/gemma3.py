@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from minivllm.attention import AttentionBackend
-from minivllm.distributed.parallel_state import TensorParallelGroup
+from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
 from minivllm.model.gemma2 import (
     Gemma2Attention,
     Gemma2Config,
@@ -92,9 +92,9 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         config: Gemma3Config,
         backend: AttentionBackend,
         max_positions: int | None = None,
-        *args: Any,
+        tp: TensorParallelGroup = SINGLE_DEVICE,
     ) -> None:
-        super().__init__(config, backend, max_positions, *args)
+        super().__init__(config, backend, max_positions, tp)
         self.model.rotary_emb_local = RotaryEmbedding(
             config.local_rope_config(), self.max_positions
         )
