@@ -10,6 +10,8 @@ that ignored it would be far off.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_attention_sliding_window import MODES, close, windowed_batch
@@ -50,23 +52,33 @@ def naive_capped_attention(batch: object, window: int, cap: float) -> torch.Tens
     return out
 
 
-def check_capped(backend: object, mode: str, window: int | None, head_dim: int = 16) -> None:
+def check_capped(
+    backend: object, mode: str, window: int | None, head_dim: int = 16, device: str = "cpu"
+) -> None:
+    """The backend's capped and uncapped attention against the float64 oracle (computed on the
+    CPU), the batch moved to `device` for the backend (tests/test_attention_gpu.py: "cuda")."""
     block_size = 16
     b = windowed_batch(mode, window or NO_WINDOW, 4, 2, head_dim, block_size)
     b.query.mul_(4.0)  # scores of a few units: tanh's bend, where the cap matters
-    b.meta.plan = backend.plan(b.meta, block_size)  # type: ignore[attr-defined]
-    capped = backend.attend(  # type: ignore[attr-defined]
-        b.query, b.k_cache, b.v_cache, b.meta, b.scale, sliding_window=window, softcap=CAP
-    )
     expected = naive_capped_attention(b, window or NO_WINDOW, CAP)
-    assert not capped.isnan().any()
-    close(capped, expected)
     uncapped = naive_capped_attention(b, window or NO_WINDOW, 0.0)
     assert (expected - uncapped).abs().max() > 0.05  # the cap changes the answer
-    off = backend.attend(  # type: ignore[attr-defined]
-        b.query, b.k_cache, b.v_cache, b.meta, b.scale, sliding_window=window, softcap=0.0
+    m = b.meta
+    meta = replace(
+        m,
+        **{
+            f: getattr(m, f).to(device)
+            for f in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping")
+        },
     )
-    close(off, uncapped)
+    query, k_cache, v_cache = (t.to(device) for t in (b.query, b.k_cache, b.v_cache))
+    meta.plan = backend.plan(meta, block_size)  # type: ignore[attr-defined]
+    for cap, want in ((CAP, expected), (0.0, uncapped)):
+        out = backend.attend(  # type: ignore[attr-defined]
+            query, k_cache, v_cache, meta, b.scale, sliding_window=window, softcap=cap
+        )
+        assert not out.isnan().any()
+        close(out.cpu(), want)
 
 
 @pytest.mark.parametrize("mode", MODES)
