@@ -90,6 +90,15 @@ def test_compiled_triton_matches_reference_on_the_tile_and_head_dim_cases(case: 
     check_attend_parity(case, "cuda")
 
 
+@pytest.mark.parametrize("mode", ["prefill", "extend", "decode", "mixed"])
+@pytest.mark.parametrize("window", [None, 19])
+def test_compiled_triton_caps_scores_as_the_reference(mode: str, window: int | None) -> None:
+    """Gemma 2's soft-cap (a run-time argument of both attention kernels), compiled."""
+    from test_attention_softcap import check_capped
+
+    check_capped(TritonBackend(), mode, window, device="cuda")
+
+
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
 def test_compiled_write_kv_is_exact_and_skips_minus_one(dtype: torch.dtype) -> None:
     check_write_kv_exact(dtype, "cuda")

@@ -1,4 +1,4 @@
-"""Qwen2, Qwen3 and Phi-3 split over two ranks give transformers' greedy tokens (paper §4.6).
+"""Qwen2, Qwen3, Phi-3 and Gemma 2 split over two ranks give transformers' greedy tokens (paper §4.6).
 
 Each family stresses the parallel layers in its own way: Qwen2's q/k/v bias is split by heads
 with the weight (`QKVParallelLinear`), Phi-3's fused checkpoint tensors are cut into parts
@@ -35,6 +35,26 @@ def test_two_ranks_give_transformers_greedy_tokens(tmp_path: Path, family: str) 
         skip_tokenizer_init=True,
         cpu_kv_cache_space=0.01,
         max_model_len=256,
+    )
+    try:
+        assert greedy(llm, prompts, max_tokens) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_gemma_2_on_two_ranks_gives_transformers_greedy_tokens(tmp_path: Path) -> None:
+    """Gemma 2's score cap acts on each rank's own heads, its final-logit cap on the logits
+    rank 0 gathers, and its tied LM head is the vocab-parallel embedding's shard."""
+    from test_model_gemma import engine_prompts, save_gemma
+
+    hf, path = save_gemma(tmp_path, "gemma2")
+    prompts, max_tokens, expected = engine_prompts(hf)
+    llm = LLM(
+        str(path),
+        tensor_parallel_size=2,
+        skip_tokenizer_init=True,
+        cpu_kv_cache_space=0.01,
+        max_model_len=56,
     )
     try:
         assert greedy(llm, prompts, max_tokens) == expected

@@ -9,7 +9,7 @@ every layer (nano-vllm keeps it in a global; we do not).
 A backend does two things per layer: `write_kv` scatters the new tokens' K/V into their cache
 slots, then `attend` computes causal attention of the new tokens over everything in the cache for
 their request. One interface serves prefill, chunked prefill, prefix-cache hits and decode, because
-a step is just a set of (request, new tokens) pairs; a layer's sliding window is an argument.
+a step is just a set of (request, new tokens) pairs; a layer's window and score cap are arguments.
 
 Backends: "reference" (gather + scaled-dot-product attention, the specification), "cpu" (every
 row through a compiled paged kernel, the CPU default) and "triton" (fused kernels, the CUDA
@@ -87,8 +87,8 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,  # the layer's: p sees j iff p - W < j <= p
-    ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        ...
+        softcap: float = 0.0,  # > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
+    ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
 
 
 BACKEND_NAMES = ("reference", "cpu", "triton", "auto")

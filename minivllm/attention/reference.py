@@ -7,7 +7,9 @@ last `query_len` of the `seq_len` tokens in cache, so query row i may see keys 0
 (`is_causal=True` aligns the triangle top-left, which is wrong as soon as a cached prefix or an
 earlier prefill chunk precedes the new tokens.) A layer's sliding window W narrows the mask to the
 last W keys of each query (HF transformers' `sliding_window_overlay`), and a prompt chunk then
-gathers only from the block of its first visible key on.
+gathers only from the block of its first visible key on. A layer's soft-cap (Gemma 2) bounds each
+score to `cap * tanh(score / cap)` before the mask and softmax; SDPA has no such step, so capped
+layers run transformers' eager attention instead (`softcapped_attention`).
 
 Decode requests (one new token each) are batched into a few padded calls, grouped by length, which
 is what makes this backend fast enough to be the CPU default; prompt chunks are attended one
@@ -185,6 +187,27 @@ def make_plan(
     return AttentionPlan(groups, plan_prompt_chunks(meta, block_size, sliding_window))
 
 
+def softcapped_attention(
+    q: torch.Tensor,  # [B, num_heads, L, head_dim]
+    k: torch.Tensor,  # [B, num_kv_heads, S, head_dim]
+    v: torch.Tensor,  # [B, num_kv_heads, S, head_dim]
+    mask: torch.Tensor,  # bool, broadcast to [B, num_heads, L, S]: which keys each query sees
+    scale: float,
+    softcap: float,  # 0: SDPA itself
+) -> torch.Tensor:  # [B, num_heads, L, head_dim]
+    """`scaled_dot_product_attention` with the scores capped first, in transformers' order
+    (Gemma 2's `eager_attention_forward`): scale, cap, mask, softmax in float32, weigh the values."""
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]  # query heads per KV head
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, num_heads, L, S]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def attend_prompt_chunk(
     query: torch.Tensor,  # [T, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -192,6 +215,7 @@ def attend_prompt_chunk(
     chunk: PromptChunk,
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim]  the chunk's rows are written
+    softcap: float = 0.0,
 ) -> None:
     """Causal attention of one request's new tokens over its cached context (from first_key)."""
     context_len = chunk.seq_len - chunk.first_key  # S
@@ -199,13 +223,13 @@ def attend_prompt_chunk(
     v = gather_kv(v_cache, chunk.block_table)[:, :context_len]
     rows = slice(chunk.start, chunk.start + chunk.query_len)
     q = query[rows].unsqueeze(0).transpose(1, 2)  # [1, num_heads, query_len, head_dim]
-    o = F.scaled_dot_product_attention(
+    o = softcapped_attention(
         q,
         k.transpose(1, 2).to(q.dtype),  # [1, num_kv_heads, S, head_dim]
         v.transpose(1, 2).to(q.dtype),
-        attn_mask=chunk.mask,
-        scale=scale,
-        enable_gqa=True,
+        chunk.mask,
+        scale,
+        softcap,
     )  # [1, num_heads, query_len, head_dim]
     out[rows] = o[0].transpose(0, 1)
 
@@ -244,6 +268,7 @@ class ReferenceBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,  # the layer's: key j seen from p iff p - W < j <= p
+        softcap: float = 0.0,  # > 0: each score becomes softcap * tanh(score / softcap)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         block_size = k_cache.shape[1]
         plan = meta.plan if isinstance(meta.plan, AttentionPlan) else make_plan(meta, block_size)
@@ -257,15 +282,15 @@ class ReferenceBackend:
             k = gather_kv(k_cache, group.block_tables).masked_fill(pad, 0)  # [G, L, Hkv, D]
             v = gather_kv(v_cache, group.block_tables).masked_fill(pad, 0)
             q = query[group.token_idx].unsqueeze(2)  # [G, num_heads, 1, head_dim]
-            o = F.scaled_dot_product_attention(
+            o = softcapped_attention(
                 q,
                 k.transpose(1, 2).to(q.dtype),  # [G, num_kv_heads, L, head_dim]
                 v.transpose(1, 2).to(q.dtype),
-                attn_mask=group.valid,
-                scale=scale,
-                enable_gqa=True,
+                group.valid,
+                scale,
+                softcap,
             )  # [G, num_heads, 1, head_dim]
             out[group.token_idx] = o[:, :, 0]
         for chunk in plan.prompt_chunks:
-            attend_prompt_chunk(query, k_cache, v_cache, chunk, scale, out)
+            attend_prompt_chunk(query, k_cache, v_cache, chunk, scale, out, softcap)
         return out

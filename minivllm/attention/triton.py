@@ -14,7 +14,8 @@ Which kernel serves which rows of a batch (see docs/architecture.md for the step
 - requests with several new tokens (prefill, chunked prefill, prefix-cache hits): the
   prefill/extend kernel, over a flat list of the query blocks that exist.
 - a layer's sliding window is a run-time argument of both attention kernels: they start each
-  key range at the first key its rows can see and mask the rest (one compiled kernel for all).
+  key range at the first key its rows can see and mask the rest (one compiled kernel for all);
+  so is its soft-cap (Gemma 2), applied to each tile's scores before the mask.
 
 Every launch is a `KernelLaunch` value (kernel, grid, arguments, settings) built by the functions
 below: the backend runs them, and the compile-only test compiles the very same values for sm_90
@@ -129,6 +130,7 @@ def attend_launches(
     layer: LayerPlan,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float = 0.0,
 ) -> list[KernelLaunch]:
     """The launches of one layer's attention: prefill blocks, decode stage 1, decode stage 2.
 
@@ -138,6 +140,9 @@ def attend_launches(
     num_kv_heads = k_cache.shape[2]
     qk_scale = scale * LOG2E
     window = K.NO_WINDOW if sliding_window is None else sliding_window
+    # The kernels' scores are in the log2 domain (× log2 e), and cap · tanh(x / cap) commutes
+    # with that scaling once the cap is scaled too. A float argument: no recompilation per cap.
+    cap = float(softcap) * LOG2E
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     launches = []
     args: tuple[Any, ...]
@@ -147,7 +152,7 @@ def attend_launches(
             query, k_cache, v_cache, out,
             meta.block_tables, meta.seq_lens, meta.query_start_loc,
             layer.q_blocks,
-            qk_scale, window,
+            qk_scale, window, cap,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             meta.block_tables.stride(0), *cache_strides,
         )  # fmt: skip
@@ -164,7 +169,7 @@ def attend_launches(
         args = (
             query, k_cache, v_cache, out, part_out, part_lse, layer.decode_seqs,
             meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            layer.num_splits, qk_scale, window,
+            layer.num_splits, qk_scale, window, cap,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             meta.block_tables.stride(0), *cache_strides, *part_strides,
         )  # fmt: skip
@@ -239,6 +244,7 @@ class TritonBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,  # the layer's: key j seen from p iff p - W < j <= p
+        softcap: float = 0.0,  # > 0: each score becomes softcap * tanh(score / softcap)
     ) -> torch.Tensor:  # [T, num_heads, head_dim], query.dtype
         _check_inputs(k_cache, v_cache, query, meta=meta)
         query = _last_dim_contiguous(query)
@@ -251,7 +257,9 @@ class TritonBackend:
             return out.to(query.dtype)
         plan = meta.plan if isinstance(meta.plan, TritonPlan) else self.plan(meta, k_cache.shape[1])
         layer = plan.for_layer(self.layer_shape(query, k_cache))
-        launches = attend_launches(query, k_cache, v_cache, out, meta, layer, scale, sliding_window)
+        launches = attend_launches(
+            query, k_cache, v_cache, out, meta, layer, scale, sliding_window, softcap
+        )
         with device_guard(query.device):
             for launch in launches:
                 launch()

@@ -34,6 +34,7 @@ def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyp
     num_splits,
     qk_scale,
     window,  # the layer's sliding window (NO_WINDOW: none): the row sees its last `window` keys
+    softcap,  # the layer's score cap × log2(e) (0: none)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -92,7 +93,7 @@ def paged_decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton's untyp
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc, m_i, l_i = _attend_key_range(
-        q, acc, m_i, l_i, offs_g, window, k_cache_ptr, v_cache_ptr,
+        q, acc, m_i, l_i, offs_g, window, softcap, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + req.to(tl.int64) * stride_bt, kv_head, lo, hi, qk_scale,
         stride_cb, stride_cs, stride_ch,
         BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, False, UPCAST,

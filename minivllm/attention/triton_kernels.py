@@ -127,6 +127,15 @@ def write_kv_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped kernel 
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 (Triton's core has no tanh that both the interpreter and a GPU run), in the
+    form that cannot overflow: sign(x) · (1 - e) / (1 + e) with e = 2^(-2|x| log2 e) in (0, 1]."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _attend_key_range(  # type: ignore[no-untyped-def]  # Triton's untyped kernel ABI
     q,  # [BLOCK_M, D_PAD] query rows of one GQA group (float32 if UPCAST)
     acc,  # [BLOCK_M, D_PAD] float32 unnormalised output so far
@@ -134,6 +143,7 @@ def _attend_key_range(  # type: ignore[no-untyped-def]  # Triton's untyped kerne
     l_i,  # [BLOCK_M] float32 running softmax denominator
     q_pos,  # [BLOCK_M] int32 position of each query row in its sequence (used if CAUSAL)
     window,  # a sliding window: row p sees keys > p - window (used if CAUSAL; huge: none)
+    softcap,  # > 0: scores become softcap · tanh(score / softcap), in the log2 domain; 0: off
     k_cache_ptr,
     v_cache_ptr,
     block_table_ptr,  # int32 [max_blocks_per_seq], this request's row of the block tables
@@ -169,6 +179,8 @@ def _attend_key_range(  # type: ignore[no-untyped-def]  # Triton's untyped kerne
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N]
+        if softcap > 0.0:  # Gemma 2: cap · tanh(x / cap) is the same map in the log2 domain
+            s = softcap * _tanh(s / softcap)
         visible = n_mask[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= q_pos[:, None])
@@ -202,6 +214,7 @@ def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped ke
     q_blocks_ptr,  # int32 [NB, 2]  (request, block index within its new tokens) per program
     qk_scale,
     window,  # the layer's sliding window (NO_WINDOW: none)
+    softcap,  # the layer's score cap × log2(e) (0: none)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -261,7 +274,7 @@ def paged_prefill_kernel(  # type: ignore[no-untyped-def]  # Triton's untyped ke
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_key_range(
-        q, acc, m_i, l_i, q_pos, window, k_cache_ptr, v_cache_ptr,
+        q, acc, m_i, l_i, q_pos, window, softcap, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + req.to(tl.int64) * stride_bt, kv_head, lo, hi, qk_scale,
         stride_cb, stride_cs, stride_ch,
         BLOCK_SIZE, HEAD_DIM, D_PAD, BLOCK_N, True, UPCAST,

@@ -116,6 +116,7 @@ class CpuBackend(ReferenceBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,  # the layer's: key j seen from p iff p - W < j <= p
+        softcap: float = 0.0,  # > 0: each score becomes softcap * tanh(score / softcap)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         plan = meta.plan
         if not isinstance(plan, CpuPlan):  # called without the runner: build it for this call
@@ -123,6 +124,6 @@ class CpuBackend(ReferenceBackend):
         out = torch.empty(query.shape, dtype=torch.float32)  # the kernel accumulates in float32
         paged_decode(
             query, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.rows, scale, out,
-            sliding_window,
+            sliding_window, softcap,
         )  # fmt: skip
         return out.to(query.dtype)

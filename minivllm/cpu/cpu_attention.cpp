@@ -118,7 +118,8 @@ void paged_decode_kernel(
     const int64_t* __restrict__ token_rows,   // [B] row of request b's query in query/out
     int64_t num_seqs, int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, const int64_t* q_stride, float scale,
-    int64_t sliding_window) {  // > 0: a row sees only its last sliding_window keys
+    int64_t sliding_window,  // > 0: a row sees only its last sliding_window keys
+    float softcap) {         // > 0: each score becomes softcap * tanh(score / softcap)
   const int64_t hd = HEAD_DIM > 0 ? HEAD_DIM : head_dim;  // the loops' head_dim
   const int64_t group = num_heads / num_kv_heads;        // query heads per KV head
   const int64_t row_elems = num_kv_heads * head_dim;     // one token's K (or V), all KV heads
@@ -190,9 +191,12 @@ void paged_decode_kernel(
         // --8<-- [end:scores]
       }
       // Softmax per query head (max-subtracted, so exp never overflows) over the visible keys;
-      // the skipped ones weigh 0 (no -inf: -ffast-math assumes finite numbers).
+      // the skipped ones weigh 0 (no -inf: -ffast-math assumes finite numbers). A soft-cap
+      // (Gemma 2) bounds each scaled score first, as transformers does before its mask.
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = scores.data() + h * seq_len;
+        if (softcap > 0.f)
+          for (int64_t t = skip; t < seq_len; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
         float m = s[skip];
         for (int64_t t = skip + 1; t < seq_len; ++t) m = std::max(m, s[t]);
         float sum = 0.f;
@@ -243,7 +247,7 @@ void dispatch_cache_type(at::ScalarType act, at::ScalarType cache, const char* o
 }
 
 // out[token_rows[b]] = softmax(q · Kᵀ · scale) · V over request b's seq_lens[b] cached tokens,
-// or (sliding_window W > 0) over the last W of them.
+// or (sliding_window W > 0) over the last W of them; softcap > 0 caps each score first.
 void paged_decode_sliding(
     const at::Tensor& out,           // float32 [T, num_heads, head_dim]
     const at::Tensor& query,         // [T, num_heads, head_dim], any strides
@@ -252,8 +256,9 @@ void paged_decode_sliding(
     const at::Tensor& block_tables,  // int32 [B, max_blocks]
     const at::Tensor& seq_lens,      // int32 [B]
     const at::Tensor& token_rows,    // int64 [B]
-    double scale, int64_t sliding_window) {
+    double scale, int64_t sliding_window, double softcap) {
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat, "out: contiguous float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -287,7 +292,7 @@ void paged_decode_sliding(
               block_tables.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(),
               rows.const_data_ptr<int64_t>(), block_tables.size(0), block_tables.size(1),
               num_heads, num_kv_heads, head_dim, block_size, query.strides().data(),
-              static_cast<float>(scale), sliding_window);
+              static_cast<float>(scale), sliding_window, static_cast<float>(softcap));
         });
       });
 }
@@ -296,7 +301,8 @@ void paged_decode_sliding(
 void paged_decode(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& token_rows, double scale) {
-  paged_decode_sliding(out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale, 0);
+  paged_decode_sliding(out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale, 0,
+                       0.0);
 }
 
 // ---------------------------------------------------------------------------------- cache write
@@ -403,7 +409,7 @@ TORCH_LIBRARY(minivllm_cpu, m) {
   m.def(
       "paged_decode_sliding(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor token_rows, float scale, "
-      "int sliding_window) -> ()",
+      "int sliding_window, float softcap=0.0) -> ()",
       &paged_decode_sliding);
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "

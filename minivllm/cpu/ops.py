@@ -185,22 +185,25 @@ def paged_decode(
     scale: float,
     out: torch.Tensor,  # float32 [T, num_heads, head_dim]  rows token_rows are written
     sliding_window: int | None = None,
+    softcap: float = 0.0,
 ) -> None:
     """Attention of each row token_rows[b] over the first seq_lens[b] cached tokens of block table
     b: a decode row sees its whole context, a prompt row the prefix up to its own position; with a
-    sliding window W, only the last W of them (the blocks before those are not read)."""
+    sliding window W, only the last W of them (the blocks before those are not read); with a
+    softcap > 0, each score is first bounded to softcap * tanh(score / softcap) (Gemma 2)."""
     load_cpu_kernels()
     # The model's queries are a view of the fused qkv output, token-major or (a CPU linear's
     # transposed output) feature-major: the kernel takes their strides and reads them where they
     # are, one request's query at a time, rather than have them copied out first.
-    if sliding_window is None:
+    if sliding_window is None and softcap == 0:
         torch.ops.minivllm_cpu.paged_decode(
             out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale
         )
     else:
         torch.ops.minivllm_cpu.paged_decode_sliding(
-            out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale, sliding_window
-        )
+            out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale,
+            sliding_window or 0, softcap,
+        )  # fmt: skip
 
 
 def gguf_linear(

@@ -34,11 +34,15 @@ MODELS: dict[str, str] = {
     "Phi3ForCausalLM": "minivllm.model.phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "minivllm.model.mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "minivllm.model.qwen3_moe:Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM": "minivllm.model.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "minivllm.model.gemma3:Gemma3ForCausalLM",
 }
-# The families whose config has fields of its own (the experts); the others read a LlamaConfig.
+# The families whose config has fields of its own (experts, Gemma's); the others: LlamaConfig.
 CONFIGS: dict[str, str] = {
     "MixtralForCausalLM": "minivllm.model.mixtral:MixtralConfig",
     "Qwen3MoeForCausalLM": "minivllm.model.qwen3_moe:Qwen3MoeConfig",
+    "Gemma2ForCausalLM": "minivllm.model.gemma2:Gemma2Config",
+    "Gemma3ForCausalLM": "minivllm.model.gemma3:Gemma3Config",
 }
 
 
