@@ -13,8 +13,8 @@ EBNF grammar or any JSON object): see `minivllm/structured_output/`.
 which knows its size.
 
 Deviations from vLLM, on purpose: no `best_of` or `output_kind` (out of scope); non-finite floats
-are rejected; `logit_bias` values outside OpenAI's [-100, 100] are refused, not clamped;
-`logprobs=-1` / `prompt_logprobs=-1` (the full vocabulary) are not supported.
+are rejected; `logit_bias` values outside OpenAI's [-100, 100] are refused, not clamped. Logprobs
+of -1 (the vocabulary) and the engine's `max_logprobs`: minivllm/logprobs_limit.py.
 
 Tier: leaves. It imports no other tier of the package.
 """
@@ -32,7 +32,7 @@ __all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 # Temperatures below this are greedy; vLLM's `_SAMPLING_EPS`.
 SAMPLING_EPS = 1e-5
-# The most top logprobs one request may ask for per token (vLLM's default `max_logprobs`).
+# The most top logprobs a request may ask for per token unless the engine says (`max_logprobs`).
 MAX_LOGPROBS = 20
 
 
@@ -183,11 +183,8 @@ class SamplingParams:
     def _verify_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None:
-                value = _check_int(name, value)
-                if not 0 <= value <= MAX_LOGPROBS:
-                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
-                setattr(self, name, value)
+            if value is not None and _check_int(name, value) < -1:
+                raise ValueError(f"{name} must be non-negative or -1, got {value}.")
 
     def _verify_token_constraints(self) -> None:
         """What the sampler's logits processors read: `logit_bias`, `allowed_token_ids`,

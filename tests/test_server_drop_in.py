@@ -206,3 +206,40 @@ def test_completions_carry_system_fingerprint_and_logit_bias_names_the_vocabular
     body = {"messages": CHAT, "max_tokens": 2, "logit_bias": {str(vocab + 1): 1}}
     error = post(server, "/chat/completions", body).json()["error"]["message"]
     assert str(vocab + 1) in error and str(vocab) in error
+
+
+def test_logprobs_past_max_logprobs_are_a_400_naming_the_limit(server: InProcessServer) -> None:
+    # The default --max-logprobs is vLLM's 20; -1 asks for the vocabulary (49152), past it.
+    for body in (
+        {"prompt": "Hi", "max_tokens": 1, "prompt_logprobs": -1},
+        {"prompt": "Hi", "max_tokens": 1, "logprobs": 21},
+    ):
+        out = post(server, "/completions", body)
+        assert out.status_code == 400, out.text
+        assert "greater than max allowed: 20" in out.json()["error"]["message"]
+    chat = {"messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": -1}
+    out = post(server, "/chat/completions", chat)
+    assert out.status_code == 400 and "sample logprobs of 49152" in out.json()["error"]["message"]
+    out = post(server, "/completions", {"prompt": "Hi", "max_tokens": 1, "logprobs": -2})
+    assert out.status_code == 400 and "non-negative or -1" in out.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def whole_vocab_server(tiny_model: Path):
+    with serve_tiny_model(tiny_model, engine_args={"max_logprobs": -1}) as s:
+        yield s
+
+
+def test_minus_one_is_the_whole_vocabulary_when_max_logprobs_allows_it(
+    whole_vocab_server: InProcessServer,
+) -> None:
+    vocab = whole_vocab_server.engine.vocab_size
+    body = {"prompt": "Hello there", "max_tokens": 1, "prompt_logprobs": -1}
+    choice = post(whole_vocab_server, "/completions", body).json()["choices"][0]
+    first, *rest = choice["prompt_logprobs"]
+    assert first is None and rest and all(len(entry) == vocab for entry in rest)
+    chat = {"messages": CHAT, "max_tokens": 1, "logprobs": "true", "top_logprobs": -1}
+    out = post(whole_vocab_server, "/chat/completions", chat)
+    assert out.status_code == 200, out.text
+    (token,) = out.json()["choices"][0]["logprobs"]["content"]
+    assert len(token["top_logprobs"]) == vocab

@@ -30,7 +30,9 @@ from minivllm.sequence import Logprob
 
 
 def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda x: x[1].rank)
+    """The top k of a position by rank; k = -1 (vLLM's "the whole vocabulary"): all of them."""
+    top = ((t, lp) for t, lp in entry.items() if k == -1 or lp.rank <= k)
+    return sorted(top, key=lambda x: x[1].rank)
 
 
 def _text(lp: Logprob) -> str:
