@@ -243,3 +243,25 @@ def test_minus_one_is_the_whole_vocabulary_when_max_logprobs_allows_it(
     assert out.status_code == 200, out.text
     (token,) = out.json()["choices"][0]["logprobs"]["content"]
     assert len(token["top_logprobs"]) == vocab
+
+
+def test_empty_prompt_embeds_are_no_embeddings_and_others_are_refused_by_name(
+    server: InProcessServer,
+) -> None:
+    out = post(server, "/completions", {"prompt": "Hi", "max_tokens": 1, "prompt_embeds": []})
+    assert out.status_code == 200, out.text
+    out = post(server, "/completions", {"prompt": "Hi", "max_tokens": 1, "prompt_embeds": "AAAA"})
+    assert out.status_code == 400 and out.json()["error"]["param"] == "prompt_embeds"
+
+
+def test_legacy_top_logprobs_start_with_the_position_s_own_token_as_vllm_orders_them(
+    server: InProcessServer,
+) -> None:
+    # Sampled at a high temperature so that some tokens are not the top one; echo scores the
+    # prompt's tokens too, which are rarely the model's top guess.
+    body = {"prompt": "Say hello to the world", "max_tokens": 6, "echo": True, "logprobs": 2}
+    body |= {"temperature": 2.0, "seed": 1, "return_tokens_as_token_ids": True}
+    lp = post(server, "/completions", body).json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"][0] is None  # the first prompt token: nothing predicts it
+    for token, top in zip(lp["tokens"][1:], lp["top_logprobs"][1:]):
+        assert next(iter(top)) == token and 2 <= len(top) <= 3

@@ -204,6 +204,11 @@ class CompletionRequest(_SamplingFields):
     )
     echo: bool = False
     suffix: Any = _unsupported("suffix (insertion) is not supported by minivllm")
+    prompt_embeds: Any = Field(
+        None,
+        description="vLLM's extra (--enable-prompt-embeds): refused with a 400 unless null or "
+        "empty; empty means none, as vLLM takes it.",
+    )
 
 
 class TextPart(_Request):
@@ -324,6 +329,8 @@ def refuse_unsupported(req: BaseModel) -> None:
 def unsupported_fields(req: _SamplingFields) -> None:
     """Refuse, by name, every declared field that minivllm cannot honour."""
     refuse_unsupported(req)
+    if getattr(req, "prompt_embeds", None):  # an empty list is no embeddings (vLLM's reading)
+        raise OpenAIError("prompt_embeds is not supported by minivllm", param="prompt_embeds")
     if req.best_of is not None and req.best_of != req.n:
         raise OpenAIError(
             f"best_of must equal n ({req.n}): minivllm returns every sample, got {req.best_of!r}",
