@@ -188,10 +188,20 @@ def module_of(classname: str, file: str | None) -> str:
 
 
 def matches(key: str, node: str) -> bool:
-    """A key is a node id, a node id without its parameters, or a prefix ending in '*'."""
-    if key.endswith("*"):
-        return node.startswith(key[:-1])
-    return node == key or node.startswith(key + "[")
+    """A key is a node id, a node id without its parameters, or a pattern where each '*' stands
+    for any characters (not fnmatch: node ids hold '[')."""
+    if "*" not in key:
+        return node == key or node.startswith(key + "[")
+    first, *middle, last = key.split("*")
+    if not node.startswith(first):
+        return False
+    at = len(first)
+    for part in middle:
+        at = node.find(part, at)
+        if at < 0:
+            return False
+        at += len(part)
+    return node.endswith(last) and len(node) - len(last) >= at
 
 
 def classify(junit: Path) -> list[dict[str, str]]:
