@@ -5,8 +5,9 @@
 tree it extracts; nothing here is imported by minivllm or its own tests. It runs in the
 conformance virtual environment, which has no `vllm`: importing it puts a few small stand-ins for
 the `vllm` modules the server tests name (`vllm.version`, `vllm.transformers_utils.tokenizer`,
-`vllm.config.ModelConfig`, `vllm.assets.audio`, ...) into `sys.modules`. A test module that needs
-more of vLLM than that fails to import, and the runner classifies it as a test of vLLM's internals.
+`vllm.config.ModelConfig`, `vllm.entrypoints.renderer.BaseRenderer`, `vllm.assets.audio`, ...)
+into `sys.modules`. A test module that needs more of vLLM than that fails to import, and the runner
+classifies it as a test of vLLM's internals.
 
 `RemoteOpenAIServer` keeps vLLM's interface (`url_for`, `get_client`, `get_async_client`,
 `show_hidden_metrics`, a context manager) and starts `minivllm serve` with the bundled model,
@@ -70,6 +71,16 @@ def _model_config() -> dict[str, Any]:
     return dict(json.loads((folder / "model_config.json").read_text()))
 
 
+class _BaseRenderer:
+    """vLLM's prompt renderer, which `test_prompt_validation` imports for its unit test of
+    `load_prompt_embeds` (vLLM's tensor decoding: classified as internals); the module's server
+    tests need only the name to be importable."""
+
+    @staticmethod
+    def load_prompt_embeds(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("vLLM's BaseRenderer is a stand-in here: prompt embeddings")
+
+
 class _AudioAsset:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -100,6 +111,8 @@ def install_vllm_stand_ins() -> None:
         "vllm.transformers_utils": {},
         "vllm.transformers_utils.tokenizer": {"get_tokenizer": _get_tokenizer},
         "vllm.config": {"ModelConfig": _ModelConfig},
+        "vllm.entrypoints": {},
+        "vllm.entrypoints.renderer": {"BaseRenderer": _BaseRenderer},
         "vllm.assets": {},
         "vllm.assets.audio": {"AudioAsset": _AudioAsset},
     }

@@ -252,6 +252,9 @@ def test_empty_prompt_embeds_are_no_embeddings_and_others_are_refused_by_name(
     assert out.status_code == 200, out.text
     out = post(server, "/completions", {"prompt": "Hi", "max_tokens": 1, "prompt_embeds": "AAAA"})
     assert out.status_code == 400 and out.json()["error"]["param"] == "prompt_embeds"
+    out = post(server, "/completions", {"prompt": "", "max_tokens": 1, "prompt_embeds": []})
+    message = "Either prompt or prompt_embeds must be provided and non-empty."  # vLLM's words
+    assert out.status_code == 400 and out.json()["error"]["message"] == message
 
 
 def test_legacy_top_logprobs_start_with_the_position_s_own_token_as_vllm_orders_them(
