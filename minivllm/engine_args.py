@@ -248,6 +248,7 @@ class EngineKwargs(TypedDict, total=False):
     dtype: str
     device: str
     quantization: str | None
+    max_logprobs: int
     seed: int
     max_model_len: int | None
     attention_backend: str

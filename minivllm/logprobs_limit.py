@@ -16,6 +16,14 @@ import dataclasses
 from minivllm.sampling_params import SamplingParams
 
 
+class LogprobsLimitError(ValueError):
+    """A request asks for more logprobs than `max_logprobs`; `param` names its field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def resolve_logprobs(params: SamplingParams, vocab_size: int, max_logprobs: int) -> SamplingParams:
     """The parameters with -1 replaced by the vocabulary size (what the sampler and the runner
     take as k); a ValueError in vLLM's words when either kind asks for more than the limit."""
@@ -25,8 +33,9 @@ def resolve_logprobs(params: SamplingParams, vocab_size: int, max_logprobs: int)
         n = vocab_size if value == -1 else value
         if n is not None and n > limit:
             kind = "sample" if name == "logprobs" else "prompt"
-            raise ValueError(
-                f"Requested {kind} logprobs of {n}, which is greater than max allowed: {limit}"
+            raise LogprobsLimitError(
+                f"Requested {kind} logprobs of {n}, which is greater than max allowed: {limit}",
+                name,
             )
         asked[name] = n
     if -1 not in (params.logprobs, params.prompt_logprobs):

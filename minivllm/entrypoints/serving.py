@@ -183,7 +183,7 @@ class OpenAIServing:
                 process_token_params(params, client.tokenizer, client.vocab_size)
             return params
         except ValueError as exc:  # the messages name the field and the range
-            name = str(exc).split(" ", 1)[0]
+            name = getattr(exc, "param", None) or str(exc).split(" ", 1)[0]
             raise OpenAIError(str(exc), param=name if name in _PARAM_NAMES else None) from None
 
     def tokens_as_ids(self, req: Any) -> bool:
