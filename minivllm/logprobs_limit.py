@@ -40,4 +40,6 @@ def resolve_logprobs(params: SamplingParams, vocab_size: int, max_logprobs: int)
         asked[name] = n
     if -1 not in (params.logprobs, params.prompt_logprobs):
         return params
-    return dataclasses.replace(params, **asked)
+    return dataclasses.replace(
+        params, logprobs=asked["logprobs"], prompt_logprobs=asked["prompt_logprobs"]
+    )
