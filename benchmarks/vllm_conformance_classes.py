@@ -80,7 +80,30 @@ _O = "tests/entrypoints/openai/"
 _V1 = "tests/v1/entrypoints/openai/"
 _EOS = "the bundled model ends a question prompt with EOS at once (finish_reason stop, text '')"
 
+_RUNAWAY = (
+    "the bundled model's answer does not end (no EOS before the context's 4-8k tokens): at ~35 "
+    "tokens/s on 2 cores it outlasts the 180 s timeout; the test sets no max_tokens"
+)
+
 KNOWN_FAILURES: dict[str, tuple[str, str]] = {
+    _O + "test_chat.py::test_custom_role": (_MODEL, _RUNAWAY),
+    _O + "test_chat_echo.py::test_chat_session_with_echo_and_continue_final_message": (
+        _MODEL,
+        _RUNAWAY,
+    ),
+    _O + "test_root_path.py::test_chat_session_root_path_with_api_key": (
+        _MODEL,
+        _RUNAWAY + " (sampled: which case runs away varies)",
+    ),
+    _O + "test_chat.py::test_structured_outputs_choice_chat": (
+        _MODEL,
+        "the choice is grammar-held; asked to 'pick another one', the 135M model picks the same",
+    ),
+    _O + "test_chat.py::test_structured_outputs_json_chat": (
+        _MODEL,
+        "the JSON is grammar-held, but the 135M model writes one string until the 1000-token "
+        "budget ends, so the text is cut inside it",
+    ),
     # The bundled model's text, tokenizer or template, where the test pins its own model's.
     _O + "test_completion.py::test_single_completion": (
         _MODEL,
@@ -127,37 +150,26 @@ KNOWN_FAILURES: dict[str, tuple[str, str]] = {
         "the project's openai client (newer than vLLM's pin) dumps `moderation` and "
         "`metadata`, which vLLM's server does not send either",
     ),
-    _O + "test_metrics.py::test_metrics_counts[*False]": (
+    _O + "test_metrics.py::test_metrics_counts[*": (
         _MODEL,
         "vLLM's test expects generation_tokens_total = requests x prompt tokens, true "
         "only for TinyLlama's 10-token prompt and 10 generated (vLLM's test is wrong; ours counts "
         "the generated tokens, 100)",
     ),
-    _O + "test_metrics.py::test_abort_metrics_reset[-False]": (
-        _MISSING,
-        "the V0 engine's (VLLM_USE_V1=0) gpu_cache_usage_perc without the hidden flag",
-    ),
-    _O + "test_metrics.py::test_abort_metrics_reset[--enable-chunked-prefill-False]": (
-        _MISSING,
-        "the V0 engine's (VLLM_USE_V1=0) gpu_cache_usage_perc without the hidden flag",
-    ),
-    _O + "test_metrics.py::test_abort_metrics_reset[--disable-frontend-multiprocessing-False]": (
-        _MISSING,
-        "the V0 engine's (VLLM_USE_V1=0) gpu_cache_usage_perc without the hidden flag",
-    ),
-    _O + "test_metrics.py::test_metrics_exist_run_batch": (
-        _HARNESS,
-        "runs `vllm run-batch`, a vLLM command (times out)",
-    ),
-    _O + "test_completion_with_function_calling.py::test_function_tool_use": (
+    # Node ids read [enable_thinking-tool_choice-stream-model]; required and named calls pass
+    # (the grammar forces them), except where a non-streamed answer must carry Qwen3's thinking.
+    _O + "test_completion_with_function_calling.py::test_function_tool_use[*-auto-*": (
         _MODEL,
-        "Qwen3's tool template and parser; the bundled model writes no calls",
+        "tool_choice auto: Qwen3's template and parser; the bundled model writes no calls",
+    ),
+    _O + "test_completion_with_function_calling.py::test_function_tool_use[True-*-False-*": (
+        _MODEL,
+        "enable_thinking: reasoning_content from Qwen3's template and its qwen3 reasoning parser",
     ),
     _O + "test_completion_with_function_calling.py::test_tool_id_kimi_k2": (
         _MODEL,
-        "Kimi-K2's tool-call ids from its parser",
+        "Kimi-K2's tool-call ids (functions.NAME:0) from its model type (an hf override)",
     ),
-    _O + "test_return_tokens_as_ids.py::*": (_MODEL, "token ids pinned to zephyr's vocabulary"),
     _O + "test_return_token_ids.py::*": (
         _MODEL,
         "Qwen's chat template and tool-call text (<tool_call>, <|im_end|>)",
@@ -175,7 +187,10 @@ KNOWN_FAILURES: dict[str, tuple[str, str]] = {
         _MODEL,
         "asks 10000 tokens, past the bundled model's 8192 positions",
     ),
-    _O + "test_prompt_validation.py::*": (_HARNESS, "imports vLLM's own modules at collection"),
+    _O + "test_prompt_validation.py::test_load_prompt_embeds": (
+        _INTERNALS,
+        "vLLM's BaseRenderer.load_prompt_embeds on tensors (a stand-in here)",
+    ),
     _V1 + "responses/test_basic.py::test_simple_input": (_MODEL, "expects '312' for 13 * 24"),
     _V1 + "responses/test_basic.py::test_instructions": (_MODEL, "expects '312' for 13 * 24"),
     _V1 + "responses/test_basic.py::test_chat": (_MODEL, "expects Qwen3's answers"),
@@ -191,12 +206,13 @@ KNOWN_FAILURES: dict[str, tuple[str, str]] = {
         _MODEL,
         "the JSON validates (grammar-held); its values must be Qwen3's reading",
     ),
-    _O + "test_chat_echo.py::test_prompt_logprobs": (
-        _MISSING,
-        "prompt_logprobs -1 (the whole vocabulary) and --max-logprobs",
-    ),
-    _O + "test_chat_echo.py::test_top_logprobs": (
-        _MISSING,
-        "top_logprobs -1 (the whole vocabulary) and --max-logprobs",
+}
+
+# Tests that only wait until their timeout (a `vllm` subprocess that never starts, a GPU): they are
+# deselected, and count as not passing.
+DESELECTED: dict[str, tuple[str, str]] = {
+    _O + "test_metrics.py::test_metrics_exist_run_batch": (
+        _HARNESS,
+        "runs `python -m vllm.entrypoints.openai.run_batch` and polls its metrics port",
     ),
 }

@@ -5,8 +5,9 @@
 tree it extracts; nothing here is imported by minivllm or its own tests. It runs in the
 conformance virtual environment, which has no `vllm`: importing it puts a few small stand-ins for
 the `vllm` modules the server tests name (`vllm.version`, `vllm.transformers_utils.tokenizer`,
-`vllm.config.ModelConfig`, `vllm.assets.audio`, ...) into `sys.modules`. A test module that needs
-more of vLLM than that fails to import, and the runner classifies it as a test of vLLM's internals.
+`vllm.config.ModelConfig`, `vllm.entrypoints.renderer.BaseRenderer`, `vllm.assets.audio`, ...)
+into `sys.modules`. A test module that needs more of vLLM than that fails to import, and the runner
+classifies it as a test of vLLM's internals.
 
 `RemoteOpenAIServer` keeps vLLM's interface (`url_for`, `get_client`, `get_async_client`,
 `show_hidden_metrics`, a context manager) and starts `minivllm serve` with the bundled model,
@@ -70,6 +71,16 @@ def _model_config() -> dict[str, Any]:
     return dict(json.loads((folder / "model_config.json").read_text()))
 
 
+class _BaseRenderer:
+    """vLLM's prompt renderer, which `test_prompt_validation` imports for its unit test of
+    `load_prompt_embeds` (vLLM's tensor decoding: classified as internals); the module's server
+    tests need only the name to be importable."""
+
+    @staticmethod
+    def load_prompt_embeds(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("vLLM's BaseRenderer is a stand-in here: prompt embeddings")
+
+
 class _AudioAsset:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -100,6 +111,8 @@ def install_vllm_stand_ins() -> None:
         "vllm.transformers_utils": {},
         "vllm.transformers_utils.tokenizer": {"get_tokenizer": _get_tokenizer},
         "vllm.config": {"ModelConfig": _ModelConfig},
+        "vllm.entrypoints": {},
+        "vllm.entrypoints.renderer": {"BaseRenderer": _BaseRenderer},
         "vllm.assets": {},
         "vllm.assets.audio": {"AudioAsset": _AudioAsset},
     }
@@ -149,10 +162,16 @@ def _minivllm_flags() -> dict[str, Any]:
     return dict(json.loads(os.environ["MINIVLLM_CONFORMANCE_FLAGS"]))
 
 
+# Flags the tests set for a GPU's sake ("half precision for speed and memory savings in CI"):
+# dropped, so the bundled model runs at its CPU default (float32, the C++ decode loop), the fast
+# path here; float16 activations run the Python loop at a tenth of the speed.
+CPU_DEFAULTS = ("--dtype",)
+
+
 def translate_args(args: list[str]) -> tuple[list[str], list[str]]:
     """vLLM serve arguments -> (minivllm's, the dropped ones). A dropped flag takes the next
     argument with it when that argument is not a flag (vLLM's value-taking flags)."""
-    flags = _minivllm_flags()
+    flags = {k: v for k, v in _minivllm_flags().items() if k not in CPU_DEFAULTS}
     kept: list[str] = []
     dropped: list[str] = []
     i = 0

@@ -34,6 +34,7 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks.vllm_conformance_classes import (
+    DESELECTED,
     EXCLUDED_MODULES,
     EXCLUDED_PARAMETERS,
     KNOWN_FAILURES,
@@ -187,10 +188,20 @@ def module_of(classname: str, file: str | None) -> str:
 
 
 def matches(key: str, node: str) -> bool:
-    """A key is a node id, a node id without its parameters, or a prefix ending in '*'."""
-    if key.endswith("*"):
-        return node.startswith(key[:-1])
-    return node == key or node.startswith(key + "[")
+    """A key is a node id, a node id without its parameters, or a pattern where each '*' stands
+    for any characters (not fnmatch: node ids hold '[')."""
+    if "*" not in key:
+        return node == key or node.startswith(key + "[")
+    first, *middle, last = key.split("*")
+    if not node.startswith(first):
+        return False
+    at = len(first)
+    for part in middle:
+        at = node.find(part, at)
+        if at < 0:
+            return False
+        at += len(part)
+    return node.endswith(last) and len(node) - len(last) >= at
 
 
 def classify(junit: Path) -> list[dict[str, str]]:
@@ -237,6 +248,32 @@ def classify(junit: Path) -> list[dict[str, str]]:
     return rows
 
 
+def not_run_arguments(tree: Path, run_excluded: bool) -> list[str]:
+    """pytest arguments that leave out what is not counted (excluded and internals modules) and the
+    tests in `DESELECTED`, which only wait (for a `vllm` subprocess or a GPU) until they time out."""
+    out = [f"--deselect={node}" for node in DESELECTED]
+    if run_excluded:
+        return out
+    for suffix in EXCLUDED_MODULES:
+        out += [f"--ignore={p.relative_to(tree)}" for p in sorted(tree.glob(f"tests/**/{suffix}"))]
+    return out
+
+
+def not_run_rows() -> list[dict[str, str]]:
+    """The deselected tests, as rows of their class (they count, and do not pass)."""
+    return [
+        {
+            "node": node,
+            "outcome": "not run",
+            "class": cls,
+            "reason": reason,
+            "server_error": "False",
+            "message": "deselected",
+        }
+        for node, (cls, reason) in DESELECTED.items()
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vllm", type=Path, required=True, help="vLLM checkout or git dir")
@@ -253,7 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a fresh temp dir")
     parser.add_argument("--report", type=Path, default=None, help="write the rows as JSON here")
-    parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
+    parser.add_argument("--timeout", type=int, default=180, help="seconds per test")
+    parser.add_argument(
+        "--run-excluded",
+        action="store_true",
+        help="also run the modules excluded from the count (another model, audio, internals...)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (paths, -k)")
     args = parser.parse_args(argv)
 
@@ -281,16 +323,19 @@ def main(argv: list[str] | None = None) -> int:
             "--continue-on-collection-errors",
             f"--timeout={args.timeout}",
             f"--junitxml={junit}",
+            *not_run_arguments(tree, args.run_excluded),
             *targets,
         ],
         cwd=tree,
         env=env,
         check=False,
     )
-    rows = classify(junit)
+    rows = classify(junit) + not_run_rows()
     counts = Counter(r["class"] for r in rows)
     counted = [r for r in rows if r["class"] not in ("excluded", "internals", "skipped")]
     print(f"\nrun folder: {run}")
+    if not args.run_excluded:
+        print(f"not run: {len(EXCLUDED_MODULES)} modules excluded from the count (--run-excluded)")
     for cls, text in CLASSES.items():
         print(f"{counts.get(cls, 0):5d}  {cls:13s} {text}")
     print(

@@ -68,8 +68,11 @@ class ModelConfig:
     attention_backend: str  # one of BACKEND_NAMES
     enforce_eager: bool = False  # True: no decode step's layers in one C++ call
     quantization: str | None = None  # one of QUANTIZATIONS; None: the checkpoint's own
+    max_logprobs: int = 20  # most (prompt) logprobs per token a request may ask; -1: the vocabulary
 
     def __post_init__(self) -> None:
+        if type(self.max_logprobs) is not int or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be non-negative or -1, got {self.max_logprobs!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be unset or one of {QUANTIZATIONS}, got {self.quantization!r}"

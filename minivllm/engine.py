@@ -102,7 +102,7 @@ class LLMEngine:
             self.tokenizer,
             self.vocab_size,
             self.max_model_len,
-            config.scheduler.max_num_seqs,
+            config,
             resolved.generation,
             self.eos_token_id,
         )

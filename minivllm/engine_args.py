@@ -79,6 +79,11 @@ class EngineArgs:
         "transformers); unset: the checkpoint's own (gguf for a .gguf model)",
         choices=QUANTIZATIONS,
     )
+    max_logprobs: int = _arg(
+        20,
+        "most logprobs (and prompt logprobs) per token a request may ask for; -1: the whole "
+        "vocabulary (a request's -1 asks for the vocabulary too, vLLM's meaning)",
+    )
     seed: int = _arg(0, "seeds the generators of random-sampling requests that bring no seed")
     max_model_len: int | None = _arg(
         None, "most tokens of prompt + output per request; unset: the model's context length"
@@ -210,6 +215,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             quantization=self.quantization,
+            max_logprobs=self.max_logprobs,
         )
         return EngineConfig(
             model=model,
@@ -242,6 +248,7 @@ class EngineKwargs(TypedDict, total=False):
     dtype: str
     device: str
     quantization: str | None
+    max_logprobs: int
     seed: int
     max_model_len: int | None
     attention_backend: str

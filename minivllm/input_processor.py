@@ -4,9 +4,9 @@ vLLM v1's `InputProcessor` (vllm/v1/engine/processor.py): every check that can b
 request reaches the scheduler is made here, once, with a message that names what is wrong, so that
 the engine's `add_request` only registers the result. In order: the model's sampling defaults fill
 the fields a request leaves unset (generation_config.json, as vLLM reads it), `n` is checked
-against `max_num_seqs`, the model's extra end-of-turn tokens become stop tokens, the token ids the
-request names are checked against the vocabulary (`bad_words` tokenized), and the prompt is
-tokenized, truncated and checked against `max_model_len` (minivllm/inputs.py).
+against `max_num_seqs` and logprobs against `max_logprobs`, the model's extra end-of-turn tokens
+become stop tokens, the token ids the request names are checked against the vocabulary, and the
+prompt is tokenized, truncated and checked against `max_model_len` (minivllm/inputs.py).
 
 Tier: engine. It imports the inputs, the sampling parameters and the request type.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from minivllm.config import EngineConfig
 from minivllm.inputs import PromptType, prepare_prompt, process_prompt, process_token_params
 from minivllm.model.source import GenerationDefaults
 from minivllm.sampling_params import SamplingParams
@@ -28,14 +29,15 @@ class InputProcessor:
         tokenizer: Any,
         vocab_size: int,
         max_model_len: int,
-        max_num_seqs: int,
+        config: EngineConfig,
         generation: GenerationDefaults,
         eos_token_id: int | None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len  # after the engine fitted it to the KV cache
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_logprobs = config.model.max_logprobs
         # generation_config.json, as vLLM reads it by default: its sampling defaults fill the
         # fields a request leaves unset (vLLM's `get_diff_sampling_param()`), and each of its EOS
         # ids beyond the tokenizer's stops generation, reported as a stop token (as vLLM does),
@@ -70,6 +72,9 @@ class InputProcessor:
             raise ValueError(
                 f"n must be at most max_num_seqs ({self.max_num_seqs}), got {params.n}"
             )
+        from minivllm.logprobs_limit import resolve_logprobs  # -1 and max_logprobs, as vLLM's
+
+        params = resolve_logprobs(params, self.vocab_size, self.max_logprobs)
         if self.extra_eos_token_ids and not params.ignore_eos:
             stops = set(params.stop_token_ids or []) | self.extra_eos_token_ids
             params = dataclasses.replace(params, stop_token_ids=sorted(stops))

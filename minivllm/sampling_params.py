@@ -13,8 +13,8 @@ EBNF grammar or any JSON object): see `minivllm/structured_output/`.
 which knows its size.
 
 Deviations from vLLM, on purpose: no `best_of` or `output_kind` (out of scope); non-finite floats
-are rejected; `logit_bias` values outside OpenAI's [-100, 100] are refused, not clamped;
-`logprobs=-1` / `prompt_logprobs=-1` (the full vocabulary) are not supported.
+are rejected; `logit_bias` values outside OpenAI's [-100, 100] are refused, not clamped. Logprobs
+of -1 (the vocabulary) and the engine's `max_logprobs`: minivllm/logprobs_limit.py.
 
 Tier: leaves. It imports no other tier of the package.
 """
@@ -32,7 +32,7 @@ __all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 # Temperatures below this are greedy; vLLM's `_SAMPLING_EPS`.
 SAMPLING_EPS = 1e-5
-# The most top logprobs one request may ask for per token (vLLM's default `max_logprobs`).
+# The most top logprobs a request may ask for per token unless the engine says (`max_logprobs`).
 MAX_LOGPROBS = 20
 
 
@@ -81,9 +81,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top logprobs per prompt token (the prompt's own given too)
     skip_special_tokens: bool = True  # drop special tokens from the text
     spaces_between_special_tokens: bool = True  # slow tokenizers only, as in transformers
-    include_stop_str_in_output: bool = (
-        False  # keep the matched stop string (and stop token) in text
-    )
+    include_stop_str_in_output: bool = False  # keep the matched stop string (and token) in text
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled
@@ -109,31 +107,25 @@ class SamplingParams:
         self.n = _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
-
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}.")
             setattr(self, name, value)
-
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0.0:
             raise ValueError(
                 f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
             )
-
         self.temperature = _check_float("temperature", self.temperature)
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-
         self.top_p = _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-
         self.top_k = _check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
-
         self.min_p = _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
@@ -155,7 +147,6 @@ class SamplingParams:
             self.max_tokens = _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
                 raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-
         self.min_tokens = _check_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise ValueError(
@@ -171,7 +162,6 @@ class SamplingParams:
         """Stop strings and token ids, normalised to lists, and the flags that shape the text."""
         self.stop = self._normalize_stop(self.stop)
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)
-
         for name in (
             "ignore_eos",
             "skip_special_tokens",
@@ -183,11 +173,8 @@ class SamplingParams:
     def _verify_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None:
-                value = _check_int(name, value)
-                if not 0 <= value <= MAX_LOGPROBS:
-                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
-                setattr(self, name, value)
+            if value is not None and _check_int(name, value) < -1:
+                raise ValueError(f"{name} must be non-negative or -1, got {value}.")
 
     def _verify_token_constraints(self) -> None:
         """What the sampler's logits processors read: `logit_bias`, `allowed_token_ids`,
@@ -213,9 +200,8 @@ class SamplingParams:
                     f"allowed_token_ids must be a non-empty list of token ids, got "
                     f"{self.allowed_token_ids!r}."
                 )
-            self.allowed_token_ids = [
-                _check_int("allowed_token_ids", t) for t in self.allowed_token_ids
-            ]
+            ids = self.allowed_token_ids
+            self.allowed_token_ids = [_check_int("allowed_token_ids", t) for t in ids]
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list | tuple) or not all(
                 isinstance(w, str) and w.strip() for w in self.bad_words
@@ -231,10 +217,8 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
-            raise ValueError(
-                "structured_outputs must be a StructuredOutputsParams, "
-                f"got {self.structured_outputs!r}."
-            )
+            got = self.structured_outputs
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {got!r}.")
 
     @staticmethod
     def _normalize_stop(stop: Any) -> list[str]:

@@ -154,13 +154,20 @@ def serve_in_process(engine: Any, **app_kwargs: Any) -> Iterator[InProcessServer
 
 
 @contextmanager
-def serve_tiny_model(model: Any, **app_kwargs: Any) -> Iterator[InProcessServer]:
-    """The in-process server on a tiny model folder: 256 positions, 256 blocks of 4 tokens."""
+def serve_tiny_model(
+    model: Any, engine_args: dict[str, Any] | None = None, **app_kwargs: Any
+) -> Iterator[InProcessServer]:
+    """The in-process server on a tiny model folder: 256 positions, 256 blocks of 4 tokens;
+    `engine_args`: more engine options (EngineArgs fields)."""
     from minivllm.engine import LLMEngine
     from minivllm.engine_args import EngineArgs
 
     config = EngineArgs(
-        model=str(model), max_model_len=256, block_size=4, num_gpu_blocks_override=256
+        model=str(model),
+        max_model_len=256,
+        block_size=4,
+        num_gpu_blocks_override=256,
+        **(engine_args or {}),
     ).create_engine_config()
     with serve_in_process(LLMEngine(config), **app_kwargs) as s:
         yield s

@@ -164,3 +164,18 @@ def test_decode_steps_run_the_blocks_in_the_cpp_loop_as_in_the_python_one(
         assert [{t: p.logprob for t, p in d.items()} for d in a.logprobs] == [
             {t: p.logprob for t, p in d.items()} for d in b.logprobs
         ]
+
+
+def test_a_float16_model_of_blocks_keeps_the_python_decode_loop_and_generates(
+    tiny_gguf: Path,
+) -> None:
+    """vLLM's tests serve with --dtype half: the blocks multiply float16 activations in Python,
+    since the C++ decode loop takes float32 or bfloat16 only (it used to refuse every step)."""
+    from minivllm.llm import LLM
+    from minivllm.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_gguf), skip_tokenizer_init=True, num_gpu_blocks_override=32, dtype="float16")
+    assert llm.llm_engine.runner.decode_loop is None
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": PROMPT[:5]}], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4

@@ -73,6 +73,7 @@ TIERS: list[tuple[str, tuple[str, ...]]] = [
             "minivllm.structured_output",
             "minivllm.inputs",
             "minivllm.input_processor",
+            "minivllm.logprobs_limit",
             "minivllm.output_processor",
             "minivllm.after_sampling",
             "minivllm.stats",

@@ -142,6 +142,16 @@ def test_tensor_parallel_ranks_give_one_device_s_prompt_logprobs(tiny: Path) -> 
         assert_close_entries(a, b)
 
 
-def test_prompt_logprobs_range_is_checked() -> None:
-    with pytest.raises(ValueError, match=r"prompt_logprobs must be in \[0, 20\], got 21"):
-        SamplingParams(prompt_logprobs=21)
+def test_prompt_logprobs_range_is_checked_and_minus_one_is_the_vocabulary() -> None:
+    from minivllm.logprobs_limit import resolve_logprobs
+
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be non-negative or -1, got -2"):
+        SamplingParams(prompt_logprobs=-2)
+    # vLLM's processor: neither kind may ask for more than max_logprobs (-1: the vocabulary).
+    too_many = "Requested prompt logprobs of 21, which is greater than max allowed: 20"
+    with pytest.raises(ValueError, match=too_many):
+        resolve_logprobs(SamplingParams(prompt_logprobs=21), 100, 20)
+    with pytest.raises(ValueError, match=r"Requested sample logprobs of 100, .* allowed: 99"):
+        resolve_logprobs(SamplingParams(logprobs=-1), 100, 99)
+    whole = resolve_logprobs(SamplingParams(logprobs=-1, prompt_logprobs=-1), 100, -1)
+    assert (whole.logprobs, whole.prompt_logprobs) == (100, 100)

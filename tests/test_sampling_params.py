@@ -90,7 +90,7 @@ INVALID = [
         {"min_tokens": 10, "max_tokens": 5},
         "min_tokens must be less than or equal to max_tokens=5, got 10.",
     ),
-    ({"logprobs": 30}, "logprobs must be in [0, 20], got 30."),
+    ({"logprobs": -2}, "logprobs must be non-negative or -1, got -2."),
     (
         {"seed": 2**63},
         "seed must be in [-9223372036854775808, 9223372036854775807], got 9223372036854775808.",
@@ -99,8 +99,7 @@ INVALID = [
         {"seed": -(2**63) - 1},
         "seed must be in [-9223372036854775808, 9223372036854775807], got -9223372036854775809.",
     ),
-    ({"logprobs": -1}, "logprobs must be in [0, 20], got -1."),
-    ({"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20], got 21."),
+    ({"prompt_logprobs": -5}, "prompt_logprobs must be non-negative or -1, got -5."),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be -1 or at least 1, got 0."),
     ({"logit_bias": {1: 101}}, "logit_bias values must be in [-100, 100], got 101.0 for token 1."),
     ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list of token ids, got []."),

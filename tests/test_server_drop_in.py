@@ -206,3 +206,65 @@ def test_completions_carry_system_fingerprint_and_logit_bias_names_the_vocabular
     body = {"messages": CHAT, "max_tokens": 2, "logit_bias": {str(vocab + 1): 1}}
     error = post(server, "/chat/completions", body).json()["error"]["message"]
     assert str(vocab + 1) in error and str(vocab) in error
+
+
+def test_logprobs_past_max_logprobs_are_a_400_naming_the_limit(server: InProcessServer) -> None:
+    # The default --max-logprobs is vLLM's 20; -1 asks for the vocabulary (49152), past it.
+    for body in (
+        {"prompt": "Hi", "max_tokens": 1, "prompt_logprobs": -1},
+        {"prompt": "Hi", "max_tokens": 1, "logprobs": 21},
+    ):
+        out = post(server, "/completions", body)
+        assert out.status_code == 400, out.text
+        assert "greater than max allowed: 20" in out.json()["error"]["message"]
+    chat = {"messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": -1}
+    out = post(server, "/chat/completions", chat)
+    assert out.status_code == 400 and "sample logprobs of 49152" in out.json()["error"]["message"]
+    out = post(server, "/completions", {"prompt": "Hi", "max_tokens": 1, "logprobs": -2})
+    assert out.status_code == 400 and "non-negative or -1" in out.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def whole_vocab_server(tiny_model: Path):
+    with serve_tiny_model(tiny_model, engine_args={"max_logprobs": -1}) as s:
+        yield s
+
+
+def test_minus_one_is_the_whole_vocabulary_when_max_logprobs_allows_it(
+    whole_vocab_server: InProcessServer,
+) -> None:
+    vocab = whole_vocab_server.engine.vocab_size
+    body = {"prompt": "Hello there", "max_tokens": 1, "prompt_logprobs": -1}
+    choice = post(whole_vocab_server, "/completions", body).json()["choices"][0]
+    first, *rest = choice["prompt_logprobs"]
+    assert first is None and rest and all(len(entry) == vocab for entry in rest)
+    chat = {"messages": CHAT, "max_tokens": 1, "logprobs": "true", "top_logprobs": -1}
+    out = post(whole_vocab_server, "/chat/completions", chat)
+    assert out.status_code == 200, out.text
+    (token,) = out.json()["choices"][0]["logprobs"]["content"]
+    assert len(token["top_logprobs"]) == vocab
+
+
+def test_empty_prompt_embeds_are_no_embeddings_and_others_are_refused_by_name(
+    server: InProcessServer,
+) -> None:
+    out = post(server, "/completions", {"prompt": "Hi", "max_tokens": 1, "prompt_embeds": []})
+    assert out.status_code == 200, out.text
+    out = post(server, "/completions", {"prompt": "Hi", "max_tokens": 1, "prompt_embeds": "AAAA"})
+    assert out.status_code == 400 and out.json()["error"]["param"] == "prompt_embeds"
+    out = post(server, "/completions", {"prompt": "", "max_tokens": 1, "prompt_embeds": []})
+    message = "Either prompt or prompt_embeds must be provided and non-empty."  # vLLM's words
+    assert out.status_code == 400 and out.json()["error"]["message"] == message
+
+
+def test_legacy_top_logprobs_start_with_the_position_s_own_token_as_vllm_orders_them(
+    server: InProcessServer,
+) -> None:
+    # Sampled at a high temperature so that some tokens are not the top one; echo scores the
+    # prompt's tokens too, which are rarely the model's top guess.
+    body = {"prompt": "Say hello to the world", "max_tokens": 6, "echo": True, "logprobs": 2}
+    body |= {"temperature": 2.0, "seed": 1, "return_tokens_as_token_ids": True}
+    lp = post(server, "/completions", body).json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"][0] is None  # the first prompt token: nothing predicts it
+    for token, top in zip(lp["tokens"][1:], lp["top_logprobs"][1:]):
+        assert next(iter(top)) == token and 2 <= len(top) <= 3

@@ -91,3 +91,29 @@ def test_token_counters_equal_what_the_requests_used(tiny_model: Path) -> None:
         assert sample(text, "vllm:generation_tokens_total") == 3 * 4
         assert sample(text, "vllm:request_generation_tokens_sum") == 3 * 4
         assert sample(text, "vllm:request_prompt_tokens_sum") == 3 * len(prompt)
+
+
+def test_v0_s_name_for_kv_cache_usage_is_shown_under_vllm_use_v1_0(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from minivllm.entrypoints.metrics import show_hidden_metrics
+
+    monkeypatch.delenv("VLLM_USE_V1", raising=False)
+    assert not show_hidden_metrics(None) and show_hidden_metrics("0.10")
+    monkeypatch.setenv("VLLM_USE_V1", "1")
+    assert not show_hidden_metrics(None)
+    monkeypatch.setenv("VLLM_USE_V1", "0")  # vLLM's tests of its V0 engine read the old gauge
+    assert show_hidden_metrics(None)
+
+
+def test_metrics_read_right_after_a_response_count_its_last_step(tiny_model: Path) -> None:
+    """vLLM's test_metrics_counts reads /metrics as soon as its last response arrives: the step's
+    stats are recorded before its outputs reach the request (no wait_idle here)."""
+    for server in serve(tiny_model):
+        for i in range(1, 6):
+            prompt = [10 * i + t for t in range(5)]  # no prefix-cache hit between them
+            body = {"prompt": prompt, "max_tokens": 3, "ignore_eos": True}
+            assert httpx.post(server.base_url + "/completions", json=body, timeout=60).is_success
+            text = metrics_text(server)
+            assert sample(text, "vllm:iteration_tokens_total_sum") == i * (len(prompt) + 3)
+            assert sample(text, "vllm:generation_tokens_total") == i * 3

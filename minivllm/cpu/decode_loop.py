@@ -158,6 +158,9 @@ class CpuDecodeLoop:
                 for op in model.model.modules()
                 if isinstance(op, CustomOp)
             )
+            # The op's activations are float32 or bfloat16: a float16 model (a GGUF file's blocks
+            # under --dtype half) keeps its Python loop.
+            and model.model.norm.weight.dtype in (torch.float32, torch.bfloat16)
             and not config.attention_bias
             and not config.qkv_bias
             and not config.mlp_bias

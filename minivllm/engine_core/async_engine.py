@@ -125,8 +125,10 @@ class AsyncLLMEngine(EngineClientBase):
                     self._publish([])  # idle tick: stats logging stays on schedule
                     continue
                 outputs = engine.step()  # also returns the outputs of requests aborted above
-                self._deliver(outputs)
+                # Stats first, then the outputs (vLLM's output handler records before a request
+                # resumes): /metrics read after a response already counts its last step.
                 self._publish(outputs)
+                self._deliver(outputs)
         except BaseException as exc:  # the engine is broken: fail every open request loudly
             logger.exception("the engine thread died")
             self.dead_error = exc

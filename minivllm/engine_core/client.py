@@ -225,10 +225,10 @@ class AsyncMPClient(EngineClientBase):
             params = self._params.pop(rid, None)
             if params is not None:
                 self._call_hook(self.on_add, rid, params)
-        self._deliver(message.outputs)
         self.stats = message.stats
         self._num_adds_applied += len(message.added) + len(message.errors)
         self._call_hook(self.on_step, message.stats, message.outputs)
+        self._deliver(message.outputs)  # after the stats, as the in-process client does
 
     def _die(self, why: str) -> None:
         process = self.engine.process

@@ -152,6 +152,7 @@ def serve(args: argparse.Namespace) -> int:
     from minivllm.engine_core.client import EngineCoreClient
     from minivllm.entrypoints.api_key import resolve_api_key
     from minivllm.entrypoints.api_server import build_app
+    from minivllm.entrypoints.metrics import show_hidden_metrics
 
     with usage_errors(args.parser):
         config = EngineArgs.from_cli_args(args).create_engine_config()
@@ -193,7 +194,7 @@ def serve(args: argparse.Namespace) -> int:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
-        show_hidden_metrics=args.show_hidden_metrics_for_version is not None,
+        show_hidden_metrics=show_hidden_metrics(args.show_hidden_metrics_for_version),
     )
     uvicorn.run(
         app,

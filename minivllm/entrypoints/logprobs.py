@@ -5,8 +5,8 @@
 - /v1/chat/completions: `content`, a list of `{token, logprob, bytes, top_logprobs: [...]}`.
 
 The engine's dict holds the sampled token and the top k by rank. In the legacy format each
-position's `top_logprobs` holds the top k and the sampled token (vLLM's rule: `logprobs: 0` gives
-the sampled token's own entry; a harness compares the token's logprob with the dict's maximum to
+position's `top_logprobs` holds the sampled token first, then the top k (vLLM's rule and order:
+`logprobs: 0` gives the sampled token's own entry; a harness compares the token's logprob with the dict's maximum to
 tell a greedy continuation). In the chat format `top_logprobs` is the top k only, as OpenAI's.
 
 `echo` with `logprobs` (completions) puts the prompt's tokens ahead of the completion's: the first
@@ -30,7 +30,9 @@ from minivllm.sequence import Logprob
 
 
 def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda x: x[1].rank)
+    """The top k of a position by rank; k = -1 (vLLM's "the whole vocabulary"): all of them."""
+    top = ((t, lp) for t, lp in entry.items() if k == -1 or lp.rank <= k)
+    return sorted(top, key=lambda x: x[1].rank)
 
 
 def _text(lp: Logprob) -> str:
@@ -39,6 +41,15 @@ def _text(lp: Logprob) -> str:
 
 def _token(token_id: int, lp: Logprob, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else _text(lp)
+
+
+def _legacy_top(token: int, entry: dict[int, Logprob], k: int, as_ids: bool) -> dict[str, float]:
+    """One position's `top_logprobs` in the legacy format, in vLLM's order: the position's own
+    token first, then the top k by rank (a client reads `next(iter(...))` as the token)."""
+    top = {_token(token, entry[token], as_ids): entry[token].logprob}
+    for t, lp in _top(entry, k):
+        top.setdefault(_token(t, lp, as_ids), lp.logprob)
+    return top
 
 
 def completion_logprobs(
@@ -56,9 +67,7 @@ def completion_logprobs(
         chosen = entry[token]
         tokens.append(_token(token, chosen, as_ids))
         token_logprobs.append(chosen.logprob)
-        top = {_token(t, lp, as_ids): lp.logprob for t, lp in _top(entry, k)}
-        top.setdefault(_token(token, chosen, as_ids), chosen.logprob)
-        top_logprobs.append(top)
+        top_logprobs.append(_legacy_top(token, entry, k, as_ids))
         offsets.append(text_offset)
         text_offset += len(_text(chosen))
     return {
@@ -95,9 +104,7 @@ def echo_logprobs(
             continue
         chosen = entry[token]
         out["token_logprobs"].append(chosen.logprob)
-        top = {_token(t, lp, as_ids): lp.logprob for t, lp in _top(entry, k)}
-        top.setdefault(_token(token, chosen, as_ids), chosen.logprob)
-        out["top_logprobs"].append(top)
+        out["top_logprobs"].append(_legacy_top(token, entry, k, as_ids))
     return out, offset
 
 

@@ -42,6 +42,16 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+def show_hidden_metrics(show_hidden_metrics_for_version: str | None) -> bool:
+    """Whether the deprecated series are shown: with --show-hidden-metrics-for-version, or under
+    `VLLM_USE_V1=0`, where vLLM's V0 engine served `vllm:gpu_cache_usage_perc` as its own KV-cache
+    gauge (vLLM's tests read it there without the flag). minivllm has one engine; the variable
+    only chooses the names it reports under."""
+    import os
+
+    return show_hidden_metrics_for_version is not None or os.environ.get("VLLM_USE_V1") == "0"
+
+
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value`."""
     buckets: list[int] = []

@@ -174,8 +174,9 @@ class _SamplingFields(_Request):
     best_of: Any = Field(None, description="Only equal to `n`: every sample (or beam) is returned.")
     prompt_logprobs: int | None = Field(
         None,
-        description="vLLM's extra: top logprobs (0..20) of every prompt token, returned as "
-        "`prompt_logprobs` (the prompt is computed, not taken from the prefix cache).",
+        description="vLLM's extra: top logprobs of every prompt token (up to --max-logprobs; -1: "
+        "the vocabulary), returned as `prompt_logprobs` (the prompt is computed, not taken from "
+        "the prefix cache).",
     )
     # Structured outputs (minivllm/structured_output/): at most one of these four ways.
     response_format: ResponseFormat | None = Field(
@@ -198,9 +199,16 @@ class CompletionRequest(_SamplingFields):
         description="A string, a list of strings, token ids, or a list of token-id lists."
     )
     max_tokens: int | None = Field(16, description="OpenAI's default for completions: 16.")
-    logprobs: int | None = Field(None, description="Top logprobs per token, 0..20.")
+    logprobs: int | None = Field(
+        None, description="Top logprobs per token, up to --max-logprobs; -1: the vocabulary."
+    )
     echo: bool = False
     suffix: Any = _unsupported("suffix (insertion) is not supported by minivllm")
+    prompt_embeds: Any = Field(
+        None,
+        description="vLLM's extra (--enable-prompt-embeds): refused with a 400 unless null or "
+        "empty; empty means none, as vLLM takes it.",
+    )
 
 
 class TextPart(_Request):
@@ -234,7 +242,9 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="OpenAI's newer name for max_tokens; wins over it."
     )
     logprobs: bool = Field(False, description='A boolean; the strings "true"/"false" too.')
-    top_logprobs: int | None = Field(None, description="0..20; needs `logprobs: true`.")
+    top_logprobs: int | None = Field(
+        None, description="Up to --max-logprobs (-1: the vocabulary); needs `logprobs: true`."
+    )
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -319,6 +329,8 @@ def refuse_unsupported(req: BaseModel) -> None:
 def unsupported_fields(req: _SamplingFields) -> None:
     """Refuse, by name, every declared field that minivllm cannot honour."""
     refuse_unsupported(req)
+    if getattr(req, "prompt_embeds", None):  # an empty list is no embeddings (vLLM's reading)
+        raise OpenAIError("prompt_embeds is not supported by minivllm", param="prompt_embeds")
     if req.best_of is not None and req.best_of != req.n:
         raise OpenAIError(
             f"best_of must equal n ({req.n}): minivllm returns every sample, got {req.best_of!r}",

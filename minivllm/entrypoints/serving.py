@@ -23,6 +23,7 @@ from minivllm.beam_search import BeamSearchParams
 from minivllm.engine_core.protocol import EngineClient, StreamItem
 from minivllm.entrypoints.protocol import OpenAIError, StreamOptions, check_stream_options
 from minivllm.inputs import PromptType, process_token_params, truncate_prompt
+from minivllm.logprobs_limit import resolve_logprobs
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output.params import StructuredOutputsParams
@@ -52,6 +53,7 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.max_waiting_requests = max_waiting_requests
         self.max_num_seqs = max_num_seqs
+        self.max_logprobs = engine_client.config.model.max_logprobs  # --max-logprobs
         self.tokenizer = engine_client.tokenizer
         self.max_model_len = engine_client.max_model_len
         # The model's generation_config.json sampling defaults (vLLM reads them once, too).
@@ -172,6 +174,8 @@ class OpenAIServing:
                 structured_outputs=structured[0] if structured is not None else None,
                 **extras,
             )
+            # -1 and --max-logprobs as the engine takes them: a 400 here (the engine repeats it).
+            resolve_logprobs(params, self.engine_client.vocab_size, self.max_logprobs)
             if params.logit_bias or params.allowed_token_ids or params.bad_words:
                 # The engine's own checks of token ids (it repeats them): a 400 here, not a
                 # failure in the engine thread.
@@ -179,7 +183,7 @@ class OpenAIServing:
                 process_token_params(params, client.tokenizer, client.vocab_size)
             return params
         except ValueError as exc:  # the messages name the field and the range
-            name = str(exc).split(" ", 1)[0]
+            name = getattr(exc, "param", None) or str(exc).split(" ", 1)[0]
             raise OpenAIError(str(exc), param=name if name in _PARAM_NAMES else None) from None
 
     def tokens_as_ids(self, req: Any) -> bool:

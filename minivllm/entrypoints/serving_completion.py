@@ -167,10 +167,12 @@ class OpenAIServingCompletion(OpenAIServing):
 
 def _split_prompts(prompt: Any) -> list[PromptType]:
     """OpenAI's four prompt shapes -> a list of engine prompts (text or token ids)."""
+    if not prompt:  # vLLM's words (its clients match them); prompt_embeds are refused
+        raise OpenAIError(
+            "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+        )
     if isinstance(prompt, str):
         return [prompt]
-    if not prompt:
-        raise OpenAIError("prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
         return [{"prompt_token_ids": list(prompt)}]
     if isinstance(prompt[0], list):
