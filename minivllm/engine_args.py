@@ -156,7 +156,8 @@ class EngineArgs:
         None,
         'JSON object (vLLM\'s flag): {"method": "ngram", "num_speculative_tokens": k (1-16), '
         '"prompt_lookup_max": n, "prompt_lookup_min": m (1-64; unset: 5), '
-        '"disable_by_batch_size": b (speculate only while at most b sequences run)}; unset: off',
+        '"disable_by_batch_size": b (speculate only while at most b sequences run; unset: 8)}; '
+        "unset: off",
     )
 
     @classmethod

@@ -12,6 +12,8 @@ are given to verified tokens only; a failed verification step leaves nothing beh
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -111,8 +113,12 @@ def test_greedy_output_with_speculation_equals_greedy_output_without(
     llm, _ = _speculative(tiny_model, reference, **engine_kwargs)
     got = _outputs(llm)
     assert _tokens_and_logprobs(got) == _tokens_and_logprobs(reference)
-    stats = llm.llm_engine.speculator.stats  # type: ignore[union-attr]
-    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    stats = llm.get_stats()
+    assert stats.spec_decode_num_drafts > 0
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == (
+        stats.spec_decode_num_accepted_tokens
+    )
     if "num_gpu_blocks_override" in engine_kwargs:
         assert llm.get_stats().num_preemptions > 0
     assert_no_blocks_held(llm)
@@ -309,3 +315,43 @@ def test_paged_allocation_is_required(tiny_model: Path) -> None:
             kv_allocation="orca-max",
             enable_prefix_caching=False,
         )
+
+
+# ---------------------------------------------------------------------------- metrics
+def test_server_metrics_and_log_line_use_vllm_s_names(caplog: pytest.LogCaptureFixture) -> None:
+    from prometheus_client import generate_latest
+
+    from minivllm.entrypoints.metrics import ServerMetrics
+    from minivllm.stats import EngineStats
+
+    zero = EngineStats(
+        **{
+            f.name: () if f.name.endswith("_per_pos") else 0
+            for f in dataclasses.fields(EngineStats)
+        }
+    )
+    metrics = ServerMetrics("m", log_interval_s=0.0)
+    metrics.on_step(zero, [])
+    assert b"spec_decode" not in generate_latest(metrics.registry)  # off: no series
+    step = dataclasses.replace(
+        zero,
+        num_generated_tokens=9,
+        spec_decode_num_drafts=3,
+        spec_decode_num_draft_tokens=12,
+        spec_decode_num_accepted_tokens=6,
+        spec_decode_num_accepted_tokens_per_pos=(3, 2, 1, 0),
+    )
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        metrics.on_step(step, [])
+    text = generate_latest(metrics.registry).decode()
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0' in text
+    assert (
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0'
+        in text
+    )
+    line = next(r.getMessage() for r in caplog.records if "SpecDecoding" in r.getMessage())
+    assert "Mean acceptance length: 3.00" in line
+    assert "Per-position acceptance rate: 1.000, 0.667, 0.333, 0.000" in line
+    assert "Avg Draft acceptance rate: 50.0%" in line

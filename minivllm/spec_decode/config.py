@@ -29,6 +29,7 @@ class SpeculativeConfig:
     model: str | None = None  # a draft model: refused (not supported yet)
     # Speculate only while at most this many sequences run (vLLM's name): a big batch already
     # reads each weight once for many tokens, and drafts would only add verification work.
+    # Unset: 8 (vLLM's unset never turns it off; see spec_decode/speculator.py).
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:

@@ -6,8 +6,8 @@ its runner (drafting at the end of a step) and `RejectionSampler`. Here, each st
 
 1. `propose`: every running sequence that decodes gets up to k drafts (`Sequence.spec_token_ids`),
    never past its `max_tokens` or `max_model_len`; none for a sequence under a grammar (its matcher
-   would have to try the drafts; it runs without speculation) or while more sequences run than
-   `disable_by_batch_size`.
+   would have to try the drafts; it runs without speculation), none for a beam search, and none
+   while more sequences run than `disable_by_batch_size` (unset: 8).
 2. The scheduler gives such a sequence 1 + k new tokens and their slots (the drafts' slots are
    lookahead: no prefix-cache name is given to a block filled by drafts), the budget permitting.
 3. The model scores all 1 + k positions (the multi-token path, as a prompt chunk).
@@ -28,6 +28,7 @@ import torch
 
 from minivllm.sampler import SamplerOutput, SamplingMetadata, SamplingRow
 from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.spec_decode.metrics import SpecDecodingStats
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.spec_decode.rejection_sampler import RejectionSamplerOutput, rejection_sample
 
@@ -36,6 +37,13 @@ if TYPE_CHECKING:
     from minivllm.config import EngineConfig
     from minivllm.core.scheduler import Scheduler, SchedulerOutput
     from minivllm.sequence import Sequence
+    from minivllm.stats import StatsCollector
+
+
+# Unset `disable_by_batch_size` (vLLM: never off) is 8 here: on a CPU a batch of decodes already
+# reads each weight once for many tokens, and one sequence's drafts move the whole step off the
+# compiled decode loop onto the multi-token path (the Performance page has the measurement).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 class SpeculatingEngine(Protocol):
@@ -49,24 +57,7 @@ class SpeculatingEngine(Protocol):
     max_model_len: int
     vocab_size: int
     eos_token_id: int | None
-
-
-@dataclasses.dataclass
-class SpecDecodingStats:
-    """vLLM's `SpecDecodingStats` (vllm/v1/spec_decode/metrics.py), cumulative."""
-
-    num_spec_tokens: int  # k
-    num_drafts: int = 0  # verification groups with at least one draft
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)  # [k]
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        for pos in range(num_accepted):
-            self.num_accepted_tokens_per_pos[pos] += 1
+    stats: StatsCollector
 
 
 class Speculator:
@@ -80,6 +71,7 @@ class Speculator:
         )
         k = config.num_speculative_tokens
         self.stats = SpecDecodingStats(k, num_accepted_tokens_per_pos=[0] * k)
+        engine.stats.spec_decoding = self.stats  # get_stats(), /metrics and the stats log read it
         cache = engine.config.cache
         if cache.kv_allocation != "paged" or cache.sliding_window is not None:
             raise ValueError(
@@ -90,8 +82,8 @@ class Speculator:
 
     # ------------------------------------------------------------------ before the schedule
     def propose(self, running: list[Sequence]) -> None:
-        limit = self.config.disable_by_batch_size
-        off = limit is not None and len(running) > limit
+        limit = self.config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+        off = len(running) > limit
         max_model_len, plain = self.engine.max_model_len, self.engine.parallel_sampling
         for seq in running:
             seq.spec_token_ids = []
