@@ -14,7 +14,7 @@ Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import BlockPoolSnapshot
@@ -90,16 +90,5 @@ class StatsCollector:
             num_reserved_kv_slots=bm.num_reserved_slots,
             num_filled_kv_slots=bm.num_filled_slots,
             kv_internal_fragmentation_slots=bm.internal_fragmentation_slots,
-            **self._spec_decoding_fields(),
+            **(self.spec_decoding.engine_stats_fields() if self.spec_decoding else {}),
         )
-
-    def _spec_decoding_fields(self) -> dict[str, Any]:
-        spec = self.spec_decoding
-        if spec is None:
-            return {}
-        return {
-            "spec_decode_num_drafts": spec.num_drafts,
-            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
-            "spec_decode_num_accepted_tokens_per_pos": tuple(spec.num_accepted_tokens_per_pos),
-        }

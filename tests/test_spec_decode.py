@@ -89,8 +89,10 @@ def reference(tiny_model: Path) -> Any:
     return _outputs(_llm(tiny_model))
 
 
-def _speculative(tiny_model: Path, reference: Any, **kwargs: Any) -> tuple[LLM, OracleProposer]:
-    llm = _llm(tiny_model, speculative_config=NGRAM, **kwargs)
+def _speculative(
+    tiny_model: Path, reference: Any, spec: dict[str, Any] = NGRAM, **kwargs: Any
+) -> tuple[LLM, OracleProposer]:
+    llm = _llm(tiny_model, speculative_config=spec, **kwargs)
     oracle = OracleProposer([p + list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, reference)])
     assert llm.llm_engine.speculator is not None
     llm.llm_engine.speculator.proposer = oracle
@@ -125,12 +127,23 @@ def test_greedy_output_with_speculation_equals_greedy_output_without(
 
 
 def test_parallel_samples_speculate_each_on_their_own(tiny_model: Path, reference: Any) -> None:
-    llm, _ = _speculative(tiny_model, reference)
+    llm, _ = _speculative(tiny_model, reference, NGRAM | {"disable_by_batch_size": 12})
     params = SamplingParams(n=3, temperature=0.0, max_tokens=24, ignore_eos=True)
     got = _outputs(llm, params)
     for out, ref in zip(got, reference):
         assert [list(c.token_ids) for c in out.outputs] == [list(ref.outputs[0].token_ids)] * 3
     assert llm.llm_engine.speculator.stats.num_accepted_tokens > 0  # type: ignore[union-attr]
+    assert_no_blocks_held(llm)
+
+
+def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(
+    tiny_model: Path, reference: Any
+) -> None:
+    """The rule for big batches: 4 requests of one length run side by side to the end, so with a
+    limit of 3 the proposer is never asked (unset, the limit is 8)."""
+    llm, oracle = _speculative(tiny_model, reference, NGRAM | {"disable_by_batch_size": 3})
+    assert _tokens_and_logprobs(_outputs(llm)) == _tokens_and_logprobs(reference)
+    assert oracle.calls == 0 and llm.get_stats().spec_decode_num_drafts == 0
     assert_no_blocks_held(llm)
 
 
@@ -178,6 +191,7 @@ def test_a_failed_verification_step_leaves_nothing_behind(
     out = _outputs(llm, GREEDY, PROMPTS[:2])
     assert all(o.outputs[0].finish_reason == "error" for o in out)
     assert_no_blocks_held(llm)
+    assert llm.get_stats().spec_decode_num_drafts == 0  # a failed step counts nothing
     cached = llm.get_stats().num_cached_kv_blocks
     monkeypatch.undo()
     assert _tokens_and_logprobs(_outputs(llm)) == _tokens_and_logprobs(reference)
@@ -245,6 +259,8 @@ def test_sampling_with_speculation_follows_the_same_distribution(tmp_path: Path)
     ]
     counts = []
     for spec in (None, NGRAM):
+        if spec is not None:
+            spec = spec | {"disable_by_batch_size": 300}
         llm = _llm(model, speculative_config=spec, max_num_seqs=300, max_num_batched_tokens=4096)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         counts.append(

@@ -13,6 +13,7 @@ Tier: engine.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -31,3 +32,12 @@ class SpecDecodingStats:
         self.num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
+
+    def engine_stats_fields(self) -> dict[str, Any]:
+        """The `EngineStats.spec_decode_*` fields (`LLM.get_stats()`)."""
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": tuple(self.num_accepted_tokens_per_pos),
+        }

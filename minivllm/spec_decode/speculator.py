@@ -22,7 +22,7 @@ Tier: engine.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -59,6 +59,8 @@ class SpeculatingEngine(Protocol):
     eos_token_id: int | None
     stats: StatsCollector
 
+    def add_step_listener(self, listener: Any) -> None: ...
+
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, engine: SpeculatingEngine) -> None:
@@ -72,6 +74,8 @@ class Speculator:
         k = config.num_speculative_tokens
         self.stats = SpecDecodingStats(k, num_accepted_tokens_per_pos=[0] * k)
         engine.stats.spec_decoding = self.stats  # get_stats(), /metrics and the stats log read it
+        self._pending: list[tuple[int, int]] = []  # this step's (drafts, kept), until it commits
+        engine.add_step_listener(self)
         cache = engine.config.cache
         if cache.kv_allocation != "paged" or cache.sliding_window is not None:
             raise ValueError(
@@ -97,6 +101,12 @@ class Speculator:
                 room = min(room, params.max_tokens - seq.num_output_tokens - 1)
             seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
 
+    def on_step(self, scheduler_output: Any, outputs: Any, blocks: Any) -> None:
+        """A step committed (a failed one publishes nothing): count its drafts."""
+        for num_drafts, num_accepted in self._pending:
+            self.stats.observe(num_drafts, num_accepted)
+        self._pending.clear()
+
     # ------------------------------------------------------------------ after the model
     def sample(
         self, sched: SchedulerOutput, logits: torch.Tensor
@@ -105,6 +115,7 @@ class Speculator:
         (a sequence appears once per token it keeps), the sampler output in the same order, and
         the rejected drafts per seq_id, for the scheduler's commit."""
         engine = self.engine
+        self._pending.clear()  # a step that failed after its sampling left its counts here
         seqs: list[Sequence] = []  # one per group
         logits_rows: list[int] = []  # [R]  which logits row each sampler row reads
         rows: list[SamplingRow] = []  # [R]
@@ -157,7 +168,7 @@ class Speculator:
             out_seqs += [seq] * (accepted + 1)
             if num_rows > 1:
                 rejected[seq.seq_id] = num_rows - 1 - accepted
-                self.stats.observe(num_rows - 1, accepted)
+                self._pending.append((num_rows - 1, accepted))
             row += num_rows
         index = torch.tensor(keep, device=result.token_ids.device)
         lp = result.logprobs
