@@ -4,7 +4,7 @@ Leviathan et al. (2023) prove that speculative sampling's tokens are distributed
 model's; these tests hold `rejection_sample` to that on a fixed tiny-vocabulary distribution, with
 thousands of draws in one vectorised call (chi-square tests, p > 1e-4: a wrong sampler fails them
 by orders of magnitude), for point-mass drafts (the n-gram proposer) and drafts with probabilities,
-under temperature, top-k, top-p and min-p. Greedy verification is exact.
+under temperature, top-k, top-p, min-p and penalties. Greedy verification is exact.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minivllm.logits_processors import apply_logits_processors
 from minivllm.sampler import SamplingMetadata, SamplingRow, apply_truncation
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.rejection_sampler import rejection_sample
@@ -42,7 +43,7 @@ def _batch(params: SamplingParams, num_groups: int = NUM_GROUPS):  # type: ignor
 def _target_probs(params: SamplingParams) -> torch.Tensor:  # [k + 1, V]
     rows = [SamplingRow(params, [7], DRAFTS[:j]) for j in range(len(DRAFTS) + 1)]
     meta = SamplingMetadata.from_rows(rows, VOCAB, "cpu")
-    return apply_truncation(LOGITS, meta).softmax(dim=-1)
+    return apply_truncation(apply_logits_processors(LOGITS, meta), meta).softmax(dim=-1)
 
 
 def _chi_square_p(observed: torch.Tensor, probs: torch.Tensor) -> float:
@@ -70,10 +71,12 @@ SAMPLED = [
     SamplingParams(temperature=0.7, top_k=4),
     SamplingParams(temperature=1.3, top_p=0.8),
     SamplingParams(temperature=1.0, min_p=0.2),
+    # Row 1 sees draft 1 as output: the penalties must lower it there, as plain sampling would.
+    SamplingParams(temperature=1.0, frequency_penalty=1.0, presence_penalty=0.5),
 ]
 
 
-@pytest.mark.parametrize("params", SAMPLED, ids=["plain", "top_k", "top_p", "min_p"])
+@pytest.mark.parametrize("params", SAMPLED, ids=["plain", "top_k", "top_p", "min_p", "penalties"])
 def test_point_mass_drafts_keep_the_target_distribution(params: SamplingParams) -> None:
     probs = _target_probs(params)
     tokens, accepted = _outputs(params)

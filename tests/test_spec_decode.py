@@ -147,6 +147,21 @@ def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(
     assert_no_blocks_held(llm)
 
 
+def test_the_trace_records_drafts_kept_and_rejected(
+    tiny_model: Path, reference: Any, tmp_path: Path
+) -> None:
+    llm, _ = _speculative(tiny_model, reference)
+    with llm.trace() as trace:
+        _outputs(llm, GREEDY, PROMPTS[:2])
+    items = [item for step in trace.steps for item in step["scheduled"] if item["num_spec_tokens"]]
+    assert items and all(0 <= i["num_accepted_tokens"] <= i["num_spec_tokens"] for i in items)
+    stats = llm.get_stats()
+    assert sum(i["num_accepted_tokens"] for i in items) == stats.spec_decode_num_accepted_tokens
+    assert sum(i["num_spec_tokens"] for i in items) == stats.spec_decode_num_draft_tokens
+    trace.save(tmp_path)
+    assert "num_accepted_tokens" in (tmp_path / "trace.json").read_text()
+
+
 # ---------------------------------------------------------------------------- ends of requests
 def test_stops_and_max_tokens_inside_a_kept_run_end_the_request_there(
     tiny_model: Path, reference: Any
