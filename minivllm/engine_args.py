@@ -221,6 +221,12 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             quantization=self.quantization,
         )
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None and self.kv_allocation != "paged":
+            raise ValueError(
+                "speculative_config needs kv_allocation='paged' (drafts take lookahead slots "
+                f"that a reservation does not have), got kv_allocation={self.kv_allocation!r}"
+            )
         return EngineConfig(
             model=model,
             cache=CacheConfig(
@@ -239,7 +245,7 @@ class EngineArgs:
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             resolved=_resolve(model),
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
-            speculative=SpeculativeConfig.parse(self.speculative_config),
+            speculative=speculative,
         )
 
 

@@ -133,7 +133,7 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         max_num_batched_tokens=50,
         tensor_parallel_size=1,
         structured_outputs_config='{"backend": "xgrammar", "disable_any_whitespace": true}',
-        speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
+        speculative_config=None,  # refused with kv_allocation="orca-oracle": carried below
     )
     assert set(values) == set(FIELDS)
     config = EngineArgs(**values).create_engine_config()
@@ -151,7 +151,12 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
     assert carried.pop("sliding_window") is None
     json_flags = ("structured_outputs_config", "speculative_config")
     assert carried == {k: v for k, v in values.items() if k not in json_flags}
-    assert config.speculative is not None and config.speculative.num_speculative_tokens == 3
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    speculative = (
+        EngineArgs(model=model, speculative_config=spec).create_engine_config().speculative
+    )
+    assert config.speculative is None and speculative is not None
+    assert speculative.num_speculative_tokens == 3
     assert config.structured_outputs.backend == "xgrammar"
     assert config.structured_outputs.disable_any_whitespace is True
     # ... and what they resolve to, decided before the engine starts (it decides nothing itself).

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from minivllm.after_sampling import AfterSampling, ParallelSampling
     from minivllm.config import EngineConfig
     from minivllm.core.scheduler import Scheduler, SchedulerOutput
+    from minivllm.executor import Executor
     from minivllm.sequence import Sequence
     from minivllm.stats import StatsCollector
 
@@ -58,6 +59,7 @@ class SpeculatingEngine(Protocol):
     vocab_size: int
     eos_token_id: int | None
     stats: StatsCollector
+    executor: Executor
 
     def add_step_listener(self, listener: Any) -> None: ...
 
@@ -76,12 +78,11 @@ class Speculator:
         engine.stats.spec_decoding = self.stats  # get_stats(), /metrics and the stats log read it
         self._pending: list[tuple[int, int]] = []  # this step's (drafts, kept), until it commits
         engine.add_step_listener(self)
-        cache = engine.config.cache
-        if cache.kv_allocation != "paged" or cache.sliding_window is not None:
+        window = engine.config.cache.sliding_window  # known once the model is loaded
+        if window is not None:
+            engine.executor.shutdown()  # no tensor-parallel worker outlives the refused engine
             raise ValueError(
-                "speculative_config needs kv_allocation='paged' and a model without a sliding "
-                f"window (got kv_allocation={cache.kv_allocation!r}, "
-                f"sliding_window={cache.sliding_window})"
+                f"speculative_config is not supported with a sliding window (the model's: {window})"
             )
 
     # ------------------------------------------------------------------ before the schedule
