@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from minivllm.model.config import LlamaConfig
     from minivllm.model.source import GenerationDefaults, ModelSource
+    from minivllm.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 # How weights are held (vLLM's `quantization`): "gguf" keeps a GGUF file's blocks as stored
@@ -188,6 +189,7 @@ class EngineConfig:
     parallel: ParallelConfig
     resolved: ResolvedConfig
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
 
     def __post_init__(self) -> None:
         # A cache wider than the model stores nothing the model computed (its K and V are already

@@ -48,9 +48,11 @@ from minivllm.stats import EngineStats, StatsCollector
 from minivllm.step_listener import StepListener, StepOutputs
 
 if TYPE_CHECKING:
+    from minivllm.spec_decode.speculator import Speculator
     from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("minivllm")
+SPECULATOR = "minivllm.spec_decode.speculator.Speculator"  # loaded only when speculating
 
 
 class LLMEngine:
@@ -122,6 +124,8 @@ class LLMEngine:
         # Who hears of every committed step: the counters behind get_stats(), then any other.
         self.stats = StatsCollector(self.scheduler, self.kv_cache_manager)
         self.step_listeners: list[StepListener] = [self.stats]
+        spec, make = config.speculative, resolve_obj_by_qualname  # minivllm/spec_decode/, if set
+        self.speculator: Speculator | None = make(SPECULATOR)(spec, self) if spec else None
         self._log_start(num_blocks)
 
     @functools.cached_property
@@ -287,13 +291,15 @@ class LLMEngine:
         """One iteration (paper §4.5): schedule, run the model, sample, commit, process outputs,
         publish. Returns the outputs of every request that progressed or ended."""
         outputs = self.take_aborted_outputs()
+        if self.speculator is not None:  # drafts for the running decodes, before the schedule
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
         try:
             ran = self.executor.execute_model(sched)
-            seqs, sampled = self._sample(sched, ran.logits)
-            self.scheduler.update_after_step(sched)  # the commit: progress, final cache names
+            seqs, sampled, rejected = self._sample(sched, ran.logits)  # rejected drafts
+            self.scheduler.update_after_step(sched, rejected)  # the commit: progress, cache names
             for seq_id, scored in ran.prompt_logprobs.items():
                 request = self.scheduler.seqs[seq_id].request
                 self.output_processor.record_prompt_logprobs(request, scored)
@@ -305,11 +311,13 @@ class LLMEngine:
 
     def _sample(
         self, sched: SchedulerOutput, logits: torch.Tensor | None
-    ) -> tuple[list[Sequence], SamplerOutput | None]:
+    ) -> tuple[list[Sequence], SamplerOutput | None, dict[int, int]]:
         """One batched sampler call for the step. A row may be drawn from more than once: an
         n > 1 request's first sample draws one token per sequence it is about to fork into."""
         if logits is None:
-            return [], None
+            return [], None, {}
+        if self.speculator is not None and any(s.num_spec_tokens for s in sched.scheduled):
+            return self.speculator.sample(sched, logits)  # the rejection sampler's
         seqs: list[Sequence] = []
         row_index: list[int] = []  # which logits row each sampled sequence reads
         sampling = [self.scheduler.seqs[s.seq_id] for s in sched.scheduled if s.sample]
@@ -321,7 +329,7 @@ class LLMEngine:
             logits = logits[torch.tensor(row_index, device=logits.device)]
         rows = [SamplingRow.of(s, self.eos_token_id) for s in seqs]
         meta = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
-        return seqs, self.sampler(logits, meta)
+        return seqs, self.sampler(logits, meta), {}
 
     def _process_outputs(
         self, seqs: list[Sequence], sampled: SamplerOutput | None
@@ -346,15 +354,7 @@ class LLMEngine:
     def _publish(
         self, sched: SchedulerOutput, seqs: list[Sequence], outputs: list[RequestOutput]
     ) -> None:
-        scheduler = self.scheduler
-        step = StepOutputs(
-            seqs,
-            outputs,
-            scheduler.seqs,
-            len(scheduler.running),
-            len(scheduler.waiting),
-            tuple(seq.seq_id for seq in scheduler.waiting),
-        )
+        step = StepOutputs.after_commit(seqs, outputs, self.scheduler)
         blocks = self.kv_cache_manager.snapshot()
         for listener in self.step_listeners:
             listener.on_step(sched, step, blocks)

@@ -22,7 +22,7 @@ import argparse
 import difflib
 import inspect
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from functools import cache
 from typing import Any, TypedDict, TypeVar
@@ -46,6 +46,7 @@ from minivllm.config import (
 from minivllm.model.loader import load_config
 from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
 from minivllm.model.source import ModelSource
+from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.structured_output.params import StructuredOutputsConfig
 
 ENGINE_GROUP = "engine"  # the argparse group holding the engine's flags on every parser
@@ -155,6 +156,15 @@ class EngineArgs:
         'bool, "max_cached_grammars": int}; unset: xgrammar with its defaults',
     )
 
+    # ---------------------------------------------------------------------- speculative decoding
+    speculative_config: str | Mapping[str, Any] | None = _arg(
+        None,
+        'JSON object (vLLM\'s flag): {"method": "ngram", "num_speculative_tokens": k (1-16), '
+        '"prompt_lookup_max": n, "prompt_lookup_min": m (1-64; unset: 5), '
+        '"disable_by_batch_size": b (speculate only while at most b sequences run; unset: 8)}; '
+        "unset: off",
+    )
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """`EngineArgs(**kwargs)`, but a misspelled option is named with the valid ones."""
@@ -217,6 +227,12 @@ class EngineArgs:
             quantization=self.quantization,
             max_logprobs=self.max_logprobs,
         )
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None and self.kv_allocation != "paged":
+            raise ValueError(
+                "speculative_config needs kv_allocation='paged' (drafts take lookahead slots "
+                f"that a reservation does not have), got kv_allocation={self.kv_allocation!r}"
+            )
         return EngineConfig(
             model=model,
             cache=CacheConfig(
@@ -235,6 +251,7 @@ class EngineArgs:
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             resolved=_resolve(model),
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
+            speculative=speculative,
         )
 
 
@@ -264,6 +281,7 @@ class EngineKwargs(TypedDict, total=False):
     max_num_batched_tokens: int
     tensor_parallel_size: int
     structured_outputs_config: str | None
+    speculative_config: str | Mapping[str, Any] | None
 
 
 InitT = TypeVar("InitT", bound=Callable[..., None])

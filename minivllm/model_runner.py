@@ -168,8 +168,10 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in pos]
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
             seq_lens.append(item.seq_len)
-            if item.sample:
-                logits_indices.append(query_start_loc[-1] - 1)
+            if item.sample:  # and, when it verifies k drafts, the k rows before that one
+                logits_indices += range(
+                    query_start_loc[-1] - 1 - item.num_spec_tokens, query_start_loc[-1]
+                )
             scored = item.prompt_logprobs
             if scored is not None:
                 first = query_start_loc[-2] + scored.start - item.num_computed_tokens

@@ -55,7 +55,10 @@ class OutputProcessor:
         now = time.monotonic()
         step = ProcessedStep()
         touched: dict[str, Request] = {}
-        for seq, j in zip(seqs, rows):
+        done: set[int] = set()  # a sequence keeps several tokens after verifying drafts:
+        for seq, j in zip(seqs, rows):  # one that stops at one of them takes none after it
+            if seq.seq_id in done:
+                continue
             token = sampled.token_ids[j]
             seq.token_ids.append(token)
             if seq.grammar is not None:
@@ -66,6 +69,7 @@ class OutputProcessor:
             status = self._check_stop(seq, token)
             if status is not None:
                 step.finished.append((seq, status))
+                done.add(seq.seq_id)
             req = seq.request
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now

@@ -71,6 +71,8 @@ class Sequence:
     # Structured outputs: this sequence's grammar matcher, advanced by each committed token
     # (None when unconstrained, and once finished).
     grammar: StructuredOutputGrammar | None = None
+    # Speculative decoding: drafted tokens the next step verifies (set before each schedule).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -14,11 +14,15 @@ Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import BlockPoolSnapshot
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.step_listener import StepOutputs
+
+if TYPE_CHECKING:
+    from minivllm.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass
@@ -42,6 +46,11 @@ class EngineStats:
     num_reserved_kv_slots: int = 0
     num_filled_kv_slots: int = 0
     kv_internal_fragmentation_slots: int = 0
+    # Speculative decoding, cumulative (vLLM's spec_decode_* series); per_pos is () when it is off.
+    spec_decode_num_drafts: int = 0  # sequences that verified at least one draft, per step
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [k] kept at draft position i
 
 
 class StatsCollector:
@@ -52,6 +61,7 @@ class StatsCollector:
         self.kv_cache_manager = kv_cache_manager
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.spec_decoding: SpecDecodingStats | None = None  # set by the speculator, if any
 
     def on_step(
         self, scheduler_output: SchedulerOutput, outputs: StepOutputs, blocks: BlockPoolSnapshot
@@ -80,4 +90,5 @@ class StatsCollector:
             num_reserved_kv_slots=bm.num_reserved_slots,
             num_filled_kv_slots=bm.num_filled_slots,
             kv_internal_fragmentation_slots=bm.internal_fragmentation_slots,
+            **(self.spec_decoding.engine_stats_fields() if self.spec_decoding else {}),
         )

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from minivllm.core.kv_cache_utils import BlockPoolSnapshot
-from minivllm.core.scheduler import SchedulerOutput
+from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.outputs import RequestOutput
 from minivllm.sequence import Sequence
 
@@ -39,12 +39,22 @@ __all__ = ["BlockPoolSnapshot", "StepListener", "StepOutputs"]
 class StepOutputs:
     """What a committed step produced, beside its `SchedulerOutput`."""
 
-    sampled: list[Sequence]  # the sequences it sampled a token for, n > 1 children included
+    # The sequences it sampled a token for, n > 1 children included; one that kept several
+    # tokens (speculative decoding) once per token.
+    sampled: list[Sequence]
     request_outputs: list[RequestOutput]  # what `step()` returns for it
     seqs: Mapping[int, Sequence]  # seq_id -> every sequence the scheduler holds after the commit
     num_running: int  # sequences holding blocks
     num_waiting: int  # sequences queued (new or preempted)
     waiting: tuple[int, ...] = ()  # their seq ids in queue order, the next admitted first
+
+    @classmethod
+    def after_commit(
+        cls, sampled: list[Sequence], outputs: list[RequestOutput], scheduler: Scheduler
+    ) -> StepOutputs:
+        """The step's outputs, with the scheduler's sequences and queues as the commit left them."""
+        waiting = tuple(seq.seq_id for seq in scheduler.waiting)
+        return cls(sampled, outputs, scheduler.seqs, len(scheduler.running), len(waiting), waiting)
 
 
 class StepListener(Protocol):

@@ -134,6 +134,7 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         max_num_batched_tokens=50,
         tensor_parallel_size=1,
         structured_outputs_config='{"backend": "xgrammar", "disable_any_whitespace": true}',
+        speculative_config=None,  # refused with kv_allocation="orca-oracle": carried below
     )
     assert set(values) == set(FIELDS)
     config = EngineArgs(**values).create_engine_config()
@@ -142,13 +143,21 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         if section.name not in (
             "resolved",
             "structured_outputs",
+            "speculative",
         ):  # one JSON flag -> one typed config
             carried.update(dataclasses.asdict(getattr(config, section.name)))
     carried["kv_cache_dtype"] = carried.pop("cache_dtype")  # vLLM's names: CacheConfig.cache_dtype
     # The model's window (vLLM's CacheConfig.sliding_window too), not an argument: set by the
     # engine from the model's attention layers (core/sliding_window_manager.py).
     assert carried.pop("sliding_window") is None
-    assert carried == {k: v for k, v in values.items() if k != "structured_outputs_config"}
+    json_flags = ("structured_outputs_config", "speculative_config")
+    assert carried == {k: v for k, v in values.items() if k not in json_flags}
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    speculative = (
+        EngineArgs(model=model, speculative_config=spec).create_engine_config().speculative
+    )
+    assert config.speculative is None and speculative is not None
+    assert speculative.num_speculative_tokens == 3
     assert config.structured_outputs.backend == "xgrammar"
     assert config.structured_outputs.disable_any_whitespace is True
     # ... and what they resolve to, decided before the engine starts (it decides nothing itself).
@@ -170,6 +179,10 @@ INVALID = [
     ({"dtype": "int8"}, "dtype must be one of ("),
     ({"structured_outputs_config": '{"backend": "outlines"}'}, "structured_outputs_config.backend"),
     ({"structured_outputs_config": '{"bakend": "x"}'}, "structured_outputs_config has unknown"),
+    (
+        {"speculative_config": '{"num_speculative_tokens": 0}'},
+        "speculative_config.num_speculative_tokens must be an integer in [1, 16], got 0",
+    ),
     ({"device": "tpu"}, "device must be 'auto', 'cpu' or 'cuda[:N]', got 'tpu'"),
     ({"kv_allocation": "orca"}, "kv_allocation must be one of ('paged', 'orca-max', "),
     ({"kv_cache_dtype": "int8"}, "kv_cache_dtype must be one of ('auto', 'bfloat16', "),

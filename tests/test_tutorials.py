@@ -257,6 +257,21 @@ def test_12_paging_sustains_a_higher_rate_than_reservations(tmp_path: Path) -> N
     assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "12_why_paging_wins.png")
 
 
+@pytest.mark.slow
+def test_13_copy_prompts_keep_most_drafts_and_the_text_is_unchanged(tmp_path: Path) -> None:
+    out = run_tutorial("13_speculative_decoding.py", tmp_path)  # it asserts the text unchanged
+    runs = {
+        name: (int(tokens), int(steps), int(kept) / 100)
+        for name, tokens, steps, kept in re.findall(
+            r"^(copy|new): (\d+) tokens in (\d+) steps;.* kept \((\d+)%\)", out, re.M
+        )
+    }
+    tokens, steps, kept = runs["copy"]
+    assert kept > 0.5 and steps < tokens / 2  # several tokens per step where the output copies
+    assert runs["new"][0] / runs["new"][1] < tokens / steps  # a new text: fewer tokens per step
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "13_acceptance.png")
+
+
 def test_08_two_ranks_hold_half_the_model_each_and_give_the_same_tokens(tmp_path: Path) -> None:
     out = run_tutorial("08_tensor_parallel.py", tmp_path)
     ranks = re.findall(

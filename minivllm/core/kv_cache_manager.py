@@ -31,13 +31,16 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from minivllm.core.block_pool import BlockPool
 from minivllm.core.kv_cache_utils import (
+    NO_COMPUTED_BLOCKS,
     BlockHash,
     BlockPoolSnapshot,
+    ComputedBlocks,
     ExtraKeys,
     HashFn,
     KVCacheBlock,
     KVCacheManagerStats,
     NoFreeBlocksError,
+    UnknownSequenceError,
     hash_block_tokens,
 )
 
@@ -55,25 +58,6 @@ class KVCacheRequest(Protocol):
 
     @property
     def token_ids(self) -> TokenIds[int]: ...  # every known token: prompt + generated
-
-
-class UnknownSequenceError(KeyError):
-    """The sequence holds no blocks: it was never allocated, or it was already freed."""
-
-    def __str__(self) -> str:  # KeyError's str() would quote the message
-        return str(self.args[0])
-
-
-@dataclass(frozen=True, slots=True)
-class ComputedBlocks:
-    """A prompt's prefix-cache hit (vLLM's `get_computed_blocks` result): the cached blocks that
-    match its start, in order. Valid until the pool next changes: look up, decide, allocate."""
-
-    blocks: tuple[KVCacheBlock, ...] = ()
-    num_computed_tokens: int = 0  # len(blocks) * block_size: tokens whose K/V the hit holds
-
-
-NO_COMPUTED_BLOCKS = ComputedBlocks()  # no lookup (prefix caching off, or prompt logprobs wanted)
 
 
 @dataclass(slots=True)
@@ -125,7 +109,6 @@ class KVCacheManager:
             raise ValueError(f"{type(self).__name__} cannot share blocks between sequences")
 
     # ------------------------------------------------------------------ queries (no side effects)
-
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
@@ -183,7 +166,6 @@ class KVCacheManager:
         return self._num_blocks_to_append(seq, num_new_tokens) <= self.num_free_blocks
 
     # ----------------------------------------------------------------------------------- mutations
-
     def allocate_slots(
         self,
         seq: KVCacheRequest,
@@ -222,15 +204,23 @@ class KVCacheManager:
         self._record_utilization()
         return num_cached_tokens
 
-    def append_slots(self, seq_id: SeqId, token_ids: TokenIds[int], num_new_tokens: int) -> None:
+    def append_slots(
+        self,
+        seq_id: SeqId,
+        token_ids: TokenIds[int],
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+    ) -> None:
         """Slots for `num_new_tokens` more tokens of a held sequence (a decode step, or the next
-        prompt chunk). `token_ids` is every known token, at least num_slots + num_new_tokens."""
+        prompt chunk; `token_ids`: every known token), then `num_lookahead_tokens` for speculative
+        drafts, whose blocks get no prefix-cache name: only verified tokens may ever be hit."""
         seq = self._seq(seq_id)
         if num_new_tokens < 0 or len(token_ids) < seq.num_slots + num_new_tokens:
             raise ValueError(
                 f"num_new_tokens must be in [0, {len(token_ids) - seq.num_slots}] "
                 f"(known tokens without a slot), got {num_new_tokens}"
             )
+        num_new_tokens += max(0, num_lookahead_tokens)
         self._check_free(seq_id, self._num_blocks_to_append(seq, num_new_tokens))
         if num_new_tokens == 0:
             return
@@ -264,16 +254,27 @@ class KVCacheManager:
         prompts are likelier to share (and a block is useless once its parent is evicted)."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
-            raise UnknownSequenceError(
-                f"sequence {seq_id!r} holds no blocks (never allocated, or already freed)"
-            )
+            msg = f"sequence {seq_id!r} holds no blocks (never allocated, or already freed)"
+            raise UnknownSequenceError(msg)
         blocks = self.block_pool.blocks
         self.block_pool.free_blocks(blocks[b] for b in reversed(seq.block_table))
         self._record_utilization()
 
+    def trim_slots(self, seq_id: SeqId, num_slots: int) -> None:
+        """Keep the first `num_slots` slots (speculative decoding's rollback: the rejected drafts'
+        slots go back, and blocks left empty return to the pool; none of them had a name)."""
+        seq, bs, pool = self._seq(seq_id), self.block_size, self.block_pool
+        if not (lo := len(seq.block_hashes) * bs) <= num_slots <= seq.num_slots:
+            raise ValueError(f"num_slots must be in [{lo}, {seq.num_slots}], got {num_slots}")
+        keep = -(-num_slots // bs)
+        pool.free_blocks(pool.blocks[b] for b in reversed(seq.block_table[keep:]))
+        del seq.block_table[keep:]
+        if num_slots % bs:
+            pool.fill(pool.blocks[seq.block_table[-1]], num_slots % bs)
+        seq.num_slots = num_slots
+
     def commit_step(self) -> None:
-        """The step that wrote the K/V of the blocks named since the last commit has completed:
-        their names are final."""
+        """The step that wrote the K/V of the blocks named since the last commit completed."""
         self._step_names.clear()
 
     def rollback_step(self) -> None:
@@ -327,7 +328,6 @@ class KVCacheManager:
         )
 
     # ------------------------------------------------------------------------------------ helpers
-
     def _seq(self, seq_id: SeqId) -> SeqBlocks:
         seq = self._seqs.get(seq_id)
         if seq is None:
@@ -369,8 +369,8 @@ class KVCacheManager:
             seq.block_table.append(block.block_id)
             remaining -= block.num_filled
         seq.num_slots += num_new_tokens
-        if self.enable_prefix_caching:
-            for i in range(len(seq.block_hashes), seq.num_slots // bs):
+        if self.enable_prefix_caching:  # lookahead slots past the known tokens stay unnamed
+            for i in range(len(seq.block_hashes), min(seq.num_slots, len(token_ids)) // bs):
                 self._cache_full_block(seq, i, tuple(token_ids[i * bs : (i + 1) * bs]))
 
     def _cache_full_block(

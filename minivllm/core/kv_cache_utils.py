@@ -28,6 +28,25 @@ ExtraKeys = tuple[Hashable, ...] | None  # what else shapes a block's KV (LoRA i
 HashFn = Callable[[int | None, tuple[int, ...], ExtraKeys], int]  # (parent hash, tokens, extra)
 
 
+class UnknownSequenceError(KeyError):
+    """The sequence holds no blocks: it was never allocated, or it was already freed."""
+
+    def __str__(self) -> str:  # KeyError's str() would quote the message
+        return str(self.args[0])
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """A prompt's prefix-cache hit (vLLM's `get_computed_blocks` result): the cached blocks that
+    match its start, in order. Valid until the pool next changes: look up, decide, allocate."""
+
+    blocks: tuple[KVCacheBlock, ...] = ()
+    num_computed_tokens: int = 0  # len(blocks) * block_size: tokens whose K/V the hit holds
+
+
+NO_COMPUTED_BLOCKS = ComputedBlocks()  # no lookup (prefix caching off, or prompt logprobs wanted)
+
+
 class NoFreeBlocksError(RuntimeError):
     """An allocation could not be satisfied. The manager's state is left exactly as it was."""
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from minivllm.config import SchedulerConfig
@@ -59,6 +61,7 @@ class ScheduledSequence:
     block_table: list[int]  # [ceil(seq_len / block_size)]  physical blocks, after allocation
     sample: bool  # the new tokens reach the newest known token: a next token is sampled
     prompt_logprobs: PromptLogprobsSlice | None = None  # prompt rows to score, if asked
+    num_spec_tokens: int = 0  # the last this many new tokens are drafts to verify (lookahead)
 
     @property
     def num_new_tokens(self) -> int:
@@ -139,9 +142,14 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:  # preempted itself: nothing else fits
                 break
-            kv.append_slots(seq.seq_id, seq.token_ids, num_new)
-            out.scheduled.append(self._scheduled(seq, num_new))
-            budget -= num_new
+            # Speculative drafts ride along where budget and free blocks allow: they never
+            # preempt anyone. Their slots are lookahead: no block is named for a draft.
+            spec = seq.spec_token_ids[: budget - num_new] if num_new == 1 else []
+            if spec and not kv.can_append_slots(seq.seq_id, num_new + len(spec)):
+                spec = []
+            kv.append_slots(seq.seq_id, seq.token_ids, num_new, len(spec))
+            out.scheduled.append(self._scheduled(seq, num_new, spec))
+            budget -= num_new + len(spec)
             i += 1
 
         # Admitting while preempting would evict the very blocks a preempted sequence will want.
@@ -175,15 +183,16 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, seq: Sequence, num_new: int, spec: Seq[int] = ()) -> ScheduledSequence:
         start = seq.num_computed_tokens
         return ScheduledSequence(
             seq_id=seq.seq_id,
             num_computed_tokens=start,
-            new_token_ids=seq.token_ids[start : start + num_new],
+            new_token_ids=seq.token_ids[start : start + num_new] + list(spec),
             block_table=list(self.kv_cache_manager.get_block_table(seq.seq_id)),
             sample=start + num_new == seq.num_tokens,
             prompt_logprobs=self._prompt_logprobs_slice(seq, start, start + num_new),
+            num_spec_tokens=len(spec),
         )
 
     @staticmethod
@@ -219,13 +228,17 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted_seq_ids.append(seq.seq_id)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
+    def update_after_step(self, out: SchedulerOutput, num_rejected: Mapping[int, int] = {}) -> None:
         """The step's commit, called once its K/V is written and its tokens sampled: advance each
-        scheduled sequence's progress and make the prefix-cache names of its blocks final."""
+        scheduled sequence's progress and make the prefix-cache names of its blocks final. A
+        sequence's rejected drafts (`num_rejected`, by seq_id) are not computed: their slots go
+        back, and the next step writes over them (vLLM v1 lowers num_computed_tokens the same way)."""
         for item in out.scheduled:
             seq = self.seqs[item.seq_id]
             start = seq.num_computed_tokens
-            seq.num_computed_tokens = start + item.num_new_tokens
+            seq.num_computed_tokens = start + item.num_new_tokens - num_rejected.get(seq.seq_id, 0)
+            if item.num_spec_tokens:
+                self.kv_cache_manager.trim_slots(seq.seq_id, seq.num_computed_tokens)
             self.num_prompt_tokens_computed += max(
                 0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start
             )

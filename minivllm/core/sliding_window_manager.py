@@ -139,10 +139,16 @@ class SlidingWindowKVCacheManager(KVCacheManager):
         self.remove_skipped_blocks(seq.seq_id, num_cached)  # the first query is at num_cached
         return num_cached
 
-    def append_slots(self, seq_id: SeqId, token_ids: TokenIds[int], num_new_tokens: int) -> None:
+    def append_slots(
+        self,
+        seq_id: SeqId,
+        token_ids: TokenIds[int],
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+    ) -> None:
         if num_new_tokens > 0:
             self.remove_skipped_blocks(seq_id, self._seq(seq_id).num_slots)
-        super().append_slots(seq_id, token_ids, num_new_tokens)
+        super().append_slots(seq_id, token_ids, num_new_tokens, num_lookahead_tokens)
 
     def remove_skipped_blocks(self, seq_id: SeqId, num_computed_tokens: int) -> None:
         """Free the blocks no query of `seq_id` at `num_computed_tokens` or later can see

@@ -65,7 +65,9 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
-_ZERO_STATS = EngineStats(**{f.name: 0 for f in fields(EngineStats)})
+_ZERO_STATS = EngineStats(
+    **{f.name: () if f.name.endswith("_per_pos") else 0 for f in fields(EngineStats)}  # type: ignore[arg-type]
+)
 
 
 @dataclass
@@ -99,6 +101,7 @@ class ServerMetrics:
         for reason in FINISH_REASONS:  # present at 0 from the start, as vLLM does
             self.success.labels(model_name=model_name, finished_reason=reason)
         self._seen: dict[str, _Seen] = {}
+        self.spec_decode: tuple[Counter, Counter, Counter, list[Any]] | None = None
         self._last: EngineStats | None = None
         self.log_interval_s = log_interval_s
         # The first window counts from the server's start, so a burst shorter than two
@@ -152,6 +155,40 @@ class ServerMetrics:
             "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
             [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
         )  # fmt: skip
+
+    def _add_spec_decode_counters(self, num_spec_tokens: int) -> None:
+        # Speculative decoding (vLLM's SpecDecodingProm), registered once an engine speculates.
+        per_pos = self._counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ("position",),
+        )
+        self.spec_decode = (
+            self._counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
+            self._counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
+            self._counter("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+            [per_pos.labels(**self._label, position=str(i)) for i in range(num_spec_tokens)],
+        )
+
+    def _observe_spec_decode(self, stats: EngineStats, last: EngineStats) -> None:
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+        if not per_pos:
+            return
+        if self.spec_decode is None:
+            self._add_spec_decode_counters(len(per_pos))
+        assert self.spec_decode is not None
+        drafts, draft_tokens, accepted, by_pos = self.spec_decode
+        lab = self._label
+        drafts.labels(**lab).inc(stats.spec_decode_num_drafts - last.spec_decode_num_drafts)
+        draft_tokens.labels(**lab).inc(
+            stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens
+        )
+        accepted.labels(**lab).inc(
+            stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens
+        )
+        before = last.spec_decode_num_accepted_tokens_per_pos or (0,) * len(per_pos)
+        for counter, now, then in zip(by_pos, per_pos, before):
+            counter.inc(now - then)
 
     def _add_hidden_series(self) -> tuple[Gauge, Counter, Counter]:
         # vLLM's deprecated names, shown only with --show-hidden-metrics-for-version (vLLM's
@@ -264,6 +301,7 @@ class ServerMetrics:
             gpu_queries.labels(**lab).inc(queries)
             gpu_hits.labels(**lab).inc(hits)
         self.preemptions.labels(**lab).inc(stats.num_preemptions - last.num_preemptions)
+        self._observe_spec_decode(stats, last)
         self._last = stats
         for out in outputs:
             self._observe(out)
@@ -339,3 +377,32 @@ class ServerMetrics:
             100 * hit_rate,
             stats.num_preemptions,
         )
+        log_spec_decode(stats, prev, elapsed)
+
+
+def log_spec_decode(stats: EngineStats, prev: EngineStats, elapsed: float) -> None:
+    """vLLM's "SpecDecoding metrics" line, over the interval since `prev`."""
+    drafts = stats.spec_decode_num_drafts - prev.spec_decode_num_drafts
+    if drafts <= 0:
+        return
+    drafted = stats.spec_decode_num_draft_tokens - prev.spec_decode_num_draft_tokens
+    accepted = stats.spec_decode_num_accepted_tokens - prev.spec_decode_num_accepted_tokens
+    before = prev.spec_decode_num_accepted_tokens_per_pos or (0,) * len(
+        stats.spec_decode_num_accepted_tokens_per_pos
+    )
+    rates = [
+        (now - then) / drafts
+        for now, then in zip(stats.spec_decode_num_accepted_tokens_per_pos, before)
+    ]
+    logger.info(
+        "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, "
+        "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
+        "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+        1 + accepted / drafts,
+        accepted / elapsed,
+        drafted / elapsed,
+        accepted,
+        drafted,
+        ", ".join(f"{r:.3f}" for r in rates),
+        100 * accepted / drafted if drafted else float("nan"),
+    )

@@ -207,7 +207,15 @@ class ReservationKVCacheManager(KVCacheManager):
         self._record_utilization()
         return 0
 
-    def append_slots(self, seq_id: SeqId, token_ids: TokenIds[int], num_new_tokens: int) -> None:
+    def append_slots(
+        self,
+        seq_id: SeqId,
+        token_ids: TokenIds[int],
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+    ) -> None:
+        if num_lookahead_tokens:  # the engine refuses speculative decoding on a reservation
+            raise ValueError("a reservation has no lookahead slots (speculative decoding)")
         seq = self._seq(seq_id)
         if num_new_tokens < 0 or len(token_ids) < seq.num_slots + num_new_tokens:
             raise ValueError(

@@ -19,7 +19,7 @@ A step's record, as `trace.json` stores it (docs/trace.md documents every field;
 keys are strings, so seq ids and block ids are strings as keys):
 
     {"step", "scheduled": [{"seq_id", "request_id", "num_computed_tokens", "num_new_tokens",
-     "block_table"}], "num_batched_tokens", "block_tables": {seq_id: [block id | null]},
+     "block_table", "num_spec_tokens", "num_accepted_tokens"}], "num_batched_tokens", "block_tables": {seq_id: [block id | null]},
      "num_computed_tokens": {seq_id: n}, "ref_counts": {block id: n > 0}, "cached_blocks",
      "copies": [[src, dst]], "preempted", "forked", "finished", "finish_reasons",
      "cache_hits": [{"seq_id", "num_cached_tokens", "blocks"}], "evicted", "num_free_blocks",
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from minivllm.core.kv_cache_utils import BlockHash, BlockPoolSnapshot, KVCacheManagerStats
-from minivllm.core.scheduler import SchedulerOutput
+from minivllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.sequence import Sequence as EngineSequence
 from minivllm.step_listener import StepOutputs
 
@@ -160,6 +160,8 @@ class StepRecorder:
                     "num_computed_tokens": item.num_computed_tokens,
                     "num_new_tokens": item.num_new_tokens,
                     "block_table": list(item.block_table),
+                    "num_spec_tokens": item.num_spec_tokens,
+                    "num_accepted_tokens": _num_accepted(item, outputs),
                 }
                 for item in sched.scheduled
             ],
@@ -303,3 +305,11 @@ def _held_tables(blocks: BlockPoolSnapshot, holders: list[int]) -> dict[int, lis
         table[:skipped] = [None] * skipped
         tables[s] = table
     return tables
+
+
+def _num_accepted(item: ScheduledSequence, outputs: StepOutputs) -> int:
+    """Drafts a verification step kept: the sequence sampled once per kept token (speculative
+    decoding's last token is its own), or fewer when a stop came inside the kept run."""
+    if not item.num_spec_tokens:
+        return 0
+    return max(0, sum(1 for seq in outputs.sampled if seq.seq_id == item.seq_id) - 1)

@@ -161,6 +161,12 @@
     // "resume": a preempted sequence coming back, its tokens recomputed or found in the cache
     // (one word for it here, in the events, in tutorial 09 and in the docs).
     if (hit && start >= prompt) return `resume tokens ${start}–${end - 1}${cachedNote}`;
+    if (item.num_spec_tokens) {  // speculative decoding: the newest token and k drafts
+      const kept = item.num_accepted_tokens || 0;
+      const rejected = item.num_spec_tokens - kept;
+      return `verify ${item.num_spec_tokens} drafts: ${kept} kept, ${rejected} rejected` +
+        (rejected ? ` (slots ${end - rejected}–${end - 1} given back)` : "");
+    }
     if (start >= prompt && item.num_new_tokens === 1) return "decode";
     if (end > prompt) return `resume tokens ${start}–${end - 1}${cachedNote}`;
     const whole = start === (hit ? hit.num_cached_tokens : 0) && end === prompt;
