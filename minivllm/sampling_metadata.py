@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,7 +21,9 @@ from torch import Tensor
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence as Seq
 from minivllm.stop_checker import stops_allowed
-from minivllm.structured_output.backend import StructuredOutputGrammar, sync_grammar
+
+if TYPE_CHECKING:  # structured outputs are read where a row has a grammar, not on every path
+    from minivllm.structured_output.backend import StructuredOutputGrammar
 
 
 @dataclass
@@ -182,6 +185,8 @@ def _grammar_bitmask(
     grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
     if not grammar_rows:
         return [], None
+    from minivllm.structured_output.backend import sync_grammar
+
     bitmask = torch.full((len(grammar_rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for g, i in enumerate(grammar_rows):
         grammar = rows[i].grammar

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from minivllm.beam_search import BeamSearchParams
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.spec_decode.metrics import log_spec_decode
 from minivllm.stats import EngineStats
 
 logger = logging.getLogger("minivllm")
@@ -377,32 +378,4 @@ class ServerMetrics:
             100 * hit_rate,
             stats.num_preemptions,
         )
-        log_spec_decode(stats, prev, elapsed)
-
-
-def log_spec_decode(stats: EngineStats, prev: EngineStats, elapsed: float) -> None:
-    """vLLM's "SpecDecoding metrics" line, over the interval since `prev`."""
-    drafts = stats.spec_decode_num_drafts - prev.spec_decode_num_drafts
-    if drafts <= 0:
-        return
-    drafted = stats.spec_decode_num_draft_tokens - prev.spec_decode_num_draft_tokens
-    accepted = stats.spec_decode_num_accepted_tokens - prev.spec_decode_num_accepted_tokens
-    before = prev.spec_decode_num_accepted_tokens_per_pos or (0,) * len(
-        stats.spec_decode_num_accepted_tokens_per_pos
-    )
-    rates = [
-        (now - then) / drafts
-        for now, then in zip(stats.spec_decode_num_accepted_tokens_per_pos, before)
-    ]
-    logger.info(
-        "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, "
-        "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
-        "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
-        1 + accepted / drafts,
-        accepted / elapsed,
-        drafted / elapsed,
-        accepted,
-        drafted,
-        ", ".join(f"{r:.3f}" for r in rates),
-        100 * accepted / drafted if drafted else float("nan"),
-    )
+        log_spec_decode(stats, prev, elapsed)  # vLLM's second line, when the engine speculates

@@ -13,7 +13,10 @@ Tier: engine.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
+
+logger = logging.getLogger("minivllm")
 
 
 @dataclasses.dataclass
@@ -41,3 +44,32 @@ class SpecDecodingStats:
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": tuple(self.num_accepted_tokens_per_pos),
         }
+
+
+def log_spec_decode(stats: Any, prev: Any, elapsed: float) -> None:
+    """vLLM's "SpecDecoding metrics" line, over the interval since `prev` (two `EngineStats`:
+    minivllm.stats imports this module, so the type is not named here)."""
+    drafts = stats.spec_decode_num_drafts - prev.spec_decode_num_drafts
+    if drafts <= 0:
+        return
+    drafted = stats.spec_decode_num_draft_tokens - prev.spec_decode_num_draft_tokens
+    accepted = stats.spec_decode_num_accepted_tokens - prev.spec_decode_num_accepted_tokens
+    before = prev.spec_decode_num_accepted_tokens_per_pos or (0,) * len(
+        stats.spec_decode_num_accepted_tokens_per_pos
+    )
+    rates = [
+        (now - then) / drafts
+        for now, then in zip(stats.spec_decode_num_accepted_tokens_per_pos, before)
+    ]
+    logger.info(
+        "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, "
+        "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
+        "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+        1 + accepted / drafts,
+        accepted / elapsed,
+        drafted / elapsed,
+        accepted,
+        drafted,
+        ", ".join(f"{r:.3f}" for r in rates),
+        100 * accepted / drafted if drafted else float("nan"),
+    )
