@@ -9,7 +9,7 @@ plain Llama, then run on the same long greedy generation:
 - the blocks each run holds, step by step (the windowed run stays at about W / block_size + 1);
 - `minivllm bench memory` on both folders (its KV-slot accounting, RSS and weight bytes);
 - a trace of the windowed run and a screenshot of its block tables at a step where the window
-  freed a block (docs/img/trace/sliding_window.png; `--picture` to write it elsewhere).
+  freed a block (docs/img/bench/sliding_window.png; `--picture` to write it elsewhere).
 
     python benchmarks/sliding_window_kv.py --work /tmp/swa [--window 64] [--picture PNG]
 
@@ -119,7 +119,7 @@ def main() -> int:
     parser.add_argument("--work", type=Path, required=True, help="folder for the checkpoints")
     parser.add_argument("--window", type=int, default=64, help="the sliding window, in tokens")
     parser.add_argument("--max-tokens", type=int, default=960, help="tokens to generate")
-    parser.add_argument("--picture", type=Path, default=ROOT / "docs/img/trace/sliding_window.png")
+    parser.add_argument("--picture", type=Path, default=ROOT / "docs/img/bench/sliding_window.png")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     windowed, plain = save_checkpoints(args.work, args.window)

@@ -27,7 +27,11 @@ MODEL_DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_pen
 
 def serving(defaults: dict[str, Any], max_model_len: int = 64) -> OpenAIServing:
     client = SimpleNamespace(  # the facts of an `EngineClient` that the checks read
-        tokenizer=None, max_model_len=max_model_len, get_diff_sampling_param=lambda: defaults
+        tokenizer=None,
+        max_model_len=max_model_len,
+        vocab_size=256,
+        get_diff_sampling_param=lambda: defaults,
+        config=SimpleNamespace(model=SimpleNamespace(max_logprobs=20)),  # vLLM's default
     )
     return OpenAIServing(client, ["m"], 8, 8)  # type: ignore[arg-type]
 

@@ -67,15 +67,19 @@ def _outputs(llm: LLM, params: SamplingParams = GREEDY, prompts: list[list[int]]
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-def _tokens_and_logprobs(outputs: Any) -> list[tuple[list[int], list[Any]]]:
-    return [
-        (
-            list(c.token_ids),
-            [{t: round(lp.logprob, 4) for t, lp in d.items()} for d in c.logprobs or []],
-        )
-        for o in outputs
-        for c in o.outputs
-    ]
+def _assert_same_tokens_and_logprobs(got: Any, want: Any) -> None:
+    """Tokens and the tokens named in each position's logprobs are exact; their values may move
+    in the last float32 bits, because a verify step runs the rows in another batch shape (and
+    so another summation order) than a plain decode step."""
+    got_c = [c for o in got for c in o.outputs]
+    want_c = [c for o in want for c in o.outputs]
+    assert [list(c.token_ids) for c in got_c] == [list(c.token_ids) for c in want_c]
+    for g, w in zip(got_c, want_c):
+        assert len(g.logprobs or []) == len(w.logprobs or [])
+        for dg, dw in zip(g.logprobs or [], w.logprobs or []):
+            assert list(dg) == list(dw)
+            for t in dg:
+                assert dg[t].logprob == pytest.approx(dw[t].logprob, abs=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +118,7 @@ def test_greedy_output_with_speculation_equals_greedy_output_without(
 ) -> None:
     llm, _ = _speculative(tiny_model, reference, **engine_kwargs)
     got = _outputs(llm)
-    assert _tokens_and_logprobs(got) == _tokens_and_logprobs(reference)
+    _assert_same_tokens_and_logprobs(got, reference)
     stats = llm.get_stats()
     assert stats.spec_decode_num_drafts > 0
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
@@ -142,7 +146,7 @@ def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(
     """The rule for big batches: 4 requests of one length run side by side to the end, so with a
     limit of 3 the proposer is never asked (unset, the limit is 8)."""
     llm, oracle = _speculative(tiny_model, reference, NGRAM | {"disable_by_batch_size": 3})
-    assert _tokens_and_logprobs(_outputs(llm)) == _tokens_and_logprobs(reference)
+    _assert_same_tokens_and_logprobs(_outputs(llm), reference)
     assert oracle.calls == 0 and llm.get_stats().spec_decode_num_drafts == 0
     assert_no_blocks_held(llm)
 
@@ -209,7 +213,7 @@ def test_a_failed_verification_step_leaves_nothing_behind(
     assert llm.get_stats().spec_decode_num_drafts == 0  # a failed step counts nothing
     cached = llm.get_stats().num_cached_kv_blocks
     monkeypatch.undo()
-    assert _tokens_and_logprobs(_outputs(llm)) == _tokens_and_logprobs(reference)
+    _assert_same_tokens_and_logprobs(_outputs(llm), reference)
     assert cached <= llm.get_stats().num_cached_kv_blocks
 
 
@@ -257,7 +261,7 @@ def test_ngram_speculation_on_a_repeating_output_keeps_greedy(tmp_path: Path) ->
     prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7]]
     plain = _outputs(_llm(model), params, prompts)
     llm = _llm(model, speculative_config=NGRAM)
-    assert _tokens_and_logprobs(_outputs(llm, params, prompts)) == _tokens_and_logprobs(plain)
+    _assert_same_tokens_and_logprobs(_outputs(llm, params, prompts), plain)
     stats = llm.llm_engine.speculator.stats  # type: ignore[union-attr]
     assert stats.num_accepted_tokens > 0
     assert stats.num_accepted_tokens_per_pos[0] >= stats.num_accepted_tokens_per_pos[-1]
