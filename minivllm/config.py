@@ -190,6 +190,7 @@ class EngineConfig:
     resolved: ResolvedConfig
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
+    draft: ResolvedConfig | None = None  # the draft model's files, when `speculative` names one
 
     def __post_init__(self) -> None:
         # A cache wider than the model stores nothing the model computed (its K and V are already

@@ -13,8 +13,7 @@ plain and `n > 1` sampling, or a beam search) turns them into outputs. Whoever w
 steps (the engine's counters, the step trace) listens (`step_listener.py`).
 
 A step that raises (an exception, or Ctrl-C inside the model) fails the requests it carried and
-frees their blocks; the prefix-cache names it gave are withdrawn (they become final only when a
-step commits), so nothing it half-did is visible to any later request, and no listener hears of it.
+frees their blocks; the prefix-cache names it gave are withdrawn (final only when a step commits).
 
 Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
@@ -312,8 +311,7 @@ class LLMEngine:
     def _sample(
         self, sched: SchedulerOutput, logits: torch.Tensor | None
     ) -> tuple[list[Sequence], SamplerOutput | None, dict[int, int]]:
-        """One batched sampler call for the step. A row may be drawn from more than once: an
-        n > 1 request's first sample draws one token per sequence it is about to fork into."""
+        """One batched sampler call; an n > 1 request's first row is drawn once per fork."""
         if logits is None:
             return [], None, {}
         if self.speculator is not None and any(s.num_spec_tokens for s in sched.scheduled):
@@ -363,6 +361,8 @@ class LLMEngine:
         self.scheduler.finish_seq(seq, status)
         self.output_processor.mark_finished(seq, status)
         seq.grammar = None  # a finished sequence samples no more: its matcher goes
+        if self.speculator is not None:  # a draft model's cache may hold blocks for it
+            self.speculator.free(seq)
 
     def _fail_step(self, sched: SchedulerOutput, exc: BaseException) -> list[RequestOutput]:
         """Withdraw the prefix-cache names the step gave, then fail every request it carried and

@@ -19,6 +19,7 @@ Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import inspect
 import typing
@@ -43,6 +44,7 @@ from minivllm.config import (
     ResolvedConfig,
     SchedulerConfig,
 )
+from minivllm.model.config import LlamaConfig
 from minivllm.model.loader import load_config
 from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
 from minivllm.model.source import ModelSource
@@ -159,10 +161,10 @@ class EngineArgs:
     # ---------------------------------------------------------------------- speculative decoding
     speculative_config: str | Mapping[str, Any] | None = _arg(
         None,
-        'JSON object (vLLM\'s flag): {"method": "ngram", "num_speculative_tokens": k (1-16), '
-        '"prompt_lookup_max": n, "prompt_lookup_min": m (1-64; unset: 5), '
-        '"disable_by_batch_size": b (speculate only while at most b sequences run; unset: 8)}; '
-        "unset: off",
+        'JSON object (vLLM\'s flag): {"num_speculative_tokens": k (1-16), "method": "ngram", '
+        '"prompt_lookup_max"/"prompt_lookup_min": n (1-64; unset: 5)} or a draft model of the '
+        'same vocabulary {"model": PATH_OR_ID, "quantization": q}; "disable_by_batch_size": b '
+        "(speculate while at most b sequences run; unset: 8); unset: off",
     )
 
     @classmethod
@@ -233,7 +235,7 @@ class EngineArgs:
                 "speculative_config needs kv_allocation='paged' (drafts take lookahead slots "
                 f"that a reservation does not have), got kv_allocation={self.kv_allocation!r}"
             )
-        return EngineConfig(
+        config = EngineConfig(
             model=model,
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -253,6 +255,8 @@ class EngineArgs:
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
             speculative=speculative,
         )
+        config.draft = _resolve_draft(speculative, config.resolved)  # read after the target's
+        return config
 
 
 class EngineKwargs(TypedDict, total=False):
@@ -334,13 +338,40 @@ def _resolve(mc: ModelConfig) -> ResolvedConfig:
         )
     generation = load_generation_defaults(source)  # read before any worker starts
     quantization = resolve_quantization(mc.quantization, source)
+    _check_runs_as_stored(hf_config, quantization, "quantization='none' (--quantization none)")
+    return ResolvedConfig(source, hf_config, generation, device, dtype, max_model_len, quantization)
+
+
+def _resolve_draft(spec: SpeculativeConfig | None, target: ResolvedConfig) -> ResolvedConfig | None:
+    """The draft model's files, read beside the target's (before any weight loads): it runs on
+    the target's device and dtype, and must share its vocabulary and cover its context."""
+    if spec is None or not spec.uses_draft_model:
+        return None
+    source = resolve_model(spec.model)
+    hf_config = load_config(source)
+    prefix = f"speculative_config.model={spec.model!r}"
+    if hf_config.vocab_size != target.hf_config.vocab_size:
+        raise ValueError(
+            f"{prefix}: its vocab_size {hf_config.vocab_size} differs from the target model's "
+            f"{target.hf_config.vocab_size}; a draft model must share the target's tokenizer"
+        )
+    if hf_config.max_position_embeddings < target.max_model_len:
+        raise ValueError(
+            f"{prefix}: its {hf_config.max_position_embeddings} positions are fewer than "
+            f"max_model_len ({target.max_model_len}); lower max_model_len"
+        )
+    quant = resolve_quantization(spec.quantization, source)
+    _check_runs_as_stored(hf_config, quant, 'speculative_config.quantization="none"')
+    return dataclasses.replace(target, source=source, hf_config=hf_config, quantization=quant)
+
+
+def _check_runs_as_stored(hf_config: LlamaConfig, quantization: str, remedy: str) -> None:
     if quantization == "gguf" and hf_config.architecture == "Phi3ForCausalLM":
         # Its file stores q/k/v and gate/up fused; the block loader reads them as separate parts.
         raise ValueError(
-            "a Phi-3 GGUF file's blocks do not run as stored yet: pass quantization='none' "
-            "(--quantization none) to dequantize it at load"
+            f"a Phi-3 GGUF file's blocks do not run as stored yet: pass {remedy} to dequantize "
+            "it at load"
         )
-    return ResolvedConfig(source, hf_config, generation, device, dtype, max_model_len, quantization)
 
 
 def resolve_quantization(quantization: str | None, source: ModelSource) -> str:

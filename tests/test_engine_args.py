@@ -144,6 +144,7 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
             "resolved",
             "structured_outputs",
             "speculative",
+            "draft",  # the draft model's resolved files (`speculative_config.model`)
         ):  # one JSON flag -> one typed config
             carried.update(dataclasses.asdict(getattr(config, section.name)))
     carried["kv_cache_dtype"] = carried.pop("cache_dtype")  # vLLM's names: CacheConfig.cache_dtype
@@ -156,7 +157,7 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
     speculative = (
         EngineArgs(model=model, speculative_config=spec).create_engine_config().speculative
     )
-    assert config.speculative is None and speculative is not None
+    assert config.speculative is None and speculative is not None and config.draft is None
     assert speculative.num_speculative_tokens == 3
     assert config.structured_outputs.backend == "xgrammar"
     assert config.structured_outputs.disable_any_whitespace is True

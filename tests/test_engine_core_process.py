@@ -95,6 +95,26 @@ def test_core_process_answers_as_the_in_thread_engine(
     assert sum(float(line.rsplit(" ", 1)[1]) for line in lines) >= 2 * len(PROMPTS)
 
 
+def test_speculative_decoding_runs_in_the_core_process(
+    model: Path, request: pytest.FixtureRequest
+) -> None:
+    """The draft model loads in the core with the target; answers equal the in-thread engine's
+    without speculation, and the frontend's /metrics counts the core's drafts."""
+    spec = {"model": str(model), "num_speculative_tokens": 3}
+    cfg = EngineArgs(model=str(model), speculative_config=spec, **ENGINE).create_engine_config()  # type: ignore[arg-type]
+    client = EngineCoreClient(cfg, torch_threads=1)
+    request.addfinalizer(lambda: client.process.kill() if client.process.is_alive() else None)
+    with serve_in_process(client) as server:
+        speculating = completions(server.base_url, False), completions(server.base_url, True)
+        metrics = httpx.get(server.url + "/metrics").text
+    with serve_in_process(LLMEngine(config(model))) as thread_server:
+        plain = completions(thread_server.base_url, False)
+    assert speculating == (plain, plain)
+    name = "vllm:spec_decode_num_draft_tokens_total"
+    drafted = [line for line in metrics.splitlines() if line.startswith(name)]
+    assert drafted and float(drafted[0].rsplit(" ", 1)[1]) > 0, drafted
+
+
 def wait_stats(server: InProcessServer, done: Any, timeout: float = 60.0) -> Any:
     deadline = time.monotonic() + timeout
     while not done(stats := server.app.state.engine_client.stats):

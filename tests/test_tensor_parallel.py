@@ -160,6 +160,27 @@ def test_forks_seeds_and_copy_on_write_give_one_rank_s_samples(tmp_path: Path) -
         assert torch.equal(kv[:, :, 1, :10], kv[:, :, 0, :10])  # the copy, on this rank
 
 
+def test_speculative_decoding_at_two_ranks_gives_transformers_greedy_tokens(
+    tmp_path: Path,
+) -> None:
+    """A verification step carries 1 + k tokens per sequence to every rank; the rejection
+    sampler runs on the driver, and the draft model (the target itself: every draft is kept,
+    so every step verifies) runs on the driver alone. Under chunking and preemption too."""
+    from transformers import LlamaForCausalLM
+
+    path = save_tiny_llama(tmp_path / "m", tie_word_embeddings=False)
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = [hf_greedy(hf, p, MAX_TOKENS, None) for p in workload()]
+    spec = {"model": str(path), "num_speculative_tokens": 3}
+    with tp_llm(
+        path, 2, speculative_config=spec, **(ENGINE | {"num_gpu_blocks_override": 12})
+    ) as llm:
+        assert greedy(llm, workload()) == expected
+        stats = llm.get_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert stats.num_preemptions > 0
+
+
 @pytest.mark.slow
 def test_smollm2_at_three_ranks_gives_transformers_greedy_tokens(smollm2_hf_model) -> None:
     """The real model: 9 query heads and 3 KV heads, so each of 3 ranks holds 3 and 1."""

@@ -17,6 +17,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from minivllm.spec_decode.proposer import Draft
+
+if TYPE_CHECKING:
+    from minivllm.sequence import Sequence as EngineSequence
 
 
 class NgramProposer:
@@ -24,6 +30,13 @@ class NgramProposer:
         self.k = num_speculative_tokens
         self.min_n = min_n
         self.max_n = max_n
+
+    def propose_drafts(self, wanted: Sequence[tuple[EngineSequence, int]]) -> list[Draft]:
+        """Each sequence looks in its own tokens; the drafts are point masses (no q)."""
+        return [Draft(self.propose(seq.token_ids, room)) for seq, room in wanted]
+
+    def free(self, seq_id: int) -> None:
+        """Nothing is kept between steps."""
 
     def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """At most min(k, max_tokens) tokens to verify after `token_ids`; [] when no n-gram
