@@ -11,17 +11,21 @@ classifies it as a test of vLLM's internals.
 
 `RemoteOpenAIServer` keeps vLLM's interface (`url_for`, `get_client`, `get_async_client`,
 `show_hidden_metrics`, a context manager) and starts `minivllm serve` with the bundled model,
-whatever model the test names: the name is served with `--served-model-name`, so requests that
-name it are answered. Flags minivllm lacks are dropped and logged (to the server's log file and to
-`dropped_flags.jsonl` in the run folder), never silently.
+whatever model the test names: the server runs in a folder of the run where the test's model name
+(`HuggingFaceH4/zephyr-7b-beta`) is a local folder holding the bundled GGUF file, and is started
+with that name as its model, as vLLM's test starts vLLM: requests that name it are answered, and
+`/v1/models` reports it as vLLM would (`id`, and `root`: the model argument). Flags minivllm lacks
+are dropped and logged (to the server's log file and to `dropped_flags.jsonl` in the run folder),
+never silently.
 
 Environment (set by the runner):
   MINIVLLM_PYTHON                    the project's python, which runs `minivllm serve`
-  MINIVLLM_ROOT                      the project checkout (the server's working directory)
+  MINIVLLM_ROOT                      the minivllm tree the server imports (on its PYTHONPATH)
   MINIVLLM_CONFORMANCE_RUN           the run folder: server logs, dropped flags
   MINIVLLM_CONFORMANCE_TOKENIZER     the bundled model's tokenizer, saved as a folder
   MINIVLLM_CONFORMANCE_FLAGS         minivllm's serve flags as JSON: {flag: takes_value, ...}
   MINIVLLM_CONFORMANCE_VERSION       minivllm's version (what `/version` answers)
+  MINIVLLM_CONFORMANCE_GGUF          the bundled model's GGUF file
 """
 
 from __future__ import annotations
@@ -237,8 +241,10 @@ class RemoteOpenAIServer:
         if override_hf_configs is not None:
             args += ["--hf-overrides", json.dumps(override_hf_configs)]
         kept, dropped = translate_args(args)
-        if "--served-model-name" not in kept:
-            kept += ["--served-model-name", model]
+        model_arg = _bundled_model_as(model)
+        if model_arg is None and "--served-model-name" not in kept:
+            kept += ["--served-model-name", model]  # a path of the test's own: served by name
+        kept = ([model_arg] if model_arg else []) + kept
         self.show_hidden_metrics = any(
             a.startswith("--show-hidden-metrics-for-version") for a in kept
         )
@@ -262,10 +268,15 @@ class RemoteOpenAIServer:
     def _start_server(self, args: list[str], env_dict: dict[str, str] | None) -> None:
         env = os.environ.copy()
         env.update(env_dict or {})
+        # The minivllm tree on the path (a fixed commit's, with --minivllm); the models' folder as
+        # the working directory, where the test's model name is a folder of the bundled model.
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (os.environ["MINIVLLM_ROOT"], env.get("PYTHONPATH")) if p
+        )
         log = self._log_path.open("a")
         self.proc = subprocess.Popen(
             [os.environ["MINIVLLM_PYTHON"], "-m", "minivllm.entrypoints.cli", "serve", *args],
-            cwd=os.environ["MINIVLLM_ROOT"],
+            cwd=_models_dir(),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -318,6 +329,24 @@ class RemoteOpenAIServer:
         return openai.AsyncOpenAI(
             base_url=self.url_for("v1"), api_key=self.DUMMY_API_KEY, max_retries=0, **kwargs
         )
+
+
+def _models_dir() -> Path:
+    return Path(os.environ["MINIVLLM_CONFORMANCE_RUN"]) / "models"
+
+
+def _bundled_model_as(model: str) -> str | None:
+    """`model` (a hub id or a plain name) as a folder under the models' folder that holds the
+    bundled GGUF file; None for a path (absolute, or with '..'), which is served by name."""
+    if Path(model).is_absolute() or ".." in Path(model).parts or model.startswith("~"):
+        return None
+    gguf = Path(os.environ["MINIVLLM_CONFORMANCE_GGUF"])
+    folder = _models_dir() / model
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / gguf.name
+    if not link.exists():
+        link.symlink_to(gguf)
+    return model
 
 
 def _value_of(args: list[str], flag: str) -> str | None:

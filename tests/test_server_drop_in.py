@@ -208,6 +208,33 @@ def test_completions_carry_system_fingerprint_and_logit_bias_names_the_vocabular
     assert str(vocab + 1) in error and str(vocab) in error
 
 
+def test_a_chat_completion_has_every_field_the_client_declares(server: InProcessServer) -> None:
+    """vLLM's ChatCompletionResponse sends OpenAI's service_tier and system_fingerprint as null:
+    the JSON then has the keys of the client's own model (what test_invocations compares)."""
+    body = {"messages": CHAT, "max_completion_tokens": 2, "temperature": 0.0}
+    raw = post(server, "/chat/completions", body).json()
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+    name = httpx.get(server.base_url + "/models").json()["data"][0]["id"]
+    parsed = client.chat.completions.create(model=name, **body)  # type: ignore[call-overload]
+    declared = {"id", "object", "created", "model", "choices", "service_tier", "usage"}
+    assert declared | {"system_fingerprint"} <= set(raw)
+    assert raw["service_tier"] is None and raw["system_fingerprint"] is None
+    assert set(raw) <= set(parsed.model_dump()), set(raw) - set(parsed.model_dump())
+    completion = post(server, "/completions", {"prompt": "Hi", "max_tokens": 2}).json()
+    assert completion["service_tier"] is None
+
+
+def test_a_model_card_s_root_is_the_model_as_the_server_was_told_it(tiny_model: Path) -> None:
+    """vLLM's /v1/models: `id` the served name, `root` the --model argument (its model_path)."""
+    named = "some-org/some-model"
+    with serve_tiny_model(tiny_model, served_model_names=[named], model_path=str(tiny_model)) as s:
+        card = httpx.get(s.base_url + "/models").json()["data"][0]
+    assert (card["id"], card["root"]) == (named, str(tiny_model))
+    with serve_tiny_model(tiny_model) as s:  # unnamed: the checkpoint's own name, both
+        card = httpx.get(s.base_url + "/models").json()["data"][0]
+    assert card["id"] == card["root"] == tiny_model.name
+
+
 def test_logprobs_past_max_logprobs_are_a_400_naming_the_limit(server: InProcessServer) -> None:
     # The default --max-logprobs is vLLM's 20; -1 asks for the vocabulary (49152), past it.
     for body in (

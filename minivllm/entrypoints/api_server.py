@@ -160,10 +160,12 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     show_hidden_metrics: bool = False,
+    model_path: str | None = None,
 ) -> FastAPI:
     """An app serving `engine`: an `LLMEngine` stepped by a thread of this process, or the client
     of an engine-core process (minivllm/engine_core/client.py); either starts and stops with the
-    app's lifespan."""
+    app's lifespan. `model_path`: the model as the user named it (`/v1/models`' `root`, vLLM's
+    `BaseModelPath.model_path`); unset, the checkpoint's name."""
     names = served_model_names or [engine.source.name]
     metrics = make_metrics(engine, names[0], log_stats_interval_s, show_hidden_metrics)
     client = make_engine_client(engine, metrics, log_requests)
@@ -190,7 +192,7 @@ def build_app(
     install_openapi(app, bearer_auth=api_key is not None)
     add_error_handlers(app)
     add_operations_routes(app, client, metrics, server_load, enable_tokenizer_info_endpoint)
-    add_model_routes(app, client, names, api_key)
+    add_model_routes(app, client, names, api_key, model_path or engine.source.name)
     v1_errors = (400, 401, 404, 413, 500, 503) if api_key else (400, 404, 413, 500, 503)
     add_generation_routes(app, handlers, names[0], v1_errors)
     add_invocations_route(app, handlers, v1_errors)

@@ -195,6 +195,7 @@ def serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         show_hidden_metrics=show_hidden_metrics(args.show_hidden_metrics_for_version),
+        model_path=args.model,
     )
     uvicorn.run(
         app,

@@ -74,6 +74,7 @@ class CompletionResponse(_Response):
     created: int
     model: str
     system_fingerprint: str | None = None
+    service_tier: str | None = None
     choices: list[CompletionChoice]
     usage: UsageInfo
 
@@ -129,6 +130,8 @@ class ChatCompletionResponse(_Response):
     created: int
     model: str
     choices: list[ChatCompletionChoice]
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo
     prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
     prompt_logprobs: PromptLogprobs | None = Field(None, description="With prompt_logprobs.")

@@ -137,7 +137,7 @@ def add_operations_routes(
 
 
 def add_model_routes(
-    app: FastAPI, client: EngineClient, names: list[str], api_key: str | None
+    app: FastAPI, client: EngineClient, names: list[str], api_key: str | None, root: str
 ) -> None:
     models_errors = (401,) if api_key else ()
 
@@ -149,7 +149,7 @@ def add_model_routes(
                 "object": "model",
                 "created": 0,
                 "owned_by": "minivllm",
-                "root": client.model_name,
+                "root": root,  # the model as the server was told it (vLLM's model_path)
                 "max_model_len": client.max_model_len,
             }
             for name in names

@@ -198,7 +198,9 @@ class OpenAIServingChat(OpenAIServing):
             if plan.req.prompt_logprobs is not None
             else None
         )
-        return {**plan.header, "choices": choices, "usage": usage(finals), **extras}
+        # OpenAI's fields that vLLM sends as null; a client's model_dump() has them either way.
+        unset = {"service_tier": None, "system_fingerprint": None}
+        return {**plan.header, "choices": choices, **unset, "usage": usage(finals), **extras}
 
     # ------------------------------------------------------------------ tool calling
     def tool_mode(

@@ -64,7 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for pi, out in enumerate(finals)
             for c in out.outputs
         ]
-        return {**plan.header, "choices": choices, "usage": usage(finals)}
+        return {**plan.header, "choices": choices, "service_tier": None, "usage": usage(finals)}
 
     async def prepare_completion(self, req: CompletionRequest) -> CompletionPlan:
         """Check the request, tokenize its prompts, and make one sampling parameters each."""
