@@ -220,8 +220,31 @@ def test_a_chat_completion_has_every_field_the_client_declares(server: InProcess
     assert declared | {"system_fingerprint"} <= set(raw)
     assert raw["service_tier"] is None and raw["system_fingerprint"] is None
     assert set(raw) <= set(parsed.model_dump()), set(raw) - set(parsed.model_dump())
+    # ... and each choice the keys of the client's Choice and ChatCompletionMessage (vLLM's
+    # ChatMessage sends refusal, annotations, audio, function_call as null, tool_calls as []).
+    dumped = parsed.model_dump()["choices"][0]
+    assert raw["choices"][0] == dumped | {"message": raw["choices"][0]["message"]}
+    assert raw["choices"][0]["message"] == dumped["message"]
+    assert raw["choices"][0]["message"]["tool_calls"] == []
     completion = post(server, "/completions", {"prompt": "Hi", "max_tokens": 2}).json()
     assert completion["service_tier"] is None
+
+
+def test_stop_reason_names_the_stop_that_ended_a_choice(server: InProcessServer) -> None:
+    """vLLM's `stop_reason` beside finish_reason: the stop token id or string, else null."""
+    probe = post(server, "/completions", {"prompt": "Hi", "max_tokens": 6, "temperature": 0})
+    text = probe.json()["choices"][0]["text"]
+    assert probe.json()["choices"][0]["stop_reason"] is None  # a length finish
+    stop = text[2:4]
+    body = {"prompt": "Hi", "max_tokens": 6, "temperature": 0, "stop": [stop]}
+    choice = post(server, "/completions", body).json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    body = {"messages": CHAT, "max_tokens": 6, "temperature": 0}
+    first = post(server, "/chat/completions", body).json()["choices"][0]
+    token = server.engine.tokenizer.encode(first["message"]["content"])[1]
+    chat = post(server, "/chat/completions", body | {"stop_token_ids": [token]}).json()
+    assert chat["choices"][0]["stop_reason"] == token
+    assert chat["choices"][0]["finish_reason"] == "stop"
 
 
 def test_a_model_card_s_root_is_the_model_as_the_server_was_told_it(tiny_model: Path) -> None:

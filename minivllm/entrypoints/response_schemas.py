@@ -10,7 +10,7 @@ Tier: frontends (may import anything below; nothing below imports it).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,6 +34,9 @@ class ErrorResponse(_Response):
 
 
 FinishReason = Literal["stop", "length", "tool_calls"] | None
+# vLLM's extra beside finish_reason "stop": the stop token id or stop string that ended the choice
+# (null for EOS, for any other reason, and until the choice ends).
+StopReason = Annotated[int | str | None, Field(description="The stop token id or string hit.")]
 
 
 class UsageInfo(_Response):
@@ -63,6 +66,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
+    stop_reason: StopReason
     prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
     token_ids: list[int] | None = Field(None, description="With return_token_ids.")
     prompt_logprobs: PromptLogprobs | None = Field(None, description="With prompt_logprobs.")
@@ -110,10 +114,15 @@ class ChatChoiceLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: Literal["assistant"]
     content: str | None = Field(description="null when the answer is only tool calls.")
+    # OpenAI's message fields minivllm never fills, sent as null (as vLLM's ChatMessage does).
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list, description="[] without calls.")
     reasoning_content: str | None = Field(
         None, description="vLLM's reasoning parsers' field; always null (minivllm has none)."
     )
-    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(_Response):
@@ -121,6 +130,7 @@ class ChatCompletionChoice(_Response):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None
     finish_reason: FinishReason
+    stop_reason: StopReason
     token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
@@ -150,6 +160,7 @@ class ChatCompletionStreamChoice(_Response):
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None
     finish_reason: FinishReason
+    stop_reason: StopReason = None
     token_ids: list[int] | None = Field(None, description="With return_token_ids: new ids.")
 
 

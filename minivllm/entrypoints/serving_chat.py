@@ -68,6 +68,11 @@ class ChatPlan:
         return {**ch, "token_ids": c.token_ids[start:]} if self.req.return_token_ids else ch
 
 
+# OpenAI's message fields minivllm never fills: sent as null, as vLLM's ChatMessage sends them, so
+# the JSON has every key a client's model of the message declares.
+UNSET_MESSAGE_FIELDS = {"refusal": None, "annotations": None, "audio": None, "function_call": None}
+
+
 class OpenAIServingChat(OpenAIServing):
     tool_parser: ToolParser | None = None  # --tool-call-parser
     enable_auto_tool_choice = False  # --enable-auto-tool-choice
@@ -149,6 +154,7 @@ class OpenAIServingChat(OpenAIServing):
                 "delta": delta,
                 "logprobs": plan.logprobs_of(c, prev_tok),
                 "finish_reason": reason,
+                "stop_reason": c.stop_reason if reason else None,
             }
             return {**chunk_header, "choices": [plan.with_ids(ch, c, prev_tok)]}
 
@@ -173,6 +179,8 @@ class OpenAIServingChat(OpenAIServing):
             message: dict[str, Any] = {
                 "role": "assistant",
                 "content": plan.echo + c.text,
+                **UNSET_MESSAGE_FIELDS,
+                "tool_calls": [],
                 "reasoning_content": None,
             }
             reason = finish_reason(c)
@@ -189,6 +197,7 @@ class OpenAIServingChat(OpenAIServing):
                 "message": message,
                 "logprobs": plan.logprobs_of(c, 0),
                 "finish_reason": reason,
+                "stop_reason": c.stop_reason,
             }
             choices.append(plan.with_ids(choice, c, 0))
         extras = dict(plan.prompt_extras)

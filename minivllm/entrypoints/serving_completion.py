@@ -151,7 +151,15 @@ class OpenAIServingCompletion(OpenAIServing):
             lps = completion_logprobs(c.token_ids[start:], c.logprobs[start:], k, offset, as_ids)
             if head is not None:
                 lps = {key: head[key] + lps[key] for key in lps}
-        out = {"index": i, "text": text, "logprobs": lps, "finish_reason": finish_reason(c)}
+        reason = finish_reason(c)
+        stop_reason = c.stop_reason if reason else None  # vLLM's extra: which stop ended it
+        out = {
+            "index": i,
+            "text": text,
+            "logprobs": lps,
+            "finish_reason": reason,
+            "stop_reason": stop_reason,
+        }
         if req.return_token_ids:  # vLLM: the prompt's ids once, then each chunk's new ids
             if first:
                 out["prompt_token_ids"] = prompt_ids
