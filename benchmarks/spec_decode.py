@@ -10,6 +10,10 @@ Two measures of the Performance page, each an A/B in the same process, alternati
 
     python -m benchmarks.spec_decode [--rounds 2] [--k 4] [--threads 1] [--json out.json]
 
+`--draft-model PATH` measures the draft-model proposer instead, on a float32 target (the bundled
+file dequantized, `quantization="none"`) drafted by PATH (e.g. the bundled .gguf file itself, run
+on its own Q4_1 blocks), and `--prompt open` asks an open question instead of the copy task.
+
 Tier: an investigation script (outside the package).
 """
 
@@ -35,9 +39,13 @@ TEXT = (
     "operating system maps virtual pages to physical frames. When a request finishes, its blocks "
     "return to the pool and another request can use them at once."
 )
-PROMPT = [
-    {"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{TEXT}"}
-]
+PROMPTS = {
+    "copy": [
+        {"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{TEXT}"}
+    ],
+    "open": [{"role": "user", "content": "Explain how a paged KV cache works, in detail."}],
+}
+PROMPT = PROMPTS["copy"]
 
 
 OUTPUTS: dict[str, list[int]] = {}  # engine -> its one-user greedy tokens: they must agree
@@ -73,7 +81,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip-batch", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--draft-model", default=None, help="a draft model instead of n-grams")
+    parser.add_argument("--prompt", choices=sorted(PROMPTS), default="copy")
     args = parser.parse_args()
+    global PROMPT
+    PROMPT = PROMPTS[args.prompt]
     if args.threads:
         torch.set_num_threads(args.threads)
     spec: dict[str, Any] = {
@@ -82,17 +94,20 @@ def main() -> None:
         "prompt_lookup_max": args.lookup_max,
         "prompt_lookup_min": args.lookup_min,
     }
+    engine: dict[str, Any] = {"cpu_kv_cache_space": 1.0}
+    if args.draft_model is not None:  # a float32 target, drafted by the model named
+        spec = {"model": args.draft_model, "num_speculative_tokens": args.k}
+        engine["quantization"] = "none"
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
-    engines = {
-        "plain": LLM(cpu_kv_cache_space=1.0),
-        "ngram": LLM(cpu_kv_cache_space=1.0, speculative_config=spec),
-    }
+    key = "draft" if args.draft_model is not None else "ngram"  # the speculating engine's name
+    engines = {"plain": LLM(**engine), key: LLM(**engine, speculative_config=spec)}
     for llm in engines.values():  # warm-up: first-call allocations and kernel choices
         one_user(llm, 8)
     results: dict[str, Any] = {
         "benchmark": "spec_decode",
-        "machine": f"SmolLM2-135M Q4_1 GGUF, CPU, {machine_load()} at the start",
+        "machine": f"SmolLM2-135M {'float32' if key == 'draft' else 'Q4_1 GGUF'}, CPU, "
+        f"{machine_load()} at the start",
         "command": "python -m benchmarks.spec_decode " + " ".join(sys.argv[1:]),
         "speculative_config": spec,
     }
@@ -110,18 +125,17 @@ def main() -> None:
                     flush=True,
                 )
         best = {k: max(v) for k, v in runs.items()}
-        results[name] = {"tok_s": runs, "ratio_of_best": best["ngram"] / best["plain"]}
+        results[name] = {"tok_s": runs, "ratio_of_best": best[key] / best["plain"]}
         for key, value in best.items():  # the flat scalars the Performance page tabulates
             results[f"{name} {key}: best tok/s"] = round(value, 1)
-        results[f"{name}: n-gram / plain (best of {args.rounds})"] = round(
-            best["ngram"] / best["plain"], 2
+        label = "n-gram" if key == "ngram" else "draft model"
+        results[f"{name}: {label} / plain (best of {args.rounds})"] = round(
+            best[key] / best["plain"], 2
         )
-        print(
-            f"{name}: n-gram / plain = {best['ngram'] / best['plain']:.2f}x (best of {args.rounds})"
-        )
-    assert OUTPUTS["plain"] == OUTPUTS["ngram"], "greedy outputs differ"
+        print(f"{name}: {label} / plain = {best[key] / best['plain']:.2f}x (best of {args.rounds})")
+    assert OUTPUTS["plain"] == OUTPUTS[key], "greedy outputs differ"
     results["one_user_text"] = engines["plain"].get_tokenizer().decode(OUTPUTS["plain"])
-    stats = engines["ngram"].llm_engine.speculator.stats  # type: ignore[union-attr]
+    stats = engines[key].llm_engine.speculator.stats  # type: ignore[union-attr]
     results["spec_stats"] = vars(stats)
     results["load at the end"] = machine_load()
     print(json.dumps(results, indent=1))
