@@ -85,6 +85,11 @@ _RUNAWAY = (
     "tokens/s on 2 cores it outlasts the 180 s timeout; the test sets no max_tokens"
 )
 
+_GPU_SPEED = (
+    "a fuzzed request without max_tokens runs to the test's 2048-token context, which its time "
+    "limit (10 s) allows a GPU, not two CPU cores"
+)
+
 KNOWN_FAILURES: dict[str, tuple[str, str]] = {
     _O + "test_chat.py::test_custom_role": (_MODEL, _RUNAWAY),
     _O + "test_chat_echo.py::test_chat_session_with_echo_and_continue_final_message": (
@@ -186,10 +191,18 @@ KNOWN_FAILURES: dict[str, tuple[str, str]] = {
         _OTHER,
         "past the base model's card (id and root pass), it reads the LoRA adapter's (zephyr-lora)",
     ),
-    _O + "test_openai_schema.py::test_openapi_stateless[POST /invocations]": (
+    _O + "test_openai_schema.py::test_openapi_stateless[POST /invocations]": (_HARNESS, _GPU_SPEED),
+    _O + "test_openai_schema.py::test_openapi_stateless[POST /v1/completions]": (
         _HARNESS,
-        "a 10 s limit for a chat without max_tokens that runs to the test's 2048-token context: "
-        "a GPU's speed, not two CPU cores' (the same request on /v1/chat/completions has 60 s)",
+        _GPU_SPEED,
+    ),
+    _O + "test_openai_schema.py::test_openapi_stateless[POST /v1/chat/completions]": (
+        _HARNESS,
+        _GPU_SPEED + " (60 s here: it passes on quiet cores, and times out on loaded ones)",
+    ),
+    _V1 + "responses/test_stateful.py::test_cancel_completed": (
+        _MODEL,
+        _RUNAWAY + " (sampled: it ends in time on some runs)",
     ),
     _V1 + "responses/test_basic.py::test_simple_input": (_MODEL, "expects '312' for 13 * 24"),
     _V1 + "responses/test_basic.py::test_instructions": (_MODEL, "expects '312' for 13 * 24"),
