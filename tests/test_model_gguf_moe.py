@@ -47,8 +47,9 @@ FAMILIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     ),
     "qwen3moe": (
         "qwen3moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32,
-             norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=True),
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32,
+             norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=True,
+             num_hidden_layers=3),
     ),
 }  # fmt: skip
 CASES = ["mixtral", "mixtral-per-expert", "qwen3moe"]
@@ -119,7 +120,7 @@ def test_a_moe_gguf_file_gives_transformers_greedy_tokens(
     )  # fmt: skip
     model = llm.llm_engine.runner.model
     assert type(model).__name__ == FAMILIES[case.removesuffix("-per-expert")][2]
-    assert len(experts(model)) == (1 if case == "qwen3moe" else 2)  # qwen3moe: layer 0 dense
+    assert len(experts(model)) == 2  # qwen3moe: 3 layers, the first dense
     assert greedy(llm, prompts, max_tokens) == expected
 
 
@@ -136,11 +137,11 @@ def test_a_quantized_moe_file_runs_its_experts_on_their_blocks(
 ) -> None:
     _, path = moe_file(tmp_path, case, qtypes_by_layer(TYPES), **BIG)
     native, plain = load(path, "gguf"), load(path, "none")
-    ops = experts(native)
-    assert ops[-1].w13_qtypes == (Q4_K, Q8_0) and ops[-1].w2_qtypes == (Q5_0,)
-    if case != "qwen3moe":
-        assert ops[0].w13_qtypes == (Q4_0,) and ops[0].w2_qtypes == (Q6_K,)
-    assert all(op.w13_qweight_0.dtype == torch.uint8 for op in ops)
+    for layer, mlp in enumerate(native.model.layers):
+        if isinstance(op := getattr(mlp.mlp, "experts", None), FusedMoE):
+            parts = ((Q4_0,), (Q6_K,)) if layer % 2 == 0 else ((Q4_K, Q8_0), (Q5_0,))  # TYPES
+            assert (op.w13_qtypes, op.w2_qtypes) == parts
+            assert op.w13_qweight_0.dtype == op.w2_qweight_0.dtype == torch.uint8
     assert not [n for n, _ in native.named_parameters() if "experts" in n]
     ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     got, expected = (paged_logits(m, ids, [17, 1, 22]) for m in (native, plain))
