@@ -12,7 +12,8 @@ path. A quantized file keeps its experts in their blocks (gate and up as one par
 share a type, two where not), gives the dequantized model's logits bit for bit on the reference
 path (each routed expert dequantized, then multiplied), runs the CPU's forward (each expert's
 rows through `gguf_linear`), within float32 rounding of the reference with float32 products and,
-with the default products, as close to the dequantized model as vLLM judges. Experts whose types
+with the default products, as close to the dequantized model as vLLM judges; the CUDA forward runs
+the reference for them. Experts whose types
 differ (possible in per-expert files only) are dequantized at load, with a log line naming them.
 """
 
@@ -181,6 +182,21 @@ def test_the_cpu_forward_of_quantized_experts_is_the_reference_s(
         assert op.dispatch_forward("cpu") and op.packed_experts is None
         got = op(hidden, router_logits)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max())
+
+
+def test_the_cuda_forward_of_quantized_experts_is_the_reference(
+    tmp_path: Path, own_cache: None
+) -> None:
+    """No Triton kernel multiplies expert blocks: the CUDA platform's forward of the op runs the
+    reference for them (here on CPU tensors, as the Triton tests run in the interpreter)."""
+    pytest.importorskip("minivllm.model.triton_fused_moe", exc_type=ImportError)
+    _, path = moe_file(tmp_path, "mixtral", qtypes_by_layer(TYPES), **BIG)
+    gen = torch.Generator().manual_seed(5)
+    for op in experts(load(path, "gguf")):
+        hidden, router_logits = torch.randn(9, 256, generator=gen), torch.randn(9, 4, generator=gen)
+        expected = op.forward_native(hidden, router_logits)
+        assert op.dispatch_forward("cuda")
+        torch.testing.assert_close(op(hidden, router_logits), expected, rtol=0, atol=0)
 
 
 def test_experts_of_several_types_are_dequantized_at_load_and_named(
