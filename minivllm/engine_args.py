@@ -44,7 +44,6 @@ from minivllm.config import (
     ResolvedConfig,
     SchedulerConfig,
 )
-from minivllm.model.config import LlamaConfig
 from minivllm.model.loader import load_config
 from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
 from minivllm.model.source import ModelSource
@@ -338,7 +337,6 @@ def _resolve(mc: ModelConfig) -> ResolvedConfig:
         )
     generation = load_generation_defaults(source)  # read before any worker starts
     quantization = resolve_quantization(mc.quantization, source)
-    _check_runs_as_stored(hf_config, quantization, "quantization='none' (--quantization none)")
     return ResolvedConfig(source, hf_config, generation, device, dtype, max_model_len, quantization)
 
 
@@ -361,17 +359,7 @@ def _resolve_draft(spec: SpeculativeConfig | None, target: ResolvedConfig) -> Re
             f"max_model_len ({target.max_model_len}); lower max_model_len"
         )
     quant = resolve_quantization(spec.quantization, source)
-    _check_runs_as_stored(hf_config, quant, 'speculative_config.quantization="none"')
     return dataclasses.replace(target, source=source, hf_config=hf_config, quantization=quant)
-
-
-def _check_runs_as_stored(hf_config: LlamaConfig, quantization: str, remedy: str) -> None:
-    if quantization == "gguf" and hf_config.architecture == "Phi3ForCausalLM":
-        # Its file stores q/k/v and gate/up fused; the block loader reads them as separate parts.
-        raise ValueError(
-            f"a Phi-3 GGUF file's blocks do not run as stored yet: pass {remedy} to dequantize "
-            "it at load"
-        )
 
 
 def resolve_quantization(quantization: str | None, source: ModelSource) -> str:

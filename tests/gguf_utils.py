@@ -16,7 +16,7 @@ from minivllm.model.quantization.gguf_blocks import BLOCK_LAYOUTS, Q4_K, Q5_K, Q
 
 QUANTIZABLE = (2, 3, 6, 7, 8)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: gguf.quants.quantize writes them
 # The byte offsets of each type's float16 scales within its block.
-_F16_OFFSETS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+F16_OFFSETS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 
 
 def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -24,7 +24,7 @@ def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> np.ndarray
     block, size = BLOCK_LAYOUTS[qtype]
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
-    for offset in _F16_OFFSETS[qtype]:
+    for offset in F16_OFFSETS[qtype]:
         # K-quants multiply d by a 6-bit (or int8) sub-block scale: a smaller d keeps weights ~0.1
         high = 0.002 if block == 256 else 0.05
         scale = rng.uniform(high / 50, high, size=data.shape[0]).astype(np.float16)

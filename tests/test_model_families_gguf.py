@@ -1,75 +1,34 @@
-"""Qwen2, Qwen3 and Phi-3 as GGUF files load and give transformers' greedy tokens.
+"""Qwen2, Qwen3 and Phi-3 as GGUF files load and give transformers' greedy tokens, and a Phi-3
+file's fused blocks run as stored.
 
-Each file is written here with the `gguf` library, under llama.cpp's architecture name, metadata
-keys and tensor names (qwen2: q/k/v biases; qwen3: `attn_q_norm` / `attn_k_norm` and the head
-size as `attention.key_length`; phi3: `attn_qkv` and a fused `ffn_up`), from a random tiny
-transformers model, in F32 so that the comparison is exact. Unlike llama's, these converters
-do not permute q/k rows, so the file's rows are HuggingFace's.
+Each file is written by `llama_cpp_convert.convert` under llama.cpp's architecture name, metadata
+keys and tensor names (qwen2: q/k/v biases; qwen3: `attn_q_norm` / `attn_k_norm` and the head size
+as `attention.key_length`; phi3: `attn_qkv` and a fused `ffn_up`), from a random tiny transformers
+model, in F32 so that the comparison is exact. Unlike llama's, these converters do not permute q/k
+rows, so the file's rows are HuggingFace's. Phi-3's fused q/k/v and gate/up are cut into their
+parts by rows, blocks and all (GGUF quantizes each row on its own). Gemma and the MoE families:
+tests/test_model_gguf_gemma.py and tests/test_model_gguf_moe.py.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
-from gguf_utils import write_gguf
+import torch
+from llama_cpp_convert import convert, qtypes_by_layer, use_own_cache
+from test_bf16_cpu import check_logprobs_close
 from test_model_families import SHAPE, greedy, prompts_and_oracle, save_family
 
 from minivllm.llm import LLM
-
-# HuggingFace's per-layer names -> llama.cpp's (the inverse of minivllm/model/gguf.py's table)
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "self_attn.qkv_proj": "attn_qkv",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.gate_up_proj": "ffn_up",  # phi3: gate and up in one tensor
-    "mlp.down_proj": "ffn_down",
-}
-GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
+from minivllm.model.quantization.gguf import gguf_parts
+from minivllm.model.quantization.gguf_blocks import Q4_K, Q5_0, Q6_K, Q8_0
+from minivllm.sampling_params import SamplingParams
 
 
-def gguf_name(name: str) -> str:
-    if name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[name]
-    _, _, layer, rest = name.split(".", 3)  # model.layers.{i}.{module}.{weight|bias}
-    module, _, kind = rest.rpartition(".")
-    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
-
-
-def write_family_gguf(hf: Any, path: Path, arch: str) -> Path:
-    c = hf.config
-    fields: dict[str, object] = {
-        f"{arch}.block_count": c.num_hidden_layers,
-        f"{arch}.context_length": c.max_position_embeddings,
-        f"{arch}.embedding_length": c.hidden_size,
-        f"{arch}.feed_forward_length": c.intermediate_size,
-        f"{arch}.attention.head_count": c.num_attention_heads,
-        f"{arch}.attention.head_count_kv": c.num_key_value_heads,
-        f"{arch}.attention.key_length": getattr(c, "head_dim", None)
-        or c.hidden_size // c.num_attention_heads,
-        f"{arch}.rope.freq_base": 10000.0,
-        f"{arch}.attention.layer_norm_rms_epsilon": float(c.rms_norm_eps),
-        f"{arch}.vocab_size": c.vocab_size,
-    }
-    state = hf.state_dict()
-    if c.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    tensors = {gguf_name(k): (v.float().numpy().astype(np.float32), 0) for k, v in state.items()}
-    return write_gguf(path, fields, tensors, arch=arch)
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_own_cache(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -80,14 +39,14 @@ def write_family_gguf(hf: Any, path: Path, arch: str) -> Path:
         ("qwen3-hd32", "qwen3", "none"),
         ("qwen3-hd32", "qwen3", "gguf"),
         ("phi3", "phi3", "none"),
+        ("phi3", "phi3", "gguf"),
     ],
 )
 def test_a_family_s_gguf_file_gives_transformers_greedy_tokens(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, arch: str, quantization: str
+    tmp_path: Path, own_cache: None, family: str, arch: str, quantization: str
 ) -> None:
-    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
-    hf, _ = save_family(tmp_path / "hf", family)
-    path = write_family_gguf(hf, tmp_path / f"{arch}.gguf", arch)
+    hf, folder = save_family(tmp_path / "hf", family)
+    path = convert(hf.config, folder, tmp_path / f"{arch}.gguf", arch)
     prompts, max_tokens, expected = prompts_and_oracle(hf, count=3)
     llm = LLM(
         model=str(path),
@@ -100,12 +59,42 @@ def test_a_family_s_gguf_file_gives_transformers_greedy_tokens(
     assert greedy(llm, prompts, max_tokens) == expected
 
 
-def test_phi3_gguf_blocks_are_refused_by_name_and_run_dequantized(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """The GGUF block loader knows separate q/k/v only; a Phi-3 file says to dequantize."""
-    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
-    hf, _ = save_family(tmp_path / "hf", "phi3")
-    path = write_family_gguf(hf, tmp_path / "phi3.gguf", "phi3")
-    with pytest.raises(ValueError, match="quantization='none'"):
-        LLM(model=str(path), skip_tokenizer_init=True, cpu_kv_cache_space=0.01)
+# llama.cpp's fused Phi-3 tensors, one type each (q/k/v of one type cut into one part), a
+# K-quant and Q8_0 (real blocks of the weights) in layer 0, others in layer 1.
+PHI3_TYPES = {
+    "attn_qkv": (Q4_K, Q5_0),
+    "attn_output": (Q8_0, Q6_K),
+    "ffn_up": (Q8_0, Q4_K),
+    "ffn_down": (Q6_K, Q8_0),
+    "token_embd": (Q8_0,),
+    "output": (Q6_K,),
+}
+
+
+def test_a_phi3_file_s_fused_blocks_run_as_stored(tmp_path: Path, own_cache: None) -> None:
+    """q/k/v and gate/up cut by rows stay blocks (the C++ decode loop runs them too), and the
+    default CPU path is as close to the dequantized model as vLLM asks: each greedy token within
+    the other's top-5 logprobs until the first divergence."""
+    hf, folder = save_family(tmp_path / "hf", "phi3", hidden_size=256, intermediate_size=512)
+    path = convert(hf.config, folder, tmp_path / "phi3.gguf", "phi3", qtypes_by_layer(PHI3_TYPES))
+    prompts = [{"prompt_token_ids": p} for p in prompts_and_oracle(hf, count=3)[0]]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
+    outs = {}
+    for quantization in ("gguf", "none"):
+        llm = LLM(
+            model=str(path), skip_tokenizer_init=True, cpu_kv_cache_space=0.01,
+            quantization=quantization, max_model_len=SHAPE["max_position_embeddings"],
+        )  # fmt: skip
+        if quantization == "gguf":
+            runner = llm.llm_engine.runner
+            layers = runner.model.model.layers
+            assert [q for q, _ in gguf_parts(layers[0].self_attn.qkv_proj)] == [Q4_K]
+            assert [q for q, _ in gguf_parts(layers[1].mlp.gate_up_proj)] == [Q4_K]
+            assert all(t.dtype == torch.uint8 for _, t in gguf_parts(layers[0].mlp.gate_up_proj))
+            assert not [p for p in runner.model.parameters() if p.dim() > 1]  # only the norms
+            assert runner.decode_loop is not None
+        outs[quantization] = [
+            (list(o.outputs[0].token_ids), list(o.outputs[0].logprobs or []))
+            for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+    check_logprobs_close(outs["gguf"], outs["none"], "gguf blocks", "dequantized")

@@ -14,8 +14,9 @@ sqrt(hidden_size), and a tied LM head over large embeddings would only repeat th
 - a model that mixes windowed and global layers runs on the plain KV cache manager (a global
   layer reads every block, so none may be freed), an all-windowed one on the sliding-window
   manager, exact either way;
-- what does not run is refused by name: another activation, bidirectional attention, a GGUF
-  gemma2/gemma3 file.
+- what does not run is refused by name: another activation, bidirectional attention.
+
+(llama.cpp's gemma2 / gemma3 GGUF files of the same models: tests/test_model_gguf_gemma.py.)
 """
 
 from __future__ import annotations
@@ -216,11 +217,3 @@ def test_what_gemma_code_does_not_run_is_refused_by_name(
 
     with pytest.raises((UnsupportedModelError, ValueError), match=named):
         config_from_hf_dict(SHAPE | {"architectures": ["Gemma2ForCausalLM"]} | fields)
-
-
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_a_gemma_gguf_is_refused_by_name(arch: str) -> None:
-    from minivllm.model.gguf import config_from_gguf_fields
-
-    with pytest.raises(UnsupportedModelError, match=f"GGUF architecture '{arch}'"):
-        config_from_gguf_fields({"general.architecture": arch}, tie_word_embeddings=True)

@@ -14,6 +14,11 @@ them (so this path holds the experts twice); where oneDNN does not pack the dtyp
 build without oneDNN) the op runs the reference. tests/test_fused_moe.py holds this forward to
 the reference.
 
+Experts a GGUF file stores in blocks (quantization/gguf_moe.py) are not packed: each expert's
+rows are multiplied by its blocks with the quantized GEMM the linears use (`gguf_linear`, which
+unpacks each block where it is used), part by part, as `gguf_linear_cpu` runs a fused linear;
+the reference it is held to dequantizes the expert and multiplies (tests/test_model_gguf_moe.py).
+
 Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """
 
@@ -21,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.cpu.op_forwards import onednn_packs, packed_linear
+from minivllm.cpu import ops as cpu_ops
+from minivllm.cpu.op_forwards import gguf_dot, onednn_packs, packed_linear
 from minivllm.model.custom_op import register_forward
 from minivllm.model.fused_moe import (
     FusedMoE,
@@ -39,6 +45,9 @@ def prepack_experts(op: FusedMoE) -> None:
     does not run this dtype. Run once, when the op switches to this forward."""
     if getattr(op, "packed_experts", None) is not None:
         return  # dispatched before
+    if op.quant_method is not None:  # a GGUF file's blocks, multiplied as they are
+        op.packed_experts = None  # type: ignore[assignment]
+        return
     packed: list[PackedExpert] | None = None
     if onednn_packs(op.w13_weight):
         reorder = torch.ops.mkldnn._reorder_linear_weight  # 64: the row count oneDNN plans for
@@ -57,7 +66,7 @@ def fused_experts_cpu(
     topk_ids: torch.Tensor,  # int64 [T, top_k]
 ) -> torch.Tensor:  # [T, H]  in hidden's dtype
     """`fused_experts_native`'s result, each expert's group on oneDNN."""
-    num_tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     order, counts = sort_by_expert(topk_ids, len(packed))  # [T * top_k], [E]
     x = hidden[order // top_k]  # [T * top_k, H]  rows grouped by expert
     y = torch.empty_like(x)  # [T * top_k, H]  each sorted assignment's expert output
@@ -69,10 +78,49 @@ def fused_experts_cpu(
         rows = slice(start, start + n)
         y[rows] = packed_linear(silu_and_mul(packed_linear(x[rows], w13)), w2)
         start += n
+    return combine(y, order, topk_weights).to(hidden.dtype)
+
+
+def fused_experts_gguf_cpu(
+    hidden: torch.Tensor,  # [T, H]
+    op: FusedMoE,  # its experts in GGUF blocks (quantization/gguf_moe.py)
+    topk_weights: torch.Tensor,  # [T, top_k]
+    topk_ids: torch.Tensor,  # int64 [T, top_k]
+) -> torch.Tensor:  # [T, H]  in hidden's dtype
+    """`GGUFMoEMethod.apply`'s result, each expert's group multiplied by its blocks."""
+    from minivllm.model.quantization.gguf_moe import moe_parts
+
+    w13, w2 = moe_parts(op, "w13"), moe_parts(op, "w2")  # (qtype, uint8 [E, rows, row_bytes])
+    dot = gguf_dot()
+    top_k = topk_ids.shape[1]
+    order, counts = sort_by_expert(topk_ids, op.num_experts)  # [T * top_k], [E]
+    x = hidden[order // top_k].float()  # [T * top_k, H]  rows grouped by expert
+    y = torch.empty_like(x)  # [T * top_k, H]  each sorted assignment's expert output
+    start = 0
+    for expert, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        gate_up = [cpu_ops.gguf_linear(x[rows], q[expert], qtype, dot) for qtype, q in w13]
+        act = silu_and_mul(torch.cat(gate_up, dim=1))  # [n, I]
+        down = [cpu_ops.gguf_linear(act, q[expert], qtype, dot) for qtype, q in w2]
+        y[rows] = torch.cat(down, dim=1)  # [n, H]
+        start += n
+    return combine(y, order, topk_weights).to(hidden.dtype)
+
+
+def combine(
+    y: torch.Tensor,  # [T * top_k, H]  the sorted assignments' expert outputs
+    order: torch.Tensor,  # int64 [T * top_k]  from sort_by_expert
+    topk_weights: torch.Tensor,  # [T, top_k]
+) -> torch.Tensor:  # [T, H]  float32
+    """The outputs put back in assignment order with one scatter, weighted, and summed over
+    each token's top_k in float32."""
+    num_tokens, top_k = topk_weights.shape
     by_assignment = torch.empty_like(y)  # [T * top_k, H]  row a = t * top_k + j
     by_assignment[order] = y
     weighted = by_assignment.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1)
-    return weighted.float().sum(dim=1).to(hidden.dtype)  # [T, H]
+    return weighted.float().sum(dim=1)
 
 
 @register_forward(FusedMoE, "cpu", process_weights_after_loading=prepack_experts)
@@ -82,6 +130,8 @@ def fused_moe_forward_cpu(
     router_logits: torch.Tensor,  # [T, E]
 ) -> torch.Tensor:  # [T, H]
     topk_weights, topk_ids = op.route(router_logits)  # [T, top_k] each
+    if op.quant_method is not None:
+        return fused_experts_gguf_cpu(hidden, op, topk_weights, topk_ids)
     packed: list[PackedExpert] | None = getattr(op, "packed_experts", None)
     if packed is None:
         return fused_experts_native(hidden, op.w13_weight, op.w2_weight, topk_weights, topk_ids)

@@ -4,7 +4,8 @@ Everything the model code needs and nothing else (the other families differ from
 switches: `qkv_bias`, `qk_norm`, `sliding_window`). Two readers feed it — HuggingFace's JSON (both
 the `rope_theta`/`rope_scaling` spelling of transformers 4 and the `rope_parameters` spelling of
 transformers 5) and llama.cpp's GGUF key/value metadata — so the model itself never sees where its
-weights came from. (GGUF's reader is `config_from_gguf_fields` in gguf.py, loaded with GGUF files.)
+weights came from. (GGUF's metadata is first written as the config.json it stands for:
+gguf_config.py, loaded with GGUF files.)
 
 Tier: leaves. It imports no other tier of the package.
 """

@@ -29,6 +29,7 @@ Tier: model. It imports leaves and core.
 from __future__ import annotations
 
 import re
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,15 @@ def expert_target_of(name: str) -> tuple[str, tuple[str, int]] | None:
     shard_id = EXPERT_SHARDS[match["part"]]
     param = "w2_weight" if shard_id == "w2" else "w13_weight"
     return f"{match['op']}.{param}", (shard_id, int(match["expert"]))
+
+
+class ExpertWeights(Protocol):
+    """One stacked weight of the experts, read one expert at a time: a plain tensor [E, rows,
+    columns], or a GGUF file's blocks that `experts[e]` dequantizes (quantization/gguf_moe.py)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, expert: int) -> torch.Tensor: ...  # [rows, columns]
 
 
 # ---------------------------------------------------------------------------------- routing
@@ -103,15 +113,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [n, 2 * I] -> [n, I]
 # ---------------------------------------------------------------------------------- the experts
 def fused_experts_native(
     hidden: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2 * I, H]  gate rows, then up rows
-    w2: torch.Tensor,  # [E, H, I]
+    w13: ExpertWeights,  # [E, 2 * I, H]  gate rows, then up rows
+    w2: ExpertWeights,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, top_k]
     topk_ids: torch.Tensor,  # int64 [T, top_k]
 ) -> torch.Tensor:  # [T, H]  in hidden's dtype
     """sum_j topk_weights[t, j] · expert_{topk_ids[t, j]}(hidden[t]), one matmul pair per expert
-    over its group of rows. Weighted outputs are summed in float32 and rounded once at the end."""
+    over its group of rows. Weighted outputs are summed in float32 and rounded once at the end.
+    Only the experts that have rows are read (`w13[e]`), which is what lets quantized experts
+    be dequantized one at a time."""
     num_tokens, top_k = topk_ids.shape
-    order, counts = sort_by_expert(topk_ids, w13.shape[0])  # [T * top_k], [E]
+    order, counts = sort_by_expert(topk_ids, len(w13))  # [T * top_k], [E]
     tokens = order // top_k  # [T * top_k]  the token of each sorted assignment
     x = hidden[tokens]  # [T * top_k, H]  rows grouped by expert
     weights = topk_weights.flatten()[order]  # [T * top_k]
@@ -132,7 +144,10 @@ def fused_experts_native(
 class FusedMoE(CustomOp):
     """E SwiGLU experts held as two stacked tensors; `forward(hidden, router_logits)` routes each
     token to its top_k and returns their weighted sum (this rank's partial sum under tensor
-    parallelism: `SparseMoeBlock` reduces it)."""
+    parallelism: `SparseMoeBlock` reduces it). A GGUF file's experts stay in their blocks: the
+    loader replaces the two tensors by the blocks and sets `quant_method`, which runs them."""
+
+    quant_method: Any = None  # quantization/gguf_moe.py's GGUFMoEMethod where experts are blocks
 
     def __init__(
         self,
@@ -185,6 +200,8 @@ class FusedMoE(CustomOp):
         router_logits: torch.Tensor,  # [T, E]
     ) -> torch.Tensor:  # [T, H]
         topk_weights, topk_ids = self.route(router_logits)  # [T, top_k] each
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         return fused_experts_native(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
 
@@ -218,6 +235,7 @@ class SparseMoeBlock(nn.Module):
 
 __all__ = [
     "EXPERT_SHARDS",
+    "ExpertWeights",
     "FusedMoE",
     "SparseMoeBlock",
     "expert_target_of",

@@ -105,7 +105,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         # rebuilds the global one after loading, and this one is rebuilt here, where the
         # weights' device is known.
         config: Gemma3Config = self.config  # type: ignore[assignment]
-        device = self.model.embed_tokens.weight.device
+        device = self.model.norm.weight.device  # a float weight even where a GGUF file's are blocks
         self.model.rotary_emb_local = RotaryEmbedding(
             config.local_rope_config(), self.max_positions
         ).to(device)

@@ -1,12 +1,17 @@
-"""Reading llama.cpp's GGUF format: metadata into a `LlamaConfig`, tensor names into HuggingFace's.
+"""Reading llama.cpp's GGUF format: metadata into a config, tensor names into HuggingFace's.
 
-Four of llama.cpp's architectures load (`GGUF_ARCHITECTURES`): llama, qwen2, qwen3 and phi3.
+Seven of llama.cpp's architectures load (`gguf_config.GGUF_ARCHITECTURES`): llama (Llama,
+Mistral, and Mixtral where the file has experts), qwen2, qwen3, qwen3moe, phi3, gemma2 and gemma3
+(text).
 
 GGUF stores one file with key/value metadata and (often quantized) tensors under llama.cpp's
 names. The `gguf` library (maintained with llama.cpp) parses the file and dequantizes every
-quantization type; this module maps names and undoes one layout change: llama.cpp's converter
-permutes the rows of Q and K so that RoPE rotates interleaved pairs (x0, x1), (x2, x3), ...,
-whereas the HuggingFace layout minivllm uses rotates (x_i, x_{i+d/2}).
+quantization type; `gguf_config.py` reads the metadata as a config.json, and this module maps
+tensor names (`hf_name`, `hf_tensors`) and undoes llama.cpp's two layout changes
+(`to_hf_layout`): its llama converter permutes the rows of Q and K so that RoPE rotates
+interleaved pairs (x0, x1), (x2, x3), ..., whereas the HuggingFace layout minivllm uses rotates
+(x_i, x_{i+d/2}); its Gemma converters add Gemma's 1 to every RMSNorm weight. A MoE layer's
+experts, which llama.cpp stacks into one tensor [E, rows, columns], are read back one by one.
 
 Parsing the vocabulary and building a tokenizer from GGUF metadata is slow, so `convert_gguf`
 does it once and leaves a HuggingFace-style folder (config.json, tokenizer files) in a cache keyed
@@ -31,7 +36,9 @@ import torch
 from einops import rearrange
 
 from minivllm.envs import cache_root
-from minivllm.model.config import ARCHITECTURE_FACTS, LlamaConfig, UnsupportedModelError
+from minivllm.model.config import LlamaConfig, UnsupportedModelError
+from minivllm.model.gguf_config import hf_config
+from minivllm.model.registry import config_from_hf_dict
 
 # llama.cpp's per-layer tensor names -> HuggingFace names under model.layers.{i}.
 _LAYER_NAMES = {
@@ -41,25 +48,36 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3, Qwen3-MoE, Gemma 3
     "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3 stores q/k/v fused
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
+    # A MoE layer's experts, stacked [n_expert, rows, columns]: one tensor per expert once read
+    # (`hf_tensors`), under the names of Qwen3-MoE's checkpoint, which both MoE models load.
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Gemma's four norms a layer: there llama.cpp's ffn_norm is the MLP's pre-norm, and the two
+# post-norms have names of their own.
+_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# llama.cpp's older Mixtral files store each expert's weight on its own: blk.{i}.ffn_gate.{e}.
+_OLD_EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# llama.cpp's `general.architecture` -> the HuggingFace architecture the registry knows it by.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-}
+# The architectures llama.cpp's `llama` converter writes: it permutes their q/k rows.
+_PERMUTED_QK = ("LlamaForCausalLM", "MixtralForCausalLM")
 # Vocabulary arrays are large and only the tokenizer needs them (transformers reads them itself).
 _SKIP_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"}
 
@@ -82,12 +100,13 @@ def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     config = config_from_reader(reader)
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_name(t.name, config.architecture)
-        if name is None:
+        if hf_name(t.name, config.architecture) is None:
             continue
-        array = dequantize(t.data, t.tensor_type)  # float32, [rows, columns] in torch's order
+        array = dequantize(t.data, t.tensor_type)  # float32, [..., rows, columns] in torch's order
         tensor = torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
-        state[name] = unpermute_qk(name, tensor, config)
+        parts = hf_tensors(t.name, tensor, config)
+        for name, part in parts:  # safetensors stores no two views of one tensor
+            state[name] = part.clone() if len(parts) > 1 else part
     return config, state
 
 
@@ -103,25 +122,63 @@ def open_gguf(path: Path) -> Any:
 
 def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | None:
     """The HuggingFace name of a llama.cpp tensor name; None for one the model does not load
-    (e.g. rope_freqs of llama3 scaling, which the config already describes). Phi-3's `ffn_up`
-    holds gate and up fused, as its HuggingFace checkpoint's `gate_up_proj` does."""
+    (e.g. rope_freqs of llama3 scaling). Phi-3's `ffn_up` holds gate and up fused, as its
+    HuggingFace checkpoint's `gate_up_proj` does; an expert stack's name has no expert number."""
     parts = gguf_name.split(".")  # e.g. ["blk", "3", "attn_q", "weight"]
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        name = _LAYER_NAMES[parts[2]]
+    names = _GEMMA_LAYER_NAMES if architecture in _GEMMA else _LAYER_NAMES
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
+        name = names[parts[2]]
         if architecture == "Phi3ForCausalLM" and parts[2] == "ffn_up":
             name = "mlp.gate_up_proj"
         return f"model.layers.{parts[1]}.{name}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 5 and parts[2] in _OLD_EXPERT_NAMES:  # blk.3.ffn_up.7
+        return (
+            f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{_OLD_EXPERT_NAMES[parts[2]]}.weight"
+        )
     return None
 
 
-def unpermute_qk(name: str, rows: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
-    """A q_proj / k_proj tensor's rows in HuggingFace's order; any other tensor as it is. Only
-    whole rows move, so it applies to quantized blocks (uint8 [rows, row_bytes]) as well. Only
-    llama.cpp's converter for the llama architecture permutes: its qwen2, qwen3 and phi3 models
-    rotate the halves as HuggingFace does ("NeoX" RoPE), and their rows are as stored."""
-    if config.architecture != "LlamaForCausalLM":
+def hf_tensors(
+    gguf_name: str, tensor: torch.Tensor, config: LlamaConfig
+) -> list[tuple[str, torch.Tensor]]:
+    """The HuggingFace tensors one llama.cpp tensor holds, each in HuggingFace's layout
+    (`to_hf_layout`), as views where they can be. An expert stack [E, rows, columns] is E
+    tensors, one per expert; a Phi-3 file's fused q/k/v and gate/up are their parts, cut by rows:
+    GGUF quantizes each row on its own (a block never spans two rows), so quantized blocks are
+    cut as they are. Empty for a tensor the model does not load."""
+    name = hf_name(gguf_name, config.architecture)
+    if name is None:
+        return []
+    parts = [(name, tensor)]
+    if gguf_name.endswith("_exps.weight"):  # [E, rows, columns (or row bytes)]
+        parts = [(name.replace(".experts.", f".experts.{e}."), w) for e, w in enumerate(tensor)]
+    elif name.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
+        d, i = config.head_dim, config.intermediate_size
+        q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+        sizes, fused, separate = (
+            ([q, kv, kv], "qkv_proj", ["q_proj", "k_proj", "v_proj"])
+            if "qkv_proj" in name
+            else ([i, i], "gate_up_proj", ["gate_proj", "up_proj"])
+        )
+        rows = tensor.split(sizes)  # views: [size, columns (or row bytes)] each
+        parts = [(name.replace(fused, part), r) for part, r in zip(separate, rows)]
+    return [(n, to_hf_layout(n, t, config)) for n, t in parts]
+
+
+def to_hf_layout(name: str, rows: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
+    """A tensor in HuggingFace's layout; most are stored so. Two of llama.cpp's converters change
+    one. Its llama converter (Llama, Mistral, Mixtral) permutes the rows of q and k so that RoPE
+    rotates interleaved pairs (its qwen2, qwen3, qwen3moe, phi3 and gemma models rotate the halves,
+    as HuggingFace does, and are stored as they are): whole rows move back, so this applies to
+    quantized blocks (uint8 [rows, row_bytes]) as well. Its Gemma converters store every RMSNorm
+    weight with Gemma's 1 added (the norm multiplies by 1 + w); the 1 comes off again here."""
+    if config.architecture in _GEMMA and name.endswith("norm.weight"):
+        if not rows.is_floating_point():  # 1-D tensors are float in llama.cpp's files
+            raise ValueError(f"{name}: a quantized norm weight is not supported")
+        return rows.float() - 1.0
+    if config.architecture not in _PERMUTED_QK:
         return rows
     if name.endswith("q_proj.weight"):
         return _unpermute(rows, config.num_attention_heads)
@@ -130,12 +187,18 @@ def unpermute_qk(name: str, rows: torch.Tensor, config: LlamaConfig) -> torch.Te
     return rows
 
 
-def config_from_reader(reader: Any) -> LlamaConfig:
+def gguf_hf_config(reader: Any) -> dict[str, Any]:
+    """The file's config.json, from its metadata and tensor names (`gguf_config.hf_config`)."""
     fields = {k: f.contents() for k, f in reader.fields.items() if k not in _SKIP_FIELDS}
     names = {t.name for t in reader.tensors}
     if "rope_factors_long.weight" in names:  # Phi-3's long-context variants
         raise UnsupportedModelError("rope_type 'longrope' (rope_factors_long) is not supported")
-    return config_from_gguf_fields(fields, tie_word_embeddings="output.weight" not in names)
+    return hf_config(fields, names)
+
+
+def config_from_reader(reader: Any) -> LlamaConfig:
+    """The typed config of the file's model, read as its config.json would be."""
+    return config_from_hf_dict(gguf_hf_config(reader))
 
 
 def convert_gguf(path: Path) -> Path:
@@ -149,11 +212,12 @@ def convert_gguf(path: Path) -> Path:
     from transformers import AutoTokenizer
 
     reader = open_gguf(path)
-    config = config_from_reader(reader)
+    cfg = gguf_hf_config(reader)
+    config_from_hf_dict(cfg)  # refuses, by name, a model no class here runs exactly
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     if "tokenizer.ggml.model" in reader.fields:  # a file may carry no tokenizer (token ids only)
         tokenizer: Any = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         tokenizer.save_pretrained(str(tmp))
@@ -162,35 +226,6 @@ def convert_gguf(path: Path) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)  # atomic: a concurrent reader sees the old folder or the whole new one
     return target
-
-
-def hf_config_dict(config: LlamaConfig) -> dict[str, Any]:
-    """The config in HuggingFace's `config.json` spelling (what `LlamaConfig.from_hf_dict` reads
-    back), for the converted folder. Qwen2's q/k/v bias and Qwen3's q/k norms go without saying:
-    the reader knows them from the architecture."""
-    c = config
-    return {
-        "architectures": [c.architecture],
-        "model_type": c.architecture.removesuffix("ForCausalLM").lower(),
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": c.rope_scaling,
-        "max_position_embeddings": c.max_position_embeddings,
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "attention_bias": c.attention_bias,
-        "mlp_bias": c.mlp_bias,
-        "sliding_window": c.sliding_window,
-        "hidden_act": "silu",
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else c.eos_token_ids,
-    }
 
 
 def dequantized_weights(folder: Path, path: Path) -> Path:
@@ -205,49 +240,3 @@ def dequantized_weights(folder: Path, path: Path) -> Path:
         save_file(state, str(tmp))
         os.replace(tmp, weights)
     return folder
-
-
-def config_from_gguf_fields(fields: dict[str, Any], tie_word_embeddings: bool) -> LlamaConfig:
-    """Read llama.cpp's GGUF metadata (`general.architecture` one of `GGUF_ARCHITECTURES`; each
-    family's keys are prefixed with its name: "qwen2.block_count").
-
-    GGUF does not record tied embeddings; the loader knows from whether `output.weight` exists.
-    """
-    arch = fields.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not supported; minivllm runs "
-            f"{', '.join(GGUF_ARCHITECTURES)}"
-        )
-
-    def get(key: str, default: Any = None) -> Any:
-        return fields.get(f"{arch}.{key}", default)
-
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    scaling: dict[str, Any] | None = None
-    scaling_type = get("rope.scaling.type")
-    if scaling_type not in (None, "none"):
-        scaling = {"rope_type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0))}
-    vocab = get("vocab_size") or len(fields.get("tokenizer.ggml.tokens", []))
-    eos = fields.get("tokenizer.ggml.eos_token_id")
-    return LlamaConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(get("attention.head_count_kv", heads)),
-        # Qwen3's head_dim is not hidden / heads; llama.cpp writes it as the key length.
-        head_dim=int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(get("context_length", 2048)),
-        tie_word_embeddings=tie_word_embeddings,
-        sliding_window=get("attention.sliding_window"),  # Phi-3's; refused where it is short
-        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[] if eos is None else [int(eos)],
-        architecture=GGUF_ARCHITECTURES[arch],
-        **ARCHITECTURE_FACTS.get(GGUF_ARCHITECTURES[arch], {}),
-    )

@@ -217,6 +217,8 @@ def fused_moe_forward_cuda(
     router_logits: torch.Tensor,  # [T, E]
 ) -> torch.Tensor:  # [T, H]
     topk_weights, topk_ids = op.route(router_logits)  # [T, top_k] each
+    if op.quant_method is not None:  # a GGUF file's experts: no Triton kernel of blocks here
+        return op.quant_method.apply(op, hidden, topk_weights, topk_ids)
     return fused_experts_triton(hidden, op.w13_weight, op.w2_weight, topk_weights, topk_ids)
 
 
