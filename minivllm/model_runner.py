@@ -53,22 +53,28 @@ def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dt
     return getattr(torch, cache_dtype)  # validated by CacheConfig: "bfloat16", "float16", ...
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(
+    model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, num_layers: int | None = None
+) -> int:
     """Bytes of one KV block on this rank: its KV heads only (all of them on one device), at the
     cache's dtype (`kv_cache_dtype`: a bfloat16 cache under float32 weights fits 2x the blocks)."""
     cfg = model.config
-    per_token = 2 * cfg.num_hidden_layers * model.num_kv_heads * cfg.head_dim
+    per_token = 2 * (num_layers or cfg.num_hidden_layers) * model.num_kv_heads * cfg.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
 def determine_num_blocks(
-    model: LlamaForCausalLM, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+    model: LlamaForCausalLM,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_layers: int | None = None,  # the layers a block spans (every layer: None)
 ) -> int:
     """`num_gpu_blocks_override` wins; else the platform's budget (CUDA's free memory share, or
     the CPU's GiB). `dtype` is the cache's (`kv_cache_torch_dtype`), not the weights'."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    per_block = kv_bytes_per_block(model, cache.block_size, dtype)
+    per_block = kv_bytes_per_block(model, cache.block_size, dtype, num_layers)
     budget = platform_for(device).kv_cache_budget_bytes(
         device, cache.gpu_memory_utilization, cache.cpu_kv_cache_space
     )
@@ -110,6 +116,7 @@ class ModelRunner:
         dtype: torch.dtype,  # the KV cache's (kv_cache_dtype resolved), not necessarily the model's
         device: torch.device,
         enforce_eager: bool = False,
+        num_cache_layers: int | None = None,  # layer slots: a hybrid model's group size
     ) -> None:
         self.model = model
         self.backend = backend
@@ -120,7 +127,7 @@ class ModelRunner:
         # padding its batched gather reads), so start-up does not touch all of the default 4 GiB.
         self.kv_cache = torch.empty(
             (
-                cfg.num_hidden_layers,
+                num_cache_layers or cfg.num_hidden_layers,
                 2,
                 num_blocks,
                 block_size,
