@@ -15,6 +15,7 @@ hold in the pool.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -221,3 +222,71 @@ def test_what_cannot_run_on_the_hybrid_cache_is_refused_by_name(gemma: Any) -> N
         LLM(str(path), num_gpu_blocks_override=40, **LONG)
     llm = LLM(str(path), num_gpu_blocks_override=40, **(LONG | {"max_model_len": None}))
     assert llm.llm_engine.max_model_len == 104
+
+
+def test_the_trace_draws_every_groups_table_and_the_windowed_groups_freed_entries(
+    tmp_path: Path,
+) -> None:
+    """The trace keeps a table per group (`group_block_tables` beside `block_tables`), a
+    window-freed entry as null, and the reference counts of every group's blocks; the page
+    draws a row per group, the freed entries as freed (docs/trace.md)."""
+    _, path = save_gemma(tmp_path / "model", "gemma2")
+    with checked_llm(model=str(path), num_gpu_blocks_override=48, **LONG) as llm:
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        with llm.trace() as recorder:
+            llm.generate([{"prompt_token_ids": list(range(3, 23))}], params, use_tqdm=False)
+    trace = recorder.to_dict()
+    assert trace["kv_cache_groups"] == [
+        {"sliding_window": None, "layers": [1]},
+        {"sliding_window": WINDOW, "layers": [0]},
+        {"sliding_window": WINDOW, "layers": [2]},
+    ]
+    step = trace["steps"][-2]  # the last before the finish: 48 tokens computed
+    ((seq, table),) = step["block_tables"].items()
+    assert len(table) == 12 and None not in table
+    for group in step["group_block_tables"]:
+        # The query at 47 saw keys 40..47: blocks 10 and 11, the 10 before freed.
+        assert group[seq][:10] == [None] * 10 and None not in group[seq][10:]
+    for s in trace["steps"]:
+        tables = [s["block_tables"], *s["group_block_tables"]]
+        held = [b for g in tables for t in g.values() for b in t if b is not None]
+        assert sorted(map(int, s["ref_counts"])) == sorted(held)  # one group's each
+    page_path = recorder.save(tmp_path / "trace")
+    from minivllm.trace.screenshot import launch_browser
+
+    with launch_browser() as browser:
+        tab = browser.new_page()
+        errors: list[str] = []
+        tab.on("pageerror", lambda e: errors.append(str(e)))
+        tab.goto(f"{page_path.resolve().as_uri()}#step={step['step']}")
+        tab.wait_for_selector("#grid .block")
+        rows = tab.locator("#tables .seqrow").evaluate_all("rs => rs.map(r => r.dataset.group)")
+        outside = tab.locator("#tables .lblock.outside").count()
+        windowed_block = step["group_block_tables"][0][seq][10]
+        owners = tab.locator(f"#grid .block[data-block='{windowed_block}']").get_attribute(
+            "data-owners"
+        )
+    assert errors == []
+    assert rows == ["0", "1", "2"] and outside == 20 and owners == seq
+
+
+def test_bench_memory_reports_each_groups_peak(tmp_path: Path) -> None:
+    """`minivllm bench memory` on four requests of 40 tokens out: the windowed groups' peaks stay
+    at their windows (4 sequences x at most ceil((8 - 1 + 32) / 4) + 1 blocks), below the global's."""
+    from engine_utils import parse_bench_args
+
+    from minivllm.benchmarks import memory
+
+    _, path = save_gemma(tmp_path / "model", "gemma3")
+    out = tmp_path / "memory.json"
+    argv = ["--model", str(path), "--skip-tokenizer-init", "--num-prompts", "4"]
+    argv += ["--input-len", "8-20", "--output-len", "40", "--num-gpu-blocks-override", "64"]
+    argv += ["--max-model-len", "96", "--block-size", "4", "--max-num-batched-tokens", "32"]
+    argv += ["--max-num-seqs", "4", "--plot", str(tmp_path / "kv.png"), "--json", str(out)]
+    assert memory.main(parse_bench_args(memory, argv)) == 0
+    global_group, *windowed = json.loads(out.read_text())["results"]["minivllm"]["kv_cache_groups"]
+    assert global_group["sliding_window"] is None and len(windowed) == 2
+    for group in windowed:
+        assert group["sliding_window"] == WINDOW
+        assert group["peak_blocks"] <= 4 * (-(-(WINDOW - 1 + 32) // BS) + 1)
+        assert group["peak_blocks"] < global_group["peak_blocks"]

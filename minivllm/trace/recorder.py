@@ -27,7 +27,10 @@ keys are strings, so seq ids and block ids are strings as keys):
      "num_waiting", "waiting"}
 
 A `null` in a block table is an entry a sliding window freed: no query of that sequence sees its
-tokens again, so the block went back to the pool (minivllm/core/sliding_window_manager.py).
+tokens again, so the block went back to the pool (minivllm/core/sliding_window_manager.py). A
+model whose layers keep their KV in groups (Gemma 2/3: minivllm/core/kv_cache_coordinator.py) has
+a table per group: `block_tables` are the first (global) group's, a step's `group_block_tables`
+the others' in group order, and the trace's `kv_cache_groups` say which layers each one serves.
 
 Thread safety (the live dashboard reads from the server's thread while the engine thread
 records): records are built outside the lock and never changed afterwards; the lock only guards
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from minivllm.core.kv_cache_coordinator import HybridBlockPoolSnapshot, HybridKVCacheCoordinator
 from minivllm.core.kv_cache_utils import BlockHash, BlockPoolSnapshot, KVCacheManagerStats
 from minivllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.sequence import Sequence as EngineSequence
@@ -109,6 +113,12 @@ class StepRecorder:
             "max_num_seqs": cfg.scheduler.max_num_seqs,
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
         }
+        manager = engine.kv_cache_manager
+        if isinstance(manager, HybridKVCacheCoordinator):  # a table per group of layers
+            self.meta["kv_cache_groups"] = [
+                {"sliding_window": g.sliding_window, "layers": list(g.layer_ids)}
+                for g in manager.kv_cache_groups
+            ]
         self._tokenizer = engine.tokenizer
         self._following = dict(engine.scheduler.seqs)
         self._prev_holders = {s for s in self._following if s in pool.block_tables}
@@ -134,7 +144,15 @@ class StepRecorder:
 
         holders = sorted(s for s in outputs.seqs if s in blocks.block_tables)
         tables = _held_tables(blocks, holders)
-        ref_counts = {b: blocks.ref_counts[b] for t in tables.values() for b in t if b is not None}
+        groups = blocks.other_groups if isinstance(blocks, HybridBlockPoolSnapshot) else ()
+        others = [_held_tables(g, holders) for g in groups]
+        ref_counts = {
+            b: blocks.ref_counts[b]
+            for group in (tables, *others)
+            for t in group.values()
+            for b in t
+            if b is not None
+        }
         cached = dict(blocks.cached_blocks)
         evicted = sorted(b for b, h in self._prev_cached.items() if cached.get(b) is not h)
         finished = sorted(s for s, seq in seqs.items() if seq.status.is_finished)
@@ -184,6 +202,8 @@ class StepRecorder:
             "num_waiting": outputs.num_waiting,
             "waiting": list(outputs.waiting),  # queue order, front first
         }
+        if others:  # a hybrid model's other KV cache groups
+            record["group_block_tables"] = [{str(s): t for s, t in g.items()} for g in others]
         mentioned = scheduled_ids | set(holders) | set(finished) | set(sched.preempted_seq_ids)
         with self._lock:
             for s in mentioned:
