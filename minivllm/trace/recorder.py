@@ -133,8 +133,7 @@ class StepRecorder:
     def on_step(
         self, scheduler_output: SchedulerOutput, outputs: StepOutputs, blocks: BlockPoolSnapshot
     ) -> None:
-        """Record one committed step. The sequences it sampled for are known by their request even
-        when they were admitted and finished within this one step."""
+        """Record one committed step; a sequence it sampled for is known even if it ended in it."""
         sched = scheduler_output
         seqs = self._following
         for seq in outputs.sampled:
@@ -143,16 +142,9 @@ class StepRecorder:
         step_no = self._num_recorded + 1
 
         holders = sorted(s for s in outputs.seqs if s in blocks.block_tables)
-        tables = _held_tables(blocks, holders)
-        groups = blocks.other_groups if isinstance(blocks, HybridBlockPoolSnapshot) else ()
-        others = [_held_tables(g, holders) for g in groups]
-        ref_counts = {
-            b: blocks.ref_counts[b]
-            for group in (tables, *others)
-            for t in group.values()
-            for b in t
-            if b is not None
-        }
+        tables, *others = _group_tables(blocks, holders)  # others: a hybrid model's groups
+        held = {b for group in (tables, *others) for t in group.values() for b in t}
+        ref_counts = {b: blocks.ref_counts[b] for b in held if b is not None}
         cached = dict(blocks.cached_blocks)
         evicted = sorted(b for b, h in self._prev_cached.items() if cached.get(b) is not h)
         finished = sorted(s for s, seq in seqs.items() if seq.status.is_finished)
@@ -325,6 +317,14 @@ def _held_tables(blocks: BlockPoolSnapshot, holders: list[int]) -> dict[int, lis
         table[:skipped] = [None] * skipped
         tables[s] = table
     return tables
+
+
+def _group_tables(
+    blocks: BlockPoolSnapshot, holders: list[int]
+) -> list[dict[int, list[int | None]]]:
+    """The holders' tables in every KV cache group: one group, or a hybrid model's several."""
+    groups = blocks.other_groups if isinstance(blocks, HybridBlockPoolSnapshot) else ()
+    return [_held_tables(group, holders) for group in (blocks, *groups)]
 
 
 def _num_accepted(item: ScheduledSequence, outputs: StepOutputs) -> int:
