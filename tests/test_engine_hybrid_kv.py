@@ -5,7 +5,9 @@ The tiny checkpoints of tests/test_model_gemma.py (layers: window 8, global, win
 of 4 slots run on `HybridKVCacheCoordinator`: three KV cache groups of one layer each, one pool.
 A step listener checks every committed step: a sequence's global group holds every block of it,
 each windowed group at most the window behind the step's chunk, ceil((W - 1 + chunk) / 4) + 1
-blocks (W / 4 + 1 on a decode), whatever the generation's length. Parallel samples and beams fork
+blocks (W / 4 + 1 on a decode), whatever the generation's length. Layouts with two layers a
+group (Gemma 2 of 4 layers, Gemma 3's 3:1 of 8) hold each layer to its own cache slot and its
+group's tables, under preemption and chunking. Parallel samples and beams fork
 in every group; an abort and a failed step leave every block in the pool and no name behind;
 the Triton kernels (in the interpreter) and the engine-core process run it too. What does not
 run on it is refused by name: speculative decoding, and a max_model_len that one request cannot
@@ -290,3 +292,34 @@ def test_bench_memory_reports_each_groups_peak(tmp_path: Path) -> None:
         assert group["sliding_window"] == WINDOW
         assert group["peak_blocks"] <= 4 * (-(-(WINDOW - 1 + 32) // BS) + 1)
         assert group["peak_blocks"] < global_group["peak_blocks"]
+
+
+@pytest.mark.parametrize(
+    ("family", "layers"),
+    [
+        ("gemma2", ["sliding_attention", "full_attention"] * 2),  # groups (1, 3), (0, 2)
+        # 6 windowed : 2 global -> groups of 2: (3, 7), then (0, 4), (1, 5), (2, 6)
+        ("gemma3", (["sliding_attention"] * 3 + ["full_attention"]) * 2),
+    ],
+)
+def test_groups_of_several_layers_share_the_cache_slot_by_slot(
+    tmp_path: Path, family: str, layers: list[str]
+) -> None:
+    """Layer i writes and reads slot j, its place in its group, through its group's tables:
+    with two layers a group, every slot of a block belongs to another layer, and a layer that
+    read another's slot or table would change the tokens."""
+    hf, path = save_gemma(tmp_path, family, layer_types=layers, num_hidden_layers=len(layers))
+    prompts, max_tokens, expected = engine_prompts(hf)
+    with checked_llm(
+        model=str(path), skip_tokenizer_init=True, block_size=BS, num_gpu_blocks_override=36,
+        max_model_len=56, max_num_batched_tokens=16, max_num_seqs=6,
+    ) as llm:  # fmt: skip
+        engine = llm.llm_engine
+        runner = engine.runner
+        assert isinstance(runner, HybridModelRunner) and runner.kv_cache.shape[0] == 2
+        groups = [g.layer_ids for g in engine.kv_cache_manager.kv_cache_groups]  # type: ignore[attr-defined]
+        assert groups[0] == tuple(i for i, k in enumerate(layers) if k == "full_attention")
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+        assert engine.scheduler.num_preemptions > 0

@@ -264,3 +264,18 @@ def test_one_request_s_capacity_counts_each_group_s_need() -> None:
     capacity = HybridKVCacheCoordinator.max_num_tokens(cc, 30, token_budget=16)
     assert capacity == 64  # 16 global blocks + 2 x 7 windowed = 30
     assert HybridKVCacheCoordinator.max_num_tokens(cc, 12, token_budget=16) == 16  # 4 + 2 x 4
+
+
+def test_trim_gives_back_the_lookahead_slots_in_every_group() -> None:
+    """Speculative decoding's rollback, in every group (the engine refuses it on a windowed
+    model for now; the coordinator keeps the interface whole)."""
+    kv = make()
+    tokens = list(range(9))
+    allocate(kv, 1, tokens, 9)
+    kv.commit_step()
+    kv.append_slots(1, [*tokens, 9], 1, num_lookahead_tokens=6)  # slots 9..15: blocks 2 and 3
+    assert kv.num_held_blocks() == [4, 3]  # the window's block 0 went back first
+    kv.trim_slots(1, 10)
+    assert kv.get_num_slots(1) == 10 and kv.num_held_blocks() == [3, 2]
+    assert len(kv.get_block_table(1)) == len(kv.get_group_block_tables(1)[0]) == 3
+    check_no_leak(kv)
