@@ -7,11 +7,11 @@ A step listener checks every committed step: a sequence's global group holds eve
 each windowed group at most the window behind the step's chunk, ceil((W - 1 + chunk) / 4) + 1
 blocks (W / 4 + 1 on a decode), whatever the generation's length. Layouts with two layers a
 group (Gemma 2 of 4 layers, Gemma 3's 3:1 of 8) hold each layer to its own cache slot and its
-group's tables, under preemption and chunking. Parallel samples and beams fork
-in every group; an abort and a failed step leave every block in the pool and no name behind;
-the Triton kernels (in the interpreter) and the engine-core process run it too. What does not
-run on it is refused by name: speculative decoding, and a max_model_len that one request cannot
-hold in the pool.
+group's tables, under preemption and chunking. Parallel samples and beams fork in every group;
+an abort and a failed step leave every block in the pool and no name behind; the Triton kernels
+(in the interpreter) and the engine-core process run it too; the trace and `bench memory` show
+the groups. What does not run on it is refused by name: speculative decoding, and a
+max_model_len that one request cannot hold in the pool.
 """
 
 from __future__ import annotations
