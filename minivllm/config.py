@@ -102,9 +102,12 @@ class CacheConfig:
     kv_allocation: str  # one of KV_ALLOCATIONS
     cache_dtype: str  # one of KV_CACHE_DTYPES (EngineArgs.kv_cache_dtype; vLLM's names both)
     sliding_window: int | None = None  # every layer's window: set by the engine from the model
+    layer_sliding_windows: tuple[int | None, ...] = ()  # where windowed and global layers mix
 
     @property
     def kv_cache_manager_cls(self) -> str:
+        if self.layer_sliding_windows and self.kv_allocation == "paged":  # per group of layers
+            return "minivllm.core.kv_cache_coordinator.HybridKVCacheCoordinator"
         if self.sliding_window is not None and self.kv_allocation == "paged":  # frees by it
             return "minivllm.core.sliding_window_manager.SlidingWindowKVCacheManager"
         return KV_CACHE_MANAGERS[self.kv_allocation]  # the qualified name `kv_allocation` names

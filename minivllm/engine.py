@@ -80,10 +80,11 @@ class LLMEngine:
         self.model = self.runner.model  # rank 0's shard when tensor_parallel_size > 1
         self.kv_cache_dtype = kv_cache_torch_dtype(cc.cache_dtype, self.dtype)  # "auto": dtype
         num_blocks = self.executor.num_blocks  # the same on every rank: the smallest any can hold
-        self._fit_max_model_len(num_blocks * cc.block_size)
-        windows = resolve_obj_by_qualname("minivllm.core.sliding_window_manager.kv_sliding_window")
-        cc.sliding_window = windows(self.model)  # all layers' window, if any: names the manager
+        windows = resolve_obj_by_qualname("minivllm.core.kv_cache_groups.kv_cache_windows")
+        cc.sliding_window, cc.layer_sliding_windows = windows(self.model)  # name the manager
         manager_cls = kv_cache_manager_cls or resolve_obj_by_qualname(cc.kv_cache_manager_cls)
+        budget = config.scheduler.max_num_batched_tokens  # a windowed group holds a chunk too
+        self._fit_max_model_len(num_blocks, manager_cls.max_num_tokens(cc, num_blocks, budget))
         self.kv_cache_manager = manager_cls.from_config(cc, num_blocks, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         # Unseeded random sampling draws from the engine's own generator, seeded by `seed`: a
@@ -155,7 +156,7 @@ class LLMEngine:
             self.config.parallel.tensor_parallel_size,
         )
 
-    def _fit_max_model_len(self, capacity: int) -> None:
+    def _fit_max_model_len(self, num_blocks: int, capacity: int) -> None:
         """A request must fit the KV cache: an unset max_model_len is lowered to it, a set one
         that does not fit is refused (and no worker outlives the refused engine)."""
         if self.max_model_len <= capacity:
@@ -163,9 +164,8 @@ class LLMEngine:
         if self.config.model.max_model_len is not None:
             self.executor.shutdown()
             raise ValueError(
-                f"max_model_len ({self.max_model_len}) is larger than the KV cache holds "
-                f"({capacity // self.config.cache.block_size} blocks x "
-                f"{self.config.cache.block_size} = {capacity} tokens)"
+                f"max_model_len ({self.max_model_len}) is larger than a request the KV cache holds "
+                f"({capacity} tokens in {num_blocks} blocks of {self.config.cache.block_size})"
             )
         logger.warning("max_model_len lowered to the KV cache's %d tokens", capacity)
         self.max_model_len = capacity

@@ -23,10 +23,8 @@ so does a forward hook on the model (the C++ loop would skip it).
 
 Logits are computed only at the last new token of sequences that will sample this step (those
 whose new tokens reach the end of what they know); a prompt chunk that is not the last needs none.
-A request that asks for its prompt's logprobs (`prompt_logprobs`, what evaluation harnesses score)
-also gets logits at its prompt rows, chunk by chunk, reduced here to the prompt token's logprob
-and rank and the top k (vLLM computes them in its runner too): a [rows, vocab] float32 tensor
-never leaves the runner, and is made a slice of rows at a time.
+A request that asks for its prompt's logprobs also gets its prompt rows scored, chunk by chunk,
+on the runner (minivllm/prompt_logprobs.py, loaded by the first step that has any).
 
 Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
@@ -34,6 +32,7 @@ Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,10 +41,9 @@ from minivllm.config import CacheConfig
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.platforms import DecodeLoop, platform_for, resolve_obj_by_qualname
-from minivllm.sampler import LogprobsTensors, gather_logprobs
 
-# Prompt rows scored at once: [rows, vocab] float32 logits (about 100 MB for a 49k vocabulary).
-PROMPT_LOGPROBS_ROWS = 512
+if TYPE_CHECKING:
+    from minivllm.sampler import LogprobsTensors
 
 
 def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -55,22 +53,28 @@ def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dt
     return getattr(torch, cache_dtype)  # validated by CacheConfig: "bfloat16", "float16", ...
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(
+    model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, num_layers: int | None = None
+) -> int:
     """Bytes of one KV block on this rank: its KV heads only (all of them on one device), at the
     cache's dtype (`kv_cache_dtype`: a bfloat16 cache under float32 weights fits 2x the blocks)."""
     cfg = model.config
-    per_token = 2 * cfg.num_hidden_layers * model.num_kv_heads * cfg.head_dim
+    per_token = 2 * (num_layers or cfg.num_hidden_layers) * model.num_kv_heads * cfg.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
 def determine_num_blocks(
-    model: LlamaForCausalLM, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+    model: LlamaForCausalLM,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_layers: int | None = None,  # the layers a block spans (every layer: None)
 ) -> int:
     """`num_gpu_blocks_override` wins; else the platform's budget (CUDA's free memory share, or
     the CPU's GiB). `dtype` is the cache's (`kv_cache_torch_dtype`), not the weights'."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    per_block = kv_bytes_per_block(model, cache.block_size, dtype)
+    per_block = kv_bytes_per_block(model, cache.block_size, dtype, num_layers)
     budget = platform_for(device).kv_cache_budget_bytes(
         device, cache.gpu_memory_utilization, cache.cpu_kv_cache_space
     )
@@ -112,6 +116,7 @@ class ModelRunner:
         dtype: torch.dtype,  # the KV cache's (kv_cache_dtype resolved), not necessarily the model's
         device: torch.device,
         enforce_eager: bool = False,
+        num_cache_layers: int | None = None,  # layer slots: a hybrid model's group size
     ) -> None:
         self.model = model
         self.backend = backend
@@ -122,7 +127,7 @@ class ModelRunner:
         # padding its batched gather reads), so start-up does not touch all of the default 4 GiB.
         self.kv_cache = torch.empty(
             (
-                cfg.num_hidden_layers,
+                num_cache_layers or cfg.num_hidden_layers,
                 2,
                 num_blocks,
                 block_size,
@@ -214,29 +219,11 @@ class ModelRunner:
         if inp.logits_indices.numel():
             logits = self.model.compute_logits(hidden[inp.logits_indices])
         prompt_logprobs = {}
-        for seq_id, (rows, targets, k) in inp.prompt_rows.items():
-            scored = self.score_prompt_rows(hidden, rows, targets, k)
-            if scored is not None:
-                prompt_logprobs[seq_id] = scored
-        return ModelRunnerOutput(logits, prompt_logprobs)
+        if inp.prompt_rows:  # every rank scores: the LM head gathers the vocabulary
+            from minivllm.prompt_logprobs import score_prompt_logprobs
 
-    def score_prompt_rows(
-        self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, k: int
-    ) -> LogprobsTensors | None:
-        """Each row's logprob of the prompt token that follows it, its rank and the top k, from
-        the raw logits (as the sampler's logprobs: what the model thinks). None off rank 0. Every
-        rank runs this: with tensor parallelism the LM head gathers the vocabulary across ranks."""
-        parts = []
-        for lo in range(0, rows.numel(), PROMPT_LOGPROBS_ROWS):
-            chunk = rows[lo : lo + PROMPT_LOGPROBS_ROWS]
-            logits = self.model.compute_logits(hidden[chunk])  # [rows, vocab] on rank 0
-            if logits is None:
-                continue
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            parts.append(gather_logprobs(logprobs, targets[lo : lo + chunk.numel()], k))
-        if not parts:
-            return None
-        return LogprobsTensors(*(torch.cat(t) for t in zip(*parts)))
+            prompt_logprobs = score_prompt_logprobs(self.model, hidden, inp.prompt_rows)
+        return ModelRunnerOutput(logits, prompt_logprobs)
 
     def run_model(self, inp: ModelInput) -> torch.Tensor:  # [T, hidden_size]
         """The model's forward over the step, or the decode loop where it applies."""

@@ -26,6 +26,7 @@ from minivllm.distributed.parallel_state import TensorParallelGroup
 from minivllm.model.loader import load_model
 from minivllm.model.source import ModelSource
 from minivllm.model_runner import ModelRunner, determine_num_blocks, kv_cache_torch_dtype
+from minivllm.platforms import resolve_obj_by_qualname
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -73,11 +74,18 @@ def build_runner(
         source, backend, wc.dtype, device, wc.max_model_len, tp, quantization=wc.quantization
     )
     kv_dtype = kv_cache_torch_dtype(wc.cache.cache_dtype, wc.dtype)
-    num_blocks = determine_num_blocks(model, wc.cache, kv_dtype, device)
+    # Windowed and global layers mixed (Gemma 2/3): block tables per group of layers, or None.
+    groups = resolve_obj_by_qualname("minivllm.core.kv_cache_groups.hybrid_kv_cache_groups")(
+        model, wc.cache.kv_allocation
+    )
+    num_layers = None if groups is None else max(len(g.layer_ids) for g in groups)
+    num_blocks = determine_num_blocks(model, wc.cache, kv_dtype, device, num_layers)
     if control is not None:  # tensor parallelism: every rank the same blocks
         from minivllm.distributed.process_group import min_over_ranks
 
         num_blocks = min_over_ranks(num_blocks, control)
-    return ModelRunner(
-        model, backend, num_blocks, wc.cache.block_size, kv_dtype, device, wc.enforce_eager
-    )
+    args = (model, backend, num_blocks, wc.cache.block_size, kv_dtype, device, wc.enforce_eager)
+    if groups is not None:
+        hybrid = resolve_obj_by_qualname("minivllm.hybrid_model_runner.HybridModelRunner")
+        return hybrid(*args, kv_cache_groups=groups)
+    return ModelRunner(*args)

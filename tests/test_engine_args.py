@@ -148,9 +148,10 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         ):  # one JSON flag -> one typed config
             carried.update(dataclasses.asdict(getattr(config, section.name)))
     carried["kv_cache_dtype"] = carried.pop("cache_dtype")  # vLLM's names: CacheConfig.cache_dtype
-    # The model's window (vLLM's CacheConfig.sliding_window too), not an argument: set by the
-    # engine from the model's attention layers (core/sliding_window_manager.py).
+    # The model's windows (vLLM's CacheConfig.sliding_window too), not arguments: set by the
+    # engine from the model's attention layers (core/kv_cache_groups.py).
     assert carried.pop("sliding_window") is None
+    assert carried.pop("layer_sliding_windows") == ()
     json_flags = ("structured_outputs_config", "speculative_config")
     assert carried == {k: v for k, v in values.items() if k not in json_flags}
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'

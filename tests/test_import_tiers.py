@@ -67,6 +67,8 @@ TIERS: list[tuple[str, tuple[str, ...]]] = [
             "minivllm.executor",
             "minivllm.worker",
             "minivllm.model_runner",
+            "minivllm.hybrid_model_runner",
+            "minivllm.prompt_logprobs",
             "minivllm.attention.selector",
             "minivllm.sampler",
             "minivllm.sampling_metadata",

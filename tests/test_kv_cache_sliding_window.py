@@ -248,3 +248,25 @@ def test_a_fork_after_blocks_were_freed_holds_only_the_live_ones() -> None:
     kv.free(1)
     kv.free(2)
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_hit_needs_only_the_blocks_its_first_query_sees() -> None:
+    """vLLM's right-to-left search: the prompt's first blocks were evicted, its last two before
+    the hit are cached, and that is all the first query (at 20, seeing keys 15..20) reads."""
+    kv = make(window=6)
+    prompt = list(range(100, 121))  # 5 full blocks, then one token
+    allocate(kv, 1, prompt, 21)
+    kv.commit_step()
+    table = list(kv.get_block_table(1))
+    kv.free(1)
+    for b in table[:3]:  # the pool needed them
+        kv.block_pool.evict(kv.block_pool.blocks[b])
+    assert allocate(kv, 2, [*prompt, 7], 2) == 20
+    assert kv.get_block_table(2)[:5] == [NULL_BLOCK_ID] * 3 + table[3:5]
+    assert kv.num_skipped_blocks(2) == 3
+    check_no_leak(kv)
+    # Block 4 evicted too: no two cached blocks in a row end a prefix any more, no hit at all.
+    kv.free(2)
+    kv.block_pool.evict(kv.block_pool.blocks[table[4]])
+    assert allocate(kv, 3, [*prompt, 7], 2, count_as_query=False) == 0
+    check_no_leak(kv)

@@ -44,7 +44,8 @@ def test_two_ranks_give_transformers_greedy_tokens(tmp_path: Path, family: str) 
 
 def test_gemma_2_on_two_ranks_gives_transformers_greedy_tokens(tmp_path: Path) -> None:
     """Gemma 2's score cap acts on each rank's own heads, its final-logit cap on the logits
-    rank 0 gathers, and its tied LM head is the vocab-parallel embedding's shard."""
+    rank 0 gathers, and its tied LM head is the vocab-parallel embedding's shard; both ranks
+    keep its KV cache in groups of layers (global; window; window), with the same tables."""
     from test_model_gemma import engine_prompts, save_gemma
 
     hf, path = save_gemma(tmp_path, "gemma2")
@@ -57,6 +58,9 @@ def test_gemma_2_on_two_ranks_gives_transformers_greedy_tokens(tmp_path: Path) -
         max_model_len=56,
     )
     try:
+        engine = llm.llm_engine
+        assert type(engine.kv_cache_manager).__name__ == "HybridKVCacheCoordinator"
+        assert engine.runner.kv_cache.shape[0] == 1  # one layer slot: a group's size
         assert greedy(llm, prompts, max_tokens) == expected
     finally:
         llm.shutdown()

@@ -11,9 +11,10 @@ sqrt(hidden_size), and a tied LM head over large embeddings would only repeat th
 - logits through the paged cache, in chunks, match transformers' (reference and CPU backends);
 - the engine's greedy tokens equal transformers' `generate` under a KV pool small enough to
   preempt, chunked prefill and shared prefixes with prefix caching, every block returned;
-- a model that mixes windowed and global layers runs on the plain KV cache manager (a global
-  layer reads every block, so none may be freed), an all-windowed one on the sliding-window
-  manager, exact either way;
+- a model that mixes windowed and global layers runs on the hybrid KV cache (a block table per
+  group of layers: the global group keeps every block, the windowed ones free what left their
+  window; tests/test_engine_hybrid_kv.py has the rest), an all-windowed one on the
+  sliding-window manager, exact either way;
 - what does not run is refused by name: another activation, bidirectional attention.
 
 (llama.cpp's gemma2 / gemma3 GGUF files of the same models: tests/test_model_gguf_gemma.py.)
@@ -30,7 +31,7 @@ from engine_utils import checked_llm, hf_greedy
 from paged import paged_logits
 
 from minivllm.attention.selector import get_attention_backend
-from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from minivllm.core.sliding_window_manager import SlidingWindowKVCacheManager
 from minivllm.model.config import UnsupportedModelError
 from minivllm.model.loader import load_model
@@ -145,27 +146,35 @@ def engine_prompts(hf: Any) -> tuple[list[list[int]], list[int], list[list[int]]
 def test_greedy_tokens_equal_transformers_under_preemption_chunks_and_prefix_hits(
     gemma: Any, backend: str
 ) -> None:
-    """A mixed model keeps every block (the plain manager): 14 blocks of 4 slots for 6 requests
-    of up to 54 tokens preempt; 16-token budgets chunk the prompts."""
+    """A mixed model keeps a block table per group of layers (global; window; window), each
+    block one layer's: 30 blocks of 4 slots for 6 requests of up to 54 tokens preempt (one
+    request of 56 needs 14 global blocks and 7 per windowed group); 16-token budgets chunk the
+    prompts; the watcher of tests/test_engine_hybrid_kv.py checks each group's blocks per step."""
+    from test_engine_hybrid_kv import GroupWatcher
+
     _, _, path, (prompts, max_tokens, expected) = gemma
     with checked_llm(
         model=str(path),
         skip_tokenizer_init=True,
         attention_backend=backend,
         block_size=4,
-        num_gpu_blocks_override=14,
+        num_gpu_blocks_override=30,
         max_model_len=56,
         max_num_batched_tokens=16,
         max_num_seqs=6,
         enable_prefix_caching=True,
     ) as llm:
         engine = llm.llm_engine
-        assert type(engine.kv_cache_manager) is KVCacheManager  # not the sliding-window one
+        assert isinstance(engine.kv_cache_manager, HybridKVCacheCoordinator)
+        watcher = GroupWatcher()
+        engine.add_step_listener(watcher)
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outs] == expected
         assert engine.scheduler.num_preemptions > 0
-        assert engine.kv_cache_manager.num_free_blocks == 14
+        assert engine.kv_cache_manager.get_stats().prefix_cache_hits > 0
+        assert engine.kv_cache_manager.num_free_blocks == 30
+    assert watcher.peak_windowed_decoding <= WINDOW // 4 + 1
 
 
 def test_an_all_windowed_gemma_frees_out_of_window_blocks_and_stays_exact(

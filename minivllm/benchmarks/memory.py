@@ -43,6 +43,7 @@ from minivllm.benchmarks.report import (
     write_json,
 )
 from minivllm.benchmarks.workload import BenchRequest, add_workload_arguments, fixed_params
+from minivllm.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from minivllm.engine_args import EngineArgs
 from minivllm.llm import LLM
 from minivllm.model.weights import weight_bytes
@@ -117,8 +118,15 @@ def trace_minivllm(args: argparse.Namespace) -> tuple[list[StepUsage], dict[str,
     engine = llm.llm_engine
     bm = engine.kv_cache_manager
     steps: list[StepUsage] = []
+    # A model whose layers keep their KV in groups (Gemma 2/3: core/kv_cache_coordinator.py):
+    # the most blocks each group held at once, to show a windowed group's staying bounded.
+    hybrid = bm if isinstance(bm, HybridKVCacheCoordinator) else None
+    groups = hybrid.kv_cache_groups if hybrid is not None else ()
+    group_peaks = [0] * len(groups)
 
     def after_step() -> None:
+        for g, held in enumerate(hybrid.num_held_blocks() if hybrid is not None else ()):
+            group_peaks[g] = max(group_peaks[g], held)
         st = bm.get_stats()
         # The block manager's split of the held slots (`--kv-allocation`): with paged blocks
         # nothing is held ahead of need and the only slack is each last block's unfilled end;
@@ -143,6 +151,11 @@ def trace_minivllm(args: argparse.Namespace) -> tuple[list[StepUsage], dict[str,
         "engine_peak_kv_slot_utilization": stats.peak_kv_slot_utilization,
         "requests": [(len(r.prompt_token_ids), r.output_len) for r in requests],
     }
+    if groups:
+        extra["kv_cache_groups"] = [
+            {"sliding_window": g.sliding_window, "layers": len(g.layer_ids), "peak_blocks": peak}
+            for g, peak in zip(groups, group_peaks)
+        ]
     return steps, extra
 
 
@@ -282,6 +295,13 @@ def main(args: argparse.Namespace) -> int:
         f"slot utilization at peak {results['minivllm']['engine_peak_kv_slot_utilization']:.1%}, "
         f"{results['minivllm']['preemptions']} preemptions ({machine_load()})"
     )
+    for g, group in enumerate(results["minivllm"].get("kv_cache_groups", [])):
+        window = group["sliding_window"]
+        kind = "global" if window is None else f"window {window}"
+        print(
+            f"  KV cache group {g} ({kind}, layers a block: {group['layers']}): "
+            f"peak {group['peak_blocks']} blocks held"
+        )
     if args.plot and str(args.plot):
         plot(
             args.plot,

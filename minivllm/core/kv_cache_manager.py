@@ -18,20 +18,19 @@ and turns block tables into slot mappings.
   step commits (`commit_step`); a step that fails withdraws the names it gave (`rollback_step`),
   so no block whose K/V was never written is ever served to a later step. Freed blocks keep their
   hash and stay reusable until the pool needs them.
-- Other allocation policies subclass this one and are handed to the engine (the paper's Orca
-  baselines: minivllm/experiments/reservation.py); `supports_forks` says whether forks may share.
+- Policies subclass this one: a sliding window's, a hybrid model's groups of layers (both here,
+  in core/), the paper's baselines (experiments/); `supports_forks` says whether forks may share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from collections.abc import Sequence as TokenIds
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 from minivllm.core.block_pool import BlockPool
 from minivllm.core.kv_cache_utils import (
     NO_COMPUTED_BLOCKS,
+    NULL_BLOCK_ID,
     BlockHash,
     BlockPoolSnapshot,
     ComputedBlocks,
@@ -39,35 +38,16 @@ from minivllm.core.kv_cache_utils import (
     HashFn,
     KVCacheBlock,
     KVCacheManagerStats,
+    KVCacheRequest,
     NoFreeBlocksError,
+    SeqBlocks,
+    SeqId,
     UnknownSequenceError,
     hash_block_tokens,
 )
 
 if TYPE_CHECKING:
     from minivllm.config import CacheConfig
-
-SeqId = Hashable  # request / sequence ids (str or int)
-
-
-class KVCacheRequest(Protocol):
-    """What the manager reads of a sequence it admits (`minivllm.sequence.Sequence` has more)."""
-
-    @property
-    def seq_id(self) -> SeqId: ...
-
-    @property
-    def token_ids(self) -> TokenIds[int]: ...  # every known token: prompt + generated
-
-
-@dataclass(slots=True)
-class SeqBlocks:
-    """What the manager knows of one sequence (vLLM v1: req_to_blocks + req_to_block_hashes)."""
-
-    block_table: list[int]  # (ceil(num_slots / block_size),) physical block ids, logical order
-    num_slots: int  # tokens that have a slot
-    block_hashes: list[BlockHash]  # names of its full blocks, in order (canonical when cached)
-    extra_keys: ExtraKeys  # folded into every block hash of this sequence
 
 
 class KVCacheManager:
@@ -81,6 +61,7 @@ class KVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         hash_fn: HashFn = hash_block_tokens,  # vLLM lets users choose it too (builtin or sha256)
+        block_pool: BlockPool | None = None,  # a hybrid model's groups share one (coordinator)
     ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -88,7 +69,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks, enable_prefix_caching, hash_fn)
+        self.block_pool = block_pool or BlockPool(num_blocks, enable_prefix_caching, hash_fn)
         self._seqs: dict[SeqId, SeqBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._step_names: list[KVCacheBlock] = []  # named since the last commit (provisional)
@@ -102,6 +83,11 @@ class KVCacheManager:
     def from_config(cls, cache: CacheConfig, num_blocks: int, max_model_len: int) -> KVCacheManager:
         """The factory the engine calls (`LLMEngine(..., kv_cache_manager_cls=...)`)."""
         return cls(num_blocks, cache.block_size, cache.enable_prefix_caching)
+
+    @classmethod
+    def max_num_tokens(cls, cache: CacheConfig, num_blocks: int, token_budget: int) -> int:
+        """The longest sequence `num_blocks` hold on their own: what max_model_len may be."""
+        return num_blocks * cache.block_size
 
     def check_forks_allowed(self) -> None:
         """Raise where a request that forks (n > 1, beam search) cannot run on this manager."""
@@ -131,6 +117,10 @@ class KVCacheManager:
         and copy-on-write replaces its last entry. Do not mutate it; copy it to keep a snapshot."""
         return self._seq(seq_id).block_table
 
+    def get_group_block_tables(self, seq_id: SeqId) -> tuple[list[int], ...]:
+        """Copies of a hybrid model's other KV cache groups' tables (kv_cache_coordinator.py)."""
+        return ()
+
     def get_num_slots(self, seq_id: SeqId) -> int:
         return self._seq(seq_id).num_slots
 
@@ -159,11 +149,27 @@ class KVCacheManager:
         computed: ComputedBlocks = NO_COMPUTED_BLOCKS,
     ) -> bool:
         """Whether `allocate_slots(seq, num_new_tokens, computed)` would find its blocks."""
-        return self._num_blocks_to_take(computed, num_new_tokens) <= self.num_free_blocks
+        return self.get_num_blocks_to_allocate(computed, num_new_tokens) <= self.num_free_blocks
 
     def can_append_slots(self, seq_id: SeqId, num_new_tokens: int) -> bool:
+        return self.get_num_blocks_to_append(seq_id, num_new_tokens) <= self.num_free_blocks
+
+    def get_num_blocks_to_allocate(self, computed: ComputedBlocks, num_new_tokens: int) -> int:
+        """Free-queue blocks an admission consumes: fresh blocks + hits that are now evictable."""
+        num_tokens = computed.num_computed_tokens + num_new_tokens
+        num_hits = len(computed.skipped_hashes) + len(computed.blocks)  # skipped: never taken
+        fresh = -(-num_tokens // self.block_size) - num_hits
+        return fresh + sum(1 for b in computed.blocks if b.ref_cnt == 0)
+
+    def get_num_blocks_to_append(self, seq_id: SeqId, num_new_tokens: int) -> int:
+        """Free-queue blocks `append_slots` takes, net of any it frees first (a window's)."""
         seq = self._seq(seq_id)
-        return self._num_blocks_to_append(seq, num_new_tokens) <= self.num_free_blocks
+        if num_new_tokens <= 0:
+            return 0
+        fresh = -(-(seq.num_slots + num_new_tokens) // self.block_size) - len(seq.block_table)
+        partial = seq.num_slots % self.block_size != 0
+        cow = partial and self.block_pool.blocks[seq.block_table[-1]].ref_cnt > 1
+        return fresh + int(cow)
 
     # ----------------------------------------------------------------------------------- mutations
     def allocate_slots(
@@ -188,12 +194,13 @@ class KVCacheManager:
                 f"num_new_tokens must be in [0, {len(token_ids) - num_cached_tokens}] "
                 f"(tokens after the {num_cached_tokens} cached ones), got {num_new_tokens}"
             )
-        self._check_free(seq_id, self._num_blocks_to_take(computed, num_new_tokens))
+        self._check_free(seq_id, self.get_num_blocks_to_allocate(computed, num_new_tokens))
         self.block_pool.touch(computed.blocks)  # hits first, so the pops below cannot evict them
+        skipped = computed.skipped_hashes
         entry = SeqBlocks(
-            block_table=[b.block_id for b in computed.blocks],
+            block_table=[NULL_BLOCK_ID] * len(skipped) + [b.block_id for b in computed.blocks],
             num_slots=num_cached_tokens,
-            block_hashes=[b.block_hash for b in computed.blocks if b.block_hash is not None],
+            block_hashes=[*skipped, *(b.block_hash for b in computed.blocks if b.block_hash)],
             extra_keys=extra_keys,
         )
         self._seqs[seq_id] = entry
@@ -221,7 +228,7 @@ class KVCacheManager:
                 f"(known tokens without a slot), got {num_new_tokens}"
             )
         num_new_tokens += max(0, num_lookahead_tokens)
-        self._check_free(seq_id, self._num_blocks_to_append(seq, num_new_tokens))
+        self._check_free(seq_id, self.get_num_blocks_to_append(seq_id, num_new_tokens))
         if num_new_tokens == 0:
             return
         pool = self.block_pool
@@ -338,21 +345,6 @@ class KVCacheManager:
         if num_to_take > self.num_free_blocks:
             msg = f"sequence {seq_id!r} needs {num_to_take} blocks, {self.num_free_blocks} are free"
             raise NoFreeBlocksError(msg)
-
-    def _num_blocks_to_take(self, computed: ComputedBlocks, num_new_tokens: int) -> int:
-        """Free-queue blocks an admission consumes: fresh blocks + hits that are now evictable."""
-        num_hits = len(computed.blocks)
-        num_tokens = computed.num_computed_tokens + num_new_tokens
-        fresh = -(-num_tokens // self.block_size) - num_hits
-        return fresh + sum(1 for b in computed.blocks if b.ref_cnt == 0)
-
-    def _num_blocks_to_append(self, seq: SeqBlocks, num_new_tokens: int) -> int:
-        if num_new_tokens <= 0:
-            return 0
-        fresh = -(-(seq.num_slots + num_new_tokens) // self.block_size) - len(seq.block_table)
-        partial = seq.num_slots % self.block_size != 0
-        cow = partial and self.block_pool.blocks[seq.block_table[-1]].ref_cnt > 1
-        return fresh + int(cow)
 
     def _grow(self, seq: SeqBlocks, token_ids: TokenIds[int], num_new_tokens: int) -> None:
         """Give `seq` slots for `num_new_tokens` more tokens (blocks already checked to be free),

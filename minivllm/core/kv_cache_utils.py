@@ -20,12 +20,16 @@ the per-sequence block tables.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
+from typing import Protocol
 
 ExtraKeys = tuple[Hashable, ...] | None  # what else shapes a block's KV (LoRA id, cache salt)
 HashFn = Callable[[int | None, tuple[int, ...], ExtraKeys], int]  # (parent hash, tokens, extra)
+SeqId = Hashable  # request / sequence ids (str or int)
+NULL_BLOCK_ID = 0  # a window-freed entry: a real id (valid tensors) no backend reads there
 
 
 class UnknownSequenceError(KeyError):
@@ -40,8 +44,10 @@ class ComputedBlocks:
     """A prompt's prefix-cache hit (vLLM's `get_computed_blocks` result): the cached blocks that
     match its start, in order. Valid until the pool next changes: look up, decide, allocate."""
 
-    blocks: tuple[KVCacheBlock, ...] = ()
-    num_computed_tokens: int = 0  # len(blocks) * block_size: tokens whose K/V the hit holds
+    blocks: tuple[KVCacheBlock, ...] = ()  # the blocks taken, after any skipped ones
+    num_computed_tokens: int = 0  # (skipped + taken blocks) * block_size: the hit, in tokens
+    # A window's hit starts with blocks no query of it sees: named (the next chain on), not taken.
+    skipped_hashes: tuple[BlockHash, ...] = ()
 
 
 NO_COMPUTED_BLOCKS = ComputedBlocks()  # no lookup (prefix caching off, or prompt logprobs wanted)
@@ -133,6 +139,26 @@ class KVCacheBlock:
     # Links of the free queue; None while the block is held. repr=False: a repr would walk the list.
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
+
+
+class KVCacheRequest(Protocol):
+    """What the manager reads of a sequence it admits (`minivllm.sequence.Sequence` has more)."""
+
+    @property
+    def seq_id(self) -> SeqId: ...
+
+    @property
+    def token_ids(self) -> TokenIds[int]: ...  # every known token: prompt + generated
+
+
+@dataclass(slots=True)
+class SeqBlocks:
+    """What the manager knows of one sequence (vLLM v1: req_to_blocks + req_to_block_hashes)."""
+
+    block_table: list[int]  # (ceil(num_slots / block_size),) physical block ids, logical order
+    num_slots: int  # tokens that have a slot
+    block_hashes: list[BlockHash]  # names of its full blocks, in order (canonical when cached)
+    extra_keys: ExtraKeys  # folded into every block hash of this sequence
 
 
 class FreeKVCacheBlockQueue:

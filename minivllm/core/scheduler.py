@@ -62,6 +62,7 @@ class ScheduledSequence:
     sample: bool  # the new tokens reach the newest known token: a next token is sampled
     prompt_logprobs: PromptLogprobsSlice | None = None  # prompt rows to score, if asked
     num_spec_tokens: int = 0  # the last this many new tokens are drafts to verify (lookahead)
+    group_block_tables: tuple[list[int], ...] = ()  # a hybrid model's other KV cache groups'
 
     @property
     def num_new_tokens(self) -> int:
@@ -193,6 +194,7 @@ class Scheduler:
             sample=start + num_new == seq.num_tokens,
             prompt_logprobs=self._prompt_logprobs_slice(seq, start, start + num_new),
             num_spec_tokens=len(spec),
+            group_block_tables=self.kv_cache_manager.get_group_block_tables(seq.seq_id),
         )
 
     @staticmethod

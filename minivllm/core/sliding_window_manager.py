@@ -1,5 +1,5 @@
-"""The KV cache manager of a model whose every layer has a sliding window (Mistral; vLLM v1's
-`SlidingWindowManager`, vllm/v1/core/single_type_kv_cache_manager.py).
+"""The KV cache manager of a layer kind with a sliding window (vLLM v1's `SlidingWindowManager`,
+vllm/v1/core/single_type_kv_cache_manager.py): every layer of Mistral, or one group of Gemma's.
 
 A query at position p of a layer with window W sees key j iff p - W < j <= p (HF transformers'
 sliding-window mask). Positions only grow, so once a sequence's next query is at position
@@ -7,21 +7,21 @@ sliding-window mask). Positions only grow, so once a sequence's next query is at
 and every block wholly before that key's block can go back to the pool. A long sequence then
 holds about W / block_size + 1 blocks, however long it gets.
 
-- A freed block keeps its hash: it stays a prefix-cache hit (and the parent in the hash chain of
-  the blocks after it) until the pool evicts it, as any free cached block does.
+- A freed block keeps its hash: it stays a prefix-cache hit until the pool evicts it, as any free
+  cached block does.
 - Its block-table entry becomes `NULL_BLOCK_ID`, a placeholder that keeps the tables valid
   tensors for the model runner: every attention backend starts a windowed layer's key range at
   its first visible key's block (minivllm/attention/), so it never reads the entry.
 - The entries freed are always a prefix of the table (`num_skipped_blocks`); free, fork and the
   counts skip them. The next query of a running sequence is at `num_slots` when the scheduler asks
   for its next slots (every slot's K/V was computed by the steps that committed), so that is when
-  they are freed (`append_slots`), and `can_append_slots` counts them as free already.
-- A prefix-cache hit at admission is taken whole, then what its first query cannot see is freed
-  at once; `can_allocate` counts those hits as taken, a conservative answer.
+  they are freed (`append_slots`), and `get_num_blocks_to_append` counts them as free already.
+- A prefix-cache hit needs only what its first query sees (vLLM's right-to-left search): k blocks
+  are a hit when their last ceil((W - 1) / block_size) are cached, the ones before need not be
+  (they may long have been evicted); those are skipped: named, never taken.
 
-A model that mixes windowed and global layers (Gemma 2/3) gets the plain manager: a global layer
-reads every block, so none may be freed (vLLM gives each kind of layer its own block tables; not
-done here). `kv_sliding_window` decides, from the model's attention layers.
+A model that mixes windowed and global layers (Gemma 2/3) has one of these per windowed group of
+layers, beside a plain manager per global group, over one pool (kv_cache_coordinator.py).
 
 Tier: core bookkeeping (imports only leaves and core; no torch).
 """
@@ -32,6 +32,8 @@ from collections.abc import Sequence as TokenIds
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from minivllm.core.block_pool import BlockPool
+from minivllm.core.kv_cache_groups import kv_cache_windows
 from minivllm.core.kv_cache_manager import (
     NO_COMPUTED_BLOCKS,
     ComputedBlocks,
@@ -40,24 +42,27 @@ from minivllm.core.kv_cache_manager import (
     SeqBlocks,
     SeqId,
 )
-from minivllm.core.kv_cache_utils import BlockPoolSnapshot, ExtraKeys, HashFn, hash_block_tokens
+from minivllm.core.kv_cache_utils import (
+    NULL_BLOCK_ID,
+    BlockHash,
+    BlockPoolSnapshot,
+    ExtraKeys,
+    HashFn,
+    KVCacheBlock,
+    hash_block_tokens,
+)
 
 if TYPE_CHECKING:
     from minivllm.config import CacheConfig
 
-# What a block table holds in place of a block freed under the window: a real block id (so the
-# tables stay valid tensors), that no backend reads for that entry and no count here includes.
-NULL_BLOCK_ID = 0
+__all__ = ["NULL_BLOCK_ID", "SlidingWindowKVCacheManager", "kv_sliding_window"]
 
 
 def kv_sliding_window(model: object) -> int | None:
-    """The window the KV cache manager may free blocks by, read off the model's attention layers
-    (the modules with a `sliding_window` attribute, None on a global layer): the largest when
-    every layer has one, since what it cannot see no layer can; None when a layer is global or
-    none has the attribute (a model without attention modules, the simulated executor's)."""
-    modules = getattr(model, "modules", None)  # an nn.Module's; duck-typed, this tier has no torch
-    found = [m.sliding_window for m in modules() if hasattr(m, "sliding_window")] if modules else []
-    return None if not found or None in found else max(found)
+    """The window the KV cache manager may free blocks by, read off the model's attention layers:
+    the largest when every layer has one, since what it cannot see no layer can; None when a
+    layer is global or the model has no attention modules (`kv_cache_windows`)."""
+    return kv_cache_windows(model)[0]
 
 
 class SlidingWindowKVCacheManager(KVCacheManager):
@@ -70,6 +75,7 @@ class SlidingWindowKVCacheManager(KVCacheManager):
         enable_prefix_caching: bool = True,
         hash_fn: HashFn = hash_block_tokens,
         sliding_window: int = 4096,  # every layer's window, in tokens
+        block_pool: BlockPool | None = None,  # a hybrid model's groups share one (coordinator)
     ) -> None:
         if (
             isinstance(sliding_window, bool)
@@ -77,7 +83,7 @@ class SlidingWindowKVCacheManager(KVCacheManager):
             or sliding_window < 1
         ):
             raise ValueError(f"sliding_window must be a positive integer, got {sliding_window!r}")
-        super().__init__(num_blocks, block_size, enable_prefix_caching, hash_fn)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, hash_fn, block_pool)
         self.sliding_window = sliding_window
         self._num_skipped: dict[SeqId, int] = {}  # leading table entries freed, per sequence
 
@@ -116,12 +122,69 @@ class SlidingWindowKVCacheManager(KVCacheManager):
             _read_skipped=lambda: dict(skipped),
         )
 
-    def can_append_slots(self, seq_id: SeqId, num_new_tokens: int) -> bool:
-        """As the base's, counting the blocks `append_slots` frees first as free."""
+    def get_num_blocks_to_append(self, seq_id: SeqId, num_new_tokens: int) -> int:
+        """As the base's, less the blocks `append_slots` frees first (held by this sequence only;
+        none once they are freed, so the base's check inside `append_slots` is the same)."""
         seq = self._seq(seq_id)
+        if num_new_tokens <= 0:
+            return 0
         blocks = self.block_pool.blocks
         releasable = sum(1 for b in self._blocks_to_skip(seq_id, seq) if blocks[b].ref_cnt == 1)
-        return self._num_blocks_to_append(seq, num_new_tokens) <= self.num_free_blocks + releasable
+        return super().get_num_blocks_to_append(seq_id, num_new_tokens) - releasable
+
+    def get_computed_blocks(
+        self, token_ids: TokenIds[int], extra_keys: ExtraKeys = None
+    ) -> ComputedBlocks:
+        """The longest prefix-cache hit whose first query finds every key it sees (vLLM's
+        `find_longest_cache_hit` for a window); at most (len - 1) // block_size blocks, as the
+        base's, since the last token is always computed."""
+        names, cached = self.lookup_blocks(token_ids, extra_keys)
+        return self.longest_window_hit(names, cached, len(names))
+
+    def lookup_blocks(
+        self, token_ids: TokenIds[int], extra_keys: ExtraKeys
+    ) -> tuple[list[BlockHash], list[KVCacheBlock | None]]:
+        """The names of the prompt's full blocks (the last token's excluded) and the cached block
+        holding each, if any. A name found is replaced by the cached one, so that the next name's
+        parent is the pool's own object and comparisons stop at `is` (as `BlockPool`'s walk)."""
+        pool, bs = self.block_pool, self.block_size
+        names: list[BlockHash] = []
+        cached: list[KVCacheBlock | None] = []
+        if not pool.enable_caching:
+            return names, cached
+        parent: BlockHash | None = None
+        for i in range((len(token_ids) - 1) // bs):
+            key = BlockHash.of(
+                parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra_keys, pool.hash_fn
+            )
+            block = pool.get_cached_block(key)
+            parent = key if block is None or block.block_hash is None else block.block_hash
+            names.append(parent)
+            cached.append(block)
+        return names, cached
+
+    def longest_window_hit(
+        self, names: list[BlockHash], cached: list[KVCacheBlock | None], max_num_blocks: int
+    ) -> ComputedBlocks:
+        """The longest hit of at most `max_num_blocks` blocks. k blocks are a hit when the keys
+        their first query (at k * block_size) can see are cached: the last ceil((W - 1) /
+        block_size) blocks, or all k when there are fewer. Searched right to left, the first
+        such run wins; the blocks before it are skipped (named, not taken)."""
+        # Blocks the first query sees keys in (at least the last: a window of 1 asks for one).
+        need = max(1, -(-(self.sliding_window - 1) // self.block_size))
+        num_blocks = run = 0
+        for i in range(max_num_blocks - 1, -1, -1):
+            run = run + 1 if cached[i] is not None else 0
+            if run == need:
+                num_blocks = i + need
+                break
+        else:
+            num_blocks = run  # blocks 0 .. run - 1, fewer than the window: all their query sees
+        if num_blocks == 0:
+            return NO_COMPUTED_BLOCKS
+        skipped = max(0, num_blocks - need)
+        taken = tuple(b for b in cached[skipped:num_blocks] if b is not None)  # all cached
+        return ComputedBlocks(taken, num_blocks * self.block_size, tuple(names[:skipped]))
 
     # ----------------------------------------------------------------------------------- mutations
 
@@ -136,6 +199,8 @@ class SlidingWindowKVCacheManager(KVCacheManager):
         num_cached = super().allocate_slots(
             seq, num_new_tokens, computed, extra_keys, count_as_query
         )
+        if computed.skipped_hashes:  # their entries are placeholders already
+            self._num_skipped[seq.seq_id] = len(computed.skipped_hashes)
         self.remove_skipped_blocks(seq.seq_id, num_cached)  # the first query is at num_cached
         return num_cached
 
@@ -146,7 +211,7 @@ class SlidingWindowKVCacheManager(KVCacheManager):
         num_new_tokens: int,
         num_lookahead_tokens: int = 0,
     ) -> None:
-        if num_new_tokens > 0:
+        if num_new_tokens + max(0, num_lookahead_tokens) > 0:
             self.remove_skipped_blocks(seq_id, self._seq(seq_id).num_slots)
         super().append_slots(seq_id, token_ids, num_new_tokens, num_lookahead_tokens)
 

@@ -17,10 +17,12 @@ Against Llama (llama.py), transformers' `modeling_gemma2.py` (and vLLM's `gemma2
 - **Alternating layers**: `layer_types` names each layer `sliding_attention` (a window of
   `sliding_window` keys) or `full_attention`; Gemma 2 alternates them, the first sliding.
 
-A model that mixes windowed and global layers runs on the plain KV cache manager, which frees
-no block: each windowed layer masks what it must not see, so the output is exact, but the cache
-holds every token, as a global layer needs (core/sliding_window_manager.py's `kv_sliding_window`
-decides; vLLM's hybrid allocator, which keeps a block table per kind of layer, is not done here).
+A model that mixes windowed and global layers keeps its KV cache in groups of layers, each with
+block tables of its own (core/kv_cache_groups.py, core/kv_cache_coordinator.py: vLLM's hybrid
+allocator): a global group holds every block of a sequence, a windowed one frees what left its
+window. The runner then hands `Gemma2Model.forward` a cache view and an attention metadata per
+layer (minivllm/hybrid_model_runner.py); each windowed layer still masks its window in the
+backend, so the output is the same either way.
 
 The norm and the activation live here, beside the only models that use them, rather than in
 layers.py, whose lines count against the README's reading path; Gemma 3 (gemma3.py) imports them.
@@ -31,7 +33,7 @@ Tier: model. It imports leaves and core.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -300,16 +302,21 @@ class Gemma2Model(nn.Module):
         self,
         input_ids: torch.Tensor,  # int64 [T]
         positions: torch.Tensor,  # int64 [T]
-        kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], or with the layers in
+        # KV cache groups (minivllm/hybrid_model_runner.py) each layer's [2, ...] view
+        kv_caches: torch.Tensor | Sequence[torch.Tensor],
+        meta: AttentionMetadata | Sequence[AttentionMetadata],  # all layers', or each layer's
     ) -> torch.Tensor:  # [T, hidden_size]
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         # sqrt(hidden_size) as a float32 constant rounded to the dtype, as transformers has it.
         hidden = hidden * torch.tensor(self.embed_scale).to(hidden.dtype)
-        for layer, kv_cache, sliding in zip(self.layers, kv_caches, self.sliding_layers):
+        metas = [meta] * len(self.layers) if isinstance(meta, AttentionMetadata) else meta
+        for layer, kv_cache, layer_meta, sliding in zip(
+            self.layers, kv_caches, metas, self.sliding_layers
+        ):
             local = sliding and self.rotary_emb_local is not None
             rope = self.rotary_emb_local if local else self.rotary_emb
-            hidden = layer(hidden, positions, rope, kv_cache, meta)
+            hidden = layer(hidden, positions, rope, kv_cache, layer_meta)
         return self.norm(hidden)
 
 

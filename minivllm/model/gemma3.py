@@ -14,8 +14,9 @@ Against Gemma 2 (gemma2.py), transformers' `modeling_gemma3.py` (`Gemma3ForCausa
 - **Layer kinds**: `layer_types`, or for older configs `sliding_window_pattern` (every sixth layer
   global, the other five windowed, by default).
 
-As for Gemma 2, such a mixed model runs on the plain KV cache manager (every block kept, each
-windowed layer masking its own window); the vision tower of the multimodal checkpoints
+As for Gemma 2, such a mixed model keeps its KV cache per group of layers: five windowed layers
+per global one make five windowed groups as large as the global one (core/kv_cache_groups.py),
+each freeing what left its window. The vision tower of the multimodal checkpoints
 (`Gemma3ForConditionalGeneration`) is not here.
 
 Tier: model. It imports leaves and core.

@@ -74,11 +74,13 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, engine: SpeculatingEngine) -> None:
         self.config = config
         self.engine = engine
-        window = engine.config.cache.sliding_window  # known once the model is loaded
-        if window is not None:
+        cache = engine.config.cache  # its windows are known once the model is loaded
+        windows = {w for w in (cache.sliding_window, *cache.layer_sliding_windows) if w}
+        if windows:  # on every layer (Mistral) or on some (Gemma 2/3)
             engine.executor.shutdown()  # no tensor-parallel worker outlives the refused engine
             raise ValueError(
-                f"speculative_config is not supported with a sliding window (the model's: {window})"
+                "speculative_config is not supported with a sliding window "
+                f"(the model's: {max(windows)})"
             )
         k = config.num_speculative_tokens
         assert k is not None  # SpeculativeConfig checked it

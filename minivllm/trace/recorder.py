@@ -27,7 +27,10 @@ keys are strings, so seq ids and block ids are strings as keys):
      "num_waiting", "waiting"}
 
 A `null` in a block table is an entry a sliding window freed: no query of that sequence sees its
-tokens again, so the block went back to the pool (minivllm/core/sliding_window_manager.py).
+tokens again, so the block went back to the pool (minivllm/core/sliding_window_manager.py). A
+model whose layers keep their KV in groups (Gemma 2/3: minivllm/core/kv_cache_coordinator.py) has
+a table per group: `block_tables` are the first (global) group's, a step's `group_block_tables`
+the others' in group order, and the trace's `kv_cache_groups` say which layers each one serves.
 
 Thread safety (the live dashboard reads from the server's thread while the engine thread
 records): records are built outside the lock and never changed afterwards; the lock only guards
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from minivllm.core.kv_cache_coordinator import HybridBlockPoolSnapshot, HybridKVCacheCoordinator
 from minivllm.core.kv_cache_utils import BlockHash, BlockPoolSnapshot, KVCacheManagerStats
 from minivllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.sequence import Sequence as EngineSequence
@@ -109,6 +113,12 @@ class StepRecorder:
             "max_num_seqs": cfg.scheduler.max_num_seqs,
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
         }
+        manager = engine.kv_cache_manager
+        if isinstance(manager, HybridKVCacheCoordinator):  # a table per group of layers
+            self.meta["kv_cache_groups"] = [
+                {"sliding_window": g.sliding_window, "layers": list(g.layer_ids)}
+                for g in manager.kv_cache_groups
+            ]
         self._tokenizer = engine.tokenizer
         self._following = dict(engine.scheduler.seqs)
         self._prev_holders = {s for s in self._following if s in pool.block_tables}
@@ -123,8 +133,7 @@ class StepRecorder:
     def on_step(
         self, scheduler_output: SchedulerOutput, outputs: StepOutputs, blocks: BlockPoolSnapshot
     ) -> None:
-        """Record one committed step. The sequences it sampled for are known by their request even
-        when they were admitted and finished within this one step."""
+        """Record one committed step; a sequence it sampled for is known even if it ended in it."""
         sched = scheduler_output
         seqs = self._following
         for seq in outputs.sampled:
@@ -133,8 +142,9 @@ class StepRecorder:
         step_no = self._num_recorded + 1
 
         holders = sorted(s for s in outputs.seqs if s in blocks.block_tables)
-        tables = _held_tables(blocks, holders)
-        ref_counts = {b: blocks.ref_counts[b] for t in tables.values() for b in t if b is not None}
+        tables, *others = _group_tables(blocks, holders)  # others: a hybrid model's groups
+        held = {b for group in (tables, *others) for t in group.values() for b in t}
+        ref_counts = {b: blocks.ref_counts[b] for b in held if b is not None}
         cached = dict(blocks.cached_blocks)
         evicted = sorted(b for b, h in self._prev_cached.items() if cached.get(b) is not h)
         finished = sorted(s for s, seq in seqs.items() if seq.status.is_finished)
@@ -184,6 +194,8 @@ class StepRecorder:
             "num_waiting": outputs.num_waiting,
             "waiting": list(outputs.waiting),  # queue order, front first
         }
+        if others:  # a hybrid model's other KV cache groups
+            record["group_block_tables"] = [{str(s): t for s, t in g.items()} for g in others]
         mentioned = scheduled_ids | set(holders) | set(finished) | set(sched.preempted_seq_ids)
         with self._lock:
             for s in mentioned:
@@ -305,6 +317,14 @@ def _held_tables(blocks: BlockPoolSnapshot, holders: list[int]) -> dict[int, lis
         table[:skipped] = [None] * skipped
         tables[s] = table
     return tables
+
+
+def _group_tables(
+    blocks: BlockPoolSnapshot, holders: list[int]
+) -> list[dict[int, list[int | None]]]:
+    """The holders' tables in every KV cache group: one group, or a hybrid model's several."""
+    groups = blocks.other_groups if isinstance(blocks, HybridBlockPoolSnapshot) else ()
+    return [_held_tables(group, holders) for group in (blocks, *groups)]
 
 
 def _num_accepted(item: ScheduledSequence, outputs: StepOutputs) -> int:

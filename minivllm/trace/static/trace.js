@@ -82,28 +82,40 @@
     }
   }
 
+  // Every KV cache group's tables, {seq id: table} each: one group for most models; a model that
+  // mixes windowed and global layers (Gemma) has one per group of layers, the first's in
+  // block_tables and the others' in group_block_tables.
+  function groupTables(step) {
+    return [step.block_tables, ...(step.group_block_tables || [])];
+  }
+
   function owners(step) {
     const byBlock = new Map(); // block id -> [seq ids holding it]
-    for (const [seq, table] of Object.entries(step.block_tables)) {
-      for (const b of table) {
-        if (b === null) continue; // an entry the sliding window freed holds no block
-        if (!byBlock.has(b)) byBlock.set(b, []);
-        byBlock.get(b).push(Number(seq));
+    for (const tables of groupTables(step)) {
+      for (const [seq, table] of Object.entries(tables)) {
+        for (const b of table) {
+          if (b === null) continue; // an entry the sliding window freed holds no block
+          if (!byBlock.has(b)) byBlock.set(b, []);
+          byBlock.get(b).push(Number(seq));
+        }
       }
     }
     return byBlock;
   }
 
   // Blocks the sliding window freed in this step: entries that held a block the step before and
-  // are null now. [[seq id, logical index, block id]]
+  // are null now, in any group. [[seq id, logical index, block id]]
   function windowFreed(step) {
     const before = trace.steps[trace.steps.indexOf(step) - 1];
     if (!before) return [];
     const out = [];
-    for (const [seq, table] of Object.entries(step.block_tables)) {
-      const prev = before.block_tables[seq] || [];
-      table.forEach((b, i) => { if (b === null && prev[i] != null) out.push([Number(seq), i, prev[i]]); });
-    }
+    const previous = groupTables(before);
+    groupTables(step).forEach((tables, g) => {
+      for (const [seq, table] of Object.entries(tables)) {
+        const prev = (previous[g] || {})[seq] || [];
+        table.forEach((b, i) => { if (b === null && prev[i] != null) out.push([Number(seq), i, prev[i]]); });
+      }
+    });
     return out;
   }
 
@@ -116,9 +128,8 @@
     const hits = new Set(step.cache_hits.flatMap((h) => h.blocks));
     // A preempted sequence leaves the tables at once: mark the blocks it held the step before.
     const before = trace.steps[trace.steps.indexOf(step) - 1];
-    const freed = new Set(
-      before ? step.preempted.flatMap((s) => before.block_tables[String(s)] || []) : []
-    );
+    const freed = new Set(before ? step.preempted.flatMap((s) =>
+      groupTables(before).flatMap((tables) => tables[String(s)] || [])) : []);
     for (const [, , b] of windowFreed(step)) freed.add(b);
     let shared = 0;
     for (const node of $("grid").children) {
@@ -229,40 +240,55 @@
   }
 
   // ------------------------------------------------------------------ block tables
+  // A KV cache group's name beside its row, where there are several: which layers it serves.
+  function groupName(g) {
+    const group = (trace.kv_cache_groups || [])[g];
+    if (!group) return "";
+    const kind = group.sliding_window === null ? "global" : `window ${group.sliding_window}`;
+    return `group ${g}: ${kind}, layers ${group.layers.join(", ")}`;
+  }
+
   function renderTables(step) {
-    const bs = trace.block_size;
     const rows = [];
     const seqIds = Object.keys(step.block_tables).map(Number).sort((a, b) => a - b);
+    const groups = groupTables(step);
     for (const seq of seqIds) {
-      const table = step.block_tables[String(seq)];
-      const info = seqInfo(seq);
-      const computed = step.num_computed_tokens[String(seq)];
-      const cells = table.map((b, i) => {
-        const toks = el("span", { class: "toks" });
-        if (info) {
-          const end = Math.min((i + 1) * bs, computed, info.token_ids.length);
-          for (let t = i * bs; t < end; t++) toks.append(el("span", { class: "tok", text: tokenText(info, t) }));
-          const empty = (i + 1) * bs - Math.max(end, i * bs);
-          if (empty > 0) toks.append(el("span", { class: "pending", text: " ·".repeat(empty) }));
-        }
-        if (b === null) { // freed under the sliding window: its tokens are out of every query's sight
-          return el("span", { class: "lblock outside", "data-logical": i, title: "outside the sliding window: freed" }, [
-            el("span", { class: "map", text: `${i} → freed` }), el("br"), toks,
-          ]);
-        }
-        const sharedCls = (step.ref_counts[String(b)] || 0) > 1 ? " shared" : "";
-        return el("span", { class: "lblock" + sharedCls, "data-logical": i, "data-block": b }, [
-          el("span", { class: "map", text: `${i} → ${b}` }), el("br"), toks,
-        ]);
-      });
-      rows.push(el("div", { class: "seqrow", "data-seq": seq }, [
-        el("span", { class: "seqname" }, [dot(seq), seqName(seq), el("br"),
-          el("small", { text: `${computed} tokens in ${table.filter((b) => b !== null).length} blocks` })]),
-        ...cells,
-      ]));
+      groups.forEach((tables, g) => rows.push(tableRow(step, seq, tables[String(seq)] || [], g)));
     }
     if (!rows.length) rows.push(el("p", { text: "no sequence holds blocks after this step" }));
     $("tables").replaceChildren(...rows);
+  }
+
+  // One sequence's block table in one KV cache group (`g`), an entry per logical block.
+  function tableRow(step, seq, table, g) {
+    const bs = trace.block_size;
+    const info = seqInfo(seq);
+    const computed = step.num_computed_tokens[String(seq)];
+    const cells = table.map((b, i) => {
+      const toks = el("span", { class: "toks" });
+      if (info) {
+        const end = Math.min((i + 1) * bs, computed, info.token_ids.length);
+        for (let t = i * bs; t < end; t++) toks.append(el("span", { class: "tok", text: tokenText(info, t) }));
+        const empty = (i + 1) * bs - Math.max(end, i * bs);
+        if (empty > 0) toks.append(el("span", { class: "pending", text: " ·".repeat(empty) }));
+      }
+      if (b === null) { // freed under the sliding window: its tokens are out of every query's sight
+        return el("span", { class: "lblock outside", "data-logical": i, title: "outside the sliding window: freed" }, [
+          el("span", { class: "map", text: `${i} → freed` }), el("br"), toks,
+        ]);
+      }
+      const sharedCls = (step.ref_counts[String(b)] || 0) > 1 ? " shared" : "";
+      return el("span", { class: "lblock" + sharedCls, "data-logical": i, "data-block": b }, [
+        el("span", { class: "map", text: `${i} → ${b}` }), el("br"), toks,
+      ]);
+    });
+    const held = `${computed} tokens in ${table.filter((b) => b !== null).length} blocks`;
+    const group = groupName(g);
+    return el("div", { class: "seqrow", "data-seq": seq, "data-group": g }, [
+      el("span", { class: "seqname" }, [dot(seq), seqName(seq), el("br"),
+        el("small", { text: held }), ...(group ? [el("br"), el("small", { text: group })] : [])]),
+      ...cells,
+    ]);
   }
 
   // ------------------------------------------------------------------ KV usage over the run
