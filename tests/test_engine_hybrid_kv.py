@@ -212,11 +212,31 @@ def test_the_engine_core_process_runs_the_hybrid_cache(tmp_path: Path) -> None:
         client.shutdown()
 
 
+def test_speculation_on_the_hybrid_cache_keeps_greedy_and_a_windowed_draft_is_refused(
+    gemma: Any,
+) -> None:
+    """n-gram drafts of one token's match (they fire at most steps) take lookahead slots in every
+    group and give the rejected ones back, under preemption; a draft model with windowed layers
+    would need groups of its own and is refused by name."""
+    hf, path = gemma
+    prompts = [list(range(3, 13)), list(range(40, 47)), [*range(3, 13), 99, 98]]
+    expected = [hf_greedy(hf, p, 60, None) for p in prompts]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    with checked_llm(model=str(path), speculative_config=spec, num_gpu_blocks_override=48, **LONG) as llm:  # fmt: skip
+        watcher = watched(llm)
+        params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+        stats = llm.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0
+    assert watcher.peak_windowed <= -(-(WINDOW - 1 + 16) // BS) + 1
+    draft = {"model": str(path), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="a draft model with sliding-window layers"):
+        LLM(str(path), speculative_config=draft, num_gpu_blocks_override=48, **LONG)
+
+
 def test_what_cannot_run_on_the_hybrid_cache_is_refused_by_name(gemma: Any) -> None:
     _, path = gemma
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
-    with pytest.raises(ValueError, match=rf"speculative_config .* sliding window .*: {WINDOW}\)"):
-        LLM(str(path), speculative_config=spec, num_gpu_blocks_override=48, **LONG)
     # One request of 128 tokens needs 32 global blocks and 2 x 7 windowed ones (a window of 8
     # behind a 16-token chunk); 40 blocks hold 104 tokens (26 + 14), and an unset max_model_len
     # is lowered to that.

@@ -149,3 +149,30 @@ def test_the_trace_records_window_freed_entries_as_null_and_holds_no_placeholder
     assert errors == []
     assert outside == 9
     assert owners == (seq if 0 in last_table else "")
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "ngram"])
+def test_speculation_over_a_window_keeps_greedy_and_frees_every_block(
+    tmp_path: Path, proposer: str
+) -> None:
+    """Drafts take lookahead slots past the window's edge and give the rejected ones back; the
+    blocks that leave the window are freed all the same. The draft model is the same weights
+    without the window: it agrees while every key is inside the window, then less often."""
+    hf, hf_global, path = tiny_pair(tmp_path / "target")
+    draft = tmp_path / "draft"
+    hf_global.save_pretrained(draft, safe_serialization=True)
+    spec: dict[str, Any] = {"num_speculative_tokens": 3}
+    spec |= {"model": str(draft)} if proposer == "draft_model" else {"prompt_lookup_min": 1}
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (6, 15, 30)]
+    expected = [hf_greedy(hf, p, 40, None) for p in prompts]
+    with checked_llm(
+        model=str(path), skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=24,
+        max_model_len=96, max_num_batched_tokens=16, max_num_seqs=8, speculative_config=spec,
+    ) as llm:  # fmt: skip
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+        stats = llm.get_stats()
+        assert stats.spec_decode_num_accepted_tokens > 0
+        assert isinstance(llm.llm_engine.kv_cache_manager, SlidingWindowKVCacheManager)

@@ -86,6 +86,12 @@ class DraftModelProposer:
             num_threads=torch.get_num_threads(),
         )
         self.runner = build_runner(wc, SINGLE_DEVICE, None, draft.device)
+        windowed = [m for m in self.runner.model.modules() if getattr(m, "sliding_window", None)]
+        if windowed:  # its cache would need the target's groups of layers: one block table here
+            raise ValueError(
+                f"speculative_config.model ({draft.source.name}): a draft model with "
+                "sliding-window layers is not supported (the target may have them)"
+            )
         self.kv = KVCacheManager(num_blocks, cache.block_size, enable_prefix_caching=False)
         self.max_chunk = config.scheduler.max_num_batched_tokens
         self.vocab_size = draft.hf_config.vocab_size

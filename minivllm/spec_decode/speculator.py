@@ -74,14 +74,6 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, engine: SpeculatingEngine) -> None:
         self.config = config
         self.engine = engine
-        cache = engine.config.cache  # its windows are known once the model is loaded
-        windows = {w for w in (cache.sliding_window, *cache.layer_sliding_windows) if w}
-        if windows:  # on every layer (Mistral) or on some (Gemma 2/3)
-            engine.executor.shutdown()  # no tensor-parallel worker outlives the refused engine
-            raise ValueError(
-                "speculative_config is not supported with a sliding window "
-                f"(the model's: {max(windows)})"
-            )
         k = config.num_speculative_tokens
         assert k is not None  # SpeculativeConfig checked it
         self.proposer: Proposer = self._make_proposer(config, engine)
