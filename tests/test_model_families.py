@@ -104,15 +104,29 @@ def family_llm(path: Path, **kwargs: Any) -> Any:
     return checked_llm(model=str(path), skip_tokenizer_init=True, cpu_kv_cache_space=0.01, **kwargs)
 
 
+# A pool of 24 blocks of 4 tokens for ~45 blocks' worth of requests (preemption), 12 tokens a
+# step (chunked prefill), and two prompts that begin with a third's first 12 tokens (prefix hits).
+SMALL_ENGINE = dict(
+    block_size=4, num_gpu_blocks_override=24, max_num_batched_tokens=12, max_num_seqs=6
+)
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_greedy_tokens_equal_transformers(tmp_path: Path, family: str, backend: str) -> None:
+    """transformers' greedy tokens through a small KV pool that preempts, chunked prefill and
+    shared prefixes, every block returned."""
     hf, path = save_family(tmp_path, family)
     prompts, max_tokens, expected = prompts_and_oracle(hf)
-    with family_llm(path, attention_backend=backend, max_model_len=256) as llm:
+    shared = [[*prompts[3][:12], 7, 8, 9], [*prompts[3][:12], 250]]
+    prompts, max_tokens = prompts + shared, [*max_tokens, 10, 12]
+    expected += [hf_greedy(hf, p, m, None) for p, m in zip(shared, max_tokens[4:])]
+    with family_llm(path, attention_backend=backend, max_model_len=64, **SMALL_ENGINE) as llm:
         model = llm.llm_engine.runner.model
         assert type(model).__name__ == FAMILIES[family][1].replace("Mistral", "Llama")
         assert greedy(llm, prompts, max_tokens) == expected
+        stats = llm.get_stats()
+    assert stats.num_preemptions > 0 and stats.num_prefix_cache_hit_tokens >= 8
 
 
 def test_the_cpu_decode_replay_runs_llama_s_math_only_and_qwen2_stays_exact(

@@ -1,9 +1,13 @@
-"""Qwen2, Qwen3, Phi-3 and Gemma 2 split over two ranks give transformers' greedy tokens (paper §4.6).
+"""Qwen2, Qwen3, Phi-3, Gemma 2, Mixtral and Qwen3-MoE over two ranks give transformers' greedy
+tokens (paper §4.6).
 
 Each family stresses the parallel layers in its own way: Qwen2's q/k/v bias is split by heads
 with the weight (`QKVParallelLinear`), Phi-3's fused checkpoint tensors are cut into parts
-before each rank takes its heads of each part, and Qwen3's q/k norms are replicated. Two ranks
-over gloo on this CPU, spawned by the engine, as in tests/test_tensor_parallel.py.
+before each rank takes its heads of each part, and Qwen3's q/k norms are replicated. A MoE
+layer's experts are split, not replicated: every rank holds every expert at I / N of its inner
+width (as the dense MLP's columns and rows), routes every token itself (the router is
+replicated) and all-reduces the partial sums (minivllm/model/fused_moe.py). Two ranks over gloo
+on this CPU, spawned by the engine, as in tests/test_tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ def _no_leftover_processes() -> Iterator[None]:
     yield from no_leftover_processes()
 
 
-@pytest.mark.parametrize("family", ["qwen2-tied", "qwen3-hd32", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2-tied", "qwen3-hd32", "phi3", "mixtral", "qwen3-moe"])
 def test_two_ranks_give_transformers_greedy_tokens(tmp_path: Path, family: str) -> None:
     hf, path = save_family(tmp_path, family)
     prompts, max_tokens, expected = prompts_and_oracle(hf, count=3)

@@ -351,9 +351,9 @@ def test_smollm2_drafted_by_its_own_q4_1_blocks_keeps_float32_greedy_output() ->
     """The real model: float32 SmolLM2 (its GGUF dequantized at load) drafted by the same file
     run on its Q4_1 blocks, a draft that reads a sixth of the bytes. Greedy output equals the
     float32 model's without speculation, and the quantized draft is kept most of the time."""
-    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    engine = {"quantization": "none", "cpu_kv_cache_space": 0.05, "max_model_len": 512}
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine = {"quantization": "none", "cpu_kv_cache_space": 0.02, "max_model_len": 128}
     plain = LLM(**engine).generate(prompts, params, use_tqdm=False)
     spec = {"model": str(_bundled_gguf()), "num_speculative_tokens": 4}
     llm = LLM(speculative_config=spec, **engine)
