@@ -13,7 +13,7 @@ lm-eval lives in its own virtual environment (never the project's):
 
     python3 -m venv ~/venvs/lm-eval
     ~/venvs/lm-eval/bin/pip install torch==2.13.0 "lm-eval[api,hf]" gguf
-    python benchmarks/lm_eval_compare.py --lm-eval-python ~/venvs/lm-eval/bin/python
+    python -m benchmarks.lm_eval_compare --lm-eval-python ~/venvs/lm-eval/bin/python
 
 The weights: the bundled SmolLM2-135M-Instruct GGUF, dequantized once into a float32 safetensors
 folder that both sides load (`--model DIR` takes another Hugging Face folder instead).
@@ -73,7 +73,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--out", default="bench-out/lm-eval", help="folder for the results")
     args = parser.parse_args()
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # lm-eval runs in the tasks folder: paths must be absolute
     out.mkdir(parents=True, exist_ok=True)
     model_dir = Path(args.model) if args.model else export_bundled_model(out / "smollm2-f32")
     started = time.monotonic()
