@@ -13,7 +13,10 @@ converter does, restated from its behaviour (not its code):
   1 + w); a MoE layer's experts are stacked per weight, [E, rows, columns] (`ffn_gate_exps`),
   or in older Mixtral files written one tensor per expert (`blk.N.ffn_gate.E.weight`);
 - metadata under the architecture's prefix; these files carry no tokenizer, so `{arch}.vocab_size`
-  says the vocabulary's size.
+  says the vocabulary's size;
+- Llama 3.1's `llama3` RoPE scaling is written as no metadata but a tensor, `rope_freqs.weight`:
+  one divisor per rotated pair (1 for short wavelengths, the factor for long ones, a smooth blend
+  in between), which llama.cpp divides its frequencies by.
 
 A tensor of two or more dimensions may be stored quantized (`qtype_of(gguf_name)`):
 gguf.quants.quantize writes Q4_0 ... Q8_0 from the weight; a K-quant is random blocks of the
@@ -23,6 +26,7 @@ right shape (gguf_utils.random_blocks), which do not approximate the weight.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import zlib
 from collections.abc import Callable
@@ -168,8 +172,30 @@ def convert(
         else:
             stack = torch.stack([by_expert[e] for e in sorted(by_expert)])  # [E, rows, columns]
             weights[f"blk.{layer}.ffn_{part}_exps.weight"] = stack
+    rope = dict(config.rope_parameters or {})
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        weights["rope_freqs.weight"] = llama3_divisors(config, rope)
     tensors = {name: encode(name, w, qtype_of) for name, w in weights.items()}
     return write_gguf(path, metadata(config, arch), tensors, arch=arch)
+
+
+def llama3_divisors(config: Any, rope: dict[str, Any]) -> torch.Tensor:  # float32 [head_dim // 2]
+    """llama3 scaling as the divisor of each RoPE frequency (what rope_freqs holds)."""
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    base = float(rope.get("rope_theta", 10000.0))
+    factor, low, high = (float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old_len = float(rope["original_max_position_embeddings"])
+    divisors = []
+    for freq in 1.0 / base ** (torch.arange(0, dim, 2).double() / dim):
+        wavelen = 2 * math.pi / float(freq)
+        if wavelen < old_len / high:
+            divisors.append(1.0)
+        elif wavelen > old_len / low:
+            divisors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            divisors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(divisors, dtype=torch.float32)
 
 
 def encode(

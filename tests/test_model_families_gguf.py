@@ -59,6 +59,37 @@ def test_a_family_s_gguf_file_gives_transformers_greedy_tokens(
     assert greedy(llm, prompts, max_tokens) == expected
 
 
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_llama_3_1_s_rope_freqs_give_transformers_tokens(
+    tmp_path: Path, own_cache: None, quantization: str
+) -> None:
+    """Llama 3.1's llama3 RoPE scaling reaches a GGUF file only as `rope_freqs` (one divisor per
+    frequency): read, it gives transformers' tokens; ignored, other tokens (checked here: the
+    unscaled model's differ), which is what a file gave before it was read."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0}
+    rope |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    config = LlamaConfig(**(SHAPE | {"head_dim": 32, "rope_parameters": rope}))
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).float().eval()
+    hf.save_pretrained(tmp_path / "hf")
+    path = convert(hf.config, tmp_path / "hf", tmp_path / "llama31.gguf", "llama")
+    prompts, max_tokens, expected = prompts_and_oracle(hf, count=3)
+    plain = LlamaForCausalLM(LlamaConfig(**(SHAPE | {"head_dim": 32}))).float().eval()
+    plain.load_state_dict(hf.state_dict())
+    assert prompts_and_oracle(plain, count=3)[2] != expected  # the scaling matters here
+    llm = LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        cpu_kv_cache_space=0.01,
+        quantization=quantization,
+        max_model_len=SHAPE["max_position_embeddings"],
+    )
+    assert llm.llm_engine.config.resolved.hf_config.rope_scaling["rope_type"] == "freq_factors"
+    assert greedy(llm, prompts, max_tokens) == expected
+
+
 # llama.cpp's fused Phi-3 tensors, one type each (q/k/v of one type cut into one part), a
 # K-quant and Q8_0 (real blocks of the weights) in layer 0, others in layer 1.
 PHI3_TYPES = {

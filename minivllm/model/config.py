@@ -1,11 +1,10 @@
 """Llama-like decoders as a typed config, read from a HuggingFace `config.json` or GGUF metadata.
 
 Everything the model code needs and nothing else (the other families differ from Llama by a few
-switches: `qkv_bias`, `qk_norm`, `sliding_window`). Two readers feed it — HuggingFace's JSON (both
-the `rope_theta`/`rope_scaling` spelling of transformers 4 and the `rope_parameters` spelling of
-transformers 5) and llama.cpp's GGUF key/value metadata — so the model itself never sees where its
-weights came from. (GGUF's metadata is first written as the config.json it stands for:
-gguf_config.py, loaded with GGUF files.)
+switches: `qkv_bias`, `qk_norm`, `sliding_window`). It reads HuggingFace's JSON, both transformers
+4's `rope_theta`/`rope_scaling` and transformers 5's `rope_parameters`; a GGUF file's metadata is
+first written as the config.json it stands for (gguf_config.py), so the model never sees where
+its weights came from.
 
 Tier: leaves. It imports no other tier of the package.
 """
@@ -21,7 +20,7 @@ ARCHITECTURE_FACTS: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True},  # q/k/v carry a bias, o does not
     "Qwen3ForCausalLM": {"qk_norm": True},  # each head's q and k are RMS-normalised before RoPE
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 class UnsupportedModelError(ValueError):
@@ -41,8 +40,9 @@ class LlamaConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # None, or {"rope_type": "linear", "factor": ...} or {"rope_type": "llama3", "factor": ...,
-    # "low_freq_factor": ..., "high_freq_factor": ..., "original_max_position_embeddings": ...}.
+    # None, or {"rope_type": "linear", "factor": ...}, {"rope_type": "llama3", "factor": ...,
+    # "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} or a GGUF file's
+    # rope_freqs divisors, {"rope_type": "freq_factors", "freq_factors": [...]}.
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False

@@ -193,7 +193,14 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
     names = {t.name for t in reader.tensors}
     if "rope_factors_long.weight" in names:  # Phi-3's long-context variants
         raise UnsupportedModelError("rope_type 'longrope' (rope_factors_long) is not supported")
-    return hf_config(fields, names)
+    cfg = hf_config(fields, names)
+    if "rope_freqs.weight" in names:
+        # Llama 3.1+: llama.cpp's converter writes the llama3 scaling as one divisor per rotated
+        # pair (the tensor), not as parameters; RoPE divides its frequencies by them.
+        (tensor,) = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+        factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)  # [head_dim // 2]
+        cfg["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+    return cfg
 
 
 def config_from_reader(reader: Any) -> LlamaConfig:
@@ -201,11 +208,17 @@ def config_from_reader(reader: Any) -> LlamaConfig:
     return config_from_hf_dict(gguf_hf_config(reader))
 
 
+# What the converted folder holds changes with this module (Llama 3.1's rope_freqs joined its
+# config.json in version 2): a folder converted by an older minivllm is not reused.
+CONVERTED_FORMAT = 2
+
+
 def convert_gguf(path: Path) -> Path:
     """A cached HuggingFace-style folder holding the GGUF file's config and tokenizer. The
     float32 weights are added to it only when asked for (`dequantized_weights`)."""
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CONVERTED_FORMAT}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()
     target = cache_root() / "gguf" / f"{path.stem}-{key[:16]}"
     if (target / "complete").is_file():
         return target

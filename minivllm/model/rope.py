@@ -3,11 +3,10 @@
 RoPE rotates each (x_i, x_{i+d/2}) pair of a query/key by an angle proportional to the token's
 position, so attention scores depend on relative position. Scalings stretch the frequencies so a
 model reaches past its training length: `linear` divides every frequency by a factor; `llama3`
-(Llama 3.1) divides only the low frequencies and interpolates smoothly in between.
-
-The cos/sin table is computed once for every position up to the model's limit and indexed by the
-step's flat `positions`, which is what lets one batch mix tokens from any place in any request.
-The arithmetic follows transformers' order of operations in float32, so logits match to ~1e-6.
+(Llama 3.1) divides only the low frequencies and interpolates smoothly in between (a GGUF file
+stores those divisors: `rope_freqs`, read as `freq_factors`). The cos/sin table is computed once
+for every position up to the model's limit and indexed by the step's flat `positions`, so one
+batch mixes tokens from any place in any request; in float32, in transformers' order of operations.
 
 Tier: model. It imports leaves and core.
 """
@@ -28,11 +27,12 @@ def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:  # float32 [h
         config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     )
     scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", "default")
-    if rope_type == "linear":
+    if (rope_type := scaling.get("rope_type", "default")) == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, scaling)
+    elif rope_type == "freq_factors":  # a GGUF file's rope_freqs: llama3's scaling, as divisors
+        inv_freq = inv_freq / torch.tensor(scaling["freq_factors"])
     return inv_freq
 
 
