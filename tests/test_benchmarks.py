@@ -123,6 +123,12 @@ def test_naive_allocator_never_exceeds_its_budget_and_wastes_the_over_reservatio
     assert steps[0].fragmented == (64 - 14) + (64 - 32)
 
 
+def test_memory_plot_empty_means_no_picture() -> None:
+    """`--plot ''` draws nothing (it named "." and wrote "./.png" once); unset, the default file."""
+    assert parse(memory, ["--plot", ""]).plot is None
+    assert parse(memory, []).plot == Path("kv_memory.png")
+
+
 def test_memory_shares_sum_to_one_and_paging_beats_reservation(
     tiny_llama: Path, tmp_path: Path
 ) -> None:

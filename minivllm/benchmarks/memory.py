@@ -67,7 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser)
     g = parser.add_argument_group("output")
     g.add_argument(
-        "--plot", type=Path, default=Path("kv_memory.png"), help="PNG of both runs; '' for none"
+        "--plot",
+        type=lambda text: Path(text) if text else None,  # Path("") would be ".": no file at all
+        default=Path("kv_memory.png"),
+        help="PNG of both runs; '' for none",
     )
     parser.epilog = EPILOG  # shown by `minivllm bench NAME --help`
 
@@ -302,7 +305,7 @@ def main(args: argparse.Namespace) -> int:
             f"  KV cache group {g} ({kind}, layers a block: {group['layers']}): "
             f"peak {group['peak_blocks']} blocks held"
         )
-    if args.plot and str(args.plot):
+    if args.plot is not None:
         plot(
             args.plot,
             {
