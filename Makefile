@@ -41,8 +41,20 @@ lint: install
 # (a saved tiny model, a running server) are built once; tests/conftest.py gives each worker one
 # thread. PYTEST_ARGS="-n0" runs them in this process.
 PYTEST_ARGS ?= -n auto --dist loadfile
+# Then the kernel parity files and tests/test_cpu_isa_levels.py (marker cpu_isa) again at each lower
+# instruction-set level this CPU runs a build of its own for (minivllm/cpu/isa.py: on an AVX-512
+# machine avx2 and generic, each with PyTorch's and oneDNN's kernels held to it too), so the code
+# an AVX2 or ARM user runs is built and tested here. ISA_PASSES=none skips them.
+ISA_PASSES ?= auto
 unit: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	@passes="$(ISA_PASSES)"; \
+	if [ "$$passes" = auto ]; then passes=$$($(PY) -m minivllm.cpu.isa --test-passes | tr ' ' ','); fi; \
+	if [ "$$passes" = none ]; then passes=; fi; \
+	for pass in $$passes; do \
+		echo "== cpu_isa tests at $$pass" | tr ',' ' '; \
+		env $$(echo $$pass | tr ',' ' ') $(PY) -m pytest -q $(PYTEST_ARGS) -m cpu_isa || exit 1; \
+	done
 
 docs: install
 	$(VENV)/bin/mkdocs build --strict --site-dir site

@@ -29,6 +29,8 @@ from test_kernels_cpu_layernorm import (
 from minivllm.cpu.build import load_cpu_kernels
 from minivllm.cpu.ops import rotary_embedding, silu_and_mul
 
+pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
+
 
 # ------------------------------------------------------------------------------ SiLU and mul
 @pytest.mark.parametrize("strided", [False, True], ids=["rows", "strided-rows"])

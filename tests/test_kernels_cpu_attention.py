@@ -25,6 +25,8 @@ from minivllm.cpu import attention as cpu_module
 from minivllm.cpu.attention import CpuBackend, CpuKernelUnavailable
 from minivllm.cpu.ops import paged_decode, reshape_and_cache
 
+pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
+
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 MODES = ["decode", "decode_split", "prefill", "extend", "mixed"]
 HEADS = [(4, 4), (4, 2), (9, 3), (8, 1)]

@@ -22,6 +22,8 @@ from test_kernels_cpu_attention import (
     check_cpu_backend_matches_reference,
 )
 
+pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
+
 AVX512_CASES = [
     case
     for case in itertools.product(MODES, HEADS, [F32], [32, 64, 128], [8, 16, 32, 48])

@@ -24,6 +24,8 @@ from minivllm.attention.reference import ReferenceBackend
 from minivllm.cpu.attention import CpuBackend
 from minivllm.cpu.ops import paged_decode, reshape_and_cache
 
+pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
+
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 KV_CASES = [
     *itertools.product(MODES, [(9, 3), (8, 1)], [32, 64, 80, 128], [16, 48], [BF16]),

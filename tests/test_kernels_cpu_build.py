@@ -23,7 +23,9 @@ import pytest
 from minivllm.attention.selector import get_attention_backend
 from minivllm.cpu import attention as cpu_module
 from minivllm.cpu import build as cpu_build
+from minivllm.cpu import isa
 from minivllm.cpu.build import CpuKernelUnavailable
+from minivllm.cpu.isa import Build, selected_level
 
 LIBRARY = "minivllm_cpu_kernels.so"
 # What torch raises when the compiler fails: its first line runs on into ninja's log.
@@ -46,7 +48,7 @@ class FakeBuild:
         monkeypatch.setattr(cpu_build, "compile_kernel", self.compile)
         monkeypatch.setattr(cpu_build, "_load_library", self.loaded.append)
 
-    def compile(self, build_dir: Path) -> str:
+    def compile(self, build_dir: Path, build: Build) -> str:
         # torch waits forever for this file: it must be gone before torch is called.
         assert not (build_dir / "lock").exists()
         self.compiled.append(build_dir)
@@ -59,6 +61,13 @@ class FakeBuild:
 def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     return tmp_path
+
+
+def current_build_dir() -> Path:
+    """The build folder of this process's instruction-set level."""
+    build = selected_level().build
+    assert build is not None
+    return cpu_build.kernel_build_dir(build)
 
 
 def load_in_a_new_process() -> None:
@@ -77,7 +86,7 @@ def test_the_compile_line_is_logged_once_and_later_processes_load_the_library(
         load_in_a_new_process()
         load_in_a_new_process()
         load_in_a_new_process()
-    build_dir = cpu_build.kernel_build_dir()
+    build_dir = current_build_dir()
     assert fake.compiled == [build_dir]
     assert fake.loaded == [build_dir / LIBRARY] * 3
     [line] = messages(caplog, "compiling")
@@ -93,7 +102,7 @@ def test_a_failed_build_is_remembered_and_not_retried(
     fake = FakeBuild(monkeypatch, RuntimeError(COMPILE_ERROR))
     with pytest.raises(CpuKernelUnavailable) as first:
         load_in_a_new_process()
-    [marker] = cpu_build.kernel_build_dir().glob("build-failed-*.txt")
+    [marker] = current_build_dir().glob("build-failed-*.txt")
     message = str(first.value)
     assert "\n" not in message
     assert "cpu_attention.cpp:12:3: error: expected ';'" in message and str(marker) in message
@@ -127,7 +136,7 @@ def test_deleting_the_marker_or_changing_the_compiler_retries_the_build(
     fake = FakeBuild(monkeypatch, RuntimeError(COMPILE_ERROR))
     with pytest.raises(CpuKernelUnavailable):
         load_in_a_new_process()
-    [marker] = cpu_build.kernel_build_dir().glob("build-failed-*.txt")
+    [marker] = current_build_dir().glob("build-failed-*.txt")
     marker.unlink()
     with pytest.raises(CpuKernelUnavailable):
         load_in_a_new_process()
@@ -168,7 +177,7 @@ def test_a_process_that_waited_for_another_s_build_loads_it_without_compiling(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake = FakeBuild(monkeypatch)
-    build_dir = cpu_build.kernel_build_dir()
+    build_dir = current_build_dir()
     build_dir.mkdir(parents=True)
     finish_the_build = (
         "time.sleep(0.5); (build_dir / 'lock').unlink()\n"
@@ -189,7 +198,7 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_one(
 ) -> None:
     """A process takes the build lock, starts torch's build (its `lock` file), and is SIGKILLed."""
     fake = FakeBuild(monkeypatch)
-    build_dir = cpu_build.kernel_build_dir()
+    build_dir = current_build_dir()
     build_dir.mkdir(parents=True)
     with another_builder(build_dir, then="time.sleep(600)") as builder:
         builder.kill()  # SIGKILL: no clean-up code of the builder runs
@@ -204,7 +213,7 @@ def test_waiting_for_a_live_build_is_bounded(monkeypatch: pytest.MonkeyPatch) ->
 
     fake = FakeBuild(monkeypatch)
     monkeypatch.setattr(cpu_build, "LOCK_TIMEOUT_S", 0.5)
-    build_dir = cpu_build.kernel_build_dir()
+    build_dir = current_build_dir()
     build_dir.mkdir(parents=True)
     with open(build_dir / "build.lock", "a") as other_builder:
         fcntl.flock(other_builder, fcntl.LOCK_EX)
@@ -254,7 +263,7 @@ def test_torch_s_build_log_goes_to_the_marker_not_the_terminal(
     with caplog.at_level(logging.INFO), pytest.raises(CpuKernelUnavailable):
         load_in_a_new_process()
     assert not messages(caplog, "not compatible")
-    [marker] = cpu_build.kernel_build_dir().glob("build-failed-*.txt")
+    [marker] = current_build_dir().glob("build-failed-*.txt")
     assert "Your compiler is not compatible" in marker.read_text()
     assert logging.getLogger("torch.utils.cpp_extension").propagate  # given back
 
@@ -278,10 +287,10 @@ def test_every_source_is_compiled_and_a_change_to_any_moves_the_build_folder(
     monkeypatch.setattr(cpu_build, "_load_library", lambda path: None)
     load_in_a_new_process()
     assert compiled == [[str(source) for source in sources]]
-    folders = {cpu_build.kernel_build_dir()}
+    folders = {current_build_dir()}
     for source in sources:
         source.write_text(source.read_text() + "// v2\n")
-        folders.add(cpu_build.kernel_build_dir())
+        folders.add(current_build_dir())
     assert len(folders) == 3
 
 
@@ -297,6 +306,113 @@ def test_torch_s_build_leaves_the_build_folder_s_name_unchanged(
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", torch_load)
     monkeypatch.setattr(cpu_build, "_load_library", lambda path: None)
-    before = cpu_build.kernel_build_dir()
+    before = current_build_dir()
     load_in_a_new_process()
-    assert cpu_build.kernel_build_dir() == before
+    assert current_build_dir() == before
+
+
+# ---------------------------------------------------------------------- instruction-set levels
+AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})  # AMD Zen 2, say
+
+
+def as_cpu(monkeypatch: pytest.MonkeyPatch, features: frozenset[str]) -> None:
+    monkeypatch.setattr(isa, "cpu_features", lambda: features)
+
+
+def test_an_avx2_cpu_runs_the_avx2_build_and_is_refused_avx512_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    as_cpu(monkeypatch, AVX2_ONLY)
+    monkeypatch.delenv(isa.ENV_VAR, raising=False)
+    assert isa.selected_level().name == "avx2"
+    assert [level.name for level in isa.supported_levels()] == ["reference", "generic", "avx2"]
+    monkeypatch.setenv(isa.ENV_VAR, "avx512")
+    with pytest.raises(
+        isa.CpuIsaUnsupported, match=r"lacks avx512f.*can run reference, generic, avx2"
+    ):
+        isa.selected_level()
+    monkeypatch.setenv(isa.ENV_VAR, "sse9")
+    with pytest.raises(isa.CpuIsaUnsupported, match="must be one of reference, generic, avx2"):
+        isa.selected_level()
+
+
+def test_a_cpu_without_x86_levels_runs_the_generic_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    as_cpu(monkeypatch, frozenset())  # aarch64, say: no x86 flags at all
+    monkeypatch.delenv(isa.ENV_VAR, raising=False)
+    assert isa.selected_level().name == "generic"
+    assert isa.selected_level().build == isa.GENERIC
+
+
+@pytest.mark.parametrize("level", ["generic", "avx2", "avx512"])
+def test_each_level_builds_with_its_own_flags_in_its_own_folder(
+    level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build never takes the build machine's instructions (-march=native) or a higher level's:
+    the AVX2 library must run on an AVX2 CPU whatever CPU compiled it."""
+    as_cpu(monkeypatch, AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    monkeypatch.setenv(isa.ENV_VAR, level)
+    seen: list[dict[str, object]] = []
+
+    def torch_load(build_directory: str, **kwargs: object) -> str:
+        seen.append({"dir": build_directory, **kwargs})
+        return str(Path(build_directory) / LIBRARY)
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", torch_load)
+    monkeypatch.setattr(cpu_build, "_load_library", lambda path: None)
+    load_in_a_new_process()
+    [call] = seen
+    flags = call["extra_cflags"]
+    assert isinstance(flags, list)
+    assert not any("native" in flag for flag in flags)
+    assert any(flag.startswith("-mavx512") for flag in flags) == (level == "avx512")
+    assert ("-mavx2" in flags) == (level != "generic")
+    assert f"cpu_kernels-{level}-" in str(call["dir"])
+
+
+def test_the_reference_level_loads_no_library_and_auto_attention_falls_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeBuild(monkeypatch)
+    monkeypatch.setenv(isa.ENV_VAR, "reference")
+    with pytest.raises(CpuKernelUnavailable, match="MINIVLLM_CPU_ISA=reference"):
+        load_in_a_new_process()
+    assert fake.compiled == [] and fake.loaded == []
+    monkeypatch.setattr(cpu_module, "load_cpu_kernels", load_in_a_new_process)
+    assert get_attention_backend("auto").name == "reference"
+
+
+# ------------------------------------------------------------- what a parallel region may touch
+def parallel_bodies(source: str) -> list[str]:
+    """The bodies of the lambdas given to `at::parallel_for` in a C++ source, comments removed."""
+    import re
+
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", "", source, flags=re.DOTALL)
+    bodies = []
+    for match in re.finditer(r"parallel_for\s*\(", code):
+        start = code.index("{", match.end())
+        depth, end = 0, start
+        for end in range(start, len(code)):
+            depth += {"{": 1, "}": -1}.get(code[end], 0)
+            if depth == 0:
+                break
+        bodies.append(code[start : end + 1])
+    return bodies
+
+
+def test_no_parallel_region_calls_aten() -> None:
+    """PyTorch's worker threads do not carry the caller's thread-local state (InferenceMode,
+    grad mode): an ATen call in a parallel region made on an inference tensor is refused there,
+    and only when a second thread runs it. Every region touches raw pointers only, or carries the
+    state in with at::ThreadLocalStateGuard."""
+    import re
+
+    aten = re.compile(
+        r"\bat::(?!parallel_for|get_num_threads|get_thread_num)\w+|\bTensor\b|\.data_ptr|TORCH_CHECK"
+    )
+    offenders = []
+    for source in (*cpu_build.SOURCES, *cpu_build.HEADERS):
+        for body in parallel_bodies(source.read_text()):
+            if "ThreadLocalStateGuard" not in body and (found := aten.search(body)):
+                offenders.append(f"{source.name}: {found.group(0)}")
+    assert offenders == []
+    assert len(parallel_bodies(cpu_build.SOURCES[0].read_text())) >= 2  # the parser finds regions

@@ -27,6 +27,8 @@ from minivllm.model.loader import load_model
 from minivllm.model.resolver import resolve_model
 from minivllm.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
+
 BLOCK_SIZE = 16
 needs_avx512 = pytest.mark.skipif(
     not skinny_gemm_fast(), reason="the op applies where the skinny GEMM has its AVX-512 path"

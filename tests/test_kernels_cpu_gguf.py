@@ -29,6 +29,8 @@ from gguf.quants import dequantize, quantize
 from minivllm.cpu.build import load_cpu_kernels
 from minivllm.cpu.ops import GGUF_BLOCK_SIZES, GGUF_KERNEL_TYPES, gguf_dequantize, gguf_linear
 
+pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
+
 T = gguf.GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 K_QUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}

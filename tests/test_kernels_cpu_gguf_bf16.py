@@ -28,6 +28,8 @@ from minivllm import envs
 from minivllm.cpu.build import load_cpu_kernels
 from minivllm.cpu.ops import gguf_has_bf16_dot, gguf_linear
 
+pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
+
 N = 37
 
 

@@ -28,6 +28,8 @@ import torch
 
 from minivllm.cpu.ops import fused_add_rms_norm, rms_norm
 
+pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
+
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 DTYPES = [F32, BF16, F16]
 TOKENS = [1, 3, 37, 300]

@@ -30,6 +30,8 @@ from minivllm.model.parallel_layers import (
 )
 from minivllm.platforms.cpu import CpuPlatform
 
+pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
+
 TOKENS = [1, 2, 5, 6, 7, 13, 32, 64]
 ROWS = [1, 3, 4, 5, 17, 96]  # weight rows: below, at and past the 4-row tile
 COLS = [1, 15, 16, 17, 40, 576]  # K: inside one 16-wide step, exactly one, a masked last step

@@ -16,7 +16,7 @@ from test_import_tiers import FILES, imports_of
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDERED_MAX_LINES = 2_300  # the ordered files themselves
-CLOSURE_MAX_LINES = 6_000  # with what they import at module level
+CLOSURE_MAX_LINES = 6_100  # with what they import at module level
 FILE_MAX_LINES = 400
 FUNCTION_MAX_LINES = 80
 

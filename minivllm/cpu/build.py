@@ -7,6 +7,10 @@ decode's linears (`cpu_skinny_gemm.cpp`), the linears on GGUF's quantized blocks
 dequantization (`cpu_gguf_gemm.cpp`) and the loop that runs a decode step's layers in one call
 (`cpu_decode_layers.cpp`); all register under `torch.ops.minivllm_cpu`, so one build and one load
 serve them all.
+The library is built once per instruction-set level it has code for (minivllm/cpu/isa.py: a
+generic build, AVX2+FMA, AVX-512), each with that level's flags and never the build machine's
+(`-march=native`), and a process loads the one of its level, so that an AVX-512 machine never
+hands its build to an AVX2 CPU and can build and test the AVX2 one itself.
 `torch.utils.cpp_extension.load` compiles them with the system compiler and `ninja`, the way vLLM
 builds its CPU kernels ahead of time. Doing it at first use keeps `pip install` free of a compiler
 step, at the price of three things this module takes care of:
@@ -47,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from minivllm.cpu.isa import ENV_VAR, Build, CpuIsaUnsupported, IsaLevel, selected_level
 from minivllm.envs import cache_root
 from minivllm.exceptions import CpuKernelUnavailable
 
@@ -69,12 +74,6 @@ SOURCES = tuple(
     )
 )
 HEADERS = (Path(__file__).with_name("cpu_gguf_blocks.h"),)  # included by the GGUF sources
-# Compiler flags per SIMD level PyTorch detected on this CPU: the kernels' loops are vectorized by
-# the compiler, so it must be told which instructions it may use (and no more than the CPU has).
-SIMD_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-}
 LDFLAGS = ("-lm", "-fopenmp")
 # How long a process waits for another one to finish compiling (a build takes about a minute on 2
 # idle cores, several on a loaded machine). A process that died while building holds nothing to wait for.
@@ -82,24 +81,26 @@ LOCK_TIMEOUT_S = 600.0
 BUILT_STAMP = "built.txt"  # holds the library's file name; written once it has built and loaded
 
 
-def cflags(simd: str) -> list[str]:
-    return ["-O3", "-ffast-math", "-fopenmp", *SIMD_FLAGS.get(simd, [])]
+def cflags(build: Build) -> list[str]:
+    """The compiler's flags for one build: its instruction sets, never `-march=native`, so that a
+    library built here runs on any CPU of its level (a cache folder may be shared by machines)."""
+    return ["-O3", "-ffast-math", "-fopenmp", *build.cflags]
 
 
-def kernel_build_dir() -> Path:
-    """The build folder: one per SIMD level, torch version, and set of sources with their flags.
+def kernel_build_dir(build: Build) -> Path:
+    """The build folder: one per build (instruction-set level), torch version, and set of sources
+    with their flags.
 
     A home folder shared by several machines never hands an AVX-512 build to an AVX2 CPU, and a
     new minivllm (a change to any of `SOURCES`) builds into a folder of its own, with no
     remembered failure of the old sources.
     """
-    simd = torch.backends.cpu.get_cpu_capability()
     digest = hashlib.sha256()
     # each file's name too: moving code between files is a change
     for source in (*SOURCES, *HEADERS):
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
-    digest.update(repr((cflags(simd), LDFLAGS)).encode())
-    name = f"cpu_kernels-{simd}-torch{torch.__version__}-{digest.hexdigest()[:10]}"
+    digest.update(repr((cflags(build), LDFLAGS)).encode())
+    name = f"cpu_kernels-{build.name}-torch{torch.__version__}-{digest.hexdigest()[:10]}"
     return cache_root() / "torch_extensions" / name
 
 
@@ -248,7 +249,7 @@ def torch_build_log() -> Iterator[list[str]]:
         torch_logger.propagate = propagate
 
 
-def compile_kernel(build_dir: Path) -> str:
+def compile_kernel(build_dir: Path, build: Build) -> str:
     """Run torch's build (`ninja`, then the C++ compiler) into `build_dir` and load the library;
     returns the library's file name."""
     from torch.utils.cpp_extension import load
@@ -257,7 +258,7 @@ def compile_kernel(build_dir: Path) -> str:
         library = load(
             name=EXTENSION_NAME,
             sources=[str(source) for source in SOURCES],
-            extra_cflags=cflags(torch.backends.cpu.get_cpu_capability()),
+            extra_cflags=cflags(build),
             extra_ldflags=list(LDFLAGS),  # a copy: torch appends its own libraries to it
             build_directory=str(build_dir),
             is_python_module=False,
@@ -266,7 +267,7 @@ def compile_kernel(build_dir: Path) -> str:
     return Path(str(library)).name
 
 
-def _build(build_dir: Path) -> None:
+def _build(build_dir: Path, build: Build) -> None:
     """Compile the library into `build_dir` unless it is built or failed before; at most one
     process of the machine compiles at a time."""
     marker = failure_marker(build_dir)
@@ -285,12 +286,13 @@ def _build(build_dir: Path) -> None:
         if failure := _remembered_failure(marker):
             raise failure
         logger.warning(
-            "compiling minivllm's CPU kernels (once per machine, about a minute) into %s",
+            "compiling minivllm's CPU kernels for %s (once per machine, about a minute) into %s",
+            build.name,
             build_dir,
         )
         try:
             with torch_build_log() as torch_lines:
-                library = compile_kernel(build_dir)
+                library = compile_kernel(build_dir, build)
         except Exception as exc:  # a missing compiler or ninja, a compile error, a bad library
             reason = _summary(exc)
             _write_atomically(marker, "\n\n".join([reason, str(exc), *torch_lines]) + "\n")
@@ -311,13 +313,40 @@ def _load_library(path: Path) -> None:
         ) from exc
 
 
+_loaded: list[IsaLevel] = []  # the level whose library this process loaded (at most one)
+
+
 @functools.cache
 def load_cpu_kernels() -> None:
-    """Load the library of `SOURCES`, building it first if this machine never has; registers
-    `torch.ops.minivllm_cpu` (paged_decode and the layer ops). Raises `CpuKernelUnavailable`
-    (one line) where it cannot."""
-    build_dir = kernel_build_dir()
+    """Load the library of `SOURCES` for this process's instruction-set level (`selected_level`:
+    `MINIVLLM_CPU_ISA`, else the best the CPU has), building it first if this machine never has;
+    registers `torch.ops.minivllm_cpu` (paged_decode and the layer ops). Raises
+    `CpuKernelUnavailable` (one line) where it cannot, or where the level is `reference`, and
+    `CpuIsaUnsupported` where `MINIVLLM_CPU_ISA` names a level this CPU cannot execute.
+
+    One library a process: every build registers the same ops, so the level is fixed by the first
+    load, and a later change of `MINIVLLM_CPU_ISA` is refused rather than silently ignored."""
+    level = selected_level()
+    if level.build is None:
+        raise CpuKernelUnavailable(
+            f"{ENV_VAR}=reference: the compiled CPU kernels are off, the plain-PyTorch "
+            "reference runs everywhere"
+        )
+    build_dir = kernel_build_dir(level.build)
     stamp = build_dir / BUILT_STAMP
     if not stamp.is_file():
-        _build(build_dir)
+        _build(build_dir, level.build)
     _load_library(build_dir / stamp.read_text().strip())
+    _loaded.append(level)
+
+
+def loaded_level() -> IsaLevel:
+    """The instruction-set level of the library this process runs (loading it if needed)."""
+    load_cpu_kernels()
+    level = selected_level()
+    if level.build != _loaded[0].build:
+        raise CpuIsaUnsupported(
+            f"{ENV_VAR}={level.name}, but this process already runs the {_loaded[0].name} "
+            "library; the level is chosen once per process, before the first model loads"
+        )
+    return level

@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from minivllm.cpu.build import load_cpu_kernels
+from minivllm.cpu.build import load_cpu_kernels, loaded_level
 
 __all__ = [
     "GGUF_BLOCK_SIZES",
@@ -230,9 +230,9 @@ def gguf_linear(
 
 
 def gguf_has_bf16_dot() -> bool:
-    """Whether this CPU (and this build of the library) has AVX512-BF16 for gguf_linear's bf16 dot."""
-    load_cpu_kernels()
-    return bool(torch.ops.minivllm_cpu.gguf_has_bf16_dot())
+    """Whether gguf_linear's bf16 dot may run: this CPU has AVX512-BF16, the library was built
+    with it, and the process's instruction-set level allows it (`MINIVLLM_CPU_ISA`)."""
+    return loaded_level().bf16_dot and bool(torch.ops.minivllm_cpu.gguf_has_bf16_dot())
 
 
 def gguf_dequantize(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -176,4 +177,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return platform_for(device).default_dtype()
     if dtype not in names:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")
+    if note := platform_for(device).slow_dtype_note(names[dtype]):
+        logging.getLogger("minivllm").warning(note)
     return names[dtype]

@@ -35,6 +35,21 @@ class CpuPlatform(Platform):
     def default_dtype(self) -> torch.dtype:
         return torch.float32
 
+    def slow_dtype_note(self, dtype: torch.dtype) -> str | None:
+        # float32 stays the default everywhere; bfloat16 is the user's choice, and on a CPU with
+        # no bf16 dot products (AVX512-BF16 or AMX) PyTorch and oneDNN convert every operand to
+        # float32 and back, which costs more than it saves.
+        if (
+            dtype != torch.bfloat16
+            or torch.cpu._is_avx512_bf16_supported()
+            or torch.cpu._is_amx_tile_supported()
+        ):
+            return None
+        return (
+            "dtype=bfloat16 on a CPU without bf16 instructions (AVX512-BF16 or AMX): it is "
+            "emulated, slower than float32 here; float32 is the default and the faster choice"
+        )
+
     def kv_cache_budget_bytes(
         self, device: torch.device, gpu_memory_utilization: float, cpu_kv_cache_space: float
     ) -> float:

@@ -84,6 +84,10 @@ class Platform:
         """What dtype "auto" means."""
         return torch.float32
 
+    def slow_dtype_note(self, dtype: torch.dtype) -> str | None:
+        """One line to log when the user asked for a dtype this device only emulates, else None."""
+        return None
+
     def kv_cache_budget_bytes(
         self, device: torch.device, gpu_memory_utilization: float, cpu_kv_cache_space: float
     ) -> float:
