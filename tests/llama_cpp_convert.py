@@ -143,9 +143,11 @@ def convert(
     arch: str,
     qtype_of: Callable[[str], int] | None = None,
     per_expert: bool = False,
+    fields: dict[str, object] | None = None,
 ) -> Path:
     """Write the checkpoint in `folder` (transformers config `config`) as a GGUF file of llama.cpp
-    architecture `arch` at `path`; `qtype_of` gives each tensor's GGML type (F32: 0)."""
+    architecture `arch` at `path`; `qtype_of` gives each tensor's GGML type (F32: 0), and
+    `fields` the metadata where it is not the converter's (`metadata`)."""
     state = load_file(str(folder / "model.safetensors"))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -176,7 +178,9 @@ def convert(
     if arch == "llama" and rope.get("rope_type") == "llama3":
         weights["rope_freqs.weight"] = llama3_divisors(config, rope)
     tensors = {name: encode(name, w, qtype_of) for name, w in weights.items()}
-    return write_gguf(path, metadata(config, arch), tensors, arch=arch)
+    return write_gguf(
+        path, metadata(config, arch) if fields is None else fields, tensors, arch=arch
+    )
 
 
 def llama3_divisors(config: Any, rope: dict[str, Any]) -> torch.Tensor:  # float32 [head_dim // 2]

@@ -12,7 +12,7 @@ from paged import paged_logits
 
 from minivllm.attention.selector import get_attention_backend
 from minivllm.model.errors import ModelLoadError, UnsupportedQuantizationError
-from minivllm.model.gguf import GGUFReadError
+from minivllm.model.gguf import GGUFReadError, config_from_reader, open_gguf
 from minivllm.model.loader import load_model
 from minivllm.model.quantization.gguf import gguf_parts
 from minivllm.model.resolver import resolve_model
@@ -47,6 +47,16 @@ def test_the_blocks_stay_blocks(tiny_gguf: Path) -> None:
     assert state["model.layers.1.mlp.down_proj.qweight_0"].dtype == torch.uint8
     floats = [p for p in model.parameters() if p.dtype == torch.float32]
     assert all(p.dim() == 1 for p in floats)  # only the norms are float weights
+
+
+def test_a_file_without_vocab_size_or_tokenizer_has_a_token_an_embedding_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With neither `llama.vocab_size` nor a tokenizer to count, the embedding's rows say the
+    vocabulary's size (a file with a tokenizer: tests/test_model_families_gguf.py)."""
+    monkeypatch.delitem(TINY_FIELDS, "llama.vocab_size")
+    path = tiny_llama_gguf(tmp_path / "old.gguf")
+    assert config_from_reader(open_gguf(path)).vocab_size == 320
 
 
 @pytest.mark.parametrize("output_type", [None, 14], ids=["tied", "own-Q6_K-head"])

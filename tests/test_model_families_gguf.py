@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from llama_cpp_convert import convert, qtypes_by_layer, use_own_cache
+from conftest import SMOLLM2_GGUF_NAME, smollm2_dir
+from llama_cpp_convert import convert, metadata, qtypes_by_layer, use_own_cache
 from test_bf16_cpu import check_logprobs_close
 from test_model_families import SHAPE, greedy, prompts_and_oracle, save_family
 
@@ -87,6 +88,32 @@ def test_llama_3_1_s_rope_freqs_give_transformers_tokens(
         max_model_len=SHAPE["max_position_embeddings"],
     )
     assert llm.llm_engine.config.resolved.hf_config.rope_scaling["rope_type"] == "freq_factors"
+    assert greedy(llm, prompts, max_tokens) == expected
+
+
+def test_a_file_without_vocab_size_counts_its_tokenizer_s_tokens(
+    tmp_path: Path, own_cache: None
+) -> None:
+    """Older converters wrote no `{arch}.vocab_size`: llama.cpp then counts the tokenizer's
+    tokens (`tokenizer.ggml.tokens`), and so does minivllm, which read 0 (the vocabulary arrays
+    are left out of the metadata it parses) and refused the file. A tiny Llama over SmolLM2's
+    tokenizer (49,152 tokens) loads with its tokenizer and gives transformers' tokens."""
+    import gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    reader = gguf.GGUFReader(str(smollm2_dir() / SMOLLM2_GGUF_NAME))
+    tokenizer = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    vocab = len(tokenizer["tokenizer.ggml.tokens"])
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**(SHAPE | {"vocab_size": vocab}))).float().eval()
+    hf.save_pretrained(tmp_path / "hf")
+    fields = metadata(hf.config, "llama") | tokenizer
+    del fields["llama.vocab_size"]
+    path = convert(hf.config, tmp_path / "hf", tmp_path / "old.gguf", "llama", fields=fields)
+    prompts, max_tokens, expected = prompts_and_oracle(hf, count=3)
+    llm = LLM(model=str(path), cpu_kv_cache_space=0.01, max_model_len=64)
+    assert llm.llm_engine.config.resolved.hf_config.vocab_size == vocab
+    assert len(llm.get_tokenizer()) == vocab
     assert greedy(llm, prompts, max_tokens) == expected
 
 

@@ -111,6 +111,7 @@ class EngineClient(Protocol):
         out: asyncio.Queue[StreamItem],
     ) -> None: ...
     def abort(self, request_ids: list[str]) -> None: ...
+    def abort_all(self) -> int: ...  # the shutdown drain ran out
 
 
 class EngineClientBase:
@@ -188,6 +189,16 @@ class EngineClientBase:
         return threadsafe_sink(self._loop, out)
 
     # ------------------------------------------------------------------ the client's thread
+    def abort(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def abort_all(self) -> int:
+        """Abort every request the engine holds (the server's shutdown drain ran out): each ends
+        as an aborted request does, its stream closed and its KV blocks freed. How many."""
+        ids = list(self._sinks.copy())  # the client thread's dict: a copy is one atomic step
+        self.abort(ids)
+        return len(ids)
+
     def _run(self) -> None:
         raise NotImplementedError
 

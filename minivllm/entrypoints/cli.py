@@ -152,9 +152,12 @@ def serve(args: argparse.Namespace) -> int:
     from minivllm.engine_core.client import EngineCoreClient
     from minivllm.entrypoints.api_key import resolve_api_key
     from minivllm.entrypoints.api_server import build_app
+    from minivllm.entrypoints.draining_server import ABORT_GRACE_S, DrainingServer
     from minivllm.entrypoints.metrics import show_hidden_metrics
 
     with usage_errors(args.parser):
+        if args.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be at least 0, got {args.shutdown_timeout}")
         config = EngineArgs.from_cli_args(args).create_engine_config()
         if args.engine_core_process and (
             args.enable_dashboard or config.parallel.tensor_parallel_size > 1
@@ -197,7 +200,7 @@ def serve(args: argparse.Namespace) -> int:
         show_hidden_metrics=show_hidden_metrics(args.show_hidden_metrics_for_version),
         model_path=args.model,
     )
-    uvicorn.run(
+    server_config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -205,7 +208,9 @@ def serve(args: argparse.Namespace) -> int:
         root_path=args.root_path,  # behind a proxy that strips a path prefix (vLLM's --root-path)
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S,
     )
+    DrainingServer(server_config, app.state.engine_client, args.shutdown_timeout).run()
     return 0
 
 

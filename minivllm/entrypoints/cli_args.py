@@ -15,6 +15,7 @@ from minivllm.entrypoints.tool_parsers import TOOL_PARSER_NAMES
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: ~1M tokens of text, far past any context
 DEFAULT_MAX_WAITING_REQUESTS = 1024  # beyond this, new requests get 503 + Retry-After
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # a few seconds for short requests to finish; a long one is cut
 
 # flag -> argparse's keywords, in the order `--help` lists them.
 SERVER_FLAGS: dict[str, dict[str, Any]] = {
@@ -71,6 +72,13 @@ SERVER_FLAGS: dict[str, dict[str, Any]] = {
         "default": None,
         "help": "also serve the metrics vLLM deprecated (e.g. vllm:gpu_cache_usage_perc); vLLM "
         "takes the version they were hidden in, minivllm shows them for any value",
+    },
+    "--shutdown-timeout": {
+        "type": float,
+        "default": DEFAULT_SHUTDOWN_TIMEOUT_S,
+        "help": "on SIGTERM or SIGINT, seconds the requests in flight may run on (no new ones are "
+        "accepted); then the engine aborts them and the server exits (vLLM's flag; 0: abort at "
+        "once, vLLM's default)",
     },
     "--return-tokens-as-token-ids": {
         "action": "store_true",

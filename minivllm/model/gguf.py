@@ -193,7 +193,7 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
     names = {t.name for t in reader.tensors}
     if "rope_factors_long.weight" in names:  # Phi-3's long-context variants
         raise UnsupportedModelError("rope_type 'longrope' (rope_factors_long) is not supported")
-    cfg = hf_config(fields, names)
+    cfg = hf_config(fields, names, n_vocab=_token_count(reader))
     if "rope_freqs.weight" in names:
         # Llama 3.1+: llama.cpp's converter writes the llama3 scaling as one divisor per rotated
         # pair (the tensor), not as parameters; RoPE divides its frequencies by them.
@@ -201,6 +201,17 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
         factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)  # [head_dim // 2]
         cfg["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
     return cfg
+
+
+def _token_count(reader: Any) -> int:
+    """The vocabulary's size as llama.cpp counts it where `{arch}.vocab_size` is missing: the
+    tokenizer's tokens (src/llama-model.cpp, `get_arr_n(LLM_KV_TOKENIZER_LIST)`), counted
+    without decoding the strings; a file without a tokenizer has one embedding row a token."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)  # one index into `parts` per string
+    embedding = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    return int(embedding[0].shape[-1]) if embedding else 0  # shape is GGML's: [hidden, vocab]
 
 
 def config_from_reader(reader: Any) -> LlamaConfig:

@@ -59,9 +59,13 @@ _MODEL_TYPES = {
 _GEMMA = {"gemma2": {"pattern": 2, "layers_27b": 46}, "gemma3": {"pattern": 6, "layers_27b": 62}}
 
 
-def hf_config(fields: dict[str, Any], tensor_names: Collection[str]) -> dict[str, Any]:
+def hf_config(
+    fields: dict[str, Any], tensor_names: Collection[str], n_vocab: int = 0
+) -> dict[str, Any]:
     """The config.json of the model a GGUF file holds, from its metadata (`fields`, vocabulary
-    arrays left out) and the names of its tensors."""
+    arrays left out) and the names of its tensors. `n_vocab` is the vocabulary's size where the
+    file has no `{arch}.vocab_size` (older converters wrote none): llama.cpp then counts the
+    tokenizer's tokens (`tokenizer.ggml.tokens`), which `gguf.gguf_hf_config` does."""
     arch = fields.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -81,7 +85,7 @@ def hf_config(fields: dict[str, Any], tensor_names: Collection[str]) -> dict[str
     eos = fields.get("tokenizer.ggml.eos_token_id")
     cfg: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
-        "vocab_size": int(get("vocab_size") or len(fields.get("tokenizer.ggml.tokens", []))),
+        "vocab_size": int(get("vocab_size") or n_vocab),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length", 0)),
         "num_hidden_layers": int(get("block_count")),
