@@ -8,6 +8,10 @@ converted to safetensors, the compiled CPU kernels). Like `VLLM_CACHE_ROOT`, it 
 default: bf16 dot products where the CPU has AVX512-BF16, else float32), `bf16` or `float32`
 (products exact in float32, half as many a cycle). docs/concepts/quantization.md says what each costs.
 
+`MINIVLLM_CPU_ISA`: which instruction-set level of the CPU kernels a process runs: `auto` (the
+default: the best this CPU has), `reference`, `generic`, `avx2`, `avx512` or `avx512_bf16`; read
+by minivllm/cpu/isa.py, which refuses a level the CPU lacks.
+
 This module imports nothing of minivllm, so any module may import it without creating a cycle
 (tests/test_imports.py holds the package's import graph acyclic).
 

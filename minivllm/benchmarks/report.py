@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from minivllm.cpu import isa
 
 
 # ---------------------------------------------------------------------------------- tables, JSON
@@ -56,13 +59,40 @@ def write_json(path: Path | None, data: dict[str, Any]) -> None:
     print(f"results written to {path}")
 
 
-def machine_load() -> str:
-    """The 1-minute load average and core count: timings on a shared machine need it beside them."""
+# The CPU features a speed depends on: which kernels run (minivllm/cpu/isa.py) and PyTorch's own.
+SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")
+
+
+def cpu_description() -> str:
+    """The CPU model, its speed-relevant flags and the instruction-set level minivllm runs at:
+    a figure measured on an AVX-512 CPU says little about an AVX2 one."""
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith(("model name", "Model", "CPU part")):
+                model = line.partition(":")[2].strip()
+                break
+    have = isa.cpu_features()
+    flags = " ".join(f for f in SPEED_FLAGS if f in have) or "no SIMD flags read"
     try:
-        load = os.getloadavg()[0]
+        level = isa.selected_level().name
+    except isa.CpuIsaUnsupported as e:
+        level = f"unsupported ({e})"
+    return f"{model} ({flags}); minivllm CPU level {level}"
+
+
+def machine_load() -> str:
+    """The 1-minute load average, core count and CPU: timings on a shared machine need them
+    beside them."""
+    try:
+        load = f"load {os.getloadavg()[0]:.2f} on "
     except OSError:
-        return f"{os.cpu_count()} cores"
-    return f"load {load:.2f} on {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+        load = ""
+    return (
+        f"{load}{os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
+        f"{cpu_description()}"
+    )
 
 
 # ---------------------------------------------------------------------------------- bench throughput
