@@ -106,12 +106,15 @@ inline __m256 scores8(const float* q, const T* k, int64_t row_elems, int64_t n) 
       for (int t = 0; t < kTokens; ++t)
         acc[t] = _mm256_fmadd_ps(qc, load8(k + t * row_elems + 8 * c), acc[t]);
     }
-  } else {
-    for (int64_t t = 0; t < n; ++t) {
+  } else {  // t known at compile time, so that acc stays in registers
+#pragma GCC unroll 8
+    for (int t = 0; t < kTokens; ++t) {
+      if (t < n) {
 #pragma GCC unroll 16
-      for (int c = 0; c < C; ++c)
-        acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8(k + t * row_elems + 8 * c),
-                                 acc[t]);
+        for (int c = 0; c < C; ++c)
+          acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8(k + t * row_elems + 8 * c),
+                                   acc[t]);
+      }
     }
   }
   return fold8(acc);
