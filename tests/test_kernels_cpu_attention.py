@@ -5,8 +5,8 @@ The kernel is cheap enough on a CPU to run the full product of the factors rathe
 grid: every batch mix of `batch_shape` (decodes at block edges, long contexts, prompt chunks and
 decodes in one step) x MHA / GQA 2:1, 3:1 (SmolLM2's), 8:1 x three dtypes x two head sizes x two
 block sizes, each with shuffled block tables and stale values in every slot a request does not own.
-float32's AVX-512 loops (cpu_attention_avx512.cpp) have their own grid in
-tests/test_kernels_cpu_attention_avx512.py.
+float32's loops written per instruction set (cpu_attention_avx512.cpp, cpu_attention_avx2.cpp)
+have their own grid in tests/test_kernels_cpu_attention_avx512.py.
 """
 
 from __future__ import annotations

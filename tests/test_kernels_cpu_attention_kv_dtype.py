@@ -1,13 +1,13 @@
-"""minivllm/cpu/cpu_attention.cpp and cpu_attention_avx512.cpp over a cache narrower than the
-queries (kv_cache_dtype="bfloat16" or "float16" under float32 weights), against the reference.
+"""minivllm/cpu/cpu_attention.cpp and its per-level loops (cpu_attention_avx512.cpp,
+cpu_attention_avx2.cpp) over a cache narrower than the queries (kv_cache_dtype="bfloat16" or "float16" under float32 weights), against the reference.
 
 The reference backend is the specification (tests/test_attention_reference.py holds it to float64
 attention over the rounded cache): `write_kv` rounds K/V to the cache's dtype, `attend` widens the
 cache back to the query's float32. The kernels must write the very same bits (rounding to nearest
 even, as `.to` does) and, reading those bits, agree with the reference to float32's tolerance
 (1e-5): the cache's rounding is shared, only the order of the float32 sums differs. A bfloat16
-cache at head sizes 32, 64 and 128 runs the AVX-512 loops (widened on load); head size 80 and a
-float16 cache run the portable loops.
+cache at head sizes 32, 64 and 128 runs the loops of the library's level, AVX-512 or AVX2 (widened
+on load); head size 80 and a float16 cache run the portable loops.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_cpu_backend_matches_reference_over_a_narrower_cache(case: tuple) -> Non
     torch.testing.assert_close(out, expected, **TOLERANCES[F32])
 
 
-@pytest.mark.parametrize("head_dim", [64, 80])  # AVX-512 loops, portable loops
+@pytest.mark.parametrize("head_dim", [64, 80])  # the level's loops, portable loops
 def test_decode_kernel_reads_a_bfloat16_cache_for_a_batch_of_mixed_lengths(head_dim: int) -> None:
     """32 requests of 1..600 tokens, a feature-major float32 query (the model's layout)."""
     lens = mixed_lengths(16, seed=head_dim)

@@ -38,7 +38,7 @@ BACKENDS_ATOL = 0.01
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # head_dim 64: the CPU kernel's AVX-512 loops, where the machine has them.
+    # head_dim 64: the CPU kernel's AVX-512 or AVX2 loops, where the library's level has them.
     out = tmp_path_factory.mktemp("tiny-llama")
     return save_tiny_llama(
         out, hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2

@@ -14,6 +14,7 @@ What lives here, and the test that holds each source to its plain-PyTorch refere
 |---|---|---|
 | `cpu_attention.cpp` | `paged_decode`, `reshape_and_cache` | tests/test_kernels_cpu_attention.py |
 | `cpu_attention_avx512.cpp` | the float32 AVX-512 loops of `paged_decode` | tests/test_kernels_cpu_attention_avx512.py |
+| `cpu_attention_avx2.cpp` | the same loops for AVX2 (`paged_decode_loops` says which run) | tests/test_kernels_cpu_attention_avx512.py |
 | `cpu_layernorm.cpp` | `rms_norm`, `fused_add_rms_norm` | tests/test_kernels_cpu_layernorm.py |
 | `cpu_activation_rope.cpp` | `silu_and_mul`, `rotary_embedding` | tests/test_kernels_cpu_activation_rope.py |
 | `cpu_skinny_gemm.cpp` | `skinny_gemm` | tests/test_kernels_cpu_skinny_gemm.py |

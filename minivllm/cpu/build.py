@@ -65,6 +65,7 @@ SOURCES = tuple(
     for name in (
         "cpu_attention.cpp",
         "cpu_attention_avx512.cpp",
+        "cpu_attention_avx2.cpp",
         "cpu_layernorm.cpp",
         "cpu_activation_rope.cpp",
         "cpu_skinny_gemm.cpp",

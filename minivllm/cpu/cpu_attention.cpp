@@ -12,9 +12,11 @@
 // PyTorch's own intra-op thread pool (at::parallel_for), never a second OpenMP runtime that would
 // fight it for the cores.
 //
-// Built on first use by minivllm/attention/cpu.py (torch.utils.cpp_extension). The loops are
-// plain C++ that the compiler vectorizes: -O3 with the host's SIMD flags and -ffast-math, which
-// lets it reorder the dot-product sums and call glibc's vector expf. Scores are finite here (every
+// Built on first use by minivllm/cpu/build.py (torch.utils.cpp_extension), once per
+// instruction-set level of minivllm/cpu/isa.py. The loops here are plain C++ that the compiler
+// vectorizes: -O3 with the level's SIMD flags and -ffast-math, which lets it reorder the
+// dot-product sums and call glibc's vector expf. Float32 scores and values have loops written
+// for the avx2 and avx512 levels besides (`decode_loops` says which run). Scores are finite here (every
 // key of a decode token is visible, no mask; a sliding window's skipped keys get weight 0, not a
 // -inf score), which is all fast-math's finite-math assumes.
 //
@@ -41,12 +43,15 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <numeric>
 #include <cstdint>
+#include <numeric>
+#include <string>
 #include <type_traits>
 #include <vector>
 
-// The kernel's float32 loops for AVX-512 CPUs, defined in cpu_attention_avx512.cpp.
+// The kernel's float32 loops written per instruction set, one source each with the same
+// functions: cpu_attention_avx512.cpp has code in the avx512 build of minivllm/cpu/isa.py,
+// cpu_attention_avx2.cpp in the avx2 build; in any other build `decode_<isa>_applies` is false.
 namespace minivllm_cpu_avx512 {
 bool decode_avx512_applies(int64_t head_dim);
 void decode_scores(const float* q, const float* k_cache, const int32_t* table, int64_t seq_len,
@@ -63,6 +68,22 @@ void decode_values(const float* p, const uint16_t* v_cache, const int32_t* table
                    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    float* acc);
 }  // namespace minivllm_cpu_avx512
+namespace minivllm_cpu_avx2 {
+bool decode_avx2_applies(int64_t head_dim);
+void decode_scores(const float* q, const float* k_cache, const int32_t* table, int64_t seq_len,
+                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   float* scores);
+void decode_values(const float* p, const float* v_cache, const int32_t* table, int64_t seq_len,
+                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   float* acc);
+// The same loops over a bfloat16 cache (its raw 16-bit patterns), widened to float32 on load.
+void decode_scores(const float* q, const uint16_t* k_cache, const int32_t* table, int64_t seq_len,
+                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   float* scores);
+void decode_values(const float* p, const uint16_t* v_cache, const int32_t* table, int64_t seq_len,
+                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   float* acc);
+}  // namespace minivllm_cpu_avx2
 
 namespace {
 
@@ -98,9 +119,51 @@ inline void for_each_cached_token(
 }
 // --8<-- [end:walk]
 
-// The AVX-512 loops' view of a cache element: float32 as it is, bfloat16 as its 16-bit pattern.
+// ---------------------------------------------------------------------------- which loops run
+// A request's scores and values run the float32 loops of the library's instruction set
+// (cpu_attention_avx512.cpp, cpu_attention_avx2.cpp) for float32 queries over a float32 or
+// bfloat16 cache at the head sizes they are written for (32, 64, 128); anything else runs the
+// portable loops below, which the compiler vectorizes as it can.
+enum class DecodeLoops { portable, avx2, avx512 };
+
+DecodeLoops decode_loops(at::ScalarType query, at::ScalarType cache, int64_t head_dim) {
+  if (query != at::kFloat || (cache != at::kFloat && cache != at::kBFloat16))
+    return DecodeLoops::portable;
+  if (minivllm_cpu_avx512::decode_avx512_applies(head_dim)) return DecodeLoops::avx512;
+  if (minivllm_cpu_avx2::decode_avx2_applies(head_dim)) return DecodeLoops::avx2;
+  return DecodeLoops::portable;
+}
+
+// Those loops' view of a cache element: float32 as it is, bfloat16 as its 16-bit pattern.
 template <typename cache_t>
-using avx512_elem_t = std::conditional_t<std::is_same_v<cache_t, c10::BFloat16>, uint16_t, float>;
+using simd_elem_t = std::conditional_t<std::is_same_v<cache_t, c10::BFloat16>, uint16_t, float>;
+
+// scores[h * seq_len + t] = q[h] · k_t by the loops `loops` names (avx2 or avx512).
+template <typename elem_t>
+void simd_decode_scores(DecodeLoops loops, const float* q, const elem_t* k_cache,
+                        const int32_t* table, int64_t seq_len, int64_t block_size,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                        float* scores) {
+  if (loops == DecodeLoops::avx512)
+    minivllm_cpu_avx512::decode_scores(q, k_cache, table, seq_len, block_size, num_heads,
+                                       num_kv_heads, head_dim, scores);
+  else
+    minivllm_cpu_avx2::decode_scores(q, k_cache, table, seq_len, block_size, num_heads,
+                                     num_kv_heads, head_dim, scores);
+}
+
+// acc[h] += Σ_t p[h * seq_len + t] · v_t by the loops `loops` names (avx2 or avx512).
+template <typename elem_t>
+void simd_decode_values(DecodeLoops loops, const float* p, const elem_t* v_cache,
+                        const int32_t* table, int64_t seq_len, int64_t block_size,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float* acc) {
+  if (loops == DecodeLoops::avx512)
+    minivllm_cpu_avx512::decode_values(p, v_cache, table, seq_len, block_size, num_heads,
+                                       num_kv_heads, head_dim, acc);
+  else
+    minivllm_cpu_avx2::decode_values(p, v_cache, table, seq_len, block_size, num_heads,
+                                     num_kv_heads, head_dim, acc);
+}
 
 // HEAD_DIM > 0 is head_dim known at compile time (0: read at run time). With it the compiler
 // unrolls each 64-long dot product and value update into a few vector instructions with no loop
@@ -123,13 +186,10 @@ void paged_decode_kernel(
   const int64_t hd = HEAD_DIM > 0 ? HEAD_DIM : head_dim;  // the loops' head_dim
   const int64_t group = num_heads / num_kv_heads;        // query heads per KV head
   const int64_t row_elems = num_kv_heads * head_dim;     // one token's K (or V), all KV heads
-  // float32 queries over a float32 or bfloat16 cache on an AVX-512 CPU: the loops of
-  // cpu_attention_avx512.cpp (~2x faster; see there).
-  using avx_t = avx512_elem_t<cache_t>;
-  constexpr bool avx512_types =
-      std::is_same_v<query_t, float> &&
-      (std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::BFloat16>);
-  const bool avx512 = avx512_types && minivllm_cpu_avx512::decode_avx512_applies(head_dim);
+  // The instruction set's own loops where they apply (`decode_loops`), else the portable ones.
+  using simd_t = simd_elem_t<cache_t>;
+  const DecodeLoops loops = decode_loops(c10::CppTypeToScalarType<query_t>::value,
+                                         c10::CppTypeToScalarType<cache_t>::value, head_dim);
   // Load balance: a request costs its seq_len, and a decode batch mixes lengths 16..512, so the
   // contiguous ranges at::parallel_for hands each thread can leave one thread idle while the
   // other finishes. Instead every thread takes the next request from a shared counter, longest
@@ -167,10 +227,9 @@ void paged_decode_kernel(
           q[h * head_dim + d] = float(src[h * q_stride[1] + d * q_stride[2]]) * scale;
       scores.resize(num_heads * seq_len);
 
-      if (avx512) {
-        minivllm_cpu_avx512::decode_scores(q.data(), reinterpret_cast<const avx_t*>(k_cache), table,
-                                           seq_len, block_size, num_heads, num_kv_heads, head_dim,
-                                           scores.data());
+      if (loops != DecodeLoops::portable) {
+        simd_decode_scores(loops, q.data(), reinterpret_cast<const simd_t*>(k_cache), table,
+                           seq_len, block_size, num_heads, num_kv_heads, head_dim, scores.data());
       } else {
         // --8<-- [start:scores]
         // Scores: q · k for every cached token. A request is one work item, so each block is read
@@ -209,10 +268,9 @@ void paged_decode_kernel(
       }
       // Output: the probability-weighted sum of the values, walked the same way.
       std::fill(acc.begin(), acc.end(), 0.f);
-      if (avx512) {
-        minivllm_cpu_avx512::decode_values(scores.data(), reinterpret_cast<const avx_t*>(v_cache),
-                                           table, seq_len, block_size, num_heads, num_kv_heads,
-                                           head_dim, acc.data());
+      if (loops != DecodeLoops::portable) {
+        simd_decode_values(loops, scores.data(), reinterpret_cast<const simd_t*>(v_cache), table,
+                           seq_len, block_size, num_heads, num_kv_heads, head_dim, acc.data());
       } else {
         for_each_cached_token(v_cache, table, seq_len, block_size, row_elems,
                               [&](int64_t t, const cache_t* v_row) {
@@ -303,6 +361,17 @@ void paged_decode(const at::Tensor& out, const at::Tensor& query, const at::Tens
                   const at::Tensor& seq_lens, const at::Tensor& token_rows, double scale) {
   paged_decode_sliding(out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale, 0,
                        0.0);
+}
+
+// Which loops paged_decode runs for these dtypes and head size: "avx512", "avx2" or "portable"
+// (the tests ask it, so that each level's loops are known to be the ones they hold).
+std::string paged_decode_loops(at::ScalarType query_dtype, at::ScalarType cache_dtype,
+                               int64_t head_dim) {
+  switch (decode_loops(query_dtype, cache_dtype, head_dim)) {
+    case DecodeLoops::avx512: return "avx512";
+    case DecodeLoops::avx2: return "avx2";
+    default: return "portable";
+  }
 }
 
 // ---------------------------------------------------------------------------------- cache write
@@ -411,6 +480,8 @@ TORCH_LIBRARY(minivllm_cpu, m) {
       "Tensor block_tables, Tensor seq_lens, Tensor token_rows, float scale, "
       "int sliding_window, float softcap=0.0) -> ()",
       &paged_decode_sliding);
+  m.def("paged_decode_loops(ScalarType query_dtype, ScalarType cache_dtype, int head_dim) -> str",
+        &paged_decode_loops);
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()",

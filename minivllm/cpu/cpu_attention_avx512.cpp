@@ -3,8 +3,8 @@
 //
 // Decode attention should cost what reading its K and V costs: every step reads each running
 // request's whole context once per layer. The compiler-vectorized loops of cpu_attention.cpp did
-// not get there (measured on 2 EPYC cores: 34 GB/s of K/V, where the cores read 81 GB/s). Two
-// things held them back, both about the shape of the work rather than the memory:
+// not get there (benchmarks/cpu_decode.py measures both against a copy of memory). Two things
+// held them back, both about the shape of the work rather than the memory:
 //
 // - Scores. A token's score is a 64-long dot product: four vector FMAs, then a fold of the
 //   vector's 16 lanes into one number, which takes as many instructions again and is paid for
@@ -23,7 +23,8 @@
 // bytes per token. bfloat16 is float32's top 16 bits, so widening 16 of them is one zero-extend to
 // 32 bits and one shift left by 16 (`load16`); the arithmetic is the float32 loops' own.
 //
-// Compiled into the library where PyTorch detected AVX-512 (minivllm/cpu/build.py).
+// Compiled with code only in the avx512 build of minivllm/cpu/isa.py (the avx512 and avx512_bf16
+// levels); the avx2 build runs cpu_attention_avx2.cpp, the same loops for 8-lane vectors.
 // Elsewhere `decode_avx512_applies` is false and cpu_attention.cpp keeps its portable loops, as it
 // does for float32 queries over a float16 cache, for bfloat16 or float16 queries, and for head
 // sizes other than 32, 64 and 128.

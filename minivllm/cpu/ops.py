@@ -47,6 +47,7 @@ __all__ = [
     "gguf_linear",
     "is_feature_major",
     "paged_decode",
+    "paged_decode_loops",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
@@ -204,6 +205,15 @@ def paged_decode(
             out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale,
             sliding_window or 0, softcap,
         )  # fmt: skip
+
+
+def paged_decode_loops(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> str:
+    """Which loops `paged_decode` runs for these dtypes and head size: "avx512" or "avx2" (the
+    float32 loops written for the loaded library's instruction set, cpu_attention_avx512.cpp and
+    cpu_attention_avx2.cpp: float32 queries over a float32 or bfloat16 cache, head sizes 32, 64
+    and 128), else "portable" (cpu_attention.cpp's compiler-vectorized loops)."""
+    load_cpu_kernels()
+    return torch.ops.minivllm_cpu.paged_decode_loops(query_dtype, cache_dtype, head_dim)
 
 
 def gguf_linear(
