@@ -1,10 +1,11 @@
 """Building the CPU kernels (`SOURCES`) into one library once per machine, quietly and safely.
 
-Seven C++ files of this package make the library: the paged attention kernel (`cpu_attention.cpp`,
-with its float32 AVX-512 loops in `cpu_attention_avx512.cpp`), the fused layer ops
-(`cpu_layernorm.cpp`: RMSNorm; `cpu_activation_rope.cpp`: SiLU-and-mul, RoPE), the skinny GEMM of
-decode's linears (`cpu_skinny_gemm.cpp`), the linears on GGUF's quantized blocks and their
-dequantization (`cpu_gguf_gemm.cpp`) and the loop that runs a decode step's layers in one call
+The C++ files of this package make the library: the paged attention kernel (`cpu_attention.cpp`,
+with its float32 loops for AVX-512 and AVX2 in `cpu_attention_avx512.cpp` and
+`cpu_attention_avx2.cpp`), the fused layer ops (`cpu_layernorm.cpp`: RMSNorm;
+`cpu_activation_rope.cpp`: SiLU-and-mul, RoPE), the skinny GEMM of decode's linears
+(`cpu_skinny_gemm.cpp`), the linears on GGUF's quantized blocks and their dequantization
+(`cpu_gguf_gemm*.cpp`) and the loop that runs a decode step's layers in one call
 (`cpu_decode_layers.cpp`); all register under `torch.ops.minivllm_cpu`, so one build and one load
 serve them all.
 The library is built once per instruction-set level it has code for (minivllm/cpu/isa.py: a
