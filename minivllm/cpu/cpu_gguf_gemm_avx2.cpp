@@ -68,8 +68,13 @@ inline float quantize_block(const float* x, int n, int8_t* xq) {
   return d;
 }
 
+// Blocks rounded up to a multiple of 8: the offsets' per-block floats (B, sx) are padded with zeros
+// to whole vectors of 8 blocks, which the tiles multiply with one FMA each.
+inline int64_t padded8(int64_t blocks) { return (blocks + 7) / 8 * 8; }
+
 // x[M, K] (row stride ldx) as blocks of kBlock: xq [M][K], dx [M][K / kBlock], and per block
-// either sx (kBlock 32: dx · Σ xq) or bsums [M][K / 256][16] (kBlock 256: Σ xq of each 16).
+// either sx [M][padded8(K / 32)] (kBlock 32: dx · Σ xq, zeros past the last block) or
+// bsums [M][K / 256][16] (kBlock 256: Σ xq of each 16).
 struct Tokens {
   int64_t K, blocks;
   std::vector<int8_t> xq;
@@ -79,7 +84,8 @@ struct Tokens {
 
 Tokens quantize_tokens(const float* x, int64_t ldx, int64_t M, int64_t K, int block) {
   Tokens t{K, K / block, std::vector<int8_t>(M * K), std::vector<float>(M * (K / block)), {}, {}};
-  if (block == 32) t.sx.resize(M * t.blocks);
+  const int64_t nbp = padded8(t.blocks);
+  if (block == 32) t.sx.assign(M * nbp, 0.0f);
   else t.bsums.resize(M * t.blocks * 16);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
@@ -90,7 +96,7 @@ Tokens quantize_tokens(const float* x, int64_t ldx, int64_t M, int64_t K, int bl
         if (block == 32) {
           int s = 0;
           for (int k = 0; k < 32; ++k) s += q[k];
-          t.sx[m * t.blocks + b] = d * float(s);
+          t.sx[m * nbp + b] = d * float(s);
         } else {
           for (int j = 0; j < 16; ++j) {
             int s = 0;
@@ -247,23 +253,32 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// A group of unpacked rows, 32-weight types: q [rows][K] bytes, A and B [rows][K / 32].
+// A group of unpacked rows, 32-weight types: q [rows][K] bytes, A [rows][K / 32] and
+// B [rows][padded8(K / 32)] (zeros past the last block).
 struct Rows32 { const uint8_t* q; const float* A; const float* B; };
 
 // out[t · ldo + r] = Σ_b A_rb · dx_tb · (q_rb · xq_tb) + Σ_b B_rb · sx_tb, for r < rows (<= R),
-// t < T. Rows past `rows` repeat the last; their sums are dropped.
+// t < T. Rows past `rows` repeat the last; their sums are dropped. The offsets' sum goes into the
+// same 8 float lanes, 8 blocks per FMA, so that the tile ends with one horizontal sum per output.
 template <class X, int R, int T>
 void tile32(Rows32 w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64_t ldo) {
-  const int64_t K = x.K, nb = x.blocks;
+  const int64_t K = x.K, nb = x.blocks, nbp = padded8(nb);
   int64_t row[R];
   for (int r = 0; r < R; ++r) row[r] = std::min<int64_t>(r, rows - 1);
   const int8_t* xq = x.xq.data() + t0 * K;
   const float* dx = x.dx.data() + t0 * nb;
+  const float* sx = x.sx.data() + t0 * nbp;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    if (X::kOffset && b % 8 == 0)  // Σ B · sx over blocks [b, b + 8)
+      for (int r = 0; r < R; ++r) {
+        const __m256 Bv = _mm256_loadu_ps(w.B + row[r] * nbp + b);
+        for (int t = 0; t < T; ++t)
+          acc[r][t] = _mm256_fmadd_ps(Bv, _mm256_loadu_ps(sx + t * nbp + b), acc[r][t]);
+      }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + row[r] * K + 32 * b));
@@ -280,15 +295,7 @@ void tile32(Rows32 w, int64_t rows, const Tokens& x, int64_t t0, float* out, int
     }
   }
   for (int r = 0; r < rows; ++r)
-    for (int t = 0; t < T; ++t) {
-      float offset = 0.0f;  // Σ_b B_rb · sx_tb: a short float dot, vectorized by the compiler
-      if (X::kOffset) {
-        const float* B = w.B + r * nb;
-        const float* sx = x.sx.data() + (t0 + t) * nb;
-        for (int64_t b = 0; b < nb; ++b) offset += B[b] * sx[b];
-      }
-      out[t * ldo + r] = hsum(acc[r][t]) + offset;
-    }
+    for (int t = 0; t < T; ++t) out[t * ldo + r] = hsum(acc[r][t]);
 }
 
 // A group of unpacked rows, K-quants: q [rows][K] bytes, sc [rows][K / 256][8][16],
@@ -314,7 +321,7 @@ void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64
       const int16_t* sc = w.sc + rs * 128;
       __m256i sumi[T];
       for (int t = 0; t < T; ++t) sumi[t] = _mm256_setzero_si256();
-#pragma GCC unroll 8
+#pragma GCC unroll 2  // a full unroll lets GCC hoist all 32 dots, and spill them
       for (int c = 0; c < 8; ++c) {
         const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
         const __m256i scv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * c));
@@ -375,11 +382,14 @@ void over_group(int64_t rows, int64_t M, int64_t K, Tile&& tile) {
   }
 }
 
-// One token (decode): 4 rows a tile share each load of x. More: 2 rows x 4 tokens (8 sums).
+// Rows per register tile: one token (decode): 4 rows share each load of x. More tokens: `many`
+// rows x 4 tokens, 2 for the 32-weight types (8 float sums); 1 for the K-quants, which also keep
+// 4 int32 sums of a super-block live, and whose x loads are memory operands of their dots.
 template <class F>
-void with_rows(int64_t M, F&& f) {
+void with_rows(int64_t M, int many, F&& f) {
   if (M == 1) f(std::integral_constant<int, 4>{});
-  else f(std::integral_constant<int, 2>{});
+  else if (many == 2) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 1>{});
 }
 
 template <class X>
@@ -387,20 +397,20 @@ void linear32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t
               int64_t K) {
   using Q = typename X::Q;
   const Tokens tok = quantize_tokens(x, ldx, M, K, 32);
-  const int64_t nb = K / 32, row_bytes = nb * Q::kBytes, G = group_rows(N, K, 2);
-  with_rows(M, [&](auto r_) {
+  const int64_t nb = K / 32, nbp = padded8(nb), row_bytes = nb * Q::kBytes, G = group_rows(N, K, 2);
+  with_rows(M, 2, [&](auto r_) {
     constexpr int R = decltype(r_)::value;
     at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
       std::vector<uint8_t> q(G * K);  // [G][K]   this thread's rows, a byte a weight
-      std::vector<float> A(G * nb), B(G * nb);  // [G][K / 32]
+      std::vector<float> A(G * nb), B(G * nbp, 0.0f);  // [G][K / 32], [G][padded8(K / 32)]
       for (int64_t g = begin; g < end; ++g) {
         const int64_t n0 = g * G, rows = std::min(G, N - n0);
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t b = 0; b < nb; ++b)
             X::unpack(w + (n0 + r) * row_bytes + b * Q::kBytes, q.data() + r * K + 32 * b,
-                      A[r * nb + b], B[r * nb + b]);
+                      A[r * nb + b], B[r * nbp + b]);
         over_group<R>(rows, M, K, [&](auto t_, int64_t r0, int64_t n, int64_t t0) {
-          const Rows32 rw{q.data() + r0 * K, A.data() + r0 * nb, B.data() + r0 * nb};
+          const Rows32 rw{q.data() + r0 * K, A.data() + r0 * nb, B.data() + r0 * nbp};
           tile32<X, R, decltype(t_)::value>(rw, n, tok, t0, out + t0 * N + n0 + r0, N);
         });
       }
@@ -414,7 +424,7 @@ void linearK(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t 
   using Q = typename X::Q;
   const Tokens tok = quantize_tokens(x, ldx, M, K, 256);
   const int64_t ns = K / 256, row_bytes = ns * Q::kBytes, G = group_rows(N, K, 3);
-  with_rows(M, [&](auto r_) {
+  with_rows(M, 1, [&](auto r_) {
     constexpr int R = decltype(r_)::value;
     at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
       std::vector<uint8_t> q(G * K);             // [G][K]
