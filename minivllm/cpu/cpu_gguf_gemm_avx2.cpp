@@ -18,11 +18,10 @@
 // numpy reference of this scheme rounds every element the same way.
 //
 // The weights. Each thread unpacks a group of weight rows once into a per-thread buffer
-// (std::vectors):
-// every quant as one byte in x's order, and the block's scales beside it. Then register tiles of R
-// rows x T tokens run over the buffer, so that a 32-byte load of weights serves T tokens and a load
-// of x serves R rows; token panels keep the x rows that the tiles reread in L2. The int8 buffer is a
-// quarter of the float32 scratch that dequantize-then-multiply would write.
+// (std::vectors): every quant as one byte in x's order, and the block's scales beside it. Then
+// register tiles of R rows x T tokens run over the buffer, so that a 32-byte load of weights serves
+// T tokens and a load of x serves R rows; token panels keep the x rows that the tiles reread in L2.
+// The int8 buffer is a quarter of the float32 scratch that dequantize-then-multiply would write.
 //
 // Threads split the weight rows (at::parallel_for); inside the parallel regions only raw pointers
 // and std::vector are touched: ATen ops there would run without the caller's InferenceMode.
@@ -72,32 +71,43 @@ inline float quantize_block(const float* x, int n, int8_t* xq) {
 // to whole vectors of 8 blocks, which the tiles multiply with one FMA each.
 inline int64_t padded8(int64_t blocks) { return (blocks + 7) / 8 * 8; }
 
-// x[M, K] (row stride ldx) as blocks of kBlock: xq [M][K], dx [M][K / kBlock], and per block
-// either sx [M][padded8(K / 32)] (kBlock 32: dx · Σ xq, zeros past the last block) or
-// bsums [M][K / 256][16] (kBlock 256: Σ xq of each 16).
+// The 32-weight tiles take two blocks a step (`tile32`): K padded to a multiple of 64 with zero
+// quants, and each pair's two scales in the lane order of _mm256_hadd_epi32 on the pair's sums,
+//   lanes | b b b+1 b+1 | b b b+1 b+1 |   (b even)
+inline int64_t padded64(int64_t K) { return (K + 63) / 64 * 64; }
+inline void pair_lanes(float* pairs, int64_t b, float v) {  // block b's scale into its lanes
+  float* p = pairs + (b / 2) * 8 + (b % 2) * 2;
+  p[0] = p[1] = p[4] = p[5] = v;
+}
+
+// x[M, K] (row stride ldx) as blocks of kBlock: xq [M][ldq] and
+// - kBlock 32: ldq = padded64(K) (zero quants past K), dx in block pairs [M][ldq / 64][8]
+//   (pair_lanes) and sx [M][padded8(K / 32)] (dx · Σ xq, zeros past the last block);
+// - kBlock 256: ldq = K, dx [M][K / 256] and bsums [M][K / 256][16] (Σ xq of each 16).
 struct Tokens {
-  int64_t K, blocks;
+  int64_t K, ldq, blocks;
   std::vector<int8_t> xq;
   std::vector<float> dx, sx;
   std::vector<int16_t> bsums;
 };
 
 Tokens quantize_tokens(const float* x, int64_t ldx, int64_t M, int64_t K, int block) {
-  Tokens t{K, K / block, std::vector<int8_t>(M * K), std::vector<float>(M * (K / block)), {}, {}};
-  const int64_t nbp = padded8(t.blocks);
-  if (block == 32) t.sx.assign(M * nbp, 0.0f);
-  else t.bsums.resize(M * t.blocks * 16);
+  const int64_t ldq = block == 32 ? padded64(K) : K, nbp = padded8(K / block);
+  Tokens t{K, ldq, K / block, std::vector<int8_t>(M * ldq, 0), {}, {}, {}};
+  if (block == 32) t.dx.assign(M * ldq / 8, 0.0f), t.sx.assign(M * nbp, 0.0f);
+  else t.dx.resize(M * t.blocks), t.bsums.resize(M * t.blocks * 16);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t b = 0; b < t.blocks; ++b) {
-        int8_t* q = t.xq.data() + m * K + b * block;
+        int8_t* q = t.xq.data() + m * ldq + b * block;
         const float d = quantize_block(x + m * ldx + b * block, block, q);
-        t.dx[m * t.blocks + b] = d;
         if (block == 32) {
+          pair_lanes(t.dx.data() + m * ldq / 8, b, d);
           int s = 0;
           for (int k = 0; k < 32; ++k) s += q[k];
           t.sx[m * nbp + b] = d * float(s);
         } else {
+          t.dx[m * t.blocks + b] = d;
           for (int j = 0; j < 16; ++j) {
             int s = 0;
             for (int k = 0; k < 16; ++k) s += q[16 * j + k];
@@ -110,6 +120,12 @@ Tokens quantize_tokens(const float* x, int64_t ldx, int64_t M, int64_t K, int bl
 }
 
 // ------------------------------------------------------------------- unpacking weight blocks
+// An fp16 scale by F16C's conversion (cpu_gguf_blocks.h's `fp16` is the portable bit-twiddling).
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
 // The nibbles of 16 bytes as 32 bytes: the low nibbles (weights 0..15), then the high (16..31).
 inline __m256i nibbles32(const uint8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -136,31 +152,31 @@ inline void store32(uint8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_c
 struct Q4_0x { using Q = Q4_0; static constexpr bool kSigned = false, kOffset = true;
   static void unpack(const uint8_t* b, uint8_t* q, float& A, float& B) {  // | d | qs[16] |
     store32(q, nibbles32(b + 2));
-    A = fp16(b), B = -8.0f * A;
+    A = half(b), B = -8.0f * A;
   }
 };
 struct Q4_1x { using Q = Q4_1; static constexpr bool kSigned = false, kOffset = true;
   static void unpack(const uint8_t* b, uint8_t* q, float& A, float& B) {  // | d | m | qs[16] |
     store32(q, nibbles32(b + 4));
-    A = fp16(b), B = fp16(b + 2);
+    A = half(b), B = half(b + 2);
   }
 };
 struct Q5_0x { using Q = Q5_0; static constexpr bool kSigned = false, kOffset = true;
   static void unpack(const uint8_t* b, uint8_t* q, float& A, float& B) {  // | d | qh | qs[16] |
     store32(q, _mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2)));
-    A = fp16(b), B = -16.0f * A;
+    A = half(b), B = -16.0f * A;
   }
 };
 struct Q5_1x { using Q = Q5_1; static constexpr bool kSigned = false, kOffset = true;
   static void unpack(const uint8_t* b, uint8_t* q, float& A, float& B) {  // | d | m | qh | qs[16] |
     store32(q, _mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4)));
-    A = fp16(b), B = fp16(b + 2);
+    A = half(b), B = half(b + 2);
   }
 };
 struct Q8_0x { using Q = Q8_0; static constexpr bool kSigned = true, kOffset = false;
   static void unpack(const uint8_t* b, uint8_t* q, float& A, float& B) {  // | d | int8 qs[32] |
     std::memcpy(q, b + 2, 32);
-    A = fp16(b), B = 0.0f;
+    A = half(b), B = 0.0f;
   }
 };
 
@@ -195,7 +211,7 @@ struct Q4_Kx { using Q = Q4_K;
       broadcast16(o.sc + 16 * s, sc, sc);
       o.mn[2 * s] = o.mn[2 * s + 1] = int16_t(m);
     }
-    *o.d = fp16(b), *o.dmin = fp16(b + 2);
+    *o.d = half(b), *o.dmin = half(b + 2);
   }
 };
 
@@ -219,7 +235,7 @@ struct Q5_Kx { using Q = Q5_K;
       broadcast16(o.sc + 16 * s, sc, sc);
       o.mn[2 * s] = o.mn[2 * s + 1] = int16_t(m);
     }
-    *o.d = fp16(b), *o.dmin = fp16(b + 2);
+    *o.d = half(b), *o.dmin = half(b + 2);
   }
 };
 
@@ -242,7 +258,7 @@ struct Q6_Kx { using Q = Q6_K;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     for (int c = 0; c < 8; ++c) broadcast16(o.sc + 16 * c, sc[2 * c], sc[2 * c + 1]);
     for (int j = 0; j < 16; ++j) o.mn[j] = int16_t(32 * sc[j]);
-    *o.d = *o.dmin = fp16(b + 208);
+    *o.d = *o.dmin = half(b + 208);
   }
 };
 
@@ -253,47 +269,59 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// A group of unpacked rows, 32-weight types: q [rows][K] bytes, A [rows][K / 32] and
-// B [rows][padded8(K / 32)] (zeros past the last block).
+// A group of unpacked rows, 32-weight types: q [rows][padded64(K)] bytes (zeros past K), A in
+// block pairs [rows][padded64(K) / 64][8] (pair_lanes) and B [rows][padded8(K / 32)] (zeros past
+// the last block).
 struct Rows32 { const uint8_t* q; const float* A; const float* B; };
 
 // out[t · ldo + r] = Σ_b A_rb · dx_tb · (q_rb · xq_tb) + Σ_b B_rb · sx_tb, for r < rows (<= R),
-// t < T. Rows past `rows` repeat the last; their sums are dropped. The offsets' sum goes into the
-// same 8 float lanes, 8 blocks per FMA, so that the tile ends with one horizontal sum per output.
+// t < T. Rows past `rows` repeat the last; their sums are dropped.
+// Two blocks a step: each block's dot is maddubs then madd (8 int32 sums); one hadd packs both
+// blocks' sums into one vector (pair_lanes' order), so that one conversion and one FMA with the
+// pair's scales serve 64 products. The offsets go into the same float lanes, 8 blocks an FMA, and
+// the tile ends with one horizontal sum per output.
 template <class X, int R, int T>
 void tile32(Rows32 w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64_t ldo) {
-  const int64_t K = x.K, nb = x.blocks, nbp = padded8(nb);
+  const int64_t ldq = x.ldq, pairs = ldq / 64, nbp = padded8(x.blocks);
   int64_t row[R];
   for (int r = 0; r < R; ++r) row[r] = std::min<int64_t>(r, rows - 1);
-  const int8_t* xq = x.xq.data() + t0 * K;
-  const float* dx = x.dx.data() + t0 * nb;
+  const int8_t* xq = x.xq.data() + t0 * ldq;
+  const float* dx = x.dx.data() + t0 * pairs * 8;
   const float* sx = x.sx.data() + t0 * nbp;
   const __m256i ones = _mm256_set1_epi16(1);
+  // q · x over 32 bytes: |q| · (x with q's sign) for Q8_0, whose q is signed (maddubs' unsigned
+  // side must not be), so every pair sum stays within int16.
+  auto dot = [&](__m256i q, const int8_t* xp) {
+    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+    if (X::kSigned) xv = _mm256_sign_epi8(xv, q), q = _mm256_sign_epi8(q, q);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+  };
   __m256 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    if (X::kOffset && b % 8 == 0)  // Σ B · sx over blocks [b, b + 8)
+  for (int64_t j = 0; j < pairs; ++j) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* qr = w.q + row[r] * ldq + 64 * j;
+      const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr));
+      const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + 32));
+      const __m256 A = _mm256_loadu_ps(w.A + (row[r] * pairs + j) * 8);
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) {
+        const int8_t* xt = xq + t * ldq + 64 * j;
+        const __m256i sums = _mm256_hadd_epi32(dot(q0, xt), dot(q1, xt + 32));
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                    _mm256_mul_ps(A, _mm256_loadu_ps(dx + (t * pairs + j) * 8)), acc[r][t]);
+      }
+    }
+  }
+  if (X::kOffset)  // Σ B · sx, 8 blocks an FMA
+    for (int64_t b = 0; b < nbp; b += 8)
       for (int r = 0; r < R; ++r) {
         const __m256 Bv = _mm256_loadu_ps(w.B + row[r] * nbp + b);
         for (int t = 0; t < T; ++t)
           acc[r][t] = _mm256_fmadd_ps(Bv, _mm256_loadu_ps(sx + t * nbp + b), acc[r][t]);
       }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + row[r] * K + 32 * b));
-      const __m256i uq = X::kSigned ? _mm256_sign_epi8(q, q) : q;  // |q| for maddubs' unsigned side
-      const __m256 A = _mm256_set1_ps(w.A[row[r] * nb + b]);
-#pragma GCC unroll 4
-      for (int t = 0; t < T; ++t) {
-        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * K + 32 * b));
-        if (X::kSigned) xv = _mm256_sign_epi8(xv, q);  // q · x = |q| · (x with q's sign)
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(uq, xv), ones);
-        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(A, _mm256_set1_ps(dx[t * nb + b])),
-                                    acc[r][t]);
-      }
-    }
-  }
   for (int r = 0; r < rows; ++r)
     for (int t = 0; t < T; ++t) out[t * ldo + r] = hsum(acc[r][t]);
 }
@@ -397,20 +425,25 @@ void linear32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t
               int64_t K) {
   using Q = typename X::Q;
   const Tokens tok = quantize_tokens(x, ldx, M, K, 32);
-  const int64_t nb = K / 32, nbp = padded8(nb), row_bytes = nb * Q::kBytes, G = group_rows(N, K, 2);
+  const int64_t nb = K / 32, nbp = padded8(nb), ldq = padded64(K), row_bytes = nb * Q::kBytes;
+  const int64_t G = group_rows(N, K, 2);
   with_rows(M, 2, [&](auto r_) {
     constexpr int R = decltype(r_)::value;
     at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
-      std::vector<uint8_t> q(G * K);  // [G][K]   this thread's rows, a byte a weight
-      std::vector<float> A(G * nb), B(G * nbp, 0.0f);  // [G][K / 32], [G][padded8(K / 32)]
+      std::vector<uint8_t> q(G * ldq, 0);  // [G][padded64(K)] this thread's rows, a byte a weight
+      std::vector<float> A(G * ldq / 8, 0.0f);  // [G][padded64(K) / 64][8]   (pair_lanes)
+      std::vector<float> B(G * nbp, 0.0f);  // [G][padded8(K / 32)]
       for (int64_t g = begin; g < end; ++g) {
         const int64_t n0 = g * G, rows = std::min(G, N - n0);
         for (int64_t r = 0; r < rows; ++r)
-          for (int64_t b = 0; b < nb; ++b)
-            X::unpack(w + (n0 + r) * row_bytes + b * Q::kBytes, q.data() + r * K + 32 * b,
-                      A[r * nb + b], B[r * nbp + b]);
+          for (int64_t b = 0; b < nb; ++b) {
+            float a;
+            X::unpack(w + (n0 + r) * row_bytes + b * Q::kBytes, q.data() + r * ldq + 32 * b, a,
+                      B[r * nbp + b]);
+            pair_lanes(A.data() + r * ldq / 8, b, a);
+          }
         over_group<R>(rows, M, K, [&](auto t_, int64_t r0, int64_t n, int64_t t0) {
-          const Rows32 rw{q.data() + r0 * K, A.data() + r0 * nb, B.data() + r0 * nbp};
+          const Rows32 rw{q.data() + r0 * ldq, A.data() + r0 * ldq / 8, B.data() + r0 * nbp};
           tile32<X, R, decltype(t_)::value>(rw, n, tok, t0, out + t0 * N + n0 + r0, N);
         });
       }
