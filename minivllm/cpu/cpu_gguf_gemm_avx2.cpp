@@ -377,7 +377,7 @@ void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64
 
 // ------------------------------------------------------------------------------ the linear
 constexpr int kTokens = 4;                   // tokens per register tile
-constexpr int64_t kPanelBytes = 256 * 1024;  // x rows (int8) that the tiles reread: kept in L2
+constexpr int64_t kPanelBytes = 64 * 1024;   // x rows (int8) that the tiles reread: kept in L2
 constexpr int64_t kGroupBytes = 128 * 1024;  // a thread's unpacked rows (1 to 2.2 bytes a weight)
 
 // Rows per work item: a buffer of about kGroupBytes, a multiple of 4, in a number of items that
