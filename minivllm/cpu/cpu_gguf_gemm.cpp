@@ -14,8 +14,8 @@
 //   in software, which the R interleaved row streams need to run at memory speed.
 // - many rows (prefill): unpacking once per 8 tokens would dominate, so each thread dequantizes a
 //   chunk of rows into a float32 scratch that fits in L2 and runs the same tiles over it (the
-//   float32 rows as a block type of their own, `F32`), rather than at::mm, which is an ATen op
-//   (not allowed in a parallel region) and was slower on the same chunk (docs/performance.md).
+//   float32 rows as a block type of their own, `F32`). Not at::mm: an ATen op in a parallel
+//   region runs without the caller's InferenceMode (below), and the tiles outran it on a chunk.
 //
 // No int8 path on AVX-512. llama.cpp's CPU dots quantize x to int8 blocks and multiply with
 // integer dot products (AVX512-VNNI: 64 products per instruction). With 32-weight blocks each
