@@ -145,14 +145,18 @@ def test_dequantize_gathered_rows_as_an_embedding_lookup(qtype: T) -> None:
 def test_linear_equals_matmul_on_the_dequantized_weight(qtype: T, k: int, m: int) -> None:
     q = random_blocks(qtype, N, k, seed=k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    assert_linear_close(gguf_linear(x, torch.from_numpy(q), int(qtype)), x, dequantize(q, qtype), qtype)
+    assert_linear_close(
+        gguf_linear(x, torch.from_numpy(q), int(qtype)), x, dequantize(q, qtype), qtype
+    )
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_linear_of_a_large_batch_takes_the_chunked_path(qtype: T) -> None:
     q = random_blocks(qtype, N, 256, seed=9)
     x = torch.randn(300, 256, generator=torch.Generator().manual_seed(9))
-    assert_linear_close(gguf_linear(x, torch.from_numpy(q), int(qtype)), x, dequantize(q, qtype), qtype)
+    assert_linear_close(
+        gguf_linear(x, torch.from_numpy(q), int(qtype)), x, dequantize(q, qtype), qtype
+    )
 
 
 def test_linear_reads_every_layout_the_model_hands_over() -> None:
@@ -207,7 +211,10 @@ def test_int8_dots_are_the_8bit_block_scheme() -> None:
         w = dequantize(q, qtype)
         out = gguf_linear(x, torch.from_numpy(q), int(qtype)).double()
         xq, dx = x_blocks(x, 256 if qtype in K_QUANTS else 32)
-        magnitude = torch.from_numpy(np.abs(xq).astype(np.float64) * dx) @ torch.from_numpy(np.abs(w)).double().T
+        magnitude = (
+            torch.from_numpy(np.abs(xq).astype(np.float64) * dx)
+            @ torch.from_numpy(np.abs(w)).double().T
+        )
         bound = 4 * EPS32 * 512**0.5 * magnitude
         assert ((out - int8_reference(x, w, qtype)).abs() <= bound).all(), qtype.name
 
