@@ -15,6 +15,17 @@ that every bit pattern of the quants and sub-scales is exercised. N = 37 leaves 
 group and an uneven split over threads; M covers one token, partial token tiles, several tiles,
 and (300) the chunked path of larger batches.
 
+AVX2 builds take 8-bit integer dots instead (`gguf_dot_kind() == "int8"`, cpu_gguf_gemm_avx2.cpp):
+x is rounded to blocks of 32 (K-quants: 256) with one scale dx = max|x_block| / 127 each, which no
+float tolerance covers. There every product is held twice: tightly to a numpy model of that same
+scheme (x rounded exactly as the kernel rounds it, times the dequantized weight in float64,
+`int8_reference`), and to the float product within what the rounding of x can cost,
+
+    |out - x @ W.T| <= (|W| @ (dx / 2).T) + 4 * eps32 * sqrt(K) * (|x| @ |W|.T)
+
+(each x element is off by at most dx / 2). The tests run whichever path the loaded library has; run
+them once more with `MINIVLLM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2` for the AVX2 one.
+
 These build the library (once per machine) and skip, with the reason, where it cannot be built.
 """
 
@@ -27,7 +38,13 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from minivllm.cpu.build import load_cpu_kernels
-from minivllm.cpu.ops import GGUF_BLOCK_SIZES, GGUF_KERNEL_TYPES, gguf_dequantize, gguf_linear
+from minivllm.cpu.ops import (
+    GGUF_BLOCK_SIZES,
+    GGUF_KERNEL_TYPES,
+    gguf_dequantize,
+    gguf_dot_kind,
+    gguf_linear,
+)
 
 pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
 
@@ -63,12 +80,41 @@ def random_blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:  # uint8 [
     return blocks.reshape(n, -1)
 
 
-def assert_linear_close(out: torch.Tensor, x: torch.Tensor, w: np.ndarray) -> None:
+def x_blocks(x: torch.Tensor, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, K] rounded as the int8 kernel rounds it: (xq [M, K] integers as float32, dx [M, K]
+    each element's block scale). xq = rint(x * (127 / max|x_block|)), rint halving to even."""
+    xb = x.contiguous().numpy().astype(np.float32).reshape(x.shape[0], -1, block)
+    amax = np.abs(xb).max(axis=-1, keepdims=True)  # [M, K / block, 1] float32
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    xq = np.rint(xb * inv)
+    dx = np.broadcast_to(amax / np.float32(127), xb.shape)
+    return xq.reshape(x.shape), dx.reshape(x.shape)
+
+
+def int8_reference(x: torch.Tensor, w: np.ndarray, qtype: T) -> torch.Tensor:  # [M, N] float64
+    """The int8 kernel's product done exactly: Σ_blocks dx · (xq · w) in float64."""
+    xq, dx = x_blocks(x, 256 if qtype in K_QUANTS else 32)
+    return torch.from_numpy(xq.astype(np.float64) * dx) @ torch.from_numpy(w).double().T
+
+
+def assert_linear_close(out: torch.Tensor, x: torch.Tensor, w: np.ndarray, qtype: T) -> None:
+    """out against x @ w.T: within float32 rounding for the float32 path; for the int8 path,
+    tightly to `int8_reference` and within x's rounding of the float product."""
     wt = torch.from_numpy(w).double()  # [N, K] dequantized
     ref = x.double() @ wt.T
-    bound = 4 * EPS32 * x.shape[1] ** 0.5 * (x.double().abs() @ wt.abs().T)
+    magnitude = x.double().abs() @ wt.abs().T  # [M, N]
+    bound = 4 * EPS32 * x.shape[1] ** 0.5 * magnitude
     assert out.shape == ref.shape and out.dtype == torch.float32
-    excess = ((out.double() - ref).abs() - bound).max().item() if out.numel() else 0.0
+    if not out.numel():
+        return
+    if gguf_dot_kind() == "int8":
+        scheme = int8_reference(x, w, qtype)
+        _, dx = x_blocks(x, 256 if qtype in K_QUANTS else 32)
+        excess = ((out.double() - scheme).abs() - bound).max().item()
+        assert excess <= 0, f"an output is {excess:.3g} past its bound from the 8-bit scheme"
+        bound = bound + torch.from_numpy(dx / 2).double() @ wt.abs().T
+    excess = ((out.double() - ref).abs() - bound).max().item()
     assert excess <= 0, f"an output is {excess:.3g} past its bound"
 
 
@@ -101,14 +147,18 @@ def test_dequantize_gathered_rows_as_an_embedding_lookup(qtype: T) -> None:
 def test_linear_equals_matmul_on_the_dequantized_weight(qtype: T, k: int, m: int) -> None:
     q = random_blocks(qtype, N, k, seed=k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    assert_linear_close(gguf_linear(x, torch.from_numpy(q), int(qtype)), x, dequantize(q, qtype))
+    assert_linear_close(
+        gguf_linear(x, torch.from_numpy(q), int(qtype)), x, dequantize(q, qtype), qtype
+    )
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_linear_of_a_large_batch_takes_the_chunked_path(qtype: T) -> None:
     q = random_blocks(qtype, N, 256, seed=9)
     x = torch.randn(300, 256, generator=torch.Generator().manual_seed(9))
-    assert_linear_close(gguf_linear(x, torch.from_numpy(q), int(qtype)), x, dequantize(q, qtype))
+    assert_linear_close(
+        gguf_linear(x, torch.from_numpy(q), int(qtype)), x, dequantize(q, qtype), qtype
+    )
 
 
 def test_linear_reads_every_layout_the_model_hands_over() -> None:
@@ -119,10 +169,56 @@ def test_linear_reads_every_layout_the_model_hands_over() -> None:
     wider = torch.randn(5, 300, generator=g)[:, :256]  # token rows with a longer row stride
     one = torch.randn(256, 1, generator=g).t()  # [1, 256] with strides (1, 1)
     for x in (feature_major, wider, one):
-        assert_linear_close(gguf_linear(x, torch.from_numpy(q), int(T.Q4_1)), x, w)
+        assert_linear_close(gguf_linear(x, torch.from_numpy(q), int(T.Q4_1)), x, w, T.Q4_1)
     out = torch.empty(5, N)  # the op itself takes strided token rows as they are
     torch.ops.minivllm_cpu.gguf_linear(out, wider, torch.from_numpy(q), int(T.Q4_1))
-    assert_linear_close(out, wider, w)
+    assert_linear_close(out, wider, w, T.Q4_1)
+
+
+@pytest.mark.parametrize("m", [1, 8, 64, 300])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_linear_on_two_threads_in_inference_mode(qtype: T, m: int) -> None:
+    # The engine runs under inference_mode, and at::parallel_for's workers do not carry it: an ATen
+    # op on an inference tensor in a worker is refused ("Inplace update to inference tensor
+    # outside InferenceMode"), as the AVX2 build's at::mm_out once was for every request. pytest
+    # runs one thread, which runs parallel regions inline; two make the workers real. K = 1024 and
+    # N = 300 give every path (tiles, chunks, int8 groups) more than one work item.
+    q = random_blocks(qtype, 300, 1024, seed=m)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m))
+            out = gguf_linear(x, torch.from_numpy(q), int(qtype))
+    finally:
+        torch.set_num_threads(threads)
+    assert_linear_close(out, x, dequantize(q, qtype), qtype)
+
+
+def test_int8_dots_are_the_8bit_block_scheme() -> None:
+    # The int8 path's own specification, apart from the float bound: rows of x whose blocks round
+    # in the corner cases (all zeros: scale 0, no division by zero; one spike: the rest round to
+    # 0; exact half-way points, x * 127 / max = k + 1/2: rint's halving to even) give the numpy
+    # model of the scheme.
+    if gguf_dot_kind() != "int8":
+        pytest.skip(f"this build's gguf_linear takes {gguf_dot_kind()} products, not int8 dots")
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(11))
+    x[0, :256] = 0.0
+    x[1, 32:64] = 0.0
+    x[1, 40] = 3.0
+    x[2, :31] = (torch.arange(-16, 15) + 0.5) / 32  # the block's max 127 / 32: x * 127 / max = 32 x
+    x[2, 31] = 127 / 32
+    for qtype in TYPES:
+        q = random_blocks(qtype, N, 512, seed=int(qtype))
+        w = dequantize(q, qtype)
+        out = gguf_linear(x, torch.from_numpy(q), int(qtype)).double()
+        xq, dx = x_blocks(x, 256 if qtype in K_QUANTS else 32)
+        magnitude = (
+            torch.from_numpy(np.abs(xq).astype(np.float64) * dx)
+            @ torch.from_numpy(np.abs(w)).double().T
+        )
+        bound = 4 * EPS32 * 512**0.5 * magnitude
+        assert ((out - int8_reference(x, w, qtype)).abs() <= bound).all(), qtype.name
 
 
 def test_zero_tokens() -> None:

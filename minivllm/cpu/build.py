@@ -71,6 +71,7 @@ SOURCES = tuple(
         "cpu_activation_rope.cpp",
         "cpu_skinny_gemm.cpp",
         "cpu_gguf_gemm.cpp",
+        "cpu_gguf_gemm_avx2.cpp",
         "cpu_gguf_gemm_bf16.cpp",
         "cpu_decode_layers.cpp",
     )

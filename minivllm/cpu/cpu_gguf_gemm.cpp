@@ -14,23 +14,43 @@
 //   in software, which the R interleaved row streams need to run at memory speed.
 // - many rows (prefill): unpacking once per 8 tokens would dominate, so each thread dequantizes a
 //   chunk of rows into a float32 scratch that fits in L2 and runs the same tiles over it (the
-//   float32 rows as a block type of their own, `F32`). On this project's AMD CPU that tile kernel
-//   ran about twice as fast as at::mm (MKL) on the same chunk, so at::mm is only the fallback's.
+//   float32 rows as a block type of their own, `F32`). Not at::mm: an ATen op in a parallel
+//   region runs without the caller's InferenceMode (below), and the tiles outran it on a chunk.
 //
-// No int8 path. llama.cpp's CPU dots quantize x to int8 blocks and multiply with integer dot
-// products (AVX512-VNNI: 64 products per instruction). With 32-weight blocks each block's int32
-// sums still need, per token, a conversion and a scale FMA, so 64 weights cost about as many
-// instructions as the float32 path's four 16-lane FMAs, and x would lose precision for it. At
-// decode's single row the float32 path already streams the weights at close to memory speed.
+// No int8 path on AVX-512. llama.cpp's CPU dots quantize x to int8 blocks and multiply with
+// integer dot products (AVX512-VNNI: 64 products per instruction). With 32-weight blocks each
+// block's int32 sums still need, per token, a conversion and a scale FMA, so 64 weights cost about
+// as many instructions as the float32 path's four 16-lane FMAs, and x would lose precision for it.
+// At decode's single row the float32 path already streams the weights at close to memory speed.
+// AVX2's float FMA has half the lanes while its byte dots still take 32 products, so there the
+// balance tips and the library takes llama.cpp's integer dots (cpu_gguf_gemm_avx2.cpp).
 //
 // The block formats (their layouts, dequantization and unpacking) are in cpu_gguf_blocks.h.
 //
-// The AVX-512 path is compiled where PyTorch detected AVX-512 (minivllm/cpu/build.py); elsewhere
-// both ops use the portable per-block loops (`dequantize`), and gguf_linear at::mm on chunks of
-// dequantized rows for every M.
+// Which path a build has (`gguf_dot_kind`):
+// - AVX-512 builds (where PyTorch detected AVX-512, minivllm/cpu/build.py): the float32 tiles here.
+// - AVX2 builds: 8-bit integer dots on x rounded to 8-bit blocks, as llama.cpp's CPU backend
+//   (cpu_gguf_gemm_avx2.cpp); with 8 float lanes the float32 tiles would do 8 products an
+//   instruction where the integer dots do 32.
+// - any other build (aarch64, generic x86): the portable per-block loops (`dequantize`) into a
+//   per-thread float32 chunk, and plain dot loops over it that the compiler vectorizes.
+// Inside parallel regions every path touches raw pointers and std::vector only: worker threads do
+// not carry the caller's InferenceMode, so an ATen op there (at::empty, at::mm_out on a view of an
+// inference tensor) is refused or silently leaves the mode.
 // tests/test_kernels_cpu_gguf.py holds both ops to gguf's numpy dequantization.
 
 #include "cpu_gguf_blocks.h"
+
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define MINIVLLM_GGUF_INT8 1
+namespace minivllm_gguf_avx2 {  // cpu_gguf_gemm_avx2.cpp
+void gguf_linear_int8(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M,
+                      int64_t N, int64_t K, int64_t qtype);
+}
+#endif
 
 namespace {
 
@@ -170,28 +190,58 @@ int64_t chunk_rows(int64_t N, int64_t K) {
   return std::max<int64_t>(1, (N + chunks - 1) / chunks);
 }
 
-// xp: the packed tokens (AVX-512 only, else unused).
+#if !defined(__AVX512F__)
+// out[t, n0 + r] = dot(x row t, y row r) for the chunk's rows r < rows (y: [rows, K] float32).
+// The portable twin of the tiles: 4 rows at a time share each load of x, and the inner loop is a
+// plain reduction that -O3 -ffast-math vectorizes at whatever SIMD width the build has.
+void chunk_times_tokens(const float* x, int64_t ldx, int64_t M, const float* y, int64_t rows,
+                        int64_t K, float* out, int64_t ldo) {
+  for (int64_t t = 0; t < M; ++t) {
+    const float* xt = x + t * ldx;
+    float* ot = out + t * ldo;
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      const float *y0 = y + r * K, *y1 = y0 + K, *y2 = y1 + K, *y3 = y2 + K;
+      float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        s0 += xt[k] * y0[k], s1 += xt[k] * y1[k], s2 += xt[k] * y2[k], s3 += xt[k] * y3[k];
+      }
+      ot[r] = s0, ot[r + 1] = s1, ot[r + 2] = s2, ot[r + 3] = s3;
+    }
+    for (; r < rows; ++r) {
+      float s = 0;
+      for (int64_t k = 0; k < K; ++k) s += xt[k] * y[r * K + k];
+      ot[r] = s;
+    }
+  }
+}
+#endif
+
+// Each thread dequantizes chunks of rows into its own float32 scratch (std::vector: no ATen op in
+// the parallel region) and multiplies every token row into them. x: [M, K], row stride ldx;
+// xp: the packed tokens (AVX-512 only, else unused); out: [M, N] contiguous.
 template <class Q>
-void linear_by_chunks(const at::Tensor& out, const at::Tensor& x, const float* xp,
+void linear_by_chunks(float* out, const float* x, int64_t ldx, int64_t M, const float* xp,
                       const uint8_t* w, int64_t N, int64_t K) {
-  const int64_t M = x.size(0), blocks = K / Q::kBlock, rows_per = chunk_rows(N, K);
+  const int64_t blocks = K / Q::kBlock, rows_per = chunk_rows(N, K);
   const int64_t chunks = (N + rows_per - 1) / rows_per;
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    at::Tensor scratch = at::empty({rows_per, K}, x.options());  // [rows_per, K] float32
-    float* y = scratch.data_ptr<float>();
+    std::vector<float> scratch(rows_per * K);  // [rows_per, K] float32
+    float* y = scratch.data();
     for (int64_t c = begin; c < end; ++c) {
       const int64_t n0 = c * rows_per, rows = std::min(rows_per, N - n0);
       dequantize_rows<Q>(w + n0 * blocks * Q::kBytes, rows, blocks, y, K);
 #if defined(__AVX512F__)
+      (void)x, (void)ldx;
       // Passes of kTokensPerPass tokens, so that their packed rows and the chunk share L2.
       for (int64_t t0 = 0; t0 < M; t0 += kTokensPerPass)
         rows_by_tokens<F32>(reinterpret_cast<const uint8_t*>(y), 4 * K, rows, xp + t0 * K,
-                            std::min(kTokensPerPass, M - t0), K, out.data_ptr<float>() + t0 * N + n0, N);
+                            std::min(kTokensPerPass, M - t0), K, out + t0 * N + n0, N);
 #else
-      // Inside a parallel region MKL runs on this thread; out's columns [n0, n0 + rows) are a
-      // strided view, which MKL writes in place (its ldc).
-      at::Tensor dst = out.narrow(1, n0, rows);
-      at::mm_out(dst, x, scratch.narrow(0, 0, rows).t());
+      (void)xp;
+      for (int64_t t0 = 0; t0 < M; t0 += kTokensPerPass)
+        chunk_times_tokens(x + t0 * ldx, ldx, std::min(kTokensPerPass, M - t0), y, rows, K,
+                           out + t0 * N + n0, N);
 #endif
     }
   });
@@ -211,16 +261,20 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
                 "], got [", out.size(0), ", ", out.size(1), "]");
     if (M == 0 || N == 0) return;
     const uint8_t* w = qweight.data_ptr<uint8_t>();
+    const float* xd = x.data_ptr<float>();
+    float* od = out.data_ptr<float>();
 #if defined(__AVX512F__)
     // The token tiles (pack_tokens); one token's tile is its row as it is.
-    at::Tensor packed = M == 1 ? x : at::empty({M * K}, x.options());
-    float* xp = packed.data_ptr<float>();
-    if (M > 1) pack_tokens(x.data_ptr<float>(), x.stride(0), M, K, xp);
-    if (on_the_fly<Q>(M, K)) return linear_on_the_fly<Q>(w, xp, out.data_ptr<float>(), M, N, K);
+    std::vector<float> packed(M == 1 ? 0 : M * K);
+    const float* xp = xd;
+    if (M > 1) pack_tokens(xd, x.stride(0), M, K, packed.data()), xp = packed.data();
+    if (on_the_fly<Q>(M, K)) return linear_on_the_fly<Q>(w, xp, od, M, N, K);
+    linear_by_chunks<Q>(od, xd, x.stride(0), M, xp, w, N, K);
+#elif defined(MINIVLLM_GGUF_INT8)
+    minivllm_gguf_avx2::gguf_linear_int8(od, xd, x.stride(0), w, M, N, K, Q::kType);
 #else
-    const float* xp = nullptr;
+    linear_by_chunks<Q>(od, xd, x.stride(0), M, nullptr, w, N, K);
 #endif
-    linear_by_chunks<Q>(out, x, xp, w, N, K);
   });
 }
 
@@ -241,9 +295,20 @@ void gguf_dequantize(at::Tensor& out, const at::Tensor& qweight, int64_t qtype) 
   });
 }
 
+// The products gguf_linear takes in this build: "int8" (AVX2: x rounded to 8-bit blocks) or
+// "float32" (AVX-512, portable). The bf16 op is separate (gguf_has_bf16_dot).
+std::string gguf_dot_kind() {
+#if defined(MINIVLLM_GGUF_INT8)
+  return "int8";
+#else
+  return "float32";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
+  m.def("gguf_dot_kind() -> str", &gguf_dot_kind);
   m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor qweight, int qtype) -> ()", &gguf_linear);
   m.def("gguf_dequantize(Tensor(a!) out, Tensor qweight, int qtype) -> ()", &gguf_dequantize);
 }

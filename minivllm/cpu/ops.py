@@ -11,7 +11,8 @@ and float16 CPU tensors and compute in float32:
 - `skinny_gemm` (`cpu_skinny_gemm.cpp`): x · Wᵀ for decode's few rows, streaming W once.
 - `reshape_and_cache`, `paged_decode` (`cpu_attention.cpp`): the paged cache write and attention.
 - `gguf_linear`, `gguf_dequantize` (`cpu_gguf_gemm.cpp`): x · Wᵀ with W kept in GGUF's quantized
-  blocks (unpacked in registers, llama.cpp's `ggml_vec_dot_*` idea), and W's float32 rows.
+  blocks (unpacked in registers, llama.cpp's `ggml_vec_dot_*` idea; on AVX2 builds, llama.cpp's
+  8-bit integer dots, `cpu_gguf_gemm_avx2.cpp`), and W's float32 rows.
 
 Two layouts. On the CPU fast path the model's linears may return (W · xᵀ)ᵀ, a transposed view
 ("feature-major": logically [T, N], stored as a contiguous [N, T], so `x.stride() == (1, T)`),
@@ -43,6 +44,7 @@ __all__ = [
     "SKINNY_GEMM_MAX_ROWS",
     "fused_add_rms_norm",
     "gguf_dequantize",
+    "gguf_dot_kind",
     "gguf_has_bf16_dot",
     "gguf_linear",
     "is_feature_major",
@@ -237,6 +239,14 @@ def gguf_linear(
     else:
         raise ValueError(f"gguf_linear: dot must be 'float32' or 'bf16', got {dot!r}")
     return out
+
+
+def gguf_dot_kind() -> str:
+    """The products `gguf_linear(dot="float32")` takes in this build of the library: "int8" on AVX2
+    builds (x rounded to 8-bit blocks, within (max|x_block| / 127) / 2 · |W| of float32's; see
+    cpu_gguf_gemm_avx2.cpp), "float32" on AVX-512 and portable ones."""
+    load_cpu_kernels()
+    return str(torch.ops.minivllm_cpu.gguf_dot_kind())
 
 
 def gguf_has_bf16_dot() -> bool:

@@ -1,0 +1,507 @@
+// gguf_linear on AVX2 CPUs (x86-64-v3: AVX2, FMA, F16C, no AVX-512) with 8-bit integer dots, as
+// ggml's CPU backend does (llama.cpp ggml-cpu, arch/x86/quants.c: ggml_vec_dot_q4_1_q8_1,
+// ggml_vec_dot_q4_K_q8_K, ggml_vec_dot_q6_K_q8_K and their siblings).
+//
+// Why integers. AVX2 has no bf16 dot and 8 float lanes: a float32 FMA does 8 products. The weights'
+// quants are small integers already, so x is rounded once per call to 8-bit blocks and the block
+// products are `_mm256_maddubs_epi16` (u8 x s8, 32 products into 16 int16 pair sums) then
+// `_mm256_madd_epi16` (pairs into 8 int32, optionally times a sub-block scale): 32 products per
+// instruction pair, and the float scales are applied once per block, not once per weight. Nothing
+// is dequantized to float32. The price is x's rounding, bounded and tested:
+//   |out - x · Wᵀ| <= Σ_blocks Σ_k |w_k| · (max|x_block| / 127) / 2   (plus float32 rounding)
+//
+// x's blocks (`quantize_tokens`), as ggml's Q8_1 / Q8_K (symmetric, one float scale, no zero point):
+//   32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)   per 32:  dx = max|x| / 127, xq = rint(x / dx),
+//                                                              sx = dx · Σ xq   (for the offsets)
+//   K-quants (Q4_K, Q5_K, Q6_K)                       per 256: dx, xq[256], bsums[16] = Σ of each 16
+// rint rounds half to even; xq = rint(x · (127 / max|x|)) exactly as written, so that the tests'
+// numpy reference of this scheme rounds every element the same way.
+//
+// The weights. Each thread unpacks a group of weight rows once into a per-thread buffer
+// (std::vectors): every quant as one byte in x's order, and the block's scales beside it. Then
+// register tiles of R rows x T tokens run over the buffer, so that a 32-byte load of weights serves
+// T tokens and a load of x serves R rows; token panels keep the x rows that the tiles reread in L2.
+// The int8 buffer is a quarter of the float32 scratch that dequantize-then-multiply would write.
+//
+// Threads split the weight rows (at::parallel_for); inside the parallel regions only raw pointers
+// and std::vector are touched: ATen ops there would run without the caller's InferenceMode.
+// Compiled on AVX2 builds only (minivllm/cpu/build.py's flags); AVX-512 builds keep
+// cpu_gguf_gemm.cpp's float32 tiles. tests/test_kernels_cpu_gguf.py holds this to a numpy model of
+// the same integer scheme and to the float product within the bound above.
+
+#include "cpu_gguf_blocks.h"
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <type_traits>
+#include <vector>
+
+namespace minivllm_gguf_avx2 {
+namespace {
+
+// ------------------------------------------------------------------------- x as 8-bit blocks
+// One block of n (32 or 256) floats: xq = rint(x · id), id = 127 / max|x| (0 for an all-zero
+// block); returns the scale dx = max|x| / 127. The divisions are intrinsics so that -ffast-math
+// cannot turn them into reciprocal products (which round differently from the reference).
+inline float quantize_block(const float* x, int n, int8_t* xq) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float mx = _mm_cvtss_f32(m);
+  const float d = _mm_cvtss_f32(_mm_div_ss(m, _mm_set_ss(127.0f)));
+  const float id = mx != 0.0f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(127.0f), m)) : 0.0f;
+  const __m256 vid = _mm256_set1_ps(id);
+  for (int i = 0; i < n; i += 32) {  // 4 x 8 int32 -> 32 int8, in order
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), vid));
+    // packs interleave 128-bit lanes: (0 1 | 2 3) -> bytes 0,2,1,3 ... ; permute puts them back
+    const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i), ordered);
+  }
+  return d;
+}
+
+// Blocks rounded up to a multiple of 8: the offsets' per-block floats (B, sx) are padded with zeros
+// to whole vectors of 8 blocks, which the tiles multiply with one FMA each.
+inline int64_t padded8(int64_t blocks) { return (blocks + 7) / 8 * 8; }
+
+// The 32-weight tiles take two blocks a step (`tile32`): K padded to a multiple of 64 with zero
+// quants, and each pair's two scales in the lane order of _mm256_hadd_epi32 on the pair's sums,
+//   lanes | b b b+1 b+1 | b b b+1 b+1 |   (b even)
+inline int64_t padded64(int64_t K) { return (K + 63) / 64 * 64; }
+inline void pair_lanes(float* pairs, int64_t b, float v) {  // block b's scale into its lanes
+  float* p = pairs + (b / 2) * 8 + (b % 2) * 2;
+  p[0] = p[1] = p[4] = p[5] = v;
+}
+
+// x[M, K] (row stride ldx) as blocks of kBlock: xq [M][ldq] and
+// - kBlock 32: ldq = padded64(K) (zero quants past K), dx in block pairs [M][ldq / 64][8]
+//   (pair_lanes) and sx [M][padded8(K / 32)] (dx · Σ xq, zeros past the last block);
+// - kBlock 256: ldq = K, dx [M][K / 256] and bsums [M][K / 256][16] (Σ xq of each 16).
+struct Tokens {
+  int64_t K, ldq, blocks;
+  std::vector<int8_t> xq;
+  std::vector<float> dx, sx;
+  std::vector<int16_t> bsums;
+};
+
+Tokens quantize_tokens(const float* x, int64_t ldx, int64_t M, int64_t K, int block) {
+  const int64_t ldq = block == 32 ? padded64(K) : K, nbp = padded8(K / block);
+  Tokens t{K, ldq, K / block, std::vector<int8_t>(M * ldq, 0), {}, {}, {}};
+  if (block == 32) t.dx.assign(M * ldq / 8, 0.0f), t.sx.assign(M * nbp, 0.0f);
+  else t.dx.resize(M * t.blocks), t.bsums.resize(M * t.blocks * 16);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t b = 0; b < t.blocks; ++b) {
+        int8_t* q = t.xq.data() + m * ldq + b * block;
+        const float d = quantize_block(x + m * ldx + b * block, block, q);
+        if (block == 32) {
+          pair_lanes(t.dx.data() + m * ldq / 8, b, d);
+          int s = 0;
+          for (int k = 0; k < 32; ++k) s += q[k];
+          t.sx[m * nbp + b] = d * float(s);
+        } else {
+          t.dx[m * t.blocks + b] = d;
+          for (int j = 0; j < 16; ++j) {
+            int s = 0;
+            for (int k = 0; k < 16; ++k) s += q[16 * j + k];
+            t.bsums[(m * t.blocks + b) * 16 + j] = int16_t(s);
+          }
+        }
+      }
+  });
+  return t;
+}
+
+// ------------------------------------------------------------------- unpacking weight blocks
+// An fp16 scale by F16C's conversion (cpu_gguf_blocks.h's `fp16` is the portable bit-twiddling).
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+// The nibbles of 16 bytes as 32 bytes: the low nibbles (weights 0..15), then the high (16..31).
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo4 = _mm_set1_epi8(0xF);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo4), _mm_and_si128(v, lo4));
+}
+// Bit j of the 32-bit qh as 0x10 in byte j: a 5-bit quant's top bit.
+inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t qh;
+  std::memcpy(&qh, p, 4);
+  // byte j <- byte j / 8 of qh; keep bit j % 8; compare: 0xFF where set
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(qh)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+inline void store32(uint8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v); }
+
+// 32-weight types: block b of a row becomes q[32] (one byte per weight, in order) and two floats,
+// w_k = A · q_k + B; so Σ_k w_k · dx · xq_k = A · dx · (q · xq) + B · sx. Q8_0's q is signed
+// (kSigned), the others' are 0..31.
+struct Q4_0x { using Q = Q4_0; static constexpr bool kSigned = false, kOffset = true;
+  static void unpack(const uint8_t* b, uint8_t* q, float& A, float& B) {  // | d | qs[16] |
+    store32(q, nibbles32(b + 2));
+    A = half(b), B = -8.0f * A;
+  }
+};
+struct Q4_1x { using Q = Q4_1; static constexpr bool kSigned = false, kOffset = true;
+  static void unpack(const uint8_t* b, uint8_t* q, float& A, float& B) {  // | d | m | qs[16] |
+    store32(q, nibbles32(b + 4));
+    A = half(b), B = half(b + 2);
+  }
+};
+struct Q5_0x { using Q = Q5_0; static constexpr bool kSigned = false, kOffset = true;
+  static void unpack(const uint8_t* b, uint8_t* q, float& A, float& B) {  // | d | qh | qs[16] |
+    store32(q, _mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2)));
+    A = half(b), B = -16.0f * A;
+  }
+};
+struct Q5_1x { using Q = Q5_1; static constexpr bool kSigned = false, kOffset = true;
+  static void unpack(const uint8_t* b, uint8_t* q, float& A, float& B) {  // | d | m | qh | qs[16] |
+    store32(q, _mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4)));
+    A = half(b), B = half(b + 2);
+  }
+};
+struct Q8_0x { using Q = Q8_0; static constexpr bool kSigned = true, kOffset = false;
+  static void unpack(const uint8_t* b, uint8_t* q, float& A, float& B) {  // | d | int8 qs[32] |
+    std::memcpy(q, b + 2, 32);
+    A = half(b), B = 0.0f;
+  }
+};
+
+// K-quants: super-block sb of a row becomes q[256] (bytes 0..63, in order), sc[8][16] int16 (the
+// scale of each weight pair's products in each 32-chunk, as _mm256_madd_epi16 wants it), mn[16]
+// (the coefficient of each 16-sum of xq) and two floats, so that
+//   Σ_k w_k · dx · xq_k = dx · (d · Σ_c madd(q_c · xq_c, sc_c) - dmin · Σ_j mn_j · bsums_j)
+struct KBlock {
+  uint8_t* q;
+  int16_t* sc;
+  int16_t* mn;
+  float* d;
+  float* dmin;
+};
+inline void broadcast16(int16_t* dst, int lo, int hi) {  // lanes 0..7 lo, 8..15 hi
+  for (int i = 0; i < 8; ++i) dst[i] = int16_t(lo), dst[8 + i] = int16_t(hi);
+}
+
+struct Q4_Kx { using Q = Q4_K;
+  // | d | dmin | scales[12] | qs[128] |: 32-byte chunk c holds sub-block 2c (low nibbles) and
+  // 2c + 1 (high); w = (d · sc_s) · q - dmin · m_s
+  static void unpack(const uint8_t* b, KBlock o) {
+    const __m256i lo4 = _mm256_set1_epi8(0xF);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      store32(o.q + 64 * c, _mm256_and_si256(v, lo4));
+      store32(o.q + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4));
+    }
+    for (int s = 0; s < 8; ++s) {
+      int sc, m;
+      k_scale_min(b + 4, s, sc, m);
+      broadcast16(o.sc + 16 * s, sc, sc);
+      o.mn[2 * s] = o.mn[2 * s + 1] = int16_t(m);
+    }
+    *o.d = half(b), *o.dmin = half(b + 2);
+  }
+};
+
+struct Q5_Kx { using Q = Q5_K;
+  // | d | dmin | scales[12] | qh[32] | qs[128] |: as Q4_K, plus bit s of qh[l] as 16
+  static void unpack(const uint8_t* b, KBlock o) {
+    const __m256i lo4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * c));
+      for (int h = 0; h < 2; ++h) {
+        const int s = 2 * c + h;
+        const __m256i nib = h ? _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4) : _mm256_and_si256(v, lo4);
+        const __m256i top = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), one);
+        store32(o.q + 32 * s, _mm256_or_si256(nib, _mm256_slli_epi16(top, 4)));
+      }
+    }
+    for (int s = 0; s < 8; ++s) {
+      int sc, m;
+      k_scale_min(b + 4, s, sc, m);
+      broadcast16(o.sc + 16 * s, sc, sc);
+      o.mn[2 * s] = o.mn[2 * s + 1] = int16_t(m);
+    }
+    *o.d = half(b), *o.dmin = half(b + 2);
+  }
+};
+
+struct Q6_Kx { using Q = Q6_K;
+  // | ql[128] | qh[64] | int8 scales[16] | d |: chunk c = 4H + t (weights 128 H + 32 t + l) has
+  // its low 4 bits in ql[64 H + 32 (t % 2) + l] (low nibble for t < 2) and its top 2 in bits
+  // 2t, 2t + 1 of qh[32 H + l]; w = (d · sc_j) · (q - 32), j = k / 16, so mn_j = 32 · sc_j and
+  // dmin = d.
+  static void unpack(const uint8_t* b, KBlock o) {
+    const __m256i lo4 = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+    for (int H = 0; H < 2; ++H) {
+      const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * H));
+      for (int t = 0; t < 4; ++t) {
+        const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * H + 32 * (t % 2)));
+        const __m256i nib = t < 2 ? _mm256_and_si256(l, lo4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), lo4);
+        const __m256i top = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * t)), three);
+        store32(o.q + 128 * H + 32 * t, _mm256_or_si256(nib, _mm256_slli_epi16(top, 4)));
+      }
+    }
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int c = 0; c < 8; ++c) broadcast16(o.sc + 16 * c, sc[2 * c], sc[2 * c + 1]);
+    for (int j = 0; j < 16; ++j) o.mn[j] = int16_t(32 * sc[j]);
+    *o.d = *o.dmin = half(b + 208);
+  }
+};
+
+// ------------------------------------------------------------------------------ the tiles
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// A group of unpacked rows, 32-weight types: q [rows][padded64(K)] bytes (zeros past K), A in
+// block pairs [rows][padded64(K) / 64][8] (pair_lanes) and B [rows][padded8(K / 32)] (zeros past
+// the last block).
+struct Rows32 { const uint8_t* q; const float* A; const float* B; };
+
+// out[t · ldo + r] = Σ_b A_rb · dx_tb · (q_rb · xq_tb) + Σ_b B_rb · sx_tb, for r < rows (<= R),
+// t < T. Rows past `rows` repeat the last; their sums are dropped.
+// Two blocks a step: each block's dot is maddubs then madd (8 int32 sums); one hadd packs both
+// blocks' sums into one vector (pair_lanes' order), so that one conversion and one FMA with the
+// pair's scales serve 64 products. The offsets go into the same float lanes, 8 blocks an FMA, and
+// the tile ends with one horizontal sum per output.
+template <class X, int R, int T>
+void tile32(Rows32 w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64_t ldo) {
+  const int64_t ldq = x.ldq, pairs = ldq / 64, nbp = padded8(x.blocks);
+  int64_t row[R];
+  for (int r = 0; r < R; ++r) row[r] = std::min<int64_t>(r, rows - 1);
+  const int8_t* xq = x.xq.data() + t0 * ldq;
+  const float* dx = x.dx.data() + t0 * pairs * 8;
+  const float* sx = x.sx.data() + t0 * nbp;
+  const __m256i ones = _mm256_set1_epi16(1);
+  // q · x over 32 bytes: |q| · (x with q's sign) for Q8_0, whose q is signed (maddubs' unsigned
+  // side must not be), so every pair sum stays within int16.
+  auto dot = [&](__m256i q, const int8_t* xp) {
+    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+    if (X::kSigned) xv = _mm256_sign_epi8(xv, q), q = _mm256_sign_epi8(q, q);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+  };
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* qr = w.q + row[r] * ldq + 64 * j;
+      const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr));
+      const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + 32));
+      const __m256 A = _mm256_loadu_ps(w.A + (row[r] * pairs + j) * 8);
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) {
+        const int8_t* xt = xq + t * ldq + 64 * j;
+        const __m256i sums = _mm256_hadd_epi32(dot(q0, xt), dot(q1, xt + 32));
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                    _mm256_mul_ps(A, _mm256_loadu_ps(dx + (t * pairs + j) * 8)), acc[r][t]);
+      }
+    }
+  }
+  if (X::kOffset)  // Σ B · sx, 8 blocks an FMA
+    for (int64_t b = 0; b < nbp; b += 8)
+      for (int r = 0; r < R; ++r) {
+        const __m256 Bv = _mm256_loadu_ps(w.B + row[r] * nbp + b);
+        for (int t = 0; t < T; ++t)
+          acc[r][t] = _mm256_fmadd_ps(Bv, _mm256_loadu_ps(sx + t * nbp + b), acc[r][t]);
+      }
+  for (int r = 0; r < rows; ++r)
+    for (int t = 0; t < T; ++t) out[t * ldo + r] = hsum(acc[r][t]);
+}
+
+// A group of unpacked rows, K-quants: q [rows][K] bytes, sc [rows][K / 256][8][16],
+// mn [rows][K / 256][16], d and dmin [rows][K / 256].
+struct RowsK { const uint8_t* q; const int16_t* sc; const int16_t* mn; const float* d; const float* dmin; };
+
+template <int R, int T>
+void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64_t ldo) {
+  const int64_t K = x.K, ns = x.blocks;
+  int64_t row[R];
+  for (int r = 0; r < R; ++r) row[r] = std::min<int64_t>(r, rows - 1);
+  const int8_t* xq = x.xq.data() + t0 * K;
+  const float* dx = x.dx.data() + t0 * ns;
+  const int16_t* bsums = x.bsums.data() + t0 * ns * 16;
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < ns; ++s) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int64_t rs = row[r] * ns + s;
+      const uint8_t* q = w.q + row[r] * K + 256 * s;
+      const int16_t* sc = w.sc + rs * 128;
+      __m256i sumi[T];
+      for (int t = 0; t < T; ++t) sumi[t] = _mm256_setzero_si256();
+#pragma GCC unroll 2  // a full unroll lets GCC hoist all 32 dots, and spill them
+      for (int c = 0; c < 8; ++c) {
+        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
+        const __m256i scv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * c));
+#pragma GCC unroll 4
+        for (int t = 0; t < T; ++t) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * K + 256 * s + 32 * c));
+          sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), scv));
+        }
+      }
+      const __m256i mnv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mn + rs * 16));
+      const __m256 d = _mm256_set1_ps(w.d[rs]), dmin = _mm256_set1_ps(w.dmin[rs]);
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) {
+        const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums + (t * ns + s) * 16));
+        const __m256 summ = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mnv));
+        const __m256 dxt = _mm256_set1_ps(dx[t * ns + s]);
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[t]), _mm256_mul_ps(d, dxt), acc[r][t]);
+        acc[r][t] = _mm256_fnmadd_ps(summ, _mm256_mul_ps(dmin, dxt), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int t = 0; t < T; ++t) out[t * ldo + r] = hsum(acc[r][t]);
+}
+
+// ------------------------------------------------------------------------------ the linear
+constexpr int kTokens = 4;                   // tokens per register tile
+constexpr int64_t kPanelBytes = 64 * 1024;   // x rows (int8) that the tiles reread: kept in L2
+constexpr int64_t kGroupBytes = 128 * 1024;  // a thread's unpacked rows (1 to 2.2 bytes a weight)
+
+// Rows per work item: a buffer of about kGroupBytes, a multiple of 4, in a number of items that
+// splits evenly over the threads.
+int64_t group_rows(int64_t N, int64_t K, int64_t bytes_per_weight) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t target = std::clamp<int64_t>(kGroupBytes / (bytes_per_weight * K), 4, 256);
+  const int64_t groups = threads * ((N + threads * target - 1) / (threads * target));
+  return (std::max<int64_t>(1, (N + groups - 1) / groups) + 3) / 4 * 4;
+}
+
+// The tiles over one group of unpacked rows: token panels of x that stay in L2; in a panel, each
+// R rows (their buffer in L1) against every tile of kTokens tokens. `tile(r0, rows, t0, T)` runs
+// the register tile of rows [r0, r0 + rows) and tokens [t0, t0 + T).
+template <int R, class Tile>
+void over_group(int64_t rows, int64_t M, int64_t K, Tile&& tile) {
+  const int64_t panel = std::max<int64_t>(kTokens, kPanelBytes / K / kTokens * kTokens);
+  for (int64_t p0 = 0; p0 < M; p0 += panel) {
+    const int64_t p1 = std::min(M, p0 + panel);
+    for (int64_t r0 = 0; r0 < rows; r0 += R)
+      for (int64_t t0 = p0; t0 < p1; t0 += kTokens) {
+        const int64_t n = std::min<int64_t>(R, rows - r0);
+        switch (std::min<int64_t>(kTokens, p1 - t0)) {
+          case 1: tile(std::integral_constant<int, 1>{}, r0, n, t0); break;
+          case 2: tile(std::integral_constant<int, 2>{}, r0, n, t0); break;
+          case 3: tile(std::integral_constant<int, 3>{}, r0, n, t0); break;
+          default: tile(std::integral_constant<int, 4>{}, r0, n, t0); break;
+        }
+      }
+  }
+}
+
+// Rows per register tile: one token (decode): 4 rows share each load of x. More tokens: `many`
+// rows x 4 tokens, 2 for the 32-weight types (8 float sums); 1 for the K-quants, which also keep
+// 4 int32 sums of a super-block live, and whose x loads are memory operands of their dots.
+template <class F>
+void with_rows(int64_t M, int many, F&& f) {
+  if (M == 1) f(std::integral_constant<int, 4>{});
+  else if (many == 2) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 1>{});
+}
+
+template <class X>
+void linear32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M, int64_t N,
+              int64_t K) {
+  using Q = typename X::Q;
+  const Tokens tok = quantize_tokens(x, ldx, M, K, 32);
+  const int64_t nb = K / 32, nbp = padded8(nb), ldq = padded64(K), row_bytes = nb * Q::kBytes;
+  const int64_t G = group_rows(N, K, 2);
+  with_rows(M, 2, [&](auto r_) {
+    constexpr int R = decltype(r_)::value;
+    at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
+      std::vector<uint8_t> q(G * ldq, 0);  // [G][padded64(K)] this thread's rows, a byte a weight
+      std::vector<float> A(G * ldq / 8, 0.0f);  // [G][padded64(K) / 64][8]   (pair_lanes)
+      std::vector<float> B(G * nbp, 0.0f);  // [G][padded8(K / 32)]
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t n0 = g * G, rows = std::min(G, N - n0);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t b = 0; b < nb; ++b) {
+            float a;
+            X::unpack(w + (n0 + r) * row_bytes + b * Q::kBytes, q.data() + r * ldq + 32 * b, a,
+                      B[r * nbp + b]);
+            pair_lanes(A.data() + r * ldq / 8, b, a);
+          }
+        over_group<R>(rows, M, K, [&](auto t_, int64_t r0, int64_t n, int64_t t0) {
+          const Rows32 rw{q.data() + r0 * ldq, A.data() + r0 * ldq / 8, B.data() + r0 * nbp};
+          tile32<X, R, decltype(t_)::value>(rw, n, tok, t0, out + t0 * N + n0 + r0, N);
+        });
+      }
+    });
+  });
+}
+
+template <class X>
+void linearK(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M, int64_t N,
+             int64_t K) {
+  using Q = typename X::Q;
+  const Tokens tok = quantize_tokens(x, ldx, M, K, 256);
+  const int64_t ns = K / 256, row_bytes = ns * Q::kBytes, G = group_rows(N, K, 3);
+  with_rows(M, 1, [&](auto r_) {
+    constexpr int R = decltype(r_)::value;
+    at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
+      std::vector<uint8_t> q(G * K);             // [G][K]
+      std::vector<int16_t> sc(G * ns * 128);     // [G][K / 256][8][16]
+      std::vector<int16_t> mn(G * ns * 16);      // [G][K / 256][16]
+      std::vector<float> d(G * ns), dmin(G * ns);  // [G][K / 256]
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t n0 = g * G, rows = std::min(G, N - n0);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t s = 0; s < ns; ++s) {
+            const int64_t rs = r * ns + s;
+            X::unpack(w + (n0 + r) * row_bytes + s * Q::kBytes,
+                      KBlock{q.data() + r * K + 256 * s, sc.data() + rs * 128, mn.data() + rs * 16,
+                             d.data() + rs, dmin.data() + rs});
+          }
+        over_group<R>(rows, M, K, [&](auto t_, int64_t r0, int64_t n, int64_t t0) {
+          const int64_t o = r0 * ns;
+          const RowsK rw{q.data() + r0 * K, sc.data() + o * 128, mn.data() + o * 16, d.data() + o,
+                         dmin.data() + o};
+          tileK<R, decltype(t_)::value>(rw, n, tok, t0, out + t0 * N + n0 + r0, N);
+        });
+      }
+    });
+  });
+}
+
+}  // namespace
+
+// out[M, N] (contiguous) = x[M, K] (row stride ldx) · Wᵀ for GGUF blocks w [N, row_bytes] of a
+// type that cpu_gguf_gemm.cpp's gguf_linear has checked (its GGML number, shapes and M, N > 0).
+void gguf_linear_int8(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M,
+                      int64_t N, int64_t K, int64_t qtype) {
+  switch (qtype) {
+    case Q4_0::kType: return linear32<Q4_0x>(out, x, ldx, w, M, N, K);
+    case Q4_1::kType: return linear32<Q4_1x>(out, x, ldx, w, M, N, K);
+    case Q5_0::kType: return linear32<Q5_0x>(out, x, ldx, w, M, N, K);
+    case Q5_1::kType: return linear32<Q5_1x>(out, x, ldx, w, M, N, K);
+    case Q8_0::kType: return linear32<Q8_0x>(out, x, ldx, w, M, N, K);
+    case Q4_K::kType: return linearK<Q4_Kx>(out, x, ldx, w, M, N, K);
+    case Q5_K::kType: return linearK<Q5_Kx>(out, x, ldx, w, M, N, K);
+    case Q6_K::kType: return linearK<Q6_Kx>(out, x, ldx, w, M, N, K);
+    default: TORCH_CHECK(false, "gguf_linear_int8: GGML type ", qtype, " is not supported");
+  }
+}
+
+}  // namespace minivllm_gguf_avx2
+#endif  // __AVX2__ && !__AVX512F__
