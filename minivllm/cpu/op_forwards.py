@@ -132,7 +132,9 @@ def op_linear(
 def gguf_dot() -> str:
     """The quantized GEMM's products, "bf16" or "float32": MINIVLLM_CPU_GGUF_DOT, where auto
     means bf16 on a CPU with AVX512-BF16 (twice the products a cycle; within 2^-8 of float32's
-    each, as llama.cpp's 8-bit activations are within theirs). Read once per process."""
+    each, as llama.cpp's 8-bit activations are within theirs). Read once per process. "float32"
+    is the library's own product: float32 on AVX-512 and generic builds, 8-bit integer dots on
+    the AVX2 build (`cpu_ops.gguf_dot_kind()`)."""
     choice = cpu_gguf_dot()
     if choice == "bf16" and not cpu_ops.gguf_has_bf16_dot():
         raise ValueError("MINIVLLM_CPU_GGUF_DOT=bf16, but this CPU has no AVX512-BF16")
