@@ -180,48 +180,61 @@ def decode_floor(
     return {"step_bytes": step_bytes, "floor_tok_s": batch * bandwidth / step_bytes}
 
 
+def run_phases(
+    server: ServerProcess, args: argparse.Namespace, extra: dict[str, Any], out: dict[str, Any]
+) -> None:
+    """The warm-up, each decode batch, the prefill, into `out`; the first failure ends the run
+    with `out["error"]` saying where and why."""
+    warm = run_phase(server, args, extra, num_prompts=2, random_output_len=4, max_concurrency=2,
+                     seed=1000)  # fmt: skip
+    if warm["failed"]:
+        out["error"] = "the warm-up failed: " + " | ".join(warm["errors"])
+        return
+    for i, batch in enumerate(args.batches):
+        s = run_phase(server, args, extra, num_prompts=batch * args.rounds,
+                      max_concurrency=batch, seed=i)  # fmt: skip
+        if s["median_tpot_ms"] > 0:
+            s["decode_tok_s"] = batch / (s["median_tpot_ms"] / 1000)
+        s["mean_context"] = args.prompt_len + args.output_len / 2
+        out["phases"][f"decode_b{batch}"] = s
+        if s["failed"]:
+            out["error"] = f"decode at batch {batch}: " + " | ".join(s["errors"])
+            return
+    s = run_phase(server, args, extra, num_prompts=args.prefill_repeats,
+                  random_input_len=args.prefill_len, random_output_len=1, max_concurrency=1,
+                  seed=100)  # fmt: skip
+    if s["median_ttft_ms"] > 0:
+        s["prefill_tok_s"] = args.prefill_len / (s["median_ttft_ms"] / 1000)
+    out["phases"][f"prefill_{args.prefill_len}"] = s
+    if s["failed"]:
+        out["error"] = "prefill: " + " | ".join(s["errors"])
+
+
 def run_system(
     server: ServerProcess,
     args: argparse.Namespace,
-    facts: GgufFacts,
     kv_element_bytes: int,
     extra: dict[str, Any],
 ) -> dict[str, Any]:
-    """Every phase against one server; stops at the first phase with a failed request."""
-    out: dict[str, Any] = {"command": " ".join(server.command()), "phases": {}}
+    """Every phase against one server, started for them and stopped after; its peak RSS is read
+    before it stops, a failed run's too."""
+    out: dict[str, Any] = {
+        "command": " ".join(server.command()),
+        "kv_element_bytes": kv_element_bytes,
+        "phases": {},
+    }
     began = time.perf_counter()
     try:
         with server:
             out["startup_s"] = time.perf_counter() - began
             if isinstance(server, llama_cpp.LlamaServerPeer):
                 out["llama_cpp_build"] = server.build_info()
-            warm = run_phase(server, args, extra, num_prompts=2, random_output_len=4,
-                             max_concurrency=2, seed=1000)  # fmt: skip
-            if warm["failed"]:
-                out["error"] = "the warm-up failed: " + " | ".join(warm["errors"])
-                return out
-            for i, batch in enumerate(args.batches):
-                s = run_phase(server, args, extra, num_prompts=batch * args.rounds,
-                              max_concurrency=batch, seed=i)  # fmt: skip
-                if s["median_tpot_ms"] > 0:
-                    s["decode_tok_s"] = batch / (s["median_tpot_ms"] / 1000)
-                s["mean_context"] = args.prompt_len + args.output_len / 2
-                out["phases"][f"decode_b{batch}"] = s
-                if s["failed"]:
-                    out["error"] = f"decode at batch {batch}: " + " | ".join(s["errors"])
-                    return out
-            s = run_phase(server, args, extra, num_prompts=args.prefill_repeats,
-                          random_input_len=args.prefill_len, random_output_len=1,
-                          max_concurrency=1, seed=100)  # fmt: skip
-            if s["median_ttft_ms"] > 0:
-                s["prefill_tok_s"] = args.prefill_len / (s["median_ttft_ms"] / 1000)
-            out["phases"][f"prefill_{args.prefill_len}"] = s
-            if s["failed"]:
-                out["error"] = "prefill: " + " | ".join(s["errors"])
-            out["peak_rss_bytes"] = server.peak_rss_bytes()
+            try:
+                run_phases(server, args, extra, out)
+            finally:
+                out["peak_rss_bytes"] = server.peak_rss_bytes()
     except RuntimeError as exc:  # did not start, or died starting: its log is in the message
         out["error"] = str(exc)
-    out["kv_element_bytes"] = kv_element_bytes
     return out
 
 
@@ -392,14 +405,14 @@ def main(argv: list[str] | None = None) -> int:
                 kv_cache_dtype=args.kv_cache_dtype, extra_args=args.minivllm_arg,
                 env_overrides=env, startup_timeout_s=args.startup_timeout,
             )  # fmt: skip
-            result = run_system(server, args, facts, kv_bytes, {})
+            result = run_system(server, args, kv_bytes, {})
             result |= {"isa": args.minivllm_isa, "env_overrides": env}
         elif name == "llama.cpp" and llama is not None:
             server = llama_cpp.LlamaServerPeer(
                 llama, parallel=parallel, ctx_per_slot=per_slot,
                 startup_timeout_s=args.startup_timeout,
             )  # fmt: skip
-            result = run_system(server, args, facts, 2, {"cache_prompt": False})  # f16 KV
+            result = run_system(server, args, 2, {"cache_prompt": False})  # f16 KV
         else:
             raise SystemExit(f"unknown system {name!r}: minivllm or llama.cpp")
         report["systems"][name] = result

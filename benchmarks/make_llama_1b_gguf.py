@@ -119,7 +119,9 @@ def add_tokenizer(writer: gguf.GGUFWriter, source: Path, vocab: int) -> None:
     tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
     types = list(reader.fields["tokenizer.ggml.token_type"].contents())
     if len(tokens) > vocab:
-        raise SystemExit(f"{source.name} has {len(tokens)} tokens, more than the vocabulary {vocab}")
+        raise SystemExit(
+            f"{source.name} has {len(tokens)} tokens, more than the vocabulary {vocab}"
+        )
     pad = vocab - len(tokens)
     tokens += [f"<|reserved_{i}|>" for i in range(pad)]
     types += [int(gguf.TokenType.UNUSED)] * pad
@@ -208,7 +210,9 @@ def main() -> int:
         tmp = f16.with_suffix(".part")
         write_f16(tmp, s, not args.no_rope_freqs, args.seed)
         tmp.rename(f16)  # a killed run leaves no file that looks complete
-        print(f"wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB, {time.perf_counter() - began:.0f} s)")
+        print(
+            f"wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB, {time.perf_counter() - began:.0f} s)"
+        )
     else:
         print(f"kept {f16}")
     if args.llama_quantize is None:
