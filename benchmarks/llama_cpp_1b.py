@@ -346,6 +346,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--minivllm-arg", action="append", default=[], help="more `minivllm serve` flags"
     )
+    p.add_argument("--llama-server-arg", action="append", default=[],
+                   help="more llama-server flags, e.g. --llama-server-arg=--no-repack (llama.cpp's "
+                   "AMX matmul segfaults on Q4_K_M files, llama.cpp issue 20824; --no-repack turns "
+                   "AMX off, with the CPU repacking)")  # fmt: skip
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="1,8", help="decode batches, comma-separated")
     p.add_argument("--rounds", type=int, default=2, help="requests per decode phase: B x rounds")
@@ -410,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "llama.cpp" and llama is not None:
             server = llama_cpp.LlamaServerPeer(
                 llama, parallel=parallel, ctx_per_slot=per_slot,
-                startup_timeout_s=args.startup_timeout,
+                extra_args=args.llama_server_arg, startup_timeout_s=args.startup_timeout,
             )  # fmt: skip
             result = run_system(server, args, 2, {"cache_prompt": False})  # f16 KV
         else:

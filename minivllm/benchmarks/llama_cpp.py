@@ -158,6 +158,7 @@ class LlamaServerPeer(ServerProcess):
     setup: LlamaCppSetup
     parallel: int = 1  # -np: slots, requests decoded together
     ctx_per_slot: int = 512  # tokens of KV cache each slot holds
+    extra_args: list[str] = field(default_factory=list)  # more llama-server flags, appended
     name: str = field(default="llama-server", kw_only=True)
 
     def command(self) -> list[str]:
@@ -174,6 +175,7 @@ class LlamaServerPeer(ServerProcess):
             # No request shares a prefix with another (cache_prompt is off): copying idle slots
             # into the RAM prompt cache would be work that serves nothing.
             "--cache-ram", "0",
+            *self.extra_args,
         ]  # fmt: skip
 
     def __enter__(self) -> LlamaServerPeer:
