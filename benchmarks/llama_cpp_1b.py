@@ -33,8 +33,8 @@ context (prompt + output / 2, in the system's KV dtype: llama-server f16, minivl
 floor rate is B x bandwidth / bytes; each system's decode rate is reported as a fraction of it.
 
 `--minivllm-isa avx2` runs minivllm's server with `MINIVLLM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2
-ONEDNN_MAX_CPU_ISA=AVX2` (its kernels, ATen's and oneDNN's held to AVX2); pass llama.cpp's AVX2
-build's llama-server beside it. The JSON records the CPU model and SIMD flags, `uptime` before and
+ONEDNN_MAX_CPU_ISA=AVX2` (its kernels, ATen's and oneDNN's held to AVX2: `IsaLevel.environment`,
+minivllm/cpu/isa.py); pass llama.cpp's AVX2 build's llama-server beside it. The JSON records the CPU model and SIMD flags, `uptime` before and
 after, minivllm's git commit, llama-server's build, every command and environment override.
 
     python benchmarks/llama_cpp_1b.py --llama-server ~/llama.cpp-peer/build/bin/llama-server \\
@@ -60,11 +60,11 @@ import torch
 
 from minivllm.benchmarks import llama_cpp, serve
 from minivllm.benchmarks.machine import measure_copy_bandwidth
-from minivllm.benchmarks.report import print_table, write_json
+from minivllm.benchmarks.report import cpu_description, print_table, write_json
 from minivllm.benchmarks.server_process import ServerProcess
+from minivllm.cpu import isa
 
 DEFAULT_MODEL = Path("~/.cache/minivllm-bench/llama-1b-random-Q4_K_M.gguf").expanduser()
-AVX2_ENV = {"MINIVLLM_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16",
               "amx_int8")  # fmt: skip
 KV_BYTES = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}  # minivllm's auto on CPU: float32
@@ -261,7 +261,11 @@ def cpu_facts() -> dict[str, Any]:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return {"model_name": model, "simd_flags": [f for f in SIMD_FLAGS if f in flags]}
+    return {
+        "model_name": model,
+        "simd_flags": [f for f in SIMD_FLAGS if f in flags],
+        "description": cpu_description(),
+    }
 
 
 def uptime() -> str:
@@ -341,7 +345,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--llama-server", type=Path, default=None, help="llama-server; unset: minivllm only"
     )
     p.add_argument("--systems", default="minivllm,llama.cpp", help="which to run, in this order")
-    p.add_argument("--minivllm-isa", choices=["native", "avx2"], default="native")
+    p.add_argument("--minivllm-isa", choices=["native", *isa.LEVEL_NAMES], default="native",
+                   help="the level minivllm's server runs at, PyTorch's and oneDNN's kernels "
+                   "held to it too (minivllm/cpu/isa.py); native: the CPU's best")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_BYTES), help="minivllm's")
     p.add_argument(
         "--minivllm-arg", action="append", default=[], help="more `minivllm serve` flags"
@@ -401,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--- {name}", flush=True)
         if name == "minivllm":
             kv_bytes = KV_BYTES[args.kv_cache_dtype]
-            env = AVX2_ENV if args.minivllm_isa == "avx2" else {}
+            native = args.minivllm_isa == "native"
+            level = isa.best_level() if native else isa.level_named(args.minivllm_isa)
+            env = {} if native else level.environment()
             server: ServerProcess = MinivllmServer(
                 model=model, threads=args.threads, max_num_seqs=parallel,
                 max_model_len=max(args.prefill_len + 1, args.prompt_len + args.output_len),
@@ -410,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                 env_overrides=env, startup_timeout_s=args.startup_timeout,
             )  # fmt: skip
             result = run_system(server, args, kv_bytes, {})
-            result |= {"isa": args.minivllm_isa, "env_overrides": env}
+            result |= {"isa_level": level.name, "env_overrides": env}
         elif name == "llama.cpp" and llama is not None:
             server = llama_cpp.LlamaServerPeer(
                 llama, parallel=parallel, ctx_per_slot=per_slot,

@@ -117,13 +117,20 @@ async def send_one(
                     return res
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if res.ttft == 0.0:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
+                if not chunk.get("choices"):
+                    continue
+                # A token whose text is empty (a special or unused token, which llama-server
+                # prints as "") still arrived: the first chunk is the first token, as in vLLM's
+                # backend_request_func.py. A closing chunk of no text is the finish reason alone.
+                choice = chunk["choices"][0]
+                now = time.perf_counter()
+                if res.ttft == 0.0:
+                    res.ttft = now - start
+                elif choice.get("text") or choice.get("finish_reason") is None:
+                    res.itl.append(now - last)
+                else:
+                    continue
+                last = now
         res.e2e = time.perf_counter() - start
         res.ok = True
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
