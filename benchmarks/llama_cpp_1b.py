@@ -275,10 +275,16 @@ def uptime() -> str:
         return f"load {os.getloadavg()}"
 
 
-def minivllm_commit() -> str:
-    import minivllm
+def minivllm_commit(src: Path | None) -> str:
+    """The commit of the minivllm the server runs: `src`'s (a checkout, or an exported tree with
+    the commit in a file named .git-commit), else the one this script imports."""
+    if src is None:
+        import minivllm
 
-    root = Path(minivllm.__file__).resolve().parent.parent
+        src = Path(minivllm.__file__).resolve().parent.parent
+    if (src / ".git-commit").is_file():
+        return f"{(src / '.git-commit').read_text().strip()} at {src}"
+    root = src
     git = ["git", "-C", str(root)]
     try:
         head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
@@ -349,6 +355,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the level minivllm's server runs at, PyTorch's and oneDNN's kernels "
                    "held to it too (minivllm/cpu/isa.py); native: the CPU's best")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_BYTES), help="minivllm's")
+    p.add_argument("--minivllm-src", type=Path, default=None,
+                   help="run the server from this minivllm tree (its PYTHONPATH), e.g. another "
+                   "branch's; unset: the minivllm this script imports")  # fmt: skip
     p.add_argument(
         "--minivllm-arg", action="append", default=[], help="more `minivllm serve` flags"
     )
@@ -395,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         "gguf_tensor_bytes": facts.tensor_bytes,
         "cpu": cpu_facts(),
         "uptime_before": uptime(),
-        "minivllm_commit": minivllm_commit(),
+        "minivllm_commit": minivllm_commit(args.minivllm_src),
         "kv_pool_tokens": parallel * per_slot,
         "systems": {},
     }
@@ -410,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
             native = args.minivllm_isa == "native"
             level = isa.best_level() if native else isa.level_named(args.minivllm_isa)
             env = {} if native else level.environment()
+            if args.minivllm_src is not None:
+                env = {**env, "PYTHONPATH": str(args.minivllm_src.resolve())}
             server: ServerProcess = MinivllmServer(
                 model=model, threads=args.threads, max_num_seqs=parallel,
                 max_model_len=max(args.prefill_len + 1, args.prompt_len + args.output_len),
