@@ -218,15 +218,12 @@ def run_system(
 ) -> dict[str, Any]:
     """Every phase against one server, started for them and stopped after; its peak RSS is read
     before it stops, a failed run's too."""
-    out: dict[str, Any] = {
-        "command": " ".join(server.command()),
-        "kv_element_bytes": kv_element_bytes,
-        "phases": {},
-    }
+    out: dict[str, Any] = {"kv_element_bytes": kv_element_bytes, "phases": {}}
     began = time.perf_counter()
     try:
         with server:
             out["startup_s"] = time.perf_counter() - began
+            out["command"] = " ".join(server.command())  # with the port it was given
             if isinstance(server, llama_cpp.LlamaServerPeer):
                 out["llama_cpp_build"] = server.build_info()
             try:
