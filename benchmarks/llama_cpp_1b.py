@@ -230,6 +230,7 @@ def run_system(
                 run_phases(server, args, extra, out)
             finally:
                 out["peak_rss_bytes"] = server.peak_rss_bytes()
+                out["rss_bytes_at_end"] = server.rss_bytes()
     except RuntimeError as exc:  # did not start, or died starting: its log is in the message
         out["error"] = str(exc)
     return out
@@ -319,11 +320,12 @@ def print_report(report: dict[str, Any]) -> None:
     p = report["args"]["prefill_len"]
     specs += [(lbl.format(p=p), ph.format(p=p), f, r) for lbl, ph, f, r in PREFILL_ROWS]
     specs.append(("peak RSS MiB", None, "peak_rss_bytes", True))
+    specs.append(("RSS at the end MiB", None, "rss_bytes_at_end", True))
     rows: list[list[Any]] = []
     for label, phase, name, ratio in specs:
         values = [(s if phase is None else s["phases"].get(phase, {})).get(name)
                   for s in systems.values()]  # fmt: skip
-        if name == "peak_rss_bytes":
+        if "rss_bytes" in name:
             values = [None if v is None else v / 2**20 for v in values]
         cells: list[Any] = [
             "" if v is None else f"{v:.1%}" if name == "fraction_of_floor" else v for v in values

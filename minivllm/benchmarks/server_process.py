@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from minivllm.benchmarks.isolated import peak_rss_bytes_of
+from minivllm.benchmarks.isolated import peak_rss_bytes_of, rss_bytes_of
 
 
 def _die_with_parent() -> None:
@@ -135,3 +135,7 @@ class ServerProcess:
 
     def peak_rss_bytes(self) -> int | None:
         return None if self.process is None else peak_rss_bytes_of(self.process.pid)
+
+    def rss_bytes(self) -> int | None:
+        """The resident set now (after loading, the peak may hold what loading alone needed)."""
+        return None if self.process is None else rss_bytes_of(self.process.pid)
