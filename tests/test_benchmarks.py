@@ -225,3 +225,45 @@ def test_a_streamed_token_of_empty_text_counts_as_the_first_token() -> None:
     res = asyncio.run(send())
     assert res.ok and res.output_tokens == 3
     assert res.ttft > 0 and len(res.itl) == 2
+
+
+def test_a_request_on_a_connection_the_server_closed_goes_once_more() -> None:
+    """A kept-alive connection the server closed fails before any answer: the request never
+    arrived, so bench serve sends it again; a second such failure is the request's error."""
+    import asyncio
+
+    import httpx
+
+    body = 'data: {"choices": [{"text": "a", "index": 0}]}\n\ndata: [DONE]\n\n'
+    calls = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) % 2:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, text=body)
+
+    async def send() -> serve.RequestResult:
+        transport = httpx.MockTransport(answer)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await serve.send_one(client, "m", [1, 2], 1)
+
+    res = asyncio.run(send())
+    assert res.ok and len(calls) == 2 and res.status == 200
+
+
+def test_a_request_the_server_never_answers_twice_is_an_error() -> None:
+    import asyncio
+
+    import httpx
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+    async def send() -> serve.RequestResult:
+        transport = httpx.MockTransport(answer)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await serve.send_one(client, "m", [1, 2], 1)
+
+    res = asyncio.run(send())
+    assert not res.ok and res.error.startswith("RemoteProtocolError")
