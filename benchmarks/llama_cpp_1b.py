@@ -134,6 +134,7 @@ class MinivllmServer(ServerProcess):
     kv_cache_dtype: str = "auto"
     extra_args: list[str] = field(default_factory=list)
     env_overrides: dict[str, str] = field(default_factory=dict)
+    src: Path | None = None  # the minivllm tree to run; None: the one PYTHONPATH names
     name: str = "minivllm-serve"
 
     def command(self) -> list[str]:
@@ -147,7 +148,15 @@ class MinivllmServer(ServerProcess):
         ]  # fmt: skip
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "OMP_NUM_THREADS": str(self.threads), **self.env_overrides}
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), **self.env_overrides}
+        if self.src is not None:
+            env["PYTHONPATH"] = str(self.src.resolve())
+        return env
+
+    def cwd(self) -> Path | None:
+        # `python -m` puts the working folder first on sys.path: a checkout's own minivllm there
+        # would win over PYTHONPATH's
+        return self.src
 
 
 # ---------------------------------------------------------------------------------- the phases
@@ -418,17 +427,16 @@ def main(argv: list[str] | None = None) -> int:
             native = args.minivllm_isa == "native"
             level = isa.best_level() if native else isa.level_named(args.minivllm_isa)
             env = {} if native else level.environment()
-            if args.minivllm_src is not None:
-                env = {**env, "PYTHONPATH": str(args.minivllm_src.resolve())}
             server: ServerProcess = MinivllmServer(
                 model=model, threads=args.threads, max_num_seqs=parallel,
                 max_model_len=max(args.prefill_len + 1, args.prompt_len + args.output_len),
                 kv_cache_space_gib=parallel * per_slot * facts.kv_bytes_per_token(kv_bytes) / 2**30,
                 kv_cache_dtype=args.kv_cache_dtype, extra_args=args.minivllm_arg,
-                env_overrides=env, startup_timeout_s=args.startup_timeout,
+                env_overrides=env, src=args.minivllm_src, startup_timeout_s=args.startup_timeout,
             )  # fmt: skip
             result = run_system(server, args, kv_bytes, {})
-            result |= {"isa_level": level.name, "env_overrides": env}
+            result |= {"isa_level": level.name, "env_overrides": env,
+                       "src": str(args.minivllm_src or "")}  # fmt: skip
         elif name == "llama.cpp" and llama is not None:
             server = llama_cpp.LlamaServerPeer(
                 llama, parallel=parallel, ctx_per_slot=per_slot,

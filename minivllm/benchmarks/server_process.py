@@ -59,6 +59,10 @@ class ServerProcess:
         """The server's environment; None: the bench's own."""
         return None
 
+    def cwd(self) -> Path | None:
+        """The server's working folder; None: the bench's own."""
+        return None
+
     def __enter__(self) -> ServerProcess:
         self.start()
         try:
@@ -84,6 +88,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env(),
+                cwd=self.cwd(),
                 start_new_session=True,  # its own group: Ctrl-C reaches the bench, which stops it
                 preexec_fn=_die_with_parent,
             )
