@@ -403,7 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         if llama is None:
             args.systems.remove("llama.cpp")
     parallel = max(args.batches)
-    pool_tokens = max(parallel * (args.prompt_len + args.output_len), args.prefill_len + 1)
+    # The largest batch's tokens and the long prompt's besides: llama-server keeps a finished
+    # slot's KV until it needs the room, and a pool the batch had filled made the prompt's first
+    # decode fail and retry in smaller pieces, purging slots ("failed to find free space")
+    pool_tokens = parallel * (args.prompt_len + args.output_len) + args.prefill_len + 1
     per_slot = -(-pool_tokens // (parallel * 256)) * 256  # llama-server's -c is -np x this
     report: dict[str, Any] = {
         "benchmark": "llama_cpp_1b",
