@@ -198,3 +198,72 @@ def test_sharing_saves_memory_in_beam_search_and_parallel_sampling(
     by = {(r["method"], r["width"]): r["saving"] for r in results}
     assert by[("beam", 4)] > by[("beam", 2)]  # more beams, more of the history shared
     assert (tmp_path / "sharing.png").stat().st_size > 0
+
+
+def test_a_streamed_token_of_empty_text_counts_as_the_first_token() -> None:
+    """llama-server prints unused and special tokens as "": the first chunk is still the first
+    token (TTFT), a later one an inter-token gap; a closing chunk with only a finish reason is not."""
+    import asyncio
+    import json as json_
+
+    import httpx
+
+    chunks = [
+        {"choices": [{"text": "", "index": 0, "finish_reason": None}]},
+        {"choices": [{"text": "", "index": 0, "finish_reason": None}]},
+        {"choices": [{"text": "a", "index": 0, "finish_reason": None}]},
+        {"choices": [{"text": "", "index": 0, "finish_reason": "length"}]},
+        {"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 2}},
+    ]
+    body = "".join(f"data: {json_.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda _: httpx.Response(200, text=body))
+
+    async def send() -> serve.RequestResult:
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await serve.send_one(client, "m", [1, 2], 3)
+
+    res = asyncio.run(send())
+    assert res.ok and res.output_tokens == 3
+    assert res.ttft > 0 and len(res.itl) == 2
+
+
+def test_a_request_on_a_connection_the_server_closed_goes_once_more() -> None:
+    """A kept-alive connection the server closed fails before any answer: the request never
+    arrived, so bench serve sends it again; a second such failure is the request's error."""
+    import asyncio
+
+    import httpx
+
+    body = 'data: {"choices": [{"text": "a", "index": 0}]}\n\ndata: [DONE]\n\n'
+    calls = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) % 2:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, text=body)
+
+    async def send() -> serve.RequestResult:
+        transport = httpx.MockTransport(answer)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await serve.send_one(client, "m", [1, 2], 1)
+
+    res = asyncio.run(send())
+    assert res.ok and len(calls) == 2 and res.status == 200
+
+
+def test_a_request_the_server_never_answers_twice_is_an_error() -> None:
+    import asyncio
+
+    import httpx
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+    async def send() -> serve.RequestResult:
+        transport = httpx.MockTransport(answer)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await serve.send_one(client, "m", [1, 2], 1)
+
+    res = asyncio.run(send())
+    assert not res.ok and res.error.startswith("RemoteProtocolError")

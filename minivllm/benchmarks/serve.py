@@ -41,6 +41,7 @@ from minivllm.benchmarks.workload import Fixed, draw_requests, poisson_arrivals,
 class RequestResult:
     ok: bool = False
     error: str = ""
+    status: int = 0  # the HTTP status; 0: no answer came
     prompt_len: int = 0
     output_tokens: int = 0
     ttft: float = 0.0  # seconds
@@ -91,7 +92,6 @@ async def send_one(
     output_len: int,
     extra_body: dict[str, Any] | None = None,
 ) -> RequestResult:
-    res = RequestResult(prompt_len=len(prompt))
     body: dict[str, Any] = {
         **(extra_body or {}),
         "model": model,
@@ -102,9 +102,22 @@ async def send_one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    res = await _stream(client, body, len(prompt))
+    if res.error.startswith("RemoteProtocolError") and res.status == 0:
+        # The server closed a kept-alive connection (llama-server does when it has idled) and
+        # the request failed before any answer: it never arrived, so it goes once more.
+        res = await _stream(client, body, len(prompt))
+    return res
+
+
+async def _stream(
+    client: httpx.AsyncClient, body: dict[str, Any], prompt_len: int
+) -> RequestResult:
+    res = RequestResult(prompt_len=prompt_len)
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
+            res.status = r.status_code
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
                 return res
@@ -117,13 +130,20 @@ async def send_one(
                     return res
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if res.ttft == 0.0:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
+                if not chunk.get("choices"):
+                    continue
+                # A token whose text is empty (a special or unused token, which llama-server
+                # prints as "") still arrived: the first chunk is the first token, as in vLLM's
+                # backend_request_func.py. A closing chunk of no text is the finish reason alone.
+                choice = chunk["choices"][0]
+                now = time.perf_counter()
+                if res.ttft == 0.0:
+                    res.ttft = now - start
+                elif choice.get("text") or choice.get("finish_reason") is None:
+                    res.itl.append(now - last)
+                else:
+                    continue
+                last = now
         res.e2e = time.perf_counter() - start
         res.ok = True
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
