@@ -37,6 +37,7 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
+from minivllm.cpu import ops as cpu_ops
 from minivllm.cpu.build import load_cpu_kernels
 from minivllm.cpu.ops import (
     GGUF_BLOCK_SIZES,
@@ -159,6 +160,57 @@ def test_linear_of_a_large_batch_takes_the_chunked_path(qtype: T) -> None:
     assert_linear_close(
         gguf_linear(x, torch.from_numpy(q), int(qtype)), x, dequantize(q, qtype), qtype
     )
+
+
+@pytest.mark.parametrize("dot", ["float32", "bf16"])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_many_rows_dequantize_in_chunks_then_multiply(
+    qtype: T, dot: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt's rows: the weight dequantized a few rows at a time (a small chunk here, so
+    that several chunks and a short last one run) and multiplied by PyTorch's GEMM, float32 within
+    float32's rounding, bf16 within the bf16 rounding of both operands and of the output."""
+    monkeypatch.setattr(cpu_ops, "GGUF_DEQUANTIZE_CHUNK_BYTES", 7 * 4 * 256)  # 7 rows a chunk
+    q = random_blocks(qtype, N, 256, seed=11)
+    x = torch.randn(
+        cpu_ops.GGUF_DEQUANTIZE_MIN_ROWS + 3, 256, generator=torch.Generator().manual_seed(3)
+    )
+    out = cpu_ops.gguf_linear_dequantized(
+        x.t().contiguous().t(), torch.from_numpy(q), int(qtype), dot
+    )
+    wt = torch.from_numpy(dequantize(q, qtype)).double()
+    ref = x.double() @ wt.T
+    magnitude = x.double().abs() @ wt.abs().T
+    rounding = 2**-8 + 2**-9 if dot == "bf16" else 0.0
+    bound = (rounding + 4 * EPS32 * x.shape[1] ** 0.5) * magnitude
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert ((out.double() - ref).abs() - bound).max().item() <= 0
+    with pytest.raises(ValueError, match="dot must be"):
+        cpu_ops.gguf_linear_dequantized(x, torch.from_numpy(q), int(qtype), "int4")
+
+
+def test_the_model_s_linears_dequantize_from_the_row_bound_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gguf_linear_cpu (the CPU forward of a GGUF layer) picks by the rows it is given."""
+    from minivllm.cpu import op_forwards
+
+    calls: list[str] = []
+    monkeypatch.setattr(
+        cpu_ops, "gguf_linear", lambda *a: calls.append("tiles") or torch.zeros(a[0].shape[0], N)
+    )
+    monkeypatch.setattr(
+        cpu_ops,
+        "gguf_linear_dequantized",
+        lambda *a: calls.append("dense") or torch.zeros(a[0].shape[0], N),
+    )
+    q = torch.from_numpy(random_blocks(T.Q4_1, N, 256, seed=1))
+    monkeypatch.setattr(
+        "minivllm.model.quantization.gguf.gguf_parts", lambda op: [(int(T.Q4_1), q)]
+    )
+    for m in (1, cpu_ops.GGUF_DEQUANTIZE_MIN_ROWS - 1, cpu_ops.GGUF_DEQUANTIZE_MIN_ROWS):
+        op_forwards.gguf_linear_cpu(None, torch.zeros(m, 256), None)  # type: ignore[arg-type]
+    assert calls == ["tiles", "tiles", "dense"]
 
 
 def test_linear_reads_every_layout_the_model_hands_over() -> None:

@@ -153,7 +153,14 @@ def gguf_linear_cpu(
     from minivllm.model.quantization.gguf import gguf_parts
 
     dot = gguf_dot()
-    outs = [cpu_ops.gguf_linear(x.float(), q, qtype, dot) for qtype, q in gguf_parts(op)]
+    # Many token rows (a long prompt's chunk): dequantize and run one dense GEMM, as vLLM's GGUF
+    # path does past its batch bound (`_fused_mul_mat_gguf`); few rows: unpack where used.
+    linear = (
+        cpu_ops.gguf_linear_dequantized
+        if x.shape[0] >= cpu_ops.GGUF_DEQUANTIZE_MIN_ROWS
+        else cpu_ops.gguf_linear
+    )
+    outs = [linear(x.float(), q, qtype, dot) for qtype, q in gguf_parts(op)]
     y = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(x.dtype)
     return y if bias is None else y + bias
 

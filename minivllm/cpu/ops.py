@@ -40,6 +40,8 @@ from minivllm.cpu.build import load_cpu_kernels, loaded_level
 
 __all__ = [
     "GGUF_BLOCK_SIZES",
+    "GGUF_DEQUANTIZE_CHUNK_BYTES",
+    "GGUF_DEQUANTIZE_MIN_ROWS",
     "GGUF_KERNEL_TYPES",
     "SKINNY_GEMM_MAX_ROWS",
     "fused_add_rms_norm",
@@ -47,6 +49,7 @@ __all__ = [
     "gguf_dot_kind",
     "gguf_has_bf16_dot",
     "gguf_linear",
+    "gguf_linear_dequantized",
     "is_feature_major",
     "paged_decode",
     "paged_decode_loops",
@@ -69,6 +72,14 @@ SKINNY_GEMM_MAX_ROWS = 64
 GGUF_BLOCK_SIZES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
                     12: (256, 144), 13: (256, 176), 14: (256, 210)}  # fmt: skip
 GGUF_KERNEL_TYPES = frozenset(GGUF_BLOCK_SIZES)
+# From this many token rows on, a GGUF linear dequantizes its weight (in chunks) and runs a dense
+# GEMM (`gguf_linear_dequantized`): the dequantization is paid once per call, and the GEMM library's
+# blocking (oneDNN's AMX or AVX-512 bf16, MKL's float32) beats the unpack-where-used tiles, whose
+# cost per token row is fixed. Below it the tiles win: the weight's bytes are read once, packed.
+# The crossover was measured at Llama-3.2-1B's and SmolLM2's shapes (benchmarks/gguf_gemm.py).
+GGUF_DEQUANTIZE_MIN_ROWS = 256
+# The float32 rows `gguf_linear_dequantized` holds at once: a bounded transient, whatever the weight.
+GGUF_DEQUANTIZE_CHUNK_BYTES = 64 * 2**20
 
 
 def is_feature_major(x: torch.Tensor) -> bool:  # x: [T, N]
@@ -247,6 +258,28 @@ def gguf_dot_kind() -> str:
     cpu_gguf_gemm_avx2.cpp), "float32" on AVX-512 and portable ones."""
     load_cpu_kernels()
     return str(torch.ops.minivllm_cpu.gguf_dot_kind())
+
+
+def gguf_linear_dequantized(
+    x: torch.Tensor,  # [M, K]  float32, either layout
+    qweight: torch.Tensor,  # uint8 [N, row_bytes]  GGUF's blocks, contiguous
+    qtype: int,  # one of GGUF_KERNEL_TYPES
+    dot: str = "float32",  # "float32", or "bf16": x and the weights rounded to bf16 first
+) -> torch.Tensor:  # [M, N]  float32, new, token-major
+    """x · dequantize(qweight)ᵀ for many token rows: the weight dequantized a chunk of rows at a
+    time (GGUF_DEQUANTIZE_CHUNK_BYTES of float32) and each chunk multiplied by PyTorch's GEMM. With
+    dot="bf16" the operands are rounded to bf16, as gguf_linear's bf16 dot rounds them, and the
+    GEMM's output too: within (2^-8 + 2^-9 + K · 2^-24) · (|x| · |W|ᵀ)."""
+    if dot not in ("float32", "bf16"):
+        raise ValueError(f"gguf_linear_dequantized: dot must be 'float32' or 'bf16', got {dot!r}")
+    x = x.contiguous()
+    rows = max(1, GGUF_DEQUANTIZE_CHUNK_BYTES // (4 * x.shape[1]))
+    xd = x.to(torch.bfloat16) if dot == "bf16" else x
+    out = torch.empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
+    for n0 in range(0, qweight.shape[0], rows):
+        w = gguf_dequantize(qweight[n0 : n0 + rows], qtype)  # [rows, K] float32
+        out[:, n0 : n0 + w.shape[0]] = torch.mm(xd, w.to(xd.dtype).t())
+    return out
 
 
 def gguf_has_bf16_dot() -> bool:
