@@ -142,7 +142,9 @@ if __name__ == "__main__":  # workers are spawned: they re-import this file
     print("workers", *[w.process.pid for w in llm.llm_engine.executor.workers], flush=True)
     params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[2]), ignore_eos=True)
     print("generating", flush=True)
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 8, params, use_tqdm=False)
+    # many requests over a small pool: seconds of steps, so that a Ctrl-C sent at "generating"
+    # still finds them running on a loaded machine
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 32, params, use_tqdm=False)
     print("done", flush=True)  # and exit without shutdown(): atexit must stop the workers
 """
 
