@@ -8,6 +8,10 @@ converted to safetensors, the compiled CPU kernels). Like `VLLM_CACHE_ROOT`, it 
 default: bf16 dot products where the CPU has AVX512-BF16, else float32), `bf16` or `float32`
 (products exact in float32, half as many a cycle). docs/concepts/quantization.md says what each costs.
 
+`MINIVLLM_CPU_GGUF_GEMM_ROWS`: off by default; a number N makes a CPU step of N or more token rows
+(a long prompt's chunk) dequantize each GGUF weight and run a dense GEMM, which is faster for long
+prompts but gives those rows other float sums than smaller steps (no longer batch-invariant).
+
 `MINIVLLM_CPU_ISA`: which instruction-set level of the CPU kernels a process runs: `auto` (the
 default: the best this CPU has), `reference`, `generic`, `avx2`, `avx512` or `avx512_bf16`; read
 by minivllm/cpu/isa.py, which refuses a level the CPU lacks.
@@ -44,3 +48,13 @@ def cpu_gguf_dot() -> str:
             f"MINIVLLM_CPU_GGUF_DOT must be one of {', '.join(CPU_GGUF_DOTS)}, got {value!r}"
         )
     return value
+
+
+def cpu_gguf_gemm_rows() -> int | None:
+    """`$MINIVLLM_CPU_GGUF_GEMM_ROWS` as a row count, or None when unset or 0 (off)."""
+    value = os.environ.get("MINIVLLM_CPU_GGUF_GEMM_ROWS", "").strip() or "0"
+    if not value.isdigit():
+        raise ValueError(
+            f"MINIVLLM_CPU_GGUF_GEMM_ROWS must be a whole number of token rows (0: off), got {value!r}"
+        )
+    return int(value) or None

@@ -189,10 +189,11 @@ def test_many_rows_dequantize_in_chunks_then_multiply(
         cpu_ops.gguf_linear_dequantized(x, torch.from_numpy(q), int(qtype), "int4")
 
 
-def test_the_model_s_linears_dequantize_from_the_row_bound_on(
+def test_the_model_s_linears_dequantize_from_the_row_bound_only_when_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """gguf_linear_cpu (the CPU forward of a GGUF layer) picks by the rows it is given."""
+    """gguf_linear_cpu (the CPU forward of a GGUF layer) keeps every row count on the
+    batch-invariant tiles by default, and picks by row count under MINIVLLM_CPU_GGUF_GEMM_ROWS."""
     from minivllm.cpu import op_forwards
 
     calls: list[str] = []
@@ -208,9 +209,25 @@ def test_the_model_s_linears_dequantize_from_the_row_bound_on(
     monkeypatch.setattr(
         "minivllm.model.quantization.gguf.gguf_parts", lambda op: [(int(T.Q4_1), q)]
     )
-    for m in (1, cpu_ops.GGUF_DEQUANTIZE_MIN_ROWS - 1, cpu_ops.GGUF_DEQUANTIZE_MIN_ROWS):
-        op_forwards.gguf_linear_cpu(None, torch.zeros(m, 256), None)  # type: ignore[arg-type]
-    assert calls == ["tiles", "tiles", "dense"]
+    bound = cpu_ops.GGUF_DEQUANTIZE_MIN_ROWS
+    for rows, expected in ((None, ["tiles"] * 3), (bound, ["tiles", "tiles", "dense"])):
+        monkeypatch.setattr(op_forwards, "gguf_gemm_rows", lambda rows=rows: rows)
+        calls.clear()
+        for m in (1, bound - 1, bound):
+            op_forwards.gguf_linear_cpu(None, torch.zeros(m, 256), None)  # type: ignore[arg-type]
+        assert calls == expected
+
+
+def test_the_gemm_rows_variable_is_refused_unless_a_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    from minivllm.envs import cpu_gguf_gemm_rows
+
+    monkeypatch.setenv("MINIVLLM_CPU_GGUF_GEMM_ROWS", "256")
+    assert cpu_gguf_gemm_rows() == 256
+    monkeypatch.setenv("MINIVLLM_CPU_GGUF_GEMM_ROWS", "0")
+    assert cpu_gguf_gemm_rows() is None
+    monkeypatch.setenv("MINIVLLM_CPU_GGUF_GEMM_ROWS", "many")
+    with pytest.raises(ValueError, match="MINIVLLM_CPU_GGUF_GEMM_ROWS must be a whole number"):
+        cpu_gguf_gemm_rows()
 
 
 def test_linear_reads_every_layout_the_model_hands_over() -> None:

@@ -162,6 +162,9 @@ def run_script(tmp_path: Path, model: Path, max_tokens: int, interrupt: bool) ->
         text=True,
         env=env,
         start_new_session=True,
+        # A terminal's process gets SIGINT's default action; a pytest-xdist worker may ignore
+        # SIGINT, and a child inherits that (Python then installs no KeyboardInterrupt handler).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     workers: list[psutil.Process] = []
     lines = []

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from minivllm.cpu import ops as cpu_ops
-from minivllm.envs import cpu_gguf_dot
+from minivllm.envs import cpu_gguf_dot, cpu_gguf_gemm_rows
 from minivllm.model.custom_op import register_forward
 from minivllm.model.layers import RMSNorm, SiluAndMul
 from minivllm.model.parallel_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
@@ -143,6 +143,13 @@ def gguf_dot() -> str:
     return choice
 
 
+@functools.cache
+def gguf_gemm_rows() -> int | None:
+    """MINIVLLM_CPU_GGUF_GEMM_ROWS, read once per process: None (the default) keeps every row
+    count on the batch-invariant tiles."""
+    return cpu_gguf_gemm_rows()
+
+
 def gguf_linear_cpu(
     op: ColumnParallelLinear | RowParallelLinear | ParallelLMHead,
     x: torch.Tensor,  # [M, in]  either layout
@@ -153,11 +160,14 @@ def gguf_linear_cpu(
     from minivllm.model.quantization.gguf import gguf_parts
 
     dot = gguf_dot()
-    # Many token rows (a long prompt's chunk): dequantize and run one dense GEMM, as vLLM's GGUF
-    # path does past its batch bound (`_fused_mul_mat_gguf`); few rows: unpack where used.
+    # Opt-in (MINIVLLM_CPU_GGUF_GEMM_ROWS): many token rows dequantize and run one dense GEMM, as
+    # vLLM's GGUF path does past its batch bound (`_fused_mul_mat_gguf`). Off by default, because
+    # the tiles are batch-invariant and the GEMM's sums are not the tiles': a request's tokens
+    # would depend on how many other rows shared its step.
+    rows = gguf_gemm_rows()
     linear = (
         cpu_ops.gguf_linear_dequantized
-        if x.shape[0] >= cpu_ops.GGUF_DEQUANTIZE_MIN_ROWS
+        if rows is not None and x.shape[0] >= rows
         else cpu_ops.gguf_linear
     )
     outs = [linear(x.float(), q, qtype, dot) for qtype, q in gguf_parts(op)]

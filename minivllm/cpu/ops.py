@@ -72,11 +72,11 @@ SKINNY_GEMM_MAX_ROWS = 64
 GGUF_BLOCK_SIZES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
                     12: (256, 144), 13: (256, 176), 14: (256, 210)}  # fmt: skip
 GGUF_KERNEL_TYPES = frozenset(GGUF_BLOCK_SIZES)
-# From this many token rows on, a GGUF linear dequantizes its weight (in chunks) and runs a dense
-# GEMM (`gguf_linear_dequantized`): the dequantization is paid once per call, and the GEMM library's
-# blocking (oneDNN's AMX or AVX-512 bf16, MKL's float32) beats the unpack-where-used tiles, whose
-# cost per token row is fixed. Below it the tiles win: the weight's bytes are read once, packed.
-# The crossover was measured at Llama-3.2-1B's and SmolLM2's shapes (benchmarks/gguf_gemm.py).
+# The row count from which dequantize-then-GEMM (`gguf_linear_dequantized`) beat the
+# unpack-where-used tiles at Llama-3.2-1B's shapes: the dequantization is paid once per call and
+# the GEMM library's blocking (oneDNN's AMX or AVX-512 bf16, MKL's float32) wins, where the tiles'
+# cost per token row is fixed. A suggestion for MINIVLLM_CPU_GGUF_GEMM_ROWS (off by default: the
+# GEMM's sums differ from the tiles', so rows would depend on the size of their step).
 GGUF_DEQUANTIZE_MIN_ROWS = 256
 # The float32 rows `gguf_linear_dequantized` holds at once: a bounded transient, whatever the weight.
 GGUF_DEQUANTIZE_CHUNK_BYTES = 64 * 2**20
