@@ -113,3 +113,26 @@ def test_the_platform_chooses_how_a_random_row_is_sampled() -> None:
     assert CudaPlatform.sampling_method == "exponential"
     source = (Path(__file__).parent.parent / "minivllm" / "sampler.py").read_text()
     assert ".is_cuda" not in source and "device.type" not in source
+
+
+def test_bfloat16_asked_for_on_a_cpu_without_bf16_instructions_is_said_to_be_emulated(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """float32 stays the CPU's default; a user's bfloat16 on a CPU with neither AVX512-BF16 nor
+    AMX (an AVX2 machine) is taken, with one line saying it is emulated and slower there."""
+    import logging
+
+    from minivllm.model.resolver import resolve_dtype
+
+    cpu = torch.device("cpu")
+    for has_bf16 in (False, True):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda has=has_bf16: has)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda has=has_bf16: has)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="minivllm"):
+            assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+            assert resolve_dtype("auto", cpu) == torch.float32
+        notes = [r.getMessage() for r in caplog.records if "bfloat16" in r.getMessage()]
+        assert len(notes) == (0 if has_bf16 else 1), notes
+        if notes:
+            assert "emulated" in notes[0] and "float32" in notes[0]
