@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -83,3 +86,14 @@ def parse_bench_args(module: object, argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)  # type: ignore[attr-defined]
     return parser.parse_args(argv)
+
+
+def import_benchmark(name: str) -> ModuleType:
+    """A script of the top-level benchmarks/ folder, which is not installed: loaded from its file."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module

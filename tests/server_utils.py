@@ -171,3 +171,23 @@ def serve_tiny_model(
     ).create_engine_config()
     with serve_in_process(LLMEngine(config), **app_kwargs) as s:
         yield s
+
+
+# ---------------------------------------------------------------------------------- processes
+def is_gone(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie counts: it holds no resources)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(pid: int, timeout: float = 5.0) -> bool:
+    """Whether process `pid` exits within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not is_gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

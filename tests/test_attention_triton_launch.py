@@ -16,18 +16,17 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from engine_utils import import_benchmark
 from test_attention_gpu import HOPPER_MAX_SHARED, why_not_compiled_on_cuda
 from test_attention_reference import make_paged_batch
 
@@ -222,17 +221,6 @@ def test_the_gpu_tests_refuse_to_run_interpreted() -> None:
     assert why_not_compiled_on_cuda(cuda_available=True, interpreted=False) is None
     assert "TRITON_INTERPRET=1" in str(why_not_compiled_on_cuda(True, interpreted=True))
     assert "no CUDA" in str(why_not_compiled_on_cuda(False, interpreted=True))
-
-
-def import_benchmark(name: str) -> ModuleType:
-    """A script of the top-level benchmarks/ folder, which is not installed: loaded from its file."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as an import would (dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_kernel_benchmark_fails_when_it_misses_its_target() -> None:

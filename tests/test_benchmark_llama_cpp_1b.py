@@ -5,25 +5,11 @@ and the floor is the arithmetic the Performance page states. Never timing."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-
-def import_benchmark(name: str) -> ModuleType:
-    """A script of the top-level benchmarks/ folder, which is not installed: loaded from its file."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as an import would (dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
-
+from engine_utils import import_benchmark
 
 make = import_benchmark("make_llama_1b_gguf")
 bench = import_benchmark("llama_cpp_1b")

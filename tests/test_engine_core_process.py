@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from engine_utils import save_tiny_llama
-from server_utils import InProcessServer, run_server, serve_in_process
+from server_utils import InProcessServer, is_gone, run_server, serve_in_process, wait_gone
 
 from minivllm.engine import LLMEngine
 from minivllm.engine_args import EngineArgs
@@ -211,23 +211,6 @@ def core_pid(server_pid: int) -> int:
     return pids[0]
 
 
-def is_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie holds no resources
-    except FileNotFoundError:
-        return True
-
-
-def wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not is_gone(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 @pytest.fixture
 def reap() -> Any:
     pids: list[int] = []
@@ -251,5 +234,5 @@ def test_the_core_never_outlives_its_server(model: Path, how: str, reap: list[in
         if how == "kill -9":
             server.process.kill()
             server.process.wait()
-            assert wait_gone(core), "the core outlived its killed server"
-    assert wait_gone(core), "the core outlived its server's shutdown"
+            assert wait_gone(core, timeout=10.0), "the core outlived its killed server"
+    assert wait_gone(core, timeout=10.0), "the core outlived its server's shutdown"

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_utils import save_tiny_llama
-from server_utils import run_server
+from server_utils import run_server, wait_gone
 
 MAX_MODEL_LEN = 8192
 LONG = MAX_MODEL_LEN - 64  # tokens: far more than the test waits for
@@ -34,23 +34,6 @@ def children(pid: int) -> list[int]:
     """The process's children: the engine core, multiprocessing's resource tracker."""
     out = subprocess.run(["ps", "--ppid", str(pid), "-o", "pid="], text=True, capture_output=True)
     return [int(line) for line in out.stdout.split()]
-
-
-def is_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie holds no resources
-    except FileNotFoundError:
-        return True
-
-
-def wait_gone(pid: int, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not is_gone(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 @pytest.mark.parametrize("engine", ["thread", "core-process"])
