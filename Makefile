@@ -36,6 +36,7 @@ lint: install
 	$(VENV)/bin/ruff check minivllm tests tutorials benchmarks
 	$(VENV)/bin/ruff format --check minivllm tests tutorials benchmarks
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 # One pytest worker per core (pytest-xdist), each file on one worker so that its module fixtures
 # (a saved tiny model, a running server) are built once; tests/conftest.py gives each worker one

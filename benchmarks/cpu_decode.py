@@ -40,10 +40,10 @@ import argparse
 
 import torch
 
-from minivllm.attention.reference import ReferenceBackend
+from minivllm.attention.backends.cpu import CpuBackend, paged_decode
+from minivllm.attention.backends.reference import ReferenceBackend
 from minivllm.benchmarks.machine import measure_copy_bandwidth, timed_us
 from minivllm.benchmarks.report import print_table
-from minivllm.cpu.attention import CpuBackend, paged_decode
 
 # (query heads, KV heads, head size) of each model whose decode attention is timed
 SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3.2-1B": (32, 8, 64)}

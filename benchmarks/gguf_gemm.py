@@ -1,6 +1,6 @@
 """Microbenchmark: linears on GGUF's quantized blocks against float32 ones, at a model's shapes.
 
-`gguf_linear` (minivllm/cpu/cpu_gguf_gemm.cpp) keeps a weight in GGUF's blocks and unpacks each
+`gguf_linear` (minivllm/cpu/csrc/cpu_gguf_gemm.cpp) keeps a weight in GGUF's blocks and unpacks each
 block where it is used, so that a decode step reads the weight's quantized bytes and nothing
 else. Its floor is therefore those bytes at the machine's memory bandwidth. This bench times it
 at SmolLM2-135M-Instruct.Q4_1.gguf's shapes (30 layers of Q4_1 qkv, o, gate_up and down, and the

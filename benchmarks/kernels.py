@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minivllm.attention import AttentionMetadata
+from minivllm.attention.abstract import AttentionMetadata
 from minivllm.benchmarks.machine import measure_copy_bandwidth
 from minivllm.benchmarks.report import print_table
 from minivllm.entrypoints.cli import HelpFormatter
@@ -153,8 +153,8 @@ def bench_shape(
     shape: DecodeShape, device: torch.device, copy_gbs: float, peak_tbs: float | None
 ) -> dict:
     """Parity, then the time of the Triton decode, the reference and dense SDPA on one shape."""
-    from minivllm.attention.reference import ReferenceBackend
-    from minivllm.attention.triton import TritonBackend
+    from minivllm.attention.backends.reference import ReferenceBackend
+    from minivllm.attention.backends.triton import TritonBackend
 
     query, k_cache, v_cache, meta, k_dense, v_dense = build_decode_batch(shape, device)
     scale = shape.head_dim**-0.5
@@ -225,7 +225,7 @@ def target_status(rows: list[dict]) -> tuple[int, str]:
 
 
 def bench_overhead(device: torch.device) -> None:
-    from minivllm.attention.triton import TritonBackend
+    from minivllm.attention.backends.triton import TritonBackend
 
     backend = TritonBackend()
     shape = DecodeShape(batch=1, context=1)  # the Llama-3-8B-like layer; lengths set per step
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.overhead and "TRITON_CACHE_DIR" not in os.environ:
         # First calls must compile for real, not load an earlier run's kernels from disk.
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="minivllm-triton-cache-")
-    from minivllm.attention import triton as triton_backend
+    from minivllm.attention.backends import triton as triton_backend
 
     if triton_backend.INTERPRETED:
         print(

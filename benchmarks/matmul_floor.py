@@ -47,8 +47,8 @@ import torch
 from minivllm.benchmarks.machine import synchronize
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.llm import LLM
-from minivllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM
-from minivllm.model_runner import ModelRunnerOutput
+from minivllm.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from minivllm.worker.model_runner import ModelRunnerOutput
 
 REPLAYS_PER_SHAPE = 3  # at most this many timings of one distinct T or S; the median counts
 

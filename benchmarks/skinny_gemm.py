@@ -8,7 +8,7 @@ turn, as a step does, with fresh random weights of the model's shapes:
 
 - `mkl`: `parallel_layers.linear`, (W · xᵀ)ᵀ by MKL (the plain path, and the fast path above
   `SKINNY_GEMM_MAX_ROWS`);
-- `skinny`: `cpu_ops.skinny_gemm`, the kernel of `minivllm/cpu/cpu_skinny_gemm.cpp`.
+- `skinny`: `cpu_ops.skinny_gemm`, the kernel of `minivllm/cpu/csrc/cpu_skinny_gemm.cpp`.
 
 It also prints the two bounds: the weights' bytes at the machine's copy bandwidth, and the
 arithmetic at the float32 matmul peak, both measured in the same run. Shapes default to

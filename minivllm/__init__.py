@@ -22,26 +22,26 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it.
 MODULE_ATTRS = {
     "LLM": "minivllm.llm",
-    "BeamSearchOutput": "minivllm.beam_search",
-    "BeamSearchParams": "minivllm.beam_search",
-    "BeamSearchSequence": "minivllm.beam_search",
-    "CompletionOutput": "minivllm.outputs",
-    "EngineArgs": "minivllm.engine_args",
-    "EngineStats": "minivllm.stats",
-    "LLMEngine": "minivllm.engine",
-    "RequestOutput": "minivllm.outputs",
+    "BeamSearchOutput": "minivllm.engine.beam_search",
+    "BeamSearchParams": "minivllm.engine.beam_search",
+    "BeamSearchSequence": "minivllm.engine.beam_search",
+    "CompletionOutput": "minivllm.core.outputs",
+    "EngineArgs": "minivllm.engine.arg_utils",
+    "EngineStats": "minivllm.engine.stats",
+    "LLMEngine": "minivllm.engine.llm_engine",
+    "RequestOutput": "minivllm.core.outputs",
     "SamplingParams": "minivllm.sampling_params",
     "StructuredOutputsParams": "minivllm.structured_output.params",
 }
 
 if TYPE_CHECKING:
-    from minivllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-    from minivllm.engine import LLMEngine
-    from minivllm.engine_args import EngineArgs
+    from minivllm.core.outputs import CompletionOutput, RequestOutput
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.engine.stats import EngineStats
     from minivllm.llm import LLM
-    from minivllm.outputs import CompletionOutput, RequestOutput
     from minivllm.sampling_params import SamplingParams
-    from minivllm.stats import EngineStats
     from minivllm.structured_output.params import StructuredOutputsParams
 
 

@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from minivllm.engine import LLMEngine
-from minivllm.engine_args import EngineArgs, EngineKwargs, document_engine_args
+from minivllm.core.outputs import RequestOutput
+from minivllm.core.sequence import Request
+from minivllm.engine.arg_utils import EngineArgs, EngineKwargs, document_engine_args
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptTooLongError, PromptType
-from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import Request
-from minivllm.stats import EngineStats
 
 if TYPE_CHECKING:
-    from minivllm.beam_search import BeamSearchOutput, BeamSearchParams
+    from minivllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
     from minivllm.trace.recorder import StepRecorder
 
 if sys.version_info >= (3, 11):
@@ -149,7 +149,7 @@ class LLM:
         """Beam search for each prompt (vLLM's `LLM.beam_search`), run inside the engine on
         copy-on-write blocks and batched like any other requests: the beams of a prompt share
         their history's KV blocks (paper §4.4). One `BeamSearchOutput` per prompt, best beam first."""
-        from minivllm.beam_search import BeamSearchOutput, BeamSearchSequence
+        from minivllm.engine.beam_search import BeamSearchOutput, BeamSearchSequence
 
         prompt_list = self._prompt_list(prompts)
         tokenizer = self.llm_engine.tokenizer

@@ -9,12 +9,12 @@ stop checker never re-validate.
 EBNF grammar or any JSON object): see `minivllm/structured_output/`.
 
 `logit_bias`, `allowed_token_ids` and `bad_words` are logits processors
-(`minivllm/logits_processors.py`); token ids beyond the vocabulary are refused by the engine,
+(`minivllm/sample/logits_processors.py`); token ids beyond the vocabulary are refused by the engine,
 which knows its size.
 
 Deviations from vLLM, on purpose: no `best_of` or `output_kind` (out of scope); non-finite floats
 are rejected; `logit_bias` values outside OpenAI's [-100, 100] are refused, not clamped. Logprobs
-of -1 (the vocabulary) and the engine's `max_logprobs`: minivllm/logprobs_limit.py.
+of -1 (the vocabulary) and the engine's `max_logprobs`: minivllm/engine/logprobs_limit.py.
 
 Tier: leaves. It imports no other tier of the package.
 """
@@ -178,7 +178,7 @@ class SamplingParams:
 
     def _verify_token_constraints(self) -> None:
         """What the sampler's logits processors read: `logit_bias`, `allowed_token_ids`,
-        `bad_words` (minivllm/logits_processors.py)."""
+        `bad_words` (minivllm/sample/logits_processors.py)."""
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(
@@ -253,6 +253,12 @@ class SamplingParams:
         if eos_token_id is not None and not self.ignore_eos:
             ids.add(eos_token_id)
         return ids
+
+    def stops_allowed(self, num_output_tokens: int) -> bool:
+        """Whether the `num_output_tokens`-th output token may end the sequence: stops count only
+        after `min_tokens` (the sampler masks stop tokens before then, the detokenizer holds stop
+        strings back, and the stop checker applies the same rule)."""
+        return num_output_tokens > self.min_tokens
 
     def clone(self) -> SamplingParams:
         """A deep copy (the stop lists are not shared), as vLLM's `SamplingParams.clone`."""

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.engine import LLMEngine
-from minivllm.model_runner import ModelRunnerOutput
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.worker.model_runner import ModelRunnerOutput
 
 FaultPoint = Literal["before_model", "after_model"]
 

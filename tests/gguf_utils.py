@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minivllm.model.quantization.gguf_blocks import BLOCK_LAYOUTS, Q4_K, Q5_K, Q6_K
+from minivllm.model.quantization.gguf.blocks import BLOCK_LAYOUTS, Q4_K, Q5_K, Q6_K
 
 QUANTIZABLE = (2, 3, 6, 7, 8)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: gguf.quants.quantize writes them
 # The byte offsets of each type's float16 scales within its block.

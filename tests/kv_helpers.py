@@ -10,8 +10,8 @@ from collections.abc import Hashable
 
 from minivllm.core.kv_cache_manager import NO_COMPUTED_BLOCKS, ComputedBlocks, KVCacheManager
 from minivllm.core.kv_cache_utils import ExtraKeys
+from minivllm.core.sequence import Request, Sequence
 from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import Request, Sequence
 
 
 def make_seq(seq_id: Hashable, token_ids: list[int], max_tokens: int | None = None) -> Sequence:

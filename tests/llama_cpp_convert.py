@@ -39,7 +39,7 @@ from einops import rearrange
 from gguf_utils import F16_OFFSETS, QUANTIZABLE, quantized, reference_dequantize, write_gguf
 from safetensors.torch import load_file
 
-from minivllm.model.quantization.gguf_blocks import BLOCK_LAYOUTS
+from minivllm.model.quantization.gguf.blocks import BLOCK_LAYOUTS
 
 # HuggingFace's per-layer module names -> llama.cpp's
 LAYER_NAMES = {

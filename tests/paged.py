@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.attention import AttentionMetadata
-from minivllm.model.llama import LlamaForCausalLM
+from minivllm.attention.abstract import AttentionMetadata
+from minivllm.model.models.llama import LlamaForCausalLM
 
 
 def make_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> torch.Tensor:

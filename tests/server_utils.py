@@ -159,8 +159,8 @@ def serve_tiny_model(
 ) -> Iterator[InProcessServer]:
     """The in-process server on a tiny model folder: 256 positions, 256 blocks of 4 tokens;
     `engine_args`: more engine options (EngineArgs fields)."""
-    from minivllm.engine import LLMEngine
-    from minivllm.engine_args import EngineArgs
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.engine.llm_engine import LLMEngine
 
     config = EngineArgs(
         model=str(model),

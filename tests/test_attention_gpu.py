@@ -30,10 +30,15 @@ from test_attention_kernels import (
 )
 from test_attention_reference import TOLERANCES, make_paged_batch
 
-from minivllm.attention import AttentionMetadata
-from minivllm.attention.reference import ReferenceBackend
-from minivllm.attention.triton import INTERPRETED, TritonBackend, attend_launches, write_kv_launch
-from minivllm.attention.triton_plan import LayerShape, kernel_tiles, make_triton_plan
+from minivllm.attention.abstract import AttentionMetadata
+from minivllm.attention.backends.reference import ReferenceBackend
+from minivllm.attention.backends.triton import (
+    INTERPRETED,
+    TritonBackend,
+    attend_launches,
+    write_kv_launch,
+)
+from minivllm.attention.backends.triton_plan import LayerShape, kernel_tiles, make_triton_plan
 
 pytestmark = pytest.mark.gpu
 

@@ -30,11 +30,11 @@ import triton
 import triton.language as tl
 from test_attention_reference import TOLERANCES, batch_shape, make_paged_batch
 
-from minivllm.attention import AttentionMetadata
-from minivllm.attention import triton_kernels as K
-from minivllm.attention.reference import ReferenceBackend
+from minivllm.attention.abstract import AttentionMetadata
+from minivllm.attention.backends import triton_kernels as K
+from minivllm.attention.backends.reference import ReferenceBackend
+from minivllm.attention.backends.triton import INTERPRETED, TritonBackend
 from minivllm.attention.selector import get_attention_backend
-from minivllm.attention.triton import INTERPRETED, TritonBackend
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -310,7 +310,7 @@ def test_importing_the_backend_turns_on_the_interpreter_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("with CUDA the kernels are compiled, not interpreted")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import os, minivllm.attention.triton as t; print(os.environ['TRITON_INTERPRET'], t.INTERPRETED)"
+    code = "import os, minivllm.attention.backends.triton as t; print(os.environ['TRITON_INTERPRET'], t.INTERPRETED)"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["1", "True"]
@@ -321,11 +321,11 @@ ERRORS_SCRIPT = textwrap.dedent(
     import sys
     sys.modules["triton"] = None  # as if Triton were not installed
     try:
-        import minivllm.attention.triton
+        import minivllm.attention.backends.triton
     except ImportError as e:
         print("ImportError:", e)
     del sys.modules["triton"]
-    import minivllm.attention.triton as t
+    import minivllm.attention.backends.triton as t
     try:
         t.TritonBackend()
     except RuntimeError as e:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from minivllm.attention import AttentionMetadata
-from minivllm.attention.reference import ReferenceBackend
+from minivllm.attention.abstract import AttentionMetadata
+from minivllm.attention.backends.reference import ReferenceBackend
 
 # Output tolerances of a fast backend against the reference, per dtype. Both sides accumulate in
 # float32; what separates them is rounding: float32 only summation order (~1e-6, so 1e-5 leaves

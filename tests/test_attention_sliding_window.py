@@ -17,9 +17,9 @@ import pytest
 import torch
 from test_attention_reference import TOLERANCES, PagedBatch, batch_shape, make_paged_batch
 
-from minivllm.attention.reference import ReferenceBackend
-from minivllm.attention.triton import TritonBackend
-from minivllm.cpu.attention import CpuBackend
+from minivllm.attention.backends.cpu import CpuBackend
+from minivllm.attention.backends.reference import ReferenceBackend
+from minivllm.attention.backends.triton import TritonBackend
 
 MODES = ["decode", "prefill", "extend", "mixed"]
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from test_attention_sliding_window import MODES, close, windowed_batch
 
-from minivllm.attention.reference import ReferenceBackend
-from minivllm.attention.triton import TritonBackend
-from minivllm.cpu.attention import CpuBackend
+from minivllm.attention.backends.cpu import CpuBackend
+from minivllm.attention.backends.reference import ReferenceBackend
+from minivllm.attention.backends.triton import TritonBackend
 
 CAP = 2.0
 NO_WINDOW = 10**6

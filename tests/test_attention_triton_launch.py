@@ -30,16 +30,16 @@ from engine_utils import import_benchmark
 from test_attention_gpu import HOPPER_MAX_SHARED, why_not_compiled_on_cuda
 from test_attention_reference import make_paged_batch
 
-from minivllm.attention import AttentionMetadata
-from minivllm.attention import triton as backend_module
-from minivllm.attention.triton import (
+from minivllm.attention.abstract import AttentionMetadata
+from minivllm.attention.backends import triton as backend_module
+from minivllm.attention.backends.triton import (
     KernelLaunch,
     TritonBackend,
     attend_launches,
     device_guard,
     write_kv_launch,
 )
-from minivllm.attention.triton_plan import (
+from minivllm.attention.backends.triton_plan import (
     MAX_GRID,
     LayerShape,
     check_grid,

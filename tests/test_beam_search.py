@@ -20,7 +20,7 @@ import torch
 from engine_utils import assert_no_blocks_held, save_tiny_llama
 
 from minivllm import LLM, BeamSearchParams, SamplingParams
-from minivllm.beam_search import beam_search_score
+from minivllm.engine.beam_search import beam_search_score
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village"]
 TOL = 2e-4  # fp32: minivllm's kernels and transformers' differ in summation order

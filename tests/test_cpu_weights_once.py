@@ -19,9 +19,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from minivllm.attention.selector import get_attention_backend
-from minivllm.model.llama import LlamaForCausalLM
+from minivllm.model.custom_op import dispatch_custom_ops
+from minivllm.model.layers.linear import LinearBase
 from minivllm.model.loader import load_model
-from minivllm.model.parallel_layers import LinearBase
+from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.model.resolver import resolve_model
 from minivllm.platforms.cpu import CpuPlatform
 
@@ -108,7 +109,7 @@ def test_each_weight_is_held_once(tiny: Path) -> None:
     assert (fast.lm_head.weight is fast.model.embed_tokens.weight) is tied
     plain_bytes = held_bytes(plain)
     assert plain_bytes <= held_bytes(fast) <= plain_bytes + padding_bound(fast)
-    # What the reports count (minivllm/distributed/worker.py `rank_report`) is the same.
+    # What the reports count (minivllm/worker/worker_proc.py `rank_report`) is the same.
     assert sum(p.numel() * p.element_size() for p in fast.parameters()) == sum(
         p.numel() * p.element_size() for p in plain.parameters()
     )
@@ -139,7 +140,7 @@ def test_dispatching_again_keeps_the_one_packed_weight(tiny: Path) -> None:
     before = [p for p in fast.parameters()]
     held = held_bytes(fast)
     platform = CpuPlatform()
-    platform.dispatch_custom_ops(fast, "none")
-    platform.dispatch_custom_ops(fast, "all")
+    dispatch_custom_ops(fast, platform, "none")
+    dispatch_custom_ops(fast, platform, "all")
     assert all(a is b for a, b in zip(before, fast.parameters(), strict=True))
     assert held_bytes(fast) == held

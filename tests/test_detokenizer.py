@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.sampling_params import SamplingParams
 
 PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"

@@ -23,7 +23,7 @@ from engine_utils import save_tiny_llama
 from minivllm import LLM, EngineArgs
 from minivllm.benchmarks import memory, prefix, throughput
 from minivllm.config import SchedulerConfig
-from minivllm.engine_args import ENGINE_GROUP, EngineKwargs
+from minivllm.engine.arg_utils import ENGINE_GROUP, EngineKwargs
 from minivllm.entrypoints.cli import HelpFormatter, make_serve_parser, parse_serve_args
 from minivllm.entrypoints.openai import api_server as openai_api_server
 

@@ -1,4 +1,4 @@
-"""The server with its engine in a process of its own (`minivllm/engine_core/`: `core.py`,
+"""The server with its engine in a process of its own (`minivllm/engine/`: `core.py`,
 `client.py`): the same greedy answers as the in-thread engine, aborts that reach the core and
 free its blocks, a dead core that fails every request with `EngineDeadError` (500, /health 503),
 and no core that outlives its server, whether the server shuts down or is killed.
@@ -24,9 +24,9 @@ import pytest
 from engine_utils import save_tiny_llama
 from server_utils import InProcessServer, is_gone, run_server, serve_in_process, wait_gone
 
-from minivllm.engine import LLMEngine
-from minivllm.engine_args import EngineArgs
-from minivllm.engine_core.client import AsyncMPClient, EngineCoreClient
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.core_client import AsyncMPClient, EngineCoreClient
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.exceptions import EngineDeadError
 from minivllm.sampling_params import SamplingParams
 

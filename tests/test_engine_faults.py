@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from engine_utils import assert_no_blocks_held, save_tiny_llama
 
-from minivllm.attention import AttentionMetadata
+from minivllm.attention.abstract import AttentionMetadata
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 

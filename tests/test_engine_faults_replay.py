@@ -22,10 +22,10 @@ from engine_utils import assert_no_blocks_held, save_tiny_llama
 from faults import FaultInjector, clear_fault, inject_fault
 from test_engine_faults import GREEDY, HOLDER, VICTIM, cached_names, make_llm, outputs_of
 
-from minivllm.beam_search import BeamSearchParams
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.engine import LLMEngine
-from minivllm.executor import UniProcExecutor
+from minivllm.engine.beam_search import BeamSearchParams
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.executor.abstract import UniProcExecutor
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 

@@ -29,8 +29,8 @@ from test_model_gemma import WINDOW, engine_prompts, save_gemma
 from minivllm import LLM, BeamSearchParams, SamplingParams
 from minivllm.core.kv_cache_coordinator import HybridBlockPoolSnapshot, HybridKVCacheCoordinator
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.hybrid_model_runner import HybridModelRunner
-from minivllm.step_listener import StepOutputs
+from minivllm.engine.step_listener import StepOutputs
+from minivllm.worker.hybrid_model_runner import HybridModelRunner
 
 BS = 4
 LONG = dict(
@@ -184,8 +184,8 @@ def test_triton_kernels_in_the_interpreter_run_the_hybrid_cache(tmp_path: Path) 
 
 
 def test_the_engine_core_process_runs_the_hybrid_cache(tmp_path: Path) -> None:
-    from minivllm.engine_args import EngineArgs
-    from minivllm.engine_core.client import AsyncMPClient, EngineCoreClient
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.engine.core_client import AsyncMPClient, EngineCoreClient
 
     hf, path = save_gemma(tmp_path, "gemma3")
     prompt = list(range(3, 15))

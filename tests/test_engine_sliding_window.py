@@ -23,8 +23,8 @@ from transformers import MistralConfig, MistralForCausalLM
 from minivllm import SamplingParams
 from minivllm.attention.selector import get_attention_backend
 from minivllm.core.sliding_window_manager import SlidingWindowKVCacheManager
-from minivllm.model.llama import LlamaAttention
 from minivllm.model.loader import load_model
+from minivllm.model.models.llama import LlamaAttention
 from minivllm.model.resolver import resolve_model
 
 WINDOW = 11  # smaller than the prompts, not a multiple of the block size
@@ -101,7 +101,7 @@ def test_engine_frees_out_of_window_blocks_and_matches_greedy_mistral(
 
 def test_the_cpu_decode_replay_refuses_a_windowed_model(tmp_path: Path) -> None:
     """The C++ decode loop calls paged_decode, which has no window: such a model stays in Python."""
-    from minivllm.cpu.decode_loop import CpuDecodeLoop
+    from minivllm.worker.cpu_decode_loop import CpuDecodeLoop
 
     _, path = save_tiny_llama(tmp_path, OVERRIDES)
     model = load_model(

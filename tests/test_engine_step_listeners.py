@@ -1,5 +1,5 @@
 """The step as a message: every committed step reaches the engine's step listeners, with a
-read-only snapshot of the block pool; a failed step reaches none (minivllm/step_listener.py)."""
+read-only snapshot of the block pool; a failed step reaches none (minivllm/engine/step_listener.py)."""
 
 from __future__ import annotations
 

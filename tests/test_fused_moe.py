@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.distributed.parallel_state import TensorParallelGroup
-from minivllm.model.fused_moe import (
+from minivllm.model.layers.fused_moe import (
     FusedMoE,
     SparseMoeBlock,
     expert_target_of,
@@ -235,7 +235,7 @@ def test_cpu_forward_equals_reference(t: int, e: int, k: int, dtype: torch.dtype
 
 
 # ---------------------------------------------------------------------------------- Triton
-triton_moe = pytest.importorskip("minivllm.model.triton_fused_moe", exc_type=ImportError)
+triton_moe = pytest.importorskip("minivllm.model.layers.triton_fused_moe", exc_type=ImportError)
 
 
 @pytest.mark.parametrize(("t", "e", "k"), [(1, 4, 2), (9, 4, 2), (33, 8, 2), (6, 3, 3)])

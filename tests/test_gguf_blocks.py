@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf_utils import QUANTIZABLE, random_blocks, reference_dequantize
 
-from minivllm.model.quantization.gguf_blocks import (
+from minivllm.model.quantization.gguf.blocks import (
     BLOCK_LAYOUTS,
     TYPE_NAMES,
     cols_of,

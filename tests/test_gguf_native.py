@@ -12,9 +12,9 @@ from paged import paged_logits
 
 from minivllm.attention.selector import get_attention_backend
 from minivllm.model.errors import ModelLoadError, UnsupportedQuantizationError
-from minivllm.model.gguf import GGUFReadError, config_from_reader, open_gguf
 from minivllm.model.loader import load_model
-from minivllm.model.quantization.gguf import gguf_parts
+from minivllm.model.quantization.gguf.linear import gguf_parts
+from minivllm.model.quantization.gguf.reader import GGUFReadError, config_from_reader, open_gguf
 from minivllm.model.resolver import resolve_model
 
 CPU = torch.device("cpu")
@@ -91,7 +91,7 @@ def test_a_truncated_file_is_a_clear_error(tiny_gguf: Path, tmp_path: Path) -> N
 def test_quantization_gguf_needs_a_gguf_model_and_one_device(
     tiny_gguf: Path, tmp_path: Path
 ) -> None:
-    from minivllm.engine_args import EngineArgs
+    from minivllm.engine.arg_utils import EngineArgs
 
     folder = load(tiny_gguf, "none")  # noqa: F841  (writes the dequantized folder)
     source = resolve_model(tiny_gguf)
@@ -109,7 +109,7 @@ def test_the_triton_forwards_give_the_reference_s_logits(tiny_gguf: Path) -> Non
     """The CUDA platform's forwards (the Triton GEMM on the blocks, here in Triton's interpreter
     on CPU tensors) within fp32 accumulation-order error of the reference."""
     pytest.importorskip("triton")
-    import minivllm.model.quantization.gguf_cuda_forwards  # noqa: F401  (registers them)
+    import minivllm.model.quantization.gguf.cuda_forwards  # noqa: F401  (registers them)
     from minivllm.model.custom_op import CustomOp
 
     model = load(tiny_gguf, "gguf")
@@ -146,11 +146,11 @@ def test_the_cpu_kernels_are_close_to_the_dequantized_model_as_vllm_judges(tiny_
 def test_decode_steps_run_the_blocks_in_the_cpp_loop_as_in_the_python_one(
     tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The C++ decode loop (minivllm/cpu/decode_loop.py) takes a GGUF model's block parts, mixed
+    """The C++ decode loop (minivllm/worker/cpu_decode_loop.py) takes a GGUF model's block parts, mixed
     types included, and gives the Python loop's logprobs bit for bit."""
-    from minivllm.cpu.decode_loop import CpuDecodeLoop
     from minivllm.llm import LLM
     from minivllm.sampling_params import SamplingParams
+    from minivllm.worker.cpu_decode_loop import CpuDecodeLoop
 
     calls = []
     inner = CpuDecodeLoop.__call__

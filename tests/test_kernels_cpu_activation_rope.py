@@ -1,4 +1,4 @@
-"""SiLU-and-mul and RoPE of minivllm/cpu/cpu_activation_rope.cpp against their formulas.
+"""SiLU-and-mul and RoPE of minivllm/cpu/csrc/cpu_activation_rope.cpp against their formulas.
 
 The formulas are written out as the model computes them: the MLP's `silu(gate) * up` and
 `x * cos + rotate_half(x) * sin` as in `rope.py`, in both layouts the ops take (token-major rows

@@ -1,4 +1,4 @@
-"""minivllm/cpu/cpu_attention.cpp (paged attention, the cache write) through the CPU backend,
+"""minivllm/cpu/csrc/cpu_attention.cpp (paged attention, the cache write) through the CPU backend,
 against the reference backend.
 
 The kernel is cheap enough on a CPU to run the full product of the factors rather than a pairwise
@@ -19,10 +19,10 @@ import pytest
 import torch
 from test_attention_reference import TOLERANCES, batch_shape, make_paged_batch
 
-from minivllm.attention.reference import ReferenceBackend
+from minivllm.attention.backends import cpu as cpu_module
+from minivllm.attention.backends.cpu import CpuBackend, CpuKernelUnavailable
+from minivllm.attention.backends.reference import ReferenceBackend
 from minivllm.attention.selector import get_attention_backend, resolve_backend_name
-from minivllm.cpu import attention as cpu_module
-from minivllm.cpu.attention import CpuBackend, CpuKernelUnavailable
 from minivllm.cpu.ops import paged_decode, reshape_and_cache
 
 pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)

@@ -1,4 +1,4 @@
-"""The float32 loops written per instruction set, minivllm/cpu/cpu_attention_avx512.cpp and
+"""The float32 loops written per instruction set, minivllm/cpu/csrc/cpu_attention_avx512.cpp and
 cpu_attention_avx2.cpp, against the reference.
 
 `paged_decode` sends float32 queries over a float32 or bfloat16 cache, at the head sizes these
@@ -31,8 +31,8 @@ from test_kernels_cpu_attention import (
     mixed_lengths,
 )
 
-from minivllm.attention.reference import ReferenceBackend
-from minivllm.cpu.attention import CpuBackend
+from minivllm.attention.backends.cpu import CpuBackend
+from minivllm.attention.backends.reference import ReferenceBackend
 from minivllm.cpu.build import loaded_level
 from minivllm.cpu.ops import paged_decode_loops
 

@@ -1,4 +1,4 @@
-"""minivllm/cpu/cpu_attention.cpp and its per-level loops (cpu_attention_avx512.cpp,
+"""minivllm/cpu/csrc/cpu_attention.cpp and its per-level loops (cpu_attention_avx512.cpp,
 cpu_attention_avx2.cpp) over a cache narrower than the queries (kv_cache_dtype="bfloat16" or "float16" under float32 weights), against the reference.
 
 The reference backend is the specification (tests/test_attention_reference.py holds it to float64
@@ -20,8 +20,8 @@ import torch
 from test_attention_reference import TOLERANCES, batch_shape, make_paged_batch
 from test_kernels_cpu_attention import MODES, feature_major_qkv, index_copy_write, mixed_lengths
 
-from minivllm.attention.reference import ReferenceBackend
-from minivllm.cpu.attention import CpuBackend
+from minivllm.attention.backends.cpu import CpuBackend
+from minivllm.attention.backends.reference import ReferenceBackend
 from minivllm.cpu.ops import paged_decode, reshape_and_cache
 
 pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from minivllm.attention.backends import cpu as cpu_module
 from minivllm.attention.selector import get_attention_backend
-from minivllm.cpu import attention as cpu_module
 from minivllm.cpu import build as cpu_build
 from minivllm.cpu import isa
 from minivllm.cpu.build import CpuKernelUnavailable

@@ -1,4 +1,4 @@
-"""A decode step's layers in one C++ call (`minivllm/cpu/decode_loop.py`, source
+"""A decode step's layers in one C++ call (`minivllm/worker/cpu_decode_loop.py`, source
 `cpu_decode_layers.cpp`) equal the Python loop of `LlamaForCausalLM.forward` bit for bit, and the
 model runner replays them exactly where they apply.
 
@@ -16,16 +16,16 @@ import pytest
 import torch
 from test_model_llama import CONFIGS, save_tiny_llama
 
-from minivllm.attention import AttentionMetadata
+from minivllm.attention.abstract import AttentionMetadata
 from minivllm.attention.selector import get_attention_backend
 from minivllm.cpu import op_forwards
-from minivllm.cpu.decode_loop import CpuDecodeLoop
 from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
 from minivllm.llm import LLM
-from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader import load_model
+from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.model.resolver import resolve_model
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.cpu_decode_loop import CpuDecodeLoop
 
 pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
 

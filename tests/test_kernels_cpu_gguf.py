@@ -1,4 +1,4 @@
-"""The GGUF block kernels (minivllm/cpu/cpu_gguf_gemm.cpp) against gguf's own numpy dequantization.
+"""The GGUF block kernels (minivllm/cpu/csrc/cpu_gguf_gemm.cpp) against gguf's own numpy dequantization.
 
 `gguf_dequantize` must give `gguf.quants.dequantize`'s float32 bit for bit: every product in a
 block's formula is exact in float32 and the only rounding is one add, so there is no order to
@@ -207,7 +207,7 @@ def test_the_model_s_linears_dequantize_from_the_row_bound_only_when_asked(
     )
     q = torch.from_numpy(random_blocks(T.Q4_1, N, 256, seed=1))
     monkeypatch.setattr(
-        "minivllm.model.quantization.gguf.gguf_parts", lambda op: [(int(T.Q4_1), q)]
+        "minivllm.model.quantization.gguf.linear.gguf_parts", lambda op: [(int(T.Q4_1), q)]
     )
     bound = cpu_ops.GGUF_DEQUANTIZE_MIN_ROWS
     for rows, expected in ((None, ["tiles"] * 3), (bound, ["tiles", "tiles", "dense"])):

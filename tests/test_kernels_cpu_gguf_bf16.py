@@ -1,4 +1,4 @@
-"""The GGUF kernels' bf16 dot products (minivllm/cpu/cpu_gguf_gemm_bf16.cpp) against their specification.
+"""The GGUF kernels' bf16 dot products (minivllm/cpu/csrc/cpu_gguf_gemm_bf16.cpp) against their specification.
 
 With dot="bf16" `gguf_linear` rounds the dequantized weights and x to bf16 (round to nearest even,
 as torch's `.to(torch.bfloat16)`) and sums their products in float32. Two bf16 significands of 8

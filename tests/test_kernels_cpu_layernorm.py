@@ -1,4 +1,4 @@
-"""The fused RMSNorm ops of minivllm/cpu/cpu_layernorm.cpp against their plain-PyTorch form.
+"""The fused RMSNorm ops of minivllm/cpu/csrc/cpu_layernorm.cpp against their plain-PyTorch form.
 
 The formula is written out here as the model computes it: RMSNorm as in `llama.py` (float32,
 cast back to the input dtype before the weight), and the decoder layer's `hidden + attn` before

@@ -1,4 +1,4 @@
-"""The skinny GEMM (minivllm/cpu/cpu_skinny_gemm.cpp) against torch.mm, and where the model uses it.
+"""The skinny GEMM (minivllm/cpu/csrc/cpu_skinny_gemm.cpp) against torch.mm, and where the model uses it.
 
 The kernel computes out[T, N] = x[T, K] · weight[N, K]ᵀ with one float32 sum per output, in
 16-wide partial sums along K; torch.mm (MKL) sums in its own blocked order, so the two are held
@@ -23,7 +23,8 @@ from minivllm.cpu.build import load_cpu_kernels
 from minivllm.cpu.op_forwards import cpu_linear, linear
 from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm, skinny_gemm_applies
 from minivllm.distributed.parallel_state import SINGLE_DEVICE
-from minivllm.model.parallel_layers import (
+from minivllm.model.custom_op import dispatch_custom_ops
+from minivllm.model.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
@@ -147,7 +148,7 @@ def test_layers_switch_to_the_kernel_with_the_other_custom_ops() -> None:
         torch.nn.init.normal_(p)
     x = randn(3, 40, seed=11)
     plain = [model["column"](x), model["row"](randn(3, 48, seed=12)), model["head"](x)]
-    assert CpuPlatform().dispatch_custom_ops(model, "all") == 3
+    assert dispatch_custom_ops(model, CpuPlatform(), "all") == 3
     assert all(op.dispatched_to == "cpu" for op in model.values())
     fast = [model["column"](x), model["row"](randn(3, 48, seed=12)), model["head"](x)]
     for got, ref in zip(fast, plain):

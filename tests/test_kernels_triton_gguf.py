@@ -38,7 +38,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from minivllm.model.quantization.triton_gguf import (  # after the skip: needs Triton
+from minivllm.model.quantization.gguf.triton_kernels import (  # after the skip: needs Triton
     INTERPRETED,
     TRITON_GGUF_TYPES,
     gguf_linear_triton,
@@ -182,7 +182,7 @@ def compile_all_variants() -> list[dict[str, Any]]:
     import triton
     from test_attention_triton_launch import Sm90Driver, resource_usage
 
-    from minivllm.model.quantization.triton_gguf import gguf_linear_kernel
+    from minivllm.model.quantization.gguf.triton_kernels import gguf_linear_kernel
 
     if not torch.cuda.is_available():
         triton.runtime.driver.set_active(Sm90Driver())

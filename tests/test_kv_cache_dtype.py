@@ -17,12 +17,12 @@ import torch
 from engine_utils import save_tiny_llama
 
 from minivllm.config import KV_CACHE_DTYPES
-from minivllm.cpu.decode_loop import all_linears_packed
+from minivllm.core.outputs import RequestOutput
 from minivllm.cpu.ops import skinny_gemm_fast
-from minivllm.engine_args import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.llm import LLM
-from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.cpu_decode_loop import all_linears_packed
 
 TOP_K = 5
 # |logprob(bfloat16 KV) - logprob(float32 KV)| of each greedy token before the first divergence,

@@ -16,12 +16,12 @@ from kv_helpers import allocate, make_seq
 
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.core.scheduler import Scheduler
+from minivllm.core.sequence import SequenceStatus
 from minivllm.core.sliding_window_manager import (
     NULL_BLOCK_ID,
     SlidingWindowKVCacheManager,
     kv_sliding_window,
 )
-from minivllm.sequence import SequenceStatus
 
 BS = 4
 

@@ -20,8 +20,8 @@ from minivllm.model.errors import (
     TokenizerNotFoundError,
     UnsupportedArchitectureError,
 )
-from minivllm.model.gguf import _unpermute
 from minivllm.model.loader import load_model, load_tokenizer
+from minivllm.model.quantization.gguf.reader import _unpermute
 from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
 from minivllm.model.source import GenerationDefaults, ModelSource
 from minivllm.sampling_params import SamplingParams

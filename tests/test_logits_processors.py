@@ -1,6 +1,6 @@
 """The logits processors vLLM's clients use beside the sampler's own: `allowed_token_ids`,
 `bad_words` and `logit_bias`, each one step of the sampler's ordered pipeline, applied to its
-request's row only (minivllm/logits_processors.py)."""
+request's row only (minivllm/sample/logits_processors.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from engine_utils import save_tiny_llama
 
 from minivllm import LLM, SamplingParams
-from minivllm.logits_processors import apply_bad_words, apply_logit_bias
-from minivllm.sampling_metadata import SamplingMetadata, SamplingRow
+from minivllm.sample.logits_processors import apply_bad_words, apply_logit_bias
+from minivllm.sample.metadata import SamplingMetadata, SamplingRow
 
 PROMPTS = [[1000 + i for i in range(9)], [5, 17, 923, 40, 8812, 77]]
 

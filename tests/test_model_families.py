@@ -135,7 +135,7 @@ def test_the_cpu_decode_replay_runs_llama_s_math_only_and_qwen2_stays_exact(
     """The C++ decode loop replays Llama's layers; Qwen2's q/k/v bias and Qwen3's q/k norms are
     not in it, so those models decode in Python (and stay exact); Phi-3 is Llama's math, so
     where the replay runs at all (oneDNN-packed weights or the AVX-512 skinny GEMM), it runs."""
-    from minivllm.cpu.decode_loop import CpuDecodeLoop
+    from minivllm.worker.cpu_decode_loop import CpuDecodeLoop
 
     hf, path = save_family(tmp_path / "qwen2", "qwen2-tied")
     prompts, max_tokens, expected = prompts_and_oracle(hf)
@@ -227,8 +227,8 @@ def test_phi3_rope_variants_that_do_not_run_are_refused_by_name(
 
 
 def test_the_registry_builds_the_class_it_names(tmp_path: Path) -> None:
-    from minivllm.model.qwen3 import Qwen3ForCausalLM
-    from minivllm.model.registry import MODELS, model_class
+    from minivllm.model.models.qwen3 import Qwen3ForCausalLM
+    from minivllm.model.models.registry import MODELS, model_class
 
     config = load_config_of(write_config(tmp_path, architectures=["Qwen3ForCausalLM"]))
     assert model_class(config) is Qwen3ForCausalLM

@@ -22,8 +22,8 @@ from test_bf16_cpu import check_logprobs_close
 from test_model_families import SHAPE, greedy, prompts_and_oracle, save_family
 
 from minivllm.llm import LLM
-from minivllm.model.quantization.gguf import gguf_parts
-from minivllm.model.quantization.gguf_blocks import Q4_K, Q5_0, Q6_K, Q8_0
+from minivllm.model.quantization.gguf.blocks import Q4_K, Q5_0, Q6_K, Q8_0
+from minivllm.model.quantization.gguf.linear import gguf_parts
 from minivllm.sampling_params import SamplingParams
 
 

@@ -6,7 +6,7 @@ with the weight (`QKVParallelLinear`), Phi-3's fused checkpoint tensors are cut 
 before each rank takes its heads of each part, and Qwen3's q/k norms are replicated. A MoE
 layer's experts are split, not replicated: every rank holds every expert at I / N of its inner
 width (as the dense MLP's columns and rows), routes every token itself (the router is
-replicated) and all-reduces the partial sums (minivllm/model/fused_moe.py). Two ranks over gloo
+replicated) and all-reduces the partial sums (minivllm/model/layers/fused_moe.py). Two ranks over gloo
 on this CPU, spawned by the engine, as in tests/test_tensor_parallel.py.
 """
 

@@ -35,7 +35,7 @@ from minivllm.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from minivllm.core.sliding_window_manager import SlidingWindowKVCacheManager
 from minivllm.model.config import UnsupportedModelError
 from minivllm.model.loader import load_model
-from minivllm.model.registry import supported_architectures
+from minivllm.model.models.registry import supported_architectures
 from minivllm.model.resolver import resolve_model
 from minivllm.sampling_params import SamplingParams
 
@@ -197,7 +197,7 @@ def test_an_all_windowed_gemma_frees_out_of_window_blocks_and_stays_exact(
 def test_older_config_spellings_read_as_transformers_5_s() -> None:
     """transformers 4's Gemma 3 configs: `rope_theta`, `rope_local_base_freq`, `rope_scaling`
     and `sliding_window_pattern` in place of `rope_parameters` and `layer_types`."""
-    from minivllm.model.registry import config_from_hf_dict
+    from minivllm.model.models.registry import config_from_hf_dict
 
     old = SHAPE | dict(
         architectures=["Gemma3ForCausalLM"], rope_theta=1e6, rope_local_base_freq=1e4,
@@ -222,7 +222,7 @@ def test_older_config_spellings_read_as_transformers_5_s() -> None:
 def test_what_gemma_code_does_not_run_is_refused_by_name(
     fields: dict[str, Any], named: str
 ) -> None:
-    from minivllm.model.registry import config_from_hf_dict
+    from minivllm.model.models.registry import config_from_hf_dict
 
     with pytest.raises((UnsupportedModelError, ValueError), match=named):
         config_from_hf_dict(SHAPE | {"architectures": ["Gemma2ForCausalLM"]} | fields)

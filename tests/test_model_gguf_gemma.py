@@ -2,7 +2,7 @@
 
 Each file is a random tiny transformers Gemma (`save_gemma`: norms perturbed ~0.5 off 0,
 soft-capping and windows that matter) written as llama.cpp's converter writes it
-(`llama_cpp_convert.convert`). What the reader (minivllm/model/gguf.py, gguf_config.py) must undo
+(`llama_cpp_convert.convert`). What the reader (minivllm/model/quantization/gguf/reader.py, gguf_config.py) must undo
 or fill in, and what would show here if it did not:
 
 - every norm weight is stored with Gemma's 1 added (a norm read as stored multiplies by 2 + w);
@@ -35,10 +35,10 @@ from test_model_gemma import engine_prompts, save_gemma
 from minivllm.attention.selector import get_attention_backend
 from minivllm.llm import LLM
 from minivllm.model.config import UnsupportedModelError
-from minivllm.model.gguf_config import hf_config
 from minivllm.model.loader import load_model
-from minivllm.model.quantization.gguf import gguf_parts
-from minivllm.model.quantization.gguf_blocks import Q4_0, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0
+from minivllm.model.quantization.gguf.blocks import Q4_0, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0
+from minivllm.model.quantization.gguf.config import hf_config
+from minivllm.model.quantization.gguf.linear import gguf_parts
 from minivllm.model.resolver import resolve_model
 from minivllm.sampling_params import SamplingParams
 

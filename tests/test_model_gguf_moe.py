@@ -33,10 +33,10 @@ from test_model_families import SHAPE, greedy, prompts_and_oracle
 
 from minivllm.attention.selector import get_attention_backend
 from minivllm.llm import LLM
-from minivllm.model.fused_moe import FusedMoE
-from minivllm.model.gguf_config import hf_config
+from minivllm.model.layers.fused_moe import FusedMoE
 from minivllm.model.loader import load_model
-from minivllm.model.quantization.gguf_blocks import Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from minivllm.model.quantization.gguf.blocks import Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from minivllm.model.quantization.gguf.config import hf_config
 from minivllm.model.resolver import resolve_model
 from minivllm.sampling_params import SamplingParams
 
@@ -189,7 +189,7 @@ def test_the_cuda_forward_of_quantized_experts_is_the_reference(
 ) -> None:
     """No Triton kernel multiplies expert blocks: the CUDA platform's forward of the op runs the
     reference for them (here on CPU tensors, as the Triton tests run in the interpreter)."""
-    pytest.importorskip("minivllm.model.triton_fused_moe", exc_type=ImportError)
+    pytest.importorskip("minivllm.model.layers.triton_fused_moe", exc_type=ImportError)
     _, path = moe_file(tmp_path, "mixtral", qtypes_by_layer(TYPES), **BIG)
     gen = torch.Generator().manual_seed(5)
     for op in experts(load(path, "gguf")):

@@ -20,11 +20,11 @@ import transformers
 from paged import paged_logits
 
 from minivllm.attention.selector import get_attention_backend
-from minivllm.model.custom_op import CustomOp
-from minivllm.model.fused_moe import FusedMoE
-from minivllm.model.llama import LlamaForCausalLM
-from minivllm.model.mixtral import MixtralConfig, MixtralForCausalLM
-from minivllm.model.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from minivllm.model.custom_op import CustomOp, dispatch_custom_ops
+from minivllm.model.layers.fused_moe import FusedMoE
+from minivllm.model.models.llama import LlamaForCausalLM
+from minivllm.model.models.mixtral import MixtralConfig, MixtralForCausalLM
+from minivllm.model.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from minivllm.model.weights import open_checkpoint
 from minivllm.platforms import platform_for
 
@@ -84,7 +84,7 @@ def test_logits_match_transformers(tmp_path: Path, family: str, moe_forward: str
     if moe_forward == "cpu":
         import minivllm.cpu.moe  # noqa: F401  registers the forward
     if moe_forward == "cuda":
-        pytest.importorskip("minivllm.model.triton_fused_moe", exc_type=ImportError)
+        pytest.importorskip("minivllm.model.layers.triton_fused_moe", exc_type=ImportError)
     hf, model = save_tiny(tmp_path, family)
     ops = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert len(ops) == (1 if "dense0" in family else 2)
@@ -104,7 +104,7 @@ def test_logits_match_transformers_with_every_cpu_kernel(tmp_path: Path, family:
     """The CPU platform's whole fast path, as the loader dispatches it (`custom_ops="all"`, the
     CPU attention backend): QK-norm's rows through the fused RMSNorm, the MoE op on oneDNN."""
     hf, model = save_tiny(tmp_path, family, backend="cpu")
-    platform_for("cpu").dispatch_custom_ops(model, "all")
+    dispatch_custom_ops(model, platform_for("cpu"), "all")
     ops = [m for m in model.modules() if isinstance(m, CustomOp)]
     assert {op.dispatched_to for op in ops} == {"cpu"}
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2))

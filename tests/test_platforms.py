@@ -14,9 +14,14 @@ import torch
 
 import minivllm.platforms as platforms
 from minivllm.distributed.parallel_state import SINGLE_DEVICE
-from minivllm.model.custom_op import CustomOp, platform_forward, register_forward
-from minivllm.model.layers import RMSNorm
-from minivllm.model.parallel_layers import ColumnParallelLinear, QKVParallelLinear
+from minivllm.model.custom_op import (
+    CustomOp,
+    dispatch_custom_ops,
+    platform_forward,
+    register_forward,
+)
+from minivllm.model.layers.layernorm import RMSNorm
+from minivllm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear
 from minivllm.platforms import platform_for
 from minivllm.platforms.cpu import CpuPlatform
 from minivllm.platforms.cuda import CudaPlatform
@@ -100,7 +105,7 @@ def test_an_op_runs_forward_native_until_a_platform_forward_is_dispatched() -> N
     )
     assert platform_forward(QKVParallelLinear, "cpu") is not None
     qkv = QKVParallelLinear(16, 4, 2, 1, False, SINGLE_DEVICE)
-    assert CpuPlatform().dispatch_custom_ops(qkv, "none") == 0 and qkv.dispatched_to == "native"
+    assert dispatch_custom_ops(qkv, CpuPlatform(), "none") == 0 and qkv.dispatched_to == "native"
 
 
 def test_the_platform_chooses_how_a_random_row_is_sampled() -> None:
@@ -111,7 +116,7 @@ def test_the_platform_chooses_how_a_random_row_is_sampled() -> None:
 
     assert CpuPlatform.sampling_method == "multinomial"
     assert CudaPlatform.sampling_method == "exponential"
-    source = (Path(__file__).parent.parent / "minivllm" / "sampler.py").read_text()
+    source = (Path(__file__).parent.parent / "minivllm" / "sample" / "sampler.py").read_text()
     assert ".is_cuda" not in source and "device.type" not in source
 
 

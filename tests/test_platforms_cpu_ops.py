@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from minivllm.cpu.op_forwards import onednn_packs, packed_linear
 from minivllm.distributed.parallel_state import SINGLE_DEVICE
-from minivllm.model.parallel_layers import (
+from minivllm.model.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,

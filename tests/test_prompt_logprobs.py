@@ -14,7 +14,7 @@ from engine_utils import assert_no_blocks_held, save_tiny_llama
 from tp_utils import no_leftover_processes
 
 from minivllm import LLM, SamplingParams
-from minivllm.sequence import Logprob
+from minivllm.core.sequence import Logprob
 
 K = 3
 PROMPTS = [
@@ -143,7 +143,7 @@ def test_tensor_parallel_ranks_give_one_device_s_prompt_logprobs(tiny: Path) -> 
 
 
 def test_prompt_logprobs_range_is_checked_and_minus_one_is_the_vocabulary() -> None:
-    from minivllm.logprobs_limit import resolve_logprobs
+    from minivllm.engine.logprobs_limit import resolve_logprobs
 
     with pytest.raises(ValueError, match=r"prompt_logprobs must be non-negative or -1, got -2"):
         SamplingParams(prompt_logprobs=-2)

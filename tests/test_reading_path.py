@@ -1,24 +1,21 @@
-"""A learner's path through the code fits in one sitting, and every file and function stays short.
+"""A learner's path through the code, counted honestly and stated in the README.
 
-The README names a reading order (the files between its `<!-- reading-order -->` markers). What a
-reader must follow to understand them is the files themselves plus everything they import at module
-level, transitively (imports inside functions and under `TYPE_CHECKING` are left for later: they
-name optional machinery, loaded when used). Both are held to the bounds the README states.
+The README names a reading order (the files between its `<!-- reading-order -->` markers): the core
+a learner reads (one model, the reference attention, the block pool, the KV cache manager, the
+scheduler, the model runner, the sampler, the engine step). What a reader may have to follow from
+there is everything those files import, by any import: at module level, inside functions and under
+`TYPE_CHECKING` alike. The test prints both counts and holds the README's sentence to them, so the
+README says what the code is; it sets no cap that code would be moved to get under.
 """
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
-from test_import_tiers import FILES, imports_of
+from test_package_layout import FILES, imports_of
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDERED_MAX_LINES = 2_300  # the ordered files themselves
-CLOSURE_MAX_LINES = 6_100  # with what they import at module level
-FILE_MAX_LINES = 400
-FUNCTION_MAX_LINES = 80
 
 
 def lines(module: str) -> int:
@@ -39,7 +36,7 @@ def reading_order() -> list[str]:
 
 
 def closure(modules: list[str]) -> set[str]:
-    """The modules, their packages' `__init__`s, and what any of them imports at module level."""
+    """The modules, their packages' `__init__`s, and everything any of them imports, by any import."""
     seen: set[str] = set()
     todo = list(modules)
     while todo:
@@ -49,49 +46,49 @@ def closure(modules: list[str]) -> set[str]:
         seen.add(module)
         parts = module.split(".")
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # packages run first
-        todo += [target for target, _, top in imports_of(module) if top]
+        todo += [target for target, _, _ in imports_of(module)]
     return seen & FILES.keys()
 
 
-def test_the_readme_s_reading_order_fits_its_bounds() -> None:
+def stated_counts() -> tuple[int, int, int]:
+    """(ordered lines, modules reached, lines reached) as the README's sentence states them."""
+    text = re.sub(r"(\d),(\d{3})", r"\1\2", (ROOT / "README.md").read_text())
+    found = re.search(
+        r"the files above are (\d+) lines; everything they import, by any import, is (\d+) "
+        r"modules and (\d+) lines",
+        " ".join(text.split()),
+    )
+    assert found, "README.md must state the reading path's counts (see this test's regex)"
+    return int(found.group(1)), int(found.group(2)), int(found.group(3))
+
+
+def test_the_readme_states_the_reading_path_as_counted() -> None:
     order = reading_order()
     assert len(order) >= 8 and all(m in FILES for m in order), order
     ordered = sum(lines(m) for m in order)
     reached = closure(order)
     total = sum(lines(m) for m in reached)
-    biggest = sorted(reached, key=lines, reverse=True)[:8]
-    assert ordered <= ORDERED_MAX_LINES, f"the ordered files have {ordered} lines"
-    assert total <= CLOSURE_MAX_LINES, (
-        f"the reading path reaches {len(reached)} modules, {total} lines; the largest: "
-        + ", ".join(f"{m} ({lines(m)})" for m in biggest)
+    rooms: dict[str, int] = {}
+    for m in reached:
+        room = ".".join(m.split(".")[:2])
+        rooms[room] = rooms.get(room, 0) + lines(m)
+    print(f"\nreading order: {len(order)} files, {ordered} lines")
+    print(f"everything they import, by any import: {len(reached)} modules, {total} lines")
+    for room, n in sorted(rooms.items(), key=lambda kv: -kv[1]):
+        print(f"  {room:<32} {n:>6}")
+    stated = stated_counts()
+    # The README rounds lines to the nearest 100; the module count is exact.
+    assert stated[1] == len(reached), (
+        f"README says {stated[1]} modules; the path reaches {len(reached)}"
+    )
+    assert abs(stated[0] - ordered) <= 50 and abs(stated[2] - total) <= 50, (
+        f"README says {stated[0]} / {stated[2]} lines; counted {ordered} / {total}"
     )
 
 
-def test_the_closure_follows_module_level_imports_only() -> None:
-    """The measure itself: a function-level import is not followed, a module-level one is."""
+def test_the_closure_follows_every_import() -> None:
+    """The measure itself: imports inside functions and under TYPE_CHECKING are followed."""
     reached = closure(["minivllm.llm"])
-    assert "minivllm.engine" in reached and "minivllm.core.scheduler" in reached
-    assert "minivllm.beam_search" not in reached  # imported inside LLM.beam_search
-    assert "minivllm.trace.recorder" not in reached  # imported inside LLM.trace
-    assert "minivllm.distributed.multiproc" not in reached  # tensor parallelism only
-
-
-def test_no_file_over_the_limit() -> None:
-    long = {m: lines(m) for m in FILES if lines(m) > FILE_MAX_LINES}
-    assert not long, f"files over {FILE_MAX_LINES} lines (one concept per file): {long}"
-
-
-def is_triton_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
-    """A `@triton.jit` kernel is one GPU program: its length is its tile loop, not two ideas."""
-    return any("triton.jit" in ast.unparse(d) for d in node.decorator_list)
-
-
-def test_no_function_over_the_limit() -> None:
-    long = []
-    for module, path in FILES.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                length = (node.end_lineno or node.lineno) - node.lineno + 1
-                if length > FUNCTION_MAX_LINES and not is_triton_kernel(node):
-                    long.append(f"{module}.{node.name} ({length})")
-    assert not long, f"functions over {FUNCTION_MAX_LINES} lines: {long}"
+    assert "minivllm.engine.llm_engine" in reached and "minivllm.core.scheduler" in reached
+    assert "minivllm.engine.beam_search" in reached  # imported inside LLM.beam_search
+    assert "minivllm.trace.recorder" in reached  # imported inside LLM.trace

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.logits_processors import apply_logits_processors
-from minivllm.sampler import SamplingMetadata, SamplingRow, apply_truncation
+from minivllm.sample.logits_processors import apply_logits_processors
+from minivllm.sample.rejection_sampler import rejection_sample
+from minivllm.sample.sampler import SamplingMetadata, SamplingRow, apply_truncation
 from minivllm.sampling_params import SamplingParams
-from minivllm.spec_decode.rejection_sampler import rejection_sample
 
 VOCAB = 6
 LOGITS = torch.tensor(

@@ -19,7 +19,7 @@ from kv_helpers import allocate, can_allocate, make_seq
 
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import NoFreeBlocksError
-from minivllm.engine_args import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.experiments.reservation import (
     ReservationKVCacheManager,
     num_final_tokens,

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from minivllm.sampler import (
+from minivllm.sample.sampler import (
     Sampler,
     SamplingMetadata,
     SamplingRow,
@@ -303,7 +303,7 @@ def test_empirical_frequencies_match_tempered_softmax(seeded):
 @pytest.mark.parametrize("seeded", [False, True])
 def test_both_sampling_methods_draw_from_the_distribution(method, seeded):
     """The GPU's exponential race and the CPU's multinomial are both exact samplers."""
-    from minivllm.sampler import random_sample
+    from minivllm.sample.sampler import random_sample
 
     n, vocab = 20000, 6
     probs = torch.tensor([0.1, 0.3, 0.05, 0.25, 0.2, 0.1])

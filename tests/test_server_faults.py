@@ -24,8 +24,8 @@ import pytest
 from engine_utils import save_tiny_llama
 from server_utils import InProcessServer, serve_in_process
 
-from minivllm.engine import LLMEngine
-from minivllm.engine_args import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
 
 OTHERS = ["The capital of France is", "Once upon a time", "Hello, my name is"]
 # Longer than any other prompt plus its completion, so only the victim's tokens reach its positions.

@@ -12,8 +12,8 @@ import pytest
 from engine_utils import save_tiny_llama
 from server_utils import InProcessServer, serve_in_process
 
-from minivllm.engine import LLMEngine
-from minivllm.engine_args import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
 
 # vLLM's CacheConfig.metrics_info() labels that its test asserts (EXPECTED_METRICS)
 CACHE_CONFIG_LABELS = (

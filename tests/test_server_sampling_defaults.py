@@ -16,8 +16,8 @@ import pytest
 from engine_utils import save_tiny_llama
 from server_utils import serve_in_process
 
-from minivllm.engine import LLMEngine
-from minivllm.engine_args import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from minivllm.entrypoints.serving import OpenAIServing
 from minivllm.sampling_params import SamplingParams

@@ -11,8 +11,8 @@ from dataclasses import fields, replace
 
 import pytest
 
+from minivllm.engine.stats import EngineStats
 from minivllm.entrypoints.metrics import ServerMetrics
-from minivllm.stats import EngineStats
 
 ZERO = EngineStats(**{f.name: 0 for f in fields(EngineStats)})
 

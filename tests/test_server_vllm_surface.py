@@ -20,8 +20,8 @@ import pytest
 from engine_utils import save_tiny_llama
 from server_utils import STARTUP_TIMEOUT_S, InProcessServer, serve_in_process
 
-from minivllm.engine import LLMEngine
-from minivllm.engine_args import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")

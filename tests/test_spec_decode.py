@@ -23,8 +23,8 @@ import torch
 from engine_utils import assert_no_blocks_held, save_tiny_llama
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine_args import EngineArgs
-from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.config.speculative import SpeculativeConfig
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 
 K = 4
@@ -352,8 +352,8 @@ def test_paged_allocation_is_required() -> None:
 def test_server_metrics_and_log_line_use_vllm_s_names(caplog: pytest.LogCaptureFixture) -> None:
     from prometheus_client import generate_latest
 
+    from minivllm.engine.stats import EngineStats
     from minivllm.entrypoints.metrics import ServerMetrics
-    from minivllm.stats import EngineStats
 
     zero = EngineStats(
         **{

@@ -20,9 +20,9 @@ import torch
 from engine_utils import assert_no_blocks_held, save_tiny_llama
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine_args import EngineArgs
+from minivllm.config.speculative import SpeculativeConfig
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.model.errors import ModelNotFoundError
-from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.draft_model_proposer import DraftModelProposer, _common_prefix
 
 K = 4

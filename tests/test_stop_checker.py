@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from minivllm.engine.stop_checker import check_stop, is_stop_token
 from minivllm.sampling_params import SamplingParams
-from minivllm.stop_checker import check_stop, is_stop_token
 
 EOS = 2
 MAX_LEN = 100

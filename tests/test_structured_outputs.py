@@ -18,7 +18,7 @@ import torch
 from engine_utils import assert_no_blocks_held, save_tiny_llama
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
-from minivllm.logits_processors import bitmask_to_bool
+from minivllm.sample.logits_processors import bitmask_to_bool
 from minivllm.structured_output.backend import sync_grammar
 from minivllm.structured_output.params import StructuredOutputError
 
@@ -262,8 +262,8 @@ def test_the_grammar_wins_over_min_tokens(llm: LLM) -> None:
 
 
 def test_a_batch_without_constraints_skips_the_grammar_processor() -> None:
-    from minivllm.logits_processors import apply_grammar_bitmask
-    from minivllm.sampler import SamplingMetadata, SamplingRow
+    from minivllm.sample.logits_processors import apply_grammar_bitmask
+    from minivllm.sample.sampler import SamplingMetadata, SamplingRow
 
     rows = [SamplingRow(SamplingParams(), [1, 2], [3])] * 3
     meta = SamplingMetadata.from_rows(rows, 64, "cpu")

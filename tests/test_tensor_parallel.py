@@ -26,7 +26,7 @@ from tp_utils import kv_blocks, no_leftover_processes
 
 from minivllm import LLM, SamplingParams
 from minivllm.core.scheduler import ScheduledSequence, SchedulerOutput
-from minivllm.model_runner import ModelRunnerOutput
+from minivllm.worker.model_runner import ModelRunnerOutput
 
 # Small enough that the workload below is chunked (prompts of up to 102 tokens, 32 per step),
 # preempted (it needs ~26 blocks at once) and shares a cached 32-token prefix.

@@ -20,12 +20,12 @@ import torch
 from engine_utils import save_tiny_llama
 from test_model_llama import save_tiny_llama as save_perturbed_llama
 
-from minivllm.attention import AttentionMetadata
+from minivllm.attention.abstract import AttentionMetadata
 from minivllm.attention.selector import get_attention_backend
 from minivllm.distributed.parallel_state import TensorParallelGroup
 from minivllm.model.config import LlamaConfig
+from minivllm.model.layers.linear import check_tensor_parallel_size
 from minivllm.model.loader import load_model
-from minivllm.model.parallel_layers import check_tensor_parallel_size
 from minivllm.model.resolver import resolve_model
 
 CPU = torch.device("cpu")

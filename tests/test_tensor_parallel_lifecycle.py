@@ -24,7 +24,7 @@ from engine_utils import save_tiny_llama
 from tp_utils import assert_gone, fail_on_rank_one, live_descendants, no_leftover_processes
 
 from minivllm import LLM, SamplingParams
-from minivllm.distributed.executor import EngineDeadError
+from minivllm.executor.tensor_parallel import EngineDeadError
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = Path(sys.executable).parent / "torchrun"

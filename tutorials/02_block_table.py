@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.attention import AttentionMetadata
-from minivllm.attention.reference import ReferenceBackend
+from minivllm.attention.abstract import AttentionMetadata
+from minivllm.attention.backends.reference import ReferenceBackend
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.trace.plot import plot_block_map
 

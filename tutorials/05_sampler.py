@@ -1,7 +1,7 @@
 """05 · The sampler: from logits to the next token.
 
 After each step the model gives one row of logits per sequence that needs a token. minivllm's
-`Sampler` (minivllm/sampler.py) turns the whole batch of rows into tokens in one call, in vLLM v1's
+`Sampler` (minivllm/sample/sampler.py) turns the whole batch of rows into tokens in one call, in vLLM v1's
 order: penalties -> greedy argmax, or temperature -> min_p -> top_k -> top_p -> a random draw.
 The draw is an "exponential race" (argmax of p / q with q ~ Exp(1)), which picks token i with
 probability p_i without a cumulative sum, and each seeded sequence draws from its own generator,
@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.sampler import Sampler, SamplingMetadata, SamplingRow, apply_truncation
+from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow, apply_truncation
 
 plt.switch_backend("Agg")  # write files, never open a window
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "out"

@@ -2,13 +2,13 @@
 
 minivllm has three attention backends behind one interface (`write_kv`, then `attend`):
 
-- "reference" (minivllm/attention/reference.py): gathers each request's K/V blocks through its
+- "reference" (minivllm/attention/backends/reference.py): gathers each request's K/V blocks through its
   block table into a contiguous tensor, then calls `scaled_dot_product_attention` with a
   bottom-right causal mask. Clear, and the specification.
-- "triton" (minivllm/attention/triton.py, triton_kernels.py): fused kernels that follow the block
+- "triton" (minivllm/attention/backends/triton.py, triton_kernels.py): fused kernels that follow the block
   table key tile by key tile with an online softmax, never copying the context (paper §4.1), and
   a split-KV "flash-decoding" kernel for batches of decodes.
-- "cpu" (minivllm/cpu/attention.py, cpu_attention.cpp): a small compiled C++ kernel that reads each
+- "cpu" (minivllm/attention/backends/cpu.py, cpu_attention.cpp): a small compiled C++ kernel that reads each
   request's blocks in place, for decodes and prompt rows alike (a prompt's token j is a decode
   over the context up to its own position). The default on a CPU.
 
@@ -28,11 +28,11 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from minivllm.attention import AttentionMetadata
-from minivllm.attention.reference import ReferenceBackend
+from minivllm.attention.abstract import AttentionMetadata
+from minivllm.attention.backends.reference import ReferenceBackend
 
 # Importing the Triton backend turns Triton's interpreter on when there is no GPU.
-from minivllm.attention.triton import INTERPRETED, TritonBackend
+from minivllm.attention.backends.triton import INTERPRETED, TritonBackend
 
 plt.switch_backend("Agg")  # write files, never open a window
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "out"
@@ -128,7 +128,7 @@ print("the Triton kernels read the same blocks in place")
 # On a CPU, the default backend is "cpu": a compiled kernel that reads the blocks in place too. A decode batch of the size a busy engine runs (32 requests x 256 tokens) shows what
 # skipping the gather is worth on a CPU (compiled on first use: ~15 s once).
 if device == "cpu":
-    from minivllm.cpu.attention import CpuBackend
+    from minivllm.attention.backends.cpu import CpuBackend
 
     def best_ms(fn, repeats: int = 5) -> float:
         times = []

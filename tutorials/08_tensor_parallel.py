@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.distributed.worker import rank_report
 from minivllm.model.resolver import resolve_model
+from minivllm.worker.worker_proc import rank_report
 
 LAYERS, HIDDEN, VOCAB = 4, 128, 49152
 HEADS, KV_HEADS, INTERMEDIATE, BLOCK_SIZE = 4, 2, 256, 16

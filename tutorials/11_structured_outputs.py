@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
-from minivllm.logits_processors import bitmask_to_bool
+from minivllm.sample.logits_processors import bitmask_to_bool
 
 OUT = Path(sys.argv[1] if len(sys.argv) > 1 else "tutorials/out")
 OUT.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from minivllm.attention import BACKEND_NAMES, AttentionBackend
+from minivllm.attention.abstract import BACKEND_NAMES, AttentionBackend
 from minivllm.exceptions import CpuKernelUnavailable
 from minivllm.platforms import platform_for, resolve_obj_by_qualname
 

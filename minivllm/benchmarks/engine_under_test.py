@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from minivllm.beam_search import BeamSearchParams
 from minivllm.benchmarks.workload import BenchRequest, fixed_params, random_requests
-from minivllm.distributed.worker import RankReport, rank_report
-from minivllm.engine_args import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.beam_search import BeamSearchParams
 from minivllm.llm import LLM
-from minivllm.model.llama import LlamaForCausalLM
+from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.worker_proc import RankReport, rank_report
 
 GPU_EPILOG = """\
 On a GPU (TinyLlama, bfloat16, Triton attention):

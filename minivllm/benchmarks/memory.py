@@ -44,7 +44,7 @@ from minivllm.benchmarks.report import (
 )
 from minivllm.benchmarks.workload import BenchRequest, add_workload_arguments, fixed_params
 from minivllm.core.kv_cache_coordinator import HybridKVCacheCoordinator
-from minivllm.engine_args import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.llm import LLM
 from minivllm.model.weights import weight_bytes
 

@@ -50,8 +50,8 @@ from minivllm.benchmarks.paper_sweep import (
 from minivllm.benchmarks.report import machine_load, print_table, write_json
 from minivllm.benchmarks.sharing import WORKLOADS
 from minivllm.config import KV_ALLOCATIONS
-from minivllm.engine import LLMEngine
-from minivllm.engine_args import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.experiments.simulated_executor import SimulatedSetup, build_simulated_engine
 
 # §6.2: at the same normalized latency, vLLM sustains this many times the request rate (ShareGPT,

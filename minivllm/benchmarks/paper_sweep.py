@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from minivllm.benchmarks.sharing import WORKLOADS
 from minivllm.config import KV_ALLOCATIONS
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.experiments.simulated_executor import SimulatedExecutor
 from minivllm.sampling_params import SamplingParams
 

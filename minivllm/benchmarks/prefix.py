@@ -47,7 +47,7 @@ from minivllm.benchmarks.workload import (
     random_token_ids,
     token_pool,
 )
-from minivllm.engine_args import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.model.loader import load_config
 from minivllm.model.resolver import resolve_model
 from minivllm.sampling_params import SamplingParams

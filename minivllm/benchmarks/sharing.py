@@ -28,7 +28,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from minivllm.beam_search import BeamSearchParams
 from minivllm.benchmarks.engine_under_test import (
     add_run_arguments,
     build_llm,
@@ -42,7 +41,8 @@ from minivllm.benchmarks.report import (
     write_json,
 )
 from minivllm.benchmarks.workload import BenchRequest, Exponential, draw_requests, token_pool
-from minivllm.engine_args import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.beam_search import BeamSearchParams
 from minivllm.sampling_params import SamplingParams
 
 # Mean (prompt, output) lengths of the paper's Fig. 11 datasets.

@@ -49,7 +49,7 @@ from minivllm.benchmarks.report import (
     write_json,
 )
 from minivllm.benchmarks.workload import BenchRequest, add_workload_arguments, fixed_params
-from minivllm.engine_args import EngineArgs
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.llm import LLM
 
 EPILOG = (

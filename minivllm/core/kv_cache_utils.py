@@ -142,7 +142,7 @@ class KVCacheBlock:
 
 
 class KVCacheRequest(Protocol):
-    """What the manager reads of a sequence it admits (`minivllm.sequence.Sequence` has more)."""
+    """What the manager reads of a sequence it admits (`minivllm.core.sequence.Sequence` has more)."""
 
     @property
     def seq_id(self) -> SeqId: ...

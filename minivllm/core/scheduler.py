@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import NO_COMPUTED_BLOCKS, KVCacheManager
-from minivllm.sequence import Sequence, SequenceStatus
+from minivllm.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
-"""The CPU plug-in: every piece of compiled code, its build, its Python ops and what uses them.
+"""The CPU plug-in: the compiled kernels (`csrc/`), their build per instruction-set level, their ops.
 
 vLLM keeps its kernels in a top-level `csrc/` beside the Python package and compiles them when the
-package is built. Here they are compiled on first use (`build.py`), so they ship inside the
-package, together with everything that needs them: the Python wrappers of the ops (`ops.py`), the
-custom ops' CPU forwards (`op_forwards.py`), the CPU attention backend (`attention.py`) and the
-Llama decode loop (`decode_loop.py`). The package's name says which platform it serves; the CPU
-platform (minivllm/platforms/cpu.py) names these modules and classes, and they are imported by
-those names, at first use, so nothing below this tier imports them.
+package is built. Here the C++ sources are in `csrc/` and are compiled on first use (`build.py`,
+one build per instruction-set level: `isa.py`), together with the Python wrappers of the ops
+(`ops.py`), the custom ops' CPU forwards (`op_forwards.py`) and the fused MoE op's (`moe.py`). The
+CPU platform (minivllm/platforms/cpu.py) names these modules, which are imported by those names at
+first use. What uses the kernels sits above: the CPU attention backend
+(minivllm/attention/backends/cpu.py) and the decode loop (minivllm/worker/cpu_decode_loop.py).
 
 What lives here, and the test that holds each source to its plain-PyTorch reference:
 
@@ -19,10 +19,8 @@ What lives here, and the test that holds each source to its plain-PyTorch refere
 | `cpu_activation_rope.cpp` | `silu_and_mul`, `rotary_embedding` | tests/test_kernels_cpu_activation_rope.py |
 | `cpu_skinny_gemm.cpp` | `skinny_gemm` | tests/test_kernels_cpu_skinny_gemm.py |
 | `cpu_gguf_gemm.cpp` | `gguf_linear`, `gguf_dequantize` | tests/test_kernels_cpu_gguf.py |
-| `cpu_decode_layers.cpp` | `decode_layers` (wrapped by `decode_loop.py`) | tests/test_kernels_cpu_decode_loop.py |
+| `cpu_decode_layers.cpp` | `decode_layers` (wrapped by minivllm/worker/cpu_decode_loop.py) | tests/test_kernels_cpu_decode_loop.py |
 
 `build.py` compiles them into one library (tests/test_kernels_cpu_build.py). The model's own
 files import nothing from here.
-
-Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """

@@ -62,7 +62,7 @@ EXTENSION_NAME = "minivllm_cpu_kernels"  # the library; its ops register as torc
 # The library's sources: cpu_attention.cpp defines the op namespace (TORCH_LIBRARY), the layer ops
 # add to it (TORCH_LIBRARY_FRAGMENT).
 SOURCES = tuple(
-    Path(__file__).with_name(name)
+    Path(__file__).with_name("csrc") / name
     for name in (
         "cpu_attention.cpp",
         "cpu_attention_avx512.cpp",
@@ -76,7 +76,7 @@ SOURCES = tuple(
         "cpu_decode_layers.cpp",
     )
 )
-HEADERS = (Path(__file__).with_name("cpu_gguf_blocks.h"),)  # included by the GGUF sources
+HEADERS = (Path(__file__).with_name("csrc") / "cpu_gguf_blocks.h",)  # included by the GGUF sources
 LDFLAGS = ("-lm", "-fopenmp")
 # How long a process waits for another one to finish compiling (a build takes about a minute on 2
 # idle cores, several on a loaded machine). A process that died while building holds nothing to wait for.

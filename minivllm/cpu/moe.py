@@ -1,4 +1,4 @@
-"""The CPU's forward of the fused MoE op (`FusedMoE`, minivllm/model/fused_moe.py): each expert's
+"""The CPU's forward of the fused MoE op (`FusedMoE`, minivllm/model/layers/fused_moe.py): each expert's
 group of rows multiplied on oneDNN, with the expert's weights prepacked in oneDNN's layout.
 
 The reference (`fused_experts_native`) already groups the assignments by expert, so its matmuls
@@ -29,7 +29,7 @@ import torch
 from minivllm.cpu import ops as cpu_ops
 from minivllm.cpu.op_forwards import gguf_dot, onednn_packs, packed_linear
 from minivllm.model.custom_op import register_forward
-from minivllm.model.fused_moe import (
+from minivllm.model.layers.fused_moe import (
     FusedMoE,
     fused_experts_native,
     silu_and_mul,
@@ -88,7 +88,7 @@ def fused_experts_gguf_cpu(
     topk_ids: torch.Tensor,  # int64 [T, top_k]
 ) -> torch.Tensor:  # [T, H]  in hidden's dtype
     """`GGUFMoEMethod.apply`'s result, each expert's group multiplied by its blocks."""
-    from minivllm.model.quantization.gguf_moe import moe_parts
+    from minivllm.model.quantization.gguf.moe import moe_parts
 
     w13, w2 = moe_parts(op, "w13"), moe_parts(op, "w2")  # (qtype, uint8 [E, rows, row_bytes])
     dot = gguf_dot()

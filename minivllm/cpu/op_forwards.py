@@ -43,9 +43,9 @@ from torch import nn
 from minivllm.cpu import ops as cpu_ops
 from minivllm.envs import cpu_gguf_dot, cpu_gguf_gemm_rows
 from minivllm.model.custom_op import register_forward
-from minivllm.model.layers import RMSNorm, SiluAndMul
-from minivllm.model.parallel_layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-from minivllm.model.rope import RotaryEmbedding
+from minivllm.model.layers.layernorm import RMSNorm, SiluAndMul
+from minivllm.model.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 
 LM_HEAD_ROWS = 1024  # vocabulary rows per MKL matmul of a plain LM-head weight
 
@@ -84,7 +84,7 @@ def prepack_linear(op: ColumnParallelLinear | RowParallelLinear | ParallelLMHead
     """Replace a linear's (or an untied LM head's) weight by itself in oneDNN's blocked layout,
     where `onednn_packs`: `op.weight` becomes a Parameter holding an MKLDNN tensor, and the plain
     one is freed, so the layer holds its weight once. What reads it plain gets it back exactly
-    (`to_dense()`): `forward_native` (`linear` in minivllm/model/parallel_layers.py) and
+    (`to_dense()`): `forward_native` (`linear` in minivllm/model/layers/linear.py) and
     `state_dict()` (`dense_state_dict`). A tied head stays plain: the embedding's lookup reads rows
     of the same table, which the blocked layout does not give without unpacking all of it."""
     if op.quant_method is not None:
@@ -157,7 +157,7 @@ def gguf_linear_cpu(
 ) -> torch.Tensor:  # [M, out]
     """x · Wᵀ (+ b) for a layer holding GGUF blocks: each part through the quantized GEMM,
     which dequantizes inside the product (`GGUFLinearMethod.apply` is its specification)."""
-    from minivllm.model.quantization.gguf import gguf_parts
+    from minivllm.model.quantization.gguf.linear import gguf_parts
 
     dot = gguf_dot()
     # Opt-in (MINIVLLM_CPU_GGUF_GEMM_ROWS): many token rows dequantize and run one dense GEMM, as

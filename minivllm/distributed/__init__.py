@@ -1,15 +1,10 @@
-"""Tensor parallelism on `torch.distributed`: one model split over several devices (paper §4.6).
+"""Process groups and collectives for tensor parallelism on `torch.distributed` (paper §4.6).
 
-- `parallel_state.py`  the process group of a step's collectives and `TensorParallelGroup`, the
-                       handle the parallel layers use (no collective at all at one rank)
-- `executor.py`        the driver's side: one runner in-process (N = 1), or N ranks that each run
-                       the same `SchedulerOutput` (`MultiprocExecutor`, `torchrun`)
-- `worker.py`          a rank's side: build the shard of the model, then run the steps it is sent
+- `parallel_state.py`  `TensorParallelGroup`, the handle the parallel layers talk through (no
+                       collective at all at one rank)
+- `process_group.py`   starting, joining and leaving the process groups
 
-The parallel layers themselves are in `minivllm/model/parallel_layers.py`. The docs' page
-"Distributed execution" (docs/distributed.md) draws who holds what; see also the architecture page
-(docs/architecture.md). This package's `__init__` imports nothing, so that importing one of its
-modules never drags in the others.
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
+The parallel layers are in minivllm/model/layers/linear.py; the executors that start and drive the
+ranks in minivllm/executor/, and a rank's loop in minivllm/worker/worker_proc.py. The docs' page
+"Distributed execution" (docs/distributed.md) draws who holds what.
 """

@@ -2,7 +2,7 @@
 
 Tier: frontends (may import anything below; nothing below imports it). vLLM's
 vllm/entrypoints/openai/api_server.py. The handlers drive the engine through one interface,
-`EngineClient` (minivllm/engine_core/protocol.py); `make_engine_client` is the one place that
+`EngineClient` (minivllm/engine/protocol.py); `make_engine_client` is the one place that
 picks its implementation (the engine in a thread of this process, or in a process of its own).
 
 Why FastAPI + uvicorn + pydantic: it is vLLM's own stack, so its code maps onto ours line for
@@ -35,8 +35,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minivllm.beam_search import BeamSearchParams
-from minivllm.engine_core.protocol import EngineClient, EngineFacts
+from minivllm.engine.beam_search import BeamSearchParams
+from minivllm.engine.protocol import EngineClient, EngineFacts
 from minivllm.entrypoints.cli_args import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.middleware import (
@@ -78,8 +78,8 @@ def make_engine_client(
 ) -> EngineClient:
     """The `EngineClient` for `engine`: the client of an engine-core process is driven over its
     pipe (`AsyncMPClient`), an `LLMEngine` by a thread of this process (`AsyncLLMEngine`)."""
-    from minivllm.engine_core.async_engine import AsyncLLMEngine
-    from minivllm.engine_core.client import AsyncMPClient, EngineCoreClient
+    from minivllm.engine.async_llm_engine import AsyncLLMEngine
+    from minivllm.engine.core_client import AsyncMPClient, EngineCoreClient
 
     def on_add(request_id: str, params: SamplingParams | BeamSearchParams) -> None:
         metrics.on_add(request_id, params)
@@ -88,7 +88,7 @@ def make_engine_client(
 
     if isinstance(engine, EngineCoreClient):
         return AsyncMPClient(engine, on_step=metrics.on_step, on_add=on_add)
-    from minivllm.engine import LLMEngine
+    from minivllm.engine.llm_engine import LLMEngine
 
     assert isinstance(engine, LLMEngine), type(engine)
     return AsyncLLMEngine(engine, on_step=metrics.on_step, on_add=on_add)
@@ -163,7 +163,7 @@ def build_app(
     model_path: str | None = None,
 ) -> FastAPI:
     """An app serving `engine`: an `LLMEngine` stepped by a thread of this process, or the client
-    of an engine-core process (minivllm/engine_core/client.py); either starts and stops with the
+    of an engine-core process (minivllm/engine/core_client.py); either starts and stops with the
     app's lifespan. `model_path`: the model as the user named it (`/v1/models`' `root`, vLLM's
     `BaseModelPath.model_path`); unset, the checkpoint's name."""
     names = served_model_names or [engine.source.name]
@@ -232,7 +232,7 @@ def add_middlewares(
 def add_dashboard_routes(
     app: FastAPI, engine: EngineFacts, api_key: str | None, max_steps: int
 ) -> None:
-    from minivllm.engine import LLMEngine
+    from minivllm.engine.llm_engine import LLMEngine
     from minivllm.entrypoints.dashboard import add_dashboard
 
     if not isinstance(engine, LLMEngine):

@@ -1,6 +1,6 @@
 """The `minivllm` command: `minivllm serve [MODEL] ...`, `minivllm trace [MODEL] --prompt ... --out DIR`
 and `minivllm bench {throughput,memory,prefix,sharing,serve} ...`, with vLLM's flag names
-(vllm/entrypoints/cli/). The engine's flags come from `EngineArgs` (minivllm/engine_args.py),
+(vllm/entrypoints/cli/). The engine's flags come from `EngineArgs` (minivllm/engine/arg_utils.py),
 the one declaration of the engine's options; the server's from the table in cli_args.py.
 
 Tier: frontends (may import anything below; nothing below imports it).
@@ -90,7 +90,7 @@ def usage_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's own flags (the table in cli_args.py), then the engine's (from EngineArgs)."""
-    from minivllm.engine_args import EngineArgs
+    from minivllm.engine.arg_utils import EngineArgs
     from minivllm.entrypoints.cli_args import add_server_arguments
 
     # vLLM's `vllm serve MODEL`; `--model MODEL` (the engine flag) says the same.
@@ -103,7 +103,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     """What to run and where to write, then the engine's flags (from EngineArgs)."""
-    from minivllm.engine_args import EngineArgs
+    from minivllm.engine.arg_utils import EngineArgs
 
     parser.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="the model to run, as --model"
@@ -147,9 +147,9 @@ def parse_serve_args(
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from minivllm.engine import LLMEngine
-    from minivllm.engine_args import EngineArgs
-    from minivllm.engine_core.client import EngineCoreClient
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.engine.core_client import EngineCoreClient
+    from minivllm.engine.llm_engine import LLMEngine
     from minivllm.entrypoints.api_key import resolve_api_key
     from minivllm.entrypoints.api_server import build_app
     from minivllm.entrypoints.draining_server import ABORT_GRACE_S, DrainingServer
@@ -217,7 +217,7 @@ def serve(args: argparse.Namespace) -> int:
 def trace(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from minivllm.engine_args import EngineArgs
+    from minivllm.engine.arg_utils import EngineArgs
     from minivllm.llm import LLM
     from minivllm.sampling_params import SamplingParams
 

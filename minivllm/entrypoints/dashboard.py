@@ -28,7 +28,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from minivllm.engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.trace.page import render_page
 from minivllm.trace.recorder import StepRecorder
 

@@ -17,7 +17,7 @@ import socket
 
 import uvicorn
 
-from minivllm.engine_core.protocol import EngineClient
+from minivllm.engine.protocol import EngineClient
 
 logger = logging.getLogger("minivllm")
 

@@ -23,11 +23,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from minivllm.beam_search import BeamSearchParams
-from minivllm.outputs import RequestOutput
+from minivllm.core.outputs import RequestOutput
+from minivllm.engine.beam_search import BeamSearchParams
+from minivllm.engine.stats import EngineStats
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.metrics import log_spec_decode
-from minivllm.stats import EngineStats
 
 logger = logging.getLogger("minivllm")
 

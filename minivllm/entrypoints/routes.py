@@ -19,7 +19,7 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from minivllm.engine_core.protocol import EngineClient
+from minivllm.engine.protocol import EngineClient
 from minivllm.entrypoints import protocol as p
 from minivllm.entrypoints import response_schemas as rs
 from minivllm.entrypoints.metrics import ServerMetrics

@@ -19,12 +19,12 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from minivllm.beam_search import BeamSearchParams
-from minivllm.engine_core.protocol import EngineClient, StreamItem
+from minivllm.core.outputs import CompletionOutput, RequestOutput
+from minivllm.engine.beam_search import BeamSearchParams
+from minivllm.engine.logprobs_limit import resolve_logprobs
+from minivllm.engine.protocol import EngineClient, StreamItem
 from minivllm.entrypoints.protocol import OpenAIError, StreamOptions, check_stream_options
 from minivllm.inputs import PromptType, process_token_params, truncate_prompt
-from minivllm.logprobs_limit import resolve_logprobs
-from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output.params import StructuredOutputsParams
 

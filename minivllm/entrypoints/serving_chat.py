@@ -20,7 +20,8 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from minivllm.beam_search import BeamSearchParams
+from minivllm.core.outputs import CompletionOutput, RequestOutput
+from minivllm.engine.beam_search import BeamSearchParams
 from minivllm.entrypoints.logprobs import chat_logprobs, prompt_logprobs_json
 from minivllm.entrypoints.protocol import ChatCompletionRequest, OpenAIError, unsupported_fields
 from minivllm.entrypoints.serving import OpenAIServing, finish_reason, usage
@@ -31,7 +32,6 @@ from minivllm.entrypoints.tool_parsers.abstract_tool_parser import (
 )
 from minivllm.entrypoints.tool_parsers.forced import named_schema, parse_required, required_schema
 from minivllm.inputs import PromptType
-from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output.params import StructuredOutputsParams
 

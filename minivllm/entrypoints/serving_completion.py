@@ -12,7 +12,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from minivllm.beam_search import BeamSearchParams
+from minivllm.core.outputs import CompletionOutput, RequestOutput
+from minivllm.engine.beam_search import BeamSearchParams
 from minivllm.entrypoints.logprobs import (
     completion_logprobs,
     echo_logprobs,
@@ -21,7 +22,6 @@ from minivllm.entrypoints.logprobs import (
 from minivllm.entrypoints.protocol import CompletionRequest, OpenAIError, unsupported_fields
 from minivllm.entrypoints.serving import OpenAIServing, finish_reason, usage
 from minivllm.inputs import PromptType
-from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 

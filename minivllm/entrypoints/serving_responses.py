@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from minivllm.core.outputs import RequestOutput
 from minivllm.entrypoints.logprobs import chat_logprobs
 from minivllm.entrypoints.protocol import ChatMessage, OpenAIError, refuse_unsupported
 from minivllm.entrypoints.protocol_responses import ResponsesRequest
@@ -31,7 +32,6 @@ from minivllm.entrypoints.serving import OpenAIServing
 from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.structured_requests import compile_or_400
 from minivllm.inputs import PromptType
-from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output.params import StructuredOutputsParams
 

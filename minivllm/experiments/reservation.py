@@ -1,7 +1,7 @@
 """The paper's Orca baselines: KV cache reserved per request, contiguously, at admission.
 
 Tier: api and extras (an experiment: nothing in the engine or the core imports it). The engine is
-handed its KV cache manager class; `kv_allocation` names one (minivllm/config.py keeps the names
+handed its KV cache manager class; `kv_allocation` names one (minivllm/config/__init__.py keeps the names
 as qualified class paths, as vLLM's platforms do), so these plug in without the core knowing them.
 
 The PagedAttention paper's headline (§6.2, Figs. 12-13) compares vLLM against Orca, whose KV cache
@@ -52,7 +52,7 @@ from minivllm.core.kv_cache_manager import (
     SeqId,
 )
 from minivllm.core.kv_cache_utils import ExtraKeys, KVCacheManagerStats, NoFreeBlocksError
-from minivllm.sequence import Sequence
+from minivllm.core.sequence import Sequence
 
 __all__ = [
     "ReservationKVCacheManager",

@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.model_runner import ModelRunnerOutput
+from minivllm.worker.model_runner import ModelRunnerOutput
 
 if TYPE_CHECKING:
-    from minivllm.engine import LLMEngine
+    from minivllm.engine.llm_engine import LLMEngine
 
 T = TypeVar("T")
 GiB = 2**30
@@ -176,7 +176,7 @@ class _NoRunner:
 
 
 class SimulatedExecutor:
-    """The executor interface (minivllm/distributed/executor.py), with time modelled, not spent."""
+    """The executor interface (minivllm/executor/tensor_parallel.py), with time modelled, not spent."""
 
     def __init__(self, setup: SimulatedSetup, block_size: int) -> None:
         from minivllm.model.config import LlamaConfig
@@ -217,8 +217,8 @@ def model_folder(setup: SimulatedSetup) -> Path:
 
 def build_simulated_engine(setup: SimulatedSetup, **engine_kwargs: Any) -> LLMEngine:
     """An engine whose steps run on `SimulatedExecutor`: token-id prompts, no text."""
-    from minivllm.engine import LLMEngine
-    from minivllm.engine_args import EngineArgs
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.engine.llm_engine import LLMEngine
 
     block_size = engine_kwargs.get("block_size", 16)
     executor = SimulatedExecutor(setup, block_size)

@@ -10,11 +10,9 @@ the math only: each op's `forward_native` (RMSNorm, SiLU·mul, RoPE, the paralle
 head). A platform's forwards live with the platform (`minivllm/cpu/op_forwards.py` for the CPU)
 and register themselves for the op class they speed up with `register_forward`; a learner reads
 the model without meeting a kernel, and reads the kernels where the platform is. The platform
-calls `dispatch_forward` on every op once the weights are loaded (`Platform.dispatch_custom_ops`);
+calls `dispatch_forward` on every op once the weights are loaded (`dispatch_custom_ops` below);
 an op without a forward for the platform, or a model loaded with `custom_ops="none"`, runs
 `forward_native`. The parity tests run both, greedy token-exact against transformers.
-
-Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations
@@ -25,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from minivllm.platforms.interface import Platform
 
 
 @dataclass(frozen=True)
@@ -93,3 +93,15 @@ class CustomOp(nn.Module):
         self._forward_method = functools.partial(found.forward, self)
         self.dispatched_to = device_type or "native"
         return True
+
+
+def dispatch_custom_ops(model: nn.Module, platform: Platform, custom_ops: str) -> int:
+    """Choose, once, the forward of every custom op in `model` (its weights loaded): the
+    platform's own under "all", `forward_native` under "none". Returns how many ops run the
+    platform's forward."""
+    enabled = custom_ops == "all"
+    if enabled:
+        platform.register_op_forwards()
+    device_type = platform.device_type if enabled else None
+    ops = [m for m in model.modules() if isinstance(m, CustomOp)]
+    return sum(op.dispatch_forward(device_type) for op in ops)

@@ -24,16 +24,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from minivllm.attention import AttentionBackend
+from minivllm.attention.abstract import AttentionBackend
 from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
 from minivllm.model.config import LlamaConfig, UnsupportedModelError
+from minivllm.model.custom_op import dispatch_custom_ops
 from minivllm.model.errors import (
     CorruptCheckpointError,
     ModelLoadError,
     TokenizerNotFoundError,
     UnsupportedArchitectureError,
 )
-from minivllm.model.llama import LlamaForCausalLM
+from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.model.source import ModelSource
 from minivllm.model.weights import load_weights, open_checkpoint
 from minivllm.platforms import platform_for
@@ -41,7 +42,7 @@ from minivllm.platforms import platform_for
 
 def load_config(source: ModelSource) -> LlamaConfig:
     """The model's config, after the registry has said its architecture runs."""
-    from minivllm.model.registry import config_from_hf_dict
+    from minivllm.model.models.registry import config_from_hf_dict
 
     try:
         config = config_from_hf_dict(json.loads((source.path / "config.json").read_text()))
@@ -69,7 +70,7 @@ def build_model(
     device's platform chooses each custom op's forward: its own kernels under `custom_ops="all"`,
     plain PyTorch under "none"; "auto" is settled by `Platform.resolve_custom_ops` ("none" with
     the reference attention backend)."""
-    from minivllm.model.registry import model_class
+    from minivllm.model.models.registry import model_class
 
     model_cls = model_class(config)
     with torch.device("meta"):
@@ -85,13 +86,13 @@ def build_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     load(model)
     # The RoPE table is a non-persistent buffer, never loaded: build it for real (in float32).
-    from minivllm.model.rope import RotaryEmbedding
+    from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 
     model.model.rotary_emb = RotaryEmbedding(
         config, max_positions or config.max_position_embeddings
     ).to(device)
     platform = platform_for(device)
-    platform.dispatch_custom_ops(model, platform.resolve_custom_ops(custom_ops, backend.name))
+    dispatch_custom_ops(model, platform, platform.resolve_custom_ops(custom_ops, backend.name))
     return model.eval()
 
 
@@ -118,7 +119,7 @@ def load_model(
         custom_ops=custom_ops,
     )
     if quantization == "gguf":
-        from minivllm.model.quantization.gguf_loader import load_gguf_weights, read_tensors
+        from minivllm.model.quantization.gguf.loader import load_gguf_weights, read_tensors
 
         if source.gguf_file is None:
             raise ModelLoadError(f"quantization='gguf' needs a .gguf model; {source.name} is not")
@@ -130,7 +131,7 @@ def load_model(
         tensors, quant = read_tensors(source.gguf_file, config)
         return build(config, lambda model: load_gguf_weights(model, tensors, quant))
     if source.gguf_file is not None:
-        from minivllm.model.gguf import dequantized_weights
+        from minivllm.model.quantization.gguf.reader import dequantized_weights
 
         dequantized_weights(source.path, source.gguf_file)
     with open_checkpoint(source.path) as weights:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from minivllm.model.config import LlamaConfig
-from minivllm.model.parallel_layers import Sliceable
+from minivllm.model.layers.linear import Sliceable
 
 # fused checkpoint tensor -> the separate tensors it holds, in the order of its rows
 PACKED_PARAMS: dict[str, tuple[str, ...]] = {

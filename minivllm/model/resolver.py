@@ -84,7 +84,7 @@ def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
 
 def _from_gguf(path: Path, name: str) -> ModelSource:
     # Imported here: numpy and the gguf reader are only needed when a model comes as GGUF.
-    from minivllm.model.gguf import GGUFReadError, convert_gguf
+    from minivllm.model.quantization.gguf.reader import GGUFReadError, convert_gguf
 
     try:
         return ModelSource(convert_gguf(path), name, gguf_file=path)

@@ -4,7 +4,7 @@ HuggingFace Llama checkpoints store q/k/v and gate/up as separate tensors; miniv
 fuse them, and under tensor parallelism each rank holds only a slice of each (paper §4.6). So the
 loader never builds a state dict: it opens the safetensors files lazily (`safe_open(...)`, one
 `get_slice` per tensor), checks every name and shape against the config, and hands each tensor to
-the weight loader of the layer that holds it (minivllm/model/parallel_layers.py), which reads
+the weight loader of the layer that holds it (minivllm/model/layers/linear.py), which reads
 just this rank's rows or columns. No rank ever holds the whole model, not even while loading.
 See "Distributed execution" (docs/distributed.md) and the architecture page
 (docs/architecture.md).
@@ -23,8 +23,8 @@ import torch
 
 from minivllm.model.config import LlamaConfig
 from minivllm.model.errors import CorruptCheckpointError, ModelNotFoundError
-from minivllm.model.llama import LlamaForCausalLM
-from minivllm.model.parallel_layers import Sliceable
+from minivllm.model.layers.linear import Sliceable
+from minivllm.model.models.llama import LlamaForCausalLM
 
 # A checkpoint tensor stored separately -> (the fused parameter it feeds, which part of it).
 # vLLM calls this `stacked_params_mapping`; the fused layer's weight loader puts

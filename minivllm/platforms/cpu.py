@@ -7,7 +7,7 @@ cache takes `cpu_kv_cache_space` GiB (vLLM's VLLM_CPU_KVCACHE_SPACE). With `cust
 every custom op runs its CPU forward (`minivllm/cpu/op_forwards.py`: fused norms, SiLU·mul and RoPE,
 the linears and an untied LM head on their weights prepacked for oneDNN, else the skinny GEMM and
 MKL's faster layout; `minivllm/cpu/moe.py`: the fused MoE op's experts on oneDNN), and a decode
-step's layers may run as one C++ loop (`decode_loop_cls`, minivllm/cpu/decode_loop.py).
+step's layers may run as one C++ loop (`decode_loop_cls`, minivllm/worker/cpu_decode_loop.py).
 
 "auto" is "all" with the CPU attention backend only: the fused ops are built into the same
 library as that backend, so where the library could not be built (and "auto" fell back to the
@@ -30,7 +30,7 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     default_attention_backend = "cpu"
     attention_backends = ("reference", "cpu", "triton")  # triton: TRITON_INTERPRET=1 only
-    decode_loop_cls = "minivllm.cpu.decode_loop.CpuDecodeLoop"
+    decode_loop_cls = "minivllm.worker.cpu_decode_loop.CpuDecodeLoop"
 
     def default_dtype(self) -> torch.dtype:
         return torch.float32

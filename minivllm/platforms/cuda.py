@@ -2,8 +2,8 @@
 
 Triton is the default attention backend; bfloat16 is the default dtype where the GPU has it. The
 CUDA forwards are that of layers holding a GGUF file's blocks, a Triton GEMM that dequantizes
-inside the product (minivllm/model/quantization/gguf_cuda_forwards.py), and the fused MoE op's
-Triton grouped GEMM (minivllm/model/triton_fused_moe.py); every other layer runs
+inside the product (minivllm/model/quantization/gguf/cuda_forwards.py), and the fused MoE op's
+Triton grouped GEMM (minivllm/model/layers/triton_fused_moe.py); every other layer runs
 `forward_native` (cuBLAS for the matmuls), and there is no decode loop: a CUDA graph would be
 that, and is not built here.
 
@@ -34,8 +34,8 @@ class CudaPlatform(Platform):
 
     def register_op_forwards(self) -> None:
         # Named, not imported: the platforms are leaves, the forwards live with the model.
-        importlib.import_module("minivllm.model.quantization.gguf_cuda_forwards")
-        importlib.import_module("minivllm.model.triton_fused_moe")  # the fused MoE op
+        importlib.import_module("minivllm.model.quantization.gguf.cuda_forwards")
+        importlib.import_module("minivllm.model.layers.triton_fused_moe")  # the fused MoE op
 
     def kv_cache_budget_bytes(
         self, device: torch.device, gpu_memory_utilization: float, cpu_kv_cache_space: float

@@ -4,8 +4,8 @@ vllm/platforms/interface.py).
 Every choice that depends on the device, and only on it, is a method or an attribute here, so that
 no other module asks `device.type` to pick its code:
 
-- which forward each custom op runs (`dispatch_custom_ops`; minivllm/model/custom_op.py), under
-  the `custom_ops` setting that `resolve_custom_ops` settles (vLLM's `CompilationConfig.custom_ops`:
+- which forwards the custom ops run (`dispatch_custom_ops` in minivllm/model/custom_op.py asks the
+  platform), under the `custom_ops` setting that `resolve_custom_ops` settles (vLLM's `CompilationConfig.custom_ops`:
   "all" runs the platform's fused kernels, "none" runs every op's plain-PyTorch `forward_native`);
 - the attention backend that `"auto"` means, and the backends that run on the device;
 - the dtype that `"auto"` means, and how many bytes the KV cache may take;
@@ -15,10 +15,10 @@ no other module asks `device.type` to pick its code:
   the device's decode loop, if it has one (`decode_loop_cls`: a decode step's layers as one
   compiled call, which the model runner owns, as vLLM's runner owns CUDA-graph capture).
 
-Tier: leaves. A platform states facts and *names* code (vLLM's platforms return qualified class
-names); it imports nothing of minivllm but the custom-op base, which is a leaf too. The plug-ins it
-names (minivllm/cpu/) sit above the model and are imported by name, on first use, by whoever asks
-(`resolve_obj_by_qualname`), so no import goes up a tier and none goes round in a circle.
+A platform states facts and *names* code (vLLM's platforms return qualified class names); it
+imports nothing of minivllm. The plug-ins it names (minivllm/cpu/, the attention backends) sit
+above the model and are imported by name, on first use, by whoever asks
+(`resolve_obj_by_qualname`): they are the package's declared plug-ins.
 """
 
 from __future__ import annotations
@@ -27,18 +27,15 @@ import importlib
 from typing import Any, Protocol
 
 import torch
-from torch import nn
-
-from minivllm.model.custom_op import CustomOp
 
 CUSTOM_OPS = ("auto", "all", "none")
 
 # Every attention backend by the qualified name of its class (vLLM's `get_attn_backend_cls`
 # returns such names): minivllm/attention/selector.py imports the one a step needs, on first use.
 ATTENTION_BACKEND_CLASSES = {
-    "reference": "minivllm.attention.reference.ReferenceBackend",
-    "cpu": "minivllm.cpu.attention.CpuBackend",
-    "triton": "minivllm.attention.triton.TritonBackend",
+    "reference": "minivllm.attention.backends.reference.ReferenceBackend",
+    "cpu": "minivllm.attention.backends.cpu.CpuBackend",
+    "triton": "minivllm.attention.backends.triton.TritonBackend",
 }
 
 
@@ -50,7 +47,7 @@ def resolve_obj_by_qualname(qualname: str) -> Any:
 
 
 class DecodeLoop(Protocol):
-    """A decode step's model body as one compiled call (the CPU's: minivllm/cpu/decode_loop.py)."""
+    """A decode step's model body as one compiled call (the CPU's: minivllm/worker/cpu_decode_loop.py)."""
 
     def applies(self, num_tokens: int, meta: Any) -> bool:
         """Whether this step is one the captured call runs exactly as the model would."""
@@ -119,14 +116,3 @@ class Platform:
     def register_op_forwards(self) -> None:
         """Make this platform's custom-op forwards known (import the module that registers them,
         load their library). The base has none."""
-
-    def dispatch_custom_ops(self, model: nn.Module, custom_ops: str) -> int:
-        """Choose, once, the forward of every custom op in `model` (its weights loaded): the
-        platform's own under "all", `forward_native` under "none". Returns how many ops run the
-        platform's forward."""
-        enabled = custom_ops == "all"
-        if enabled:
-            self.register_op_forwards()
-        device_type = self.device_type if enabled else None
-        ops = [m for m in model.modules() if isinstance(m, CustomOp)]
-        return sum(op.dispatch_forward(device_type) for op in ops)

@@ -37,12 +37,12 @@ import torch
 from minivllm.config import EngineConfig, ResolvedConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import ScheduledSequence, SchedulerOutput
+from minivllm.core.sequence import Sequence as EngineSequence
 from minivllm.distributed.parallel_state import SINGLE_DEVICE
-from minivllm.logits_processors import apply_logits_processors
-from minivllm.sampler import SamplingMetadata, SamplingRow, apply_truncation, random_sample
-from minivllm.sequence import Sequence as EngineSequence
+from minivllm.sample.logits_processors import apply_logits_processors
+from minivllm.sample.sampler import SamplingMetadata, SamplingRow, apply_truncation, random_sample
 from minivllm.spec_decode.proposer import NO_DRAFT, Draft
-from minivllm.worker import WorkerConfig, build_runner
+from minivllm.worker.worker import WorkerConfig, build_runner
 
 
 @dataclass

@@ -48,7 +48,7 @@ class SpecDecodingStats:
 
 def log_spec_decode(stats: Any, prev: Any, elapsed: float) -> None:
     """vLLM's "SpecDecoding metrics" line, over the interval since `prev` (two `EngineStats`:
-    minivllm.stats imports this module, so the type is not named here)."""
+    minivllm.engine.stats imports this module, so the type is not named here)."""
     drafts = stats.spec_decode_num_drafts - prev.spec_decode_num_drafts
     if drafts <= 0:
         return

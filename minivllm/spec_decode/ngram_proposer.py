@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from minivllm.spec_decode.proposer import Draft
 
 if TYPE_CHECKING:
-    from minivllm.sequence import Sequence as EngineSequence
+    from minivllm.core.sequence import Sequence as EngineSequence
 
 
 class NgramProposer:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from minivllm.sequence import Sequence as EngineSequence
+    from minivllm.core.sequence import Sequence as EngineSequence
 
 
 @dataclass

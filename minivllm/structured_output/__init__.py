@@ -6,7 +6,7 @@
 - `manager.py`  compiled-grammar cache, compile timing, matcher creation and re-sync
 
 The mask itself is applied by the sampler's logits-processor pipeline
-(`minivllm/logits_processors.py`). See docs/concepts/structured-outputs.md.
+(`minivllm/sample/logits_processors.py`). See docs/concepts/structured-outputs.md.
 
 Tier: engine. The package itself imports nothing, so that naming `params.py` (a leaf) or `backend.py` (the seam)
 does not load the manager; the manager and xgrammar load with the first constrained request.

@@ -5,7 +5,7 @@ copied on write, freed and reused (§4.2–4.4), and a scheduler that admits, ch
 (§4.5). `StepRecorder` records that picture, one immutable dict per engine step, so that a page
 (minivllm/trace/page.py) can draw it and a test can check it.
 
-It is a step listener (minivllm/step_listener.py, "the step as a message" on the docs'
+It is a step listener (minivllm/engine/step_listener.py, "the step as a message" on the docs'
 architecture page): after every step that committed, the engine hands it the step's
 `SchedulerOutput`, what the step produced (`StepOutputs`: the sequences it sampled for, the
 scheduler's sequences after the commit) and the block manager's read-only `BlockPoolSnapshot`,
@@ -53,11 +53,11 @@ from typing import TYPE_CHECKING, Any
 from minivllm.core.kv_cache_coordinator import HybridBlockPoolSnapshot, HybridKVCacheCoordinator
 from minivllm.core.kv_cache_utils import BlockHash, BlockPoolSnapshot, KVCacheManagerStats
 from minivllm.core.scheduler import ScheduledSequence, SchedulerOutput
-from minivllm.sequence import Sequence as EngineSequence
-from minivllm.step_listener import StepOutputs
+from minivllm.core.sequence import Sequence as EngineSequence
+from minivllm.engine.step_listener import StepOutputs
 
 if TYPE_CHECKING:
-    from minivllm.engine import LLMEngine
+    from minivllm.engine.llm_engine import LLMEngine
 
 TRACE_FORMAT_VERSION = 1
 StepRecord = dict[str, Any]  # one step, exactly as trace.json stores it

@@ -1,0 +1,209 @@
+"""Typed, validated configuration of the engine: what to load, how big the cache, how to schedule.
+
+vLLM spreads these over `ModelConfig`, `CacheConfig`, `SchedulerConfig` and `ParallelConfig`
+(vllm/config/); we keep the same split and field names. The user-facing declaration of every option
+(its default and what it means) is `EngineArgs` in `minivllm/engine/arg_utils.py`, which builds these
+with `create_engine_config()`; the fields here carry no defaults so that no value is declared
+twice. Each dataclass validates itself in `__post_init__` with messages that name the field and the
+allowed range, so a bad argument fails at construction, the same way from `LLM(...)`, the CLI and
+the benches. `ResolvedConfig` is what `create_engine_config()` then found out from the model's
+files and the machine (vLLM's `ModelConfig` carries the same: the HF config, the dtype, the
+max_model_len), so that the engine receives every decision made and makes none itself.
+
+Tier: leaves. It imports no other tier of the package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from minivllm.attention.abstract import BACKEND_NAMES
+from minivllm.structured_output.params import StructuredOutputsConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from minivllm.config.speculative import SpeculativeConfig
+    from minivllm.model.config import LlamaConfig
+    from minivllm.model.source import GenerationDefaults, ModelSource
+
+DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
+# How weights are held (vLLM's `quantization`): "gguf" keeps a GGUF file's blocks as stored
+# (minivllm/model/quantization/); "none" dequantizes them at load. Unset: the checkpoint's own.
+QUANTIZATIONS = ("gguf", "none")
+# How the KV cache is handed out: paged blocks, or the paper's Orca baselines, which reserve a
+# contiguous range per request at admission (§6.2). Each names the KV cache manager class the
+# engine builds, by qualified name (as vLLM's platforms name classes), so that no module imports
+# an experiment to offer it: the baselines live in minivllm/experiments/reservation.py.
+KV_CACHE_MANAGERS = {
+    "paged": "minivllm.core.kv_cache_manager.KVCacheManager",
+    "orca-max": "minivllm.experiments.reservation.ReservationKVCacheManager",
+    "orca-pow2": "minivllm.experiments.reservation.ReservationKVCacheManager",
+    "orca-oracle": "minivllm.experiments.reservation.ReservationKVCacheManager",
+}
+KV_ALLOCATIONS = tuple(KV_CACHE_MANAGERS)
+# What the KV cache stores (vLLM's `kv_cache_dtype`): "auto" is the model's dtype. A narrower cache
+# holds more blocks in the same memory and halves the bytes attention reads per token; every
+# backend converts on write and reads it back up to the query's dtype (minivllm/attention/).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# vLLM's fp8 values: accepted by vLLM (with a per-tensor k_scale / v_scale), refused here by name.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    model: str | None  # None: the bundled SmolLM2-135M-Instruct
+    tokenizer: str | None  # None: the model's own
+    skip_tokenizer_init: bool
+    dtype: str  # one of DTYPES
+    device: str  # "auto", "cpu", "cuda" or "cuda:N"
+    seed: int
+    max_model_len: int | None  # None: the model's own context length
+    attention_backend: str  # one of BACKEND_NAMES
+    enforce_eager: bool = False  # True: no decode step's layers in one C++ call
+    quantization: str | None = None  # one of QUANTIZATIONS; None: the checkpoint's own
+    max_logprobs: int = 20  # most (prompt) logprobs per token a request may ask; -1: the vocabulary
+
+    def __post_init__(self) -> None:
+        if type(self.max_logprobs) is not int or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be non-negative or -1, got {self.max_logprobs!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be unset or one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(
+                f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}"
+            )
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int  # tokens per KV block
+    enable_prefix_caching: bool
+    num_gpu_blocks_override: int | None  # None: sized from the memory limits below
+    gpu_memory_utilization: float  # fraction of CUDA memory
+    cpu_kv_cache_space: float  # GiB
+    kv_allocation: str  # one of KV_ALLOCATIONS
+    cache_dtype: str  # one of KV_CACHE_DTYPES (EngineArgs.kv_cache_dtype; vLLM's names both)
+    sliding_window: int | None = None  # every layer's window: set by the engine from the model
+    layer_sliding_windows: tuple[int | None, ...] = ()  # where windowed and global layers mix
+
+    @property
+    def kv_cache_manager_cls(self) -> str:
+        if self.layer_sliding_windows and self.kv_allocation == "paged":  # per group of layers
+            return "minivllm.core.kv_cache_coordinator.HybridKVCacheCoordinator"
+        if self.sliding_window is not None and self.kv_allocation == "paged":  # frees by it
+            return "minivllm.core.sliding_window_manager.SlidingWindowKVCacheManager"
+        return KV_CACHE_MANAGERS[self.kv_allocation]  # the qualified name `kv_allocation` names
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        if self.cache_dtype in FP8_KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.cache_dtype!r} is not supported: minivllm has no fp8 "
+                f"kernels; kv_cache_dtype must be one of {KV_CACHE_DTYPES}"
+            )
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}"
+            )
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(
+                f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}"
+            )
+        if self.kv_allocation != "paged" and self.enable_prefix_caching:
+            # A prefix-cache hit shares blocks between requests; a reservation is one request's.
+            raise ValueError(
+                f"enable_prefix_caching is not supported with kv_allocation={self.kv_allocation}; "
+                "pass enable_prefix_caching=False (--no-enable-prefix-caching)"
+            )
+        if self.num_gpu_blocks_override is not None:
+            _positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if not self.cpu_kv_cache_space > 0:
+            raise ValueError(f"cpu_kv_cache_space must be > 0 GiB, got {self.cpu_kv_cache_space}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int  # sequences running at once
+    max_num_batched_tokens: int  # tokens computed per step, decodes and prompt chunks together
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        # vLLM refuses this too: a decode computes one token per running sequence, so with a
+        # smaller budget max_num_seqs sequences could never all step at once.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than "
+                f"or equal to max_num_seqs ({self.max_num_seqs})."
+            )
+
+
+@dataclass
+class ParallelConfig:
+    # Ranks each layer is split across (Megatron-style, paper §4.6): one device each. Whether the
+    # model's heads split this way is checked when the model's config is read
+    # (`check_tensor_parallel_size`), before any process starts.
+    tensor_parallel_size: int
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The options resolved against the model's files and the machine, before any weight loads."""
+
+    source: ModelSource  # where the checkpoint is (a folder, a converted .gguf, a hub snapshot)
+    hf_config: LlamaConfig  # its config.json
+    generation: GenerationDefaults  # its generation_config.json
+    device: torch.device  # "auto" resolved
+    dtype: torch.dtype  # "auto" resolved for the device
+    max_model_len: int  # the option, or the model's context length (the KV cache may lower it)
+    quantization: str = "none"  # "gguf": the GGUF file's blocks as stored; "none": float weights
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    resolved: ResolvedConfig
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
+    draft: ResolvedConfig | None = None  # the draft model's files, when `speculative` names one
+
+    def __post_init__(self) -> None:
+        # A cache wider than the model stores nothing the model computed (its K and V are already
+        # rounded to the model's dtype) and the fast kernels widen only on read: refuse it here,
+        # before any weight loads, rather than at the first attention call.
+        cache = self.cache.cache_dtype
+        model = self.resolved.dtype
+        if cache != "auto" and KV_CACHE_DTYPE_BYTES[cache] > model.itemsize:
+            raise ValueError(
+                f"kv_cache_dtype={cache!r} is wider than the model's dtype "
+                f"{str(model).removeprefix('torch.')}: use 'auto' or a dtype of at most "
+                f"{model.itemsize} bytes"
+            )

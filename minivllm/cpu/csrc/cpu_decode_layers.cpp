@@ -1,0 +1,208 @@
+// A decode step's decoder layers in one call: the CPU's answer to vLLM's CUDA graphs.
+//
+// A decode step does little work per op: at 1-64 rows a Llama layer is ~10 kernels of tens to
+// hundreds of microseconds, and between two of them Python runs the layer's `forward` — module
+// calls, custom-op dispatch, views, the wrappers' checks. On SmolLM2 (30 layers, 2 cores) that host
+// work measured ~2.5 ms of a 17-55 ms step, the same at 16 rows and at 64. vLLM removes the same
+// cost on a GPU by capturing the decode step into a CUDA graph that replays without the host;
+// there is no such graph on a CPU, so here the host work itself moves to C++: this op runs every
+// layer of the step, calling the very kernels `LlamaModel.forward` calls on the CPU fast path, in
+// the same order, on the same layouts, so that its result is bit for bit the Python path's
+// (tests/test_kernels_cpu_decode_loop.py checks exactly that).
+//
+// Per layer, with T token rows, the same sequence as minivllm/model/models/llama.py (linear: oneDNN on a
+// prepacked weight, the skinny GEMM on a plain one, gguf_linear on a GGUF model's blocks):
+//   input norm (the first layer: rms_norm; later: fused_add_rms_norm, adding the residual)
+//   qkv = linear(hidden, W_qkv); rotary_embedding on its query and key heads, in place
+//   reshape_and_cache(k, v); attention = paged_decode(q) over each request's blocks
+//   hidden = linear(attention, W_o); post-attention fused_add_rms_norm
+//   hidden = linear(silu_and_mul(linear(hidden, W_gate_up)), W_down)
+// then the final fused_add_rms_norm. minivllm/worker/cpu_decode_loop.py decides when it applies
+// (decode-only steps, one device, no biases, prepacked weights, GGUF blocks, or plain float32
+// ones on at most 64 rows) and hands it the weights. Where oneDNN packs them, a model's linear weights come in
+// oneDNN's layout (an MKLDNN tensor, minivllm/cpu/op_forwards.py `prepack_linear`): those
+// linears call oneDNN, as the Python path does. A bfloat16 model's attention output is computed
+// in float32 and rounded to bf16, as the backend does.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <ATen/core/stack.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using CT = const Tensor&;
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// The library's own ops, found once. They are called through the dispatcher, as from Python,
+// so that each is the very kernel the Python path runs (and the profiler still sees each one).
+struct Kernels {
+  c10::TypedOperatorHandle<void(Tensor&, CT, CT)> skinny_gemm =
+      find_op<void(Tensor&, CT, CT)>("minivllm_cpu::skinny_gemm");
+  c10::TypedOperatorHandle<void(CT, CT, CT, double)> rms_norm =
+      find_op<void(CT, CT, CT, double)>("minivllm_cpu::rms_norm");
+  c10::TypedOperatorHandle<void(CT, CT, CT, double)> fused_add_rms_norm =
+      find_op<void(CT, CT, CT, double)>("minivllm_cpu::fused_add_rms_norm");
+  c10::TypedOperatorHandle<void(CT, CT)> silu_and_mul =
+      find_op<void(CT, CT)>("minivllm_cpu::silu_and_mul");
+  c10::TypedOperatorHandle<void(CT, CT, CT)> rotary_embedding =
+      find_op<void(CT, CT, CT)>("minivllm_cpu::rotary_embedding");
+  c10::TypedOperatorHandle<void(CT, CT, CT, CT, CT)> reshape_and_cache =
+      find_op<void(CT, CT, CT, CT, CT)>("minivllm_cpu::reshape_and_cache");
+  c10::TypedOperatorHandle<void(CT, CT, CT, CT, CT, CT, CT, double)> paged_decode =
+      find_op<void(CT, CT, CT, CT, CT, CT, CT, double)>("minivllm_cpu::paged_decode");
+  c10::TypedOperatorHandle<void(Tensor&, CT, CT, int64_t)> gguf_linear =
+      find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear");
+  c10::TypedOperatorHandle<void(Tensor&, CT, CT, int64_t)> gguf_linear_bf16 =
+      find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear_bf16");
+
+  static const Kernels& get() {
+    static const Kernels kernels;  // after every op is registered: on the first call
+    return kernels;
+  }
+
+  // oneDNN's linear on a prepacked weight (`mkldnn::_linear_pointwise`, what `packed_linear` in
+  // minivllm/cpu/op_forwards.py calls), found on first use: a build without oneDNN lacks it.
+  static Tensor onednn_linear(const Tensor& x, const Tensor& packed) {
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack;
+    stack.reserve(6);
+    stack.emplace_back(x.contiguous());
+    stack.emplace_back(packed);
+    stack.emplace_back(c10::IValue());  // no bias
+    stack.emplace_back(std::string("none"));
+    stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+    stack.emplace_back(c10::IValue());
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+
+  Tensor linear(const Tensor& x, const Tensor& weight) const {  // [T, K] x [N, K] -> [T, N]
+    if (weight.is_mkldnn()) return onednn_linear(x, weight);
+    Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+    skinny_gemm.call(out, x, weight);
+    return out;
+  }
+
+  // A linear of `n` weights from `w`: one plain (qtype < 0) weight, or the GGUF block parts of a
+  // quantized layer (qtypes[i] its GGML type), each multiplied in float32 and their outputs side
+  // by side, as `gguf_linear_cpu` in minivllm/cpu/op_forwards.py does.
+  Tensor linear(const Tensor& x, const Tensor* w, const int64_t* qtypes, int64_t n,
+                bool bf16_dot) const {
+    if (qtypes[0] < 0) return linear(x, w[0]);
+    const Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+    std::vector<Tensor> outs;
+    for (int64_t i = 0; i < n; ++i) {
+      Tensor out = at::empty({x.size(0), w[i].size(0)}, xf.options());  // [T, rows of part i]
+      (bf16_dot ? gguf_linear_bf16 : gguf_linear).call(out, xf, w[i], qtypes[i]);
+      outs.push_back(std::move(out));
+    }
+    Tensor y = n == 1 ? outs[0] : at::cat(outs, 1);
+    return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+  }
+};
+
+constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post-attention norm, gate_up, down
+
+Tensor decode_layers(
+    const Tensor& embeds,         // [T, hidden] the step's token embeddings
+    const Tensor& positions,      // int64 [T]
+    const Tensor& cos_sin,        // float32 [2, max_positions, head_dim]
+    const Tensor& kv_caches,      // [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    const Tensor& block_tables,   // int32 [T, max_blocks] each row's block table
+    const Tensor& seq_lens,       // int32 [T]
+    const Tensor& rows,           // int64 [T]
+    const Tensor& slot_mapping,   // int64 [T]
+    at::TensorList weights,       // kWeightsPerLayer slots per layer, in the order above
+    const Tensor& final_norm,     // [hidden]
+    double eps, double scale, int64_t num_heads,
+    at::IntArrayRef qtypes,       // per tensor of `weights`: its GGML type, -1 plain; [] all plain
+    at::IntArrayRef parts,        // per slot: how many tensors of `weights` it takes; [] one each
+    bool bf16_dot) {              // a GGUF linear's products: gguf_linear_bf16's, or float32
+
+  const char* op = "minivllm_cpu::decode_layers";
+  const int64_t layers = kv_caches.size(0);
+  TORCH_CHECK(embeds.dim() == 2 && embeds.is_contiguous() &&
+                  (embeds.scalar_type() == at::kFloat || embeds.scalar_type() == at::kBFloat16),
+              op, ": embeds must be contiguous float32 or bfloat16 [T, hidden]");
+  TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(1) == 2, op,
+              ": kv_caches must be [layers, 2, num_blocks, block_size, num_kv_heads, head_dim]");
+  const int64_t slots = parts.empty() ? int64_t(weights.size()) : int64_t(parts.size());
+  TORCH_CHECK(slots == kWeightsPerLayer * layers, op, ": expected ", kWeightsPerLayer * layers,
+              " weights for ", layers, " layers, got ", slots);
+  // Where slot s's tensors start in `weights` (and in `qtypes`).
+  std::vector<int64_t> start(slots + 1, 0);
+  for (int64_t i = 0; i < slots; ++i) start[i + 1] = start[i] + (parts.empty() ? 1 : parts[i]);
+  TORCH_CHECK(start[slots] == int64_t(weights.size()), op, ": parts add up to ", start[slots],
+              " tensors, but ", weights.size(), " weights were given");
+  TORCH_CHECK(qtypes.empty() || qtypes.size() == weights.size(), op, ": qtypes must name ",
+              weights.size(), " weights' types, got ", qtypes.size());
+  const std::vector<int64_t> plain(weights.size(), -1);
+  const int64_t* types = qtypes.empty() ? plain.data() : qtypes.data();
+  const Kernels& k = Kernels::get();
+  const int64_t T = embeds.size(0);
+  const int64_t num_kv_heads = kv_caches.size(4), head_dim = kv_caches.size(5);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+
+  // The residual stream starts as the embeddings; each norm after the first adds the sublayer's
+  // output into it, in place (vLLM's fused add + norm, as in LlamaDecoderLayer.forward).
+  Tensor residual = embeds;
+  Tensor hidden = at::empty_like(embeds);
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t* slot = start.data() + kWeightsPerLayer * l;  // this layer's six slots
+    const Tensor* w = weights.data();
+    auto linear = [&](const Tensor& x, int j) {  // slot j (1, 2, 4, 5: the layer's linears)
+      return k.linear(x, w + slot[j], types + slot[j], slot[j + 1] - slot[j], bf16_dot);
+    };
+    if (l == 0) {
+      k.rms_norm.call(hidden, residual, w[slot[0]], eps);
+    } else {
+      k.fused_add_rms_norm.call(hidden, residual, w[slot[0]], eps);
+    }
+    Tensor qkv = linear(hidden, 1);  // [T, q_size + 2 * kv_size]
+    // RoPE turns the query and key heads, side by side in each row, in one pass.
+    k.rotary_embedding.call(
+        positions, qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, head_dim}),
+        cos_sin);
+    const Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    const Tensor key = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    const Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+    const Tensor k_cache = kv_caches[l][0], v_cache = kv_caches[l][1];
+    k.reshape_and_cache.call(key, value, k_cache, v_cache, slot_mapping);
+    // The kernel writes float32 (it accumulates in float32); a bf16 model rounds it after.
+    Tensor attention = at::empty({T, num_heads, head_dim}, embeds.options().dtype(at::kFloat));
+    k.paged_decode.call(attention, q, k_cache, v_cache, block_tables, seq_lens, rows, scale);
+    if (embeds.scalar_type() != at::kFloat) attention = attention.to(embeds.scalar_type());
+    hidden = linear(attention.view({T, q_size}), 2);
+    k.fused_add_rms_norm.call(hidden, residual, w[slot[3]], eps);
+    Tensor gate_up = linear(hidden, 4);  // [T, 2 * intermediate]
+    Tensor activation = at::empty({T, gate_up.size(1) / 2}, embeds.options());
+    k.silu_and_mul.call(activation, gate_up);
+    hidden = linear(activation, 5);
+  }
+  k.fused_add_rms_norm.call(hidden, residual, final_norm, eps);
+  return hidden;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
+  m.def(
+      "decode_layers(Tensor(b!) embeds, Tensor positions, Tensor cos_sin, Tensor(a!) kv_caches, "
+      "Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor slot_mapping, Tensor[] weights, "
+      "Tensor final_norm, float eps, float scale, int num_heads, int[] qtypes=[], "
+      "int[] parts=[], bool bf16_dot=False) -> Tensor",
+      &decode_layers);
+}

@@ -1,0 +1,387 @@
+"""Every engine option, declared once: vLLM's `EngineArgs` (vllm/engine/arg_utils.py).
+
+Each field of `EngineArgs` below is one option, with its default and its help text beside it. The
+ways of setting an option are all generated from these fields, so they cannot drift apart:
+
+  Python    `LLM(model, **kwargs)`: the keywords are exactly these fields
+  server    `minivllm serve`, `python -m minivllm.entrypoints.openai.api_server`: `--kebab-case`
+            flags from `add_cli_args`, read back with `from_cli_args`
+  benches   `minivllm bench throughput | memory | prefix`: the same flags
+
+`create_engine_config()` turns the flat options into the typed configs of `minivllm/config/__init__.py`
+(`ModelConfig`, `CacheConfig`, `SchedulerConfig`, `ParallelConfig`), whose `__post_init__`
+checks the values, so a bad value fails the same way from every surface. See the architecture
+page (docs/architecture.md) for where each config is read.
+
+Tier: engine. It imports the model, core and leaves, and names the plug-ins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import inspect
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from functools import cache
+from typing import Any, TypedDict, TypeVar
+
+import torch
+
+from minivllm.attention.abstract import BACKEND_NAMES
+from minivllm.attention.selector import resolve_backend_name
+from minivllm.config import (
+    DTYPES,
+    KV_ALLOCATIONS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    ResolvedConfig,
+    SchedulerConfig,
+)
+from minivllm.config.speculative import SpeculativeConfig
+from minivllm.model.loader import load_config
+from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
+from minivllm.model.source import ModelSource
+from minivllm.structured_output.params import StructuredOutputsConfig
+
+ENGINE_GROUP = "engine"  # the argparse group holding the engine's flags on every parser
+
+
+def _arg(default: Any, help: str, **cli: Any) -> Any:
+    """One option: its default, its help text, and extra `add_argument` keywords (`choices`)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass
+class EngineArgs:
+    """The engine's options, with vLLM's names and (where vLLM has one) vLLM's defaults."""
+
+    # ---------------------------------------------------------------------- the model
+    model: str | None = _arg(
+        None, "model folder, .gguf file or hub id; unset: the bundled SmolLM2-135M-Instruct"
+    )
+    tokenizer: str | None = _arg(None, "tokenizer folder or hub id; unset: the model's own")
+    skip_tokenizer_init: bool = _arg(
+        False, "load no tokenizer: prompts must be token ids and outputs carry no text"
+    )
+    dtype: str = _arg(
+        "auto", "weights and activations; auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES
+    )
+    device: str = _arg("auto", "cpu, cuda or cuda:N; auto: cuda when available, else cpu")
+    quantization: str | None = _arg(
+        None,
+        "how weights are held (vLLM's flag): gguf keeps a .gguf file's quantized blocks in memory "
+        "and multiplies by them; none dequantizes them at load (float32 on CPU: token-exact with "
+        "transformers); unset: the checkpoint's own (gguf for a .gguf model)",
+        choices=QUANTIZATIONS,
+    )
+    max_logprobs: int = _arg(
+        20,
+        "most logprobs (and prompt logprobs) per token a request may ask for; -1: the whole "
+        "vocabulary (a request's -1 asks for the vocabulary too, vLLM's meaning)",
+    )
+    seed: int = _arg(0, "seeds the generators of random-sampling requests that bring no seed")
+    max_model_len: int | None = _arg(
+        None, "most tokens of prompt + output per request; unset: the model's context length"
+    )
+    attention_backend: str = _arg(
+        "auto",
+        "reference (plain PyTorch throughout, the specification), cpu (compiled CPU kernels: "
+        "paged decode attention, fused RMSNorm / SiLU-mul / RoPE, oneDNN-prepacked linears), triton "
+        "(CUDA kernels); auto: cpu on a CPU, triton on CUDA",
+        choices=BACKEND_NAMES,
+    )
+    enforce_eager: bool = _arg(
+        False,
+        "always run the model's layers from Python; unset, a CPU runs each decode step's layers in "
+        "one C++ call (vLLM's flag, which there turns off CUDA graphs)",
+    )
+    # ---------------------------------------------------------------------- the KV cache
+    block_size: int = _arg(16, "tokens per KV cache block (paper §4.1)")
+    enable_prefix_caching: bool = _arg(
+        True,
+        "reuse the KV blocks of identical prompt prefixes (vLLM v1's automatic prefix caching)",
+    )
+    num_gpu_blocks_override: int | None = _arg(
+        None,
+        "exact number of KV blocks, on any device; unset: sized by gpu_memory_utilization "
+        "(CUDA) or cpu_kv_cache_space (CPU)",
+    )
+    gpu_memory_utilization: float = _arg(
+        0.9, "CUDA: fraction of the device's memory minivllm may fill, KV cache included"
+    )
+    cpu_kv_cache_space: float = _arg(
+        4.0, "CPU: GiB of memory for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE)"
+    )
+    kv_allocation: str = _arg(
+        "paged",
+        "paged: KV blocks on demand (PagedAttention); orca-max / orca-pow2 / orca-oracle: the "
+        "paper's baselines, a contiguous reservation per request of max_model_len slots, the next "
+        "power of two of its final length, or exactly prompt + max_tokens (these need "
+        "--no-enable-prefix-caching and n = 1)",
+        choices=KV_ALLOCATIONS,
+    )
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "what the KV cache stores (vLLM's flag); auto: the model's dtype. bfloat16 under float32 "
+        "weights holds 2x the blocks in the same memory and halves the bytes attention reads; "
+        "keys and values are rounded to it on write and attention still computes in float32. "
+        "fp8 is not supported",
+        choices=KV_CACHE_DTYPES,
+    )
+    # ---------------------------------------------------------------------- the scheduler
+    max_num_seqs: int = _arg(256, "most sequences running at once (the batch's rows)")
+    max_num_batched_tokens: int = _arg(
+        2048,
+        "most tokens computed in one step, decodes and prompt chunks together; prompts are "
+        "chunked to fit (as in vLLM v1), so it bounds a step's latency, not the prompt length; "
+        "at least max_num_seqs",
+    )
+    # ---------------------------------------------------------------------- parallelism
+    tensor_parallel_size: int = _arg(
+        1,
+        "devices (ranks) each layer is split across, Megatron-style; above 1 the engine spawns "
+        "the other ranks itself (gloo on CPU, NCCL on CUDA, rank r on cuda:r), or joins the "
+        "ranks torchrun started; it must divide the model's attention heads",
+    )
+    # ---------------------------------------------------------------------- structured outputs
+    structured_outputs_config: str | None = _arg(
+        None,
+        'JSON object (vLLM\'s flag): {"backend": "xgrammar" | "auto", "disable_any_whitespace": '
+        'bool, "max_cached_grammars": int}; unset: xgrammar with its defaults',
+    )
+
+    # ---------------------------------------------------------------------- speculative decoding
+    speculative_config: str | Mapping[str, Any] | None = _arg(
+        None,
+        'JSON object (vLLM\'s flag): {"num_speculative_tokens": k (1-16), "method": "ngram", '
+        '"prompt_lookup_max"/"prompt_lookup_min": n (1-64; unset: 5)} or a draft model of the '
+        'same vocabulary {"model": PATH_OR_ID, "quantization": q}; "disable_by_batch_size": b '
+        "(speculate while at most b sequences run; unset: 8); unset: off",
+    )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """`EngineArgs(**kwargs)`, but a misspelled option is named with the valid ones."""
+        names = [f.name for f in fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(
+                    f"unexpected engine argument {key!r}{hint}; the engine arguments are: "
+                    + ", ".join(names)
+                )
+        return cls(**kwargs)
+
+    # ------------------------------------------------------------------------------ the CLI
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, defaults: EngineArgs | None = None
+    ) -> argparse.ArgumentParser:
+        """Add one `--kebab-case` flag per field, in an argument group named "engine".
+
+        `defaults` lets a bench start from other values (a fixed KV budget) without a second
+        declaration of the flags; `minivllm serve` takes the fields' own defaults."""
+        group = parser.add_argument_group(ENGINE_GROUP)
+        hints = _field_types()
+        for f in fields(cls):
+            how: dict[str, Any] = {k: v for k, v in f.metadata.items() if k != "help"}
+            if hints[f.name] is bool:  # --enable-prefix-caching / --no-enable-prefix-caching
+                how["action"] = argparse.BooleanOptionalAction
+            else:
+                how["type"] = _scalar(hints[f.name])
+            group.add_argument(
+                "--" + f.name.replace("_", "-"),
+                default=getattr(defaults, f.name) if defaults is not None else f.default,
+                help=f.metadata["help"],
+                **how,
+            )
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    # ------------------------------------------------------------------------------ the configs
+    def create_engine_config(self) -> EngineConfig:
+        """The typed configs the engine reads, then what they resolve to (vLLM's name and role):
+        each config validates its own fields first, so a bad value fails before any file is read;
+        then the model's config files are read and the device, dtype, attention backend and
+        max_model_len decided. No weight is loaded here."""
+        model = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            dtype=self.dtype,
+            device=self.device,
+            seed=self.seed,
+            max_model_len=self.max_model_len,
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
+            quantization=self.quantization,
+            max_logprobs=self.max_logprobs,
+        )
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None and self.kv_allocation != "paged":
+            raise ValueError(
+                "speculative_config needs kv_allocation='paged' (drafts take lookahead slots "
+                f"that a reservation does not have), got kv_allocation={self.kv_allocation!r}"
+            )
+        config = EngineConfig(
+            model=model,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                cpu_kv_cache_space=self.cpu_kv_cache_space,
+                kv_allocation=self.kv_allocation,
+                cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+            ),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            resolved=_resolve(model),
+            structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
+            speculative=speculative,
+        )
+        config.draft = _resolve_draft(speculative, config.resolved)  # read after the target's
+        return config
+
+
+class EngineKwargs(TypedDict, total=False):
+    """EngineArgs's fields but `model`, typed for `LLM(model, **kwargs: Unpack[EngineKwargs])`
+    (PEP 692): what type checkers and IDEs read. tests/test_engine_args.py holds it equal to
+    EngineArgs, names and types."""
+
+    tokenizer: str | None
+    skip_tokenizer_init: bool
+    dtype: str
+    device: str
+    quantization: str | None
+    max_logprobs: int
+    seed: int
+    max_model_len: int | None
+    attention_backend: str
+    enforce_eager: bool
+    block_size: int
+    enable_prefix_caching: bool
+    num_gpu_blocks_override: int | None
+    gpu_memory_utilization: float
+    cpu_kv_cache_space: float
+    kv_allocation: str
+    kv_cache_dtype: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    tensor_parallel_size: int
+    structured_outputs_config: str | None
+    speculative_config: str | Mapping[str, Any] | None
+
+
+InitT = TypeVar("InitT", bound=Callable[..., None])
+
+
+def document_engine_args(init: InitT) -> InitT:
+    """Show every engine argument in `help(LLM)` and `inspect.signature(LLM)`, from EngineArgs.
+
+    `LLM.__init__` takes `**kwargs` so that an unknown keyword gets `from_kwargs`'s message; this
+    gives it the explicit signature (`model` first, the rest keyword-only, with their defaults)
+    and a docstring that lists each option's meaning."""
+    hints = _field_types()
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    lines = [(init.__doc__ or "").rstrip(), "", "Engine arguments (minivllm.EngineArgs):"]
+    for f in fields(EngineArgs):
+        kind = (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD
+            if f.name == "model"
+            else inspect.Parameter.KEYWORD_ONLY
+        )
+        assert f.default is not MISSING  # every option has a default
+        params.append(inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name]))
+        lines.append(f"    {f.name} (default {f.default!r}): {f.metadata['help']}")
+    init.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+    init.__doc__ = "\n".join(lines)
+    return init
+
+
+# ---------------------------------------------------------------------------------- helpers
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
+    return torch.device(device)
+
+
+def _resolve(mc: ModelConfig) -> ResolvedConfig:
+    """Read the model's config files and decide for the machine (see `create_engine_config`)."""
+    device = resolve_device(mc.device)
+    dtype = resolve_dtype(mc.dtype, device)
+    resolve_backend_name(mc.attention_backend, device)  # a bad name fails before loading
+    source = resolve_model(mc.model)
+    hf_config = load_config(source)
+    model_max = hf_config.max_position_embeddings
+    max_model_len = mc.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len must be at most the model's {model_max} positions, got {max_model_len}"
+        )
+    generation = load_generation_defaults(source)  # read before any worker starts
+    quantization = resolve_quantization(mc.quantization, source)
+    return ResolvedConfig(source, hf_config, generation, device, dtype, max_model_len, quantization)
+
+
+def _resolve_draft(spec: SpeculativeConfig | None, target: ResolvedConfig) -> ResolvedConfig | None:
+    """The draft model's files, read beside the target's (before any weight loads): it runs on
+    the target's device and dtype, and must share its vocabulary and cover its context."""
+    if spec is None or not spec.uses_draft_model:
+        return None
+    source = resolve_model(spec.model)
+    hf_config = load_config(source)
+    prefix = f"speculative_config.model={spec.model!r}"
+    if hf_config.vocab_size != target.hf_config.vocab_size:
+        raise ValueError(
+            f"{prefix}: its vocab_size {hf_config.vocab_size} differs from the target model's "
+            f"{target.hf_config.vocab_size}; a draft model must share the target's tokenizer"
+        )
+    if hf_config.max_position_embeddings < target.max_model_len:
+        raise ValueError(
+            f"{prefix}: its {hf_config.max_position_embeddings} positions are fewer than "
+            f"max_model_len ({target.max_model_len}); lower max_model_len"
+        )
+    quant = resolve_quantization(spec.quantization, source)
+    return dataclasses.replace(target, source=source, hf_config=hf_config, quantization=quant)
+
+
+def resolve_quantization(quantization: str | None, source: ModelSource) -> str:
+    """A .gguf model runs its own quantization unless told "none" (vLLM detects gguf the same
+    way); any other checkpoint has plain weights, and asking it for "gguf" is an error."""
+    if quantization == "gguf" and source.gguf_file is None:
+        raise ValueError(
+            f"quantization='gguf' needs a .gguf model; {source.name} is a folder of float "
+            "weights (leave quantization unset)"
+        )
+    if quantization is None:
+        return "gguf" if source.gguf_file is not None else "none"
+    return quantization
+
+
+@cache
+def _field_types() -> dict[str, Any]:
+    """EngineArgs's annotations as types (`int | None`), not the strings `__future__` leaves."""
+    return typing.get_type_hints(EngineArgs)
+
+
+def _scalar(hint: Any) -> type:
+    """The argparse `type` of an annotation: `int | None` -> int."""
+    members = [t for t in typing.get_args(hint) if t is not type(None)]
+    return members[0] if members else hint

@@ -1,0 +1,89 @@
+"""Who runs the model: one runner in this process, or N ranks in lockstep (vLLM's executors).
+
+- `UniProcExecutor` (tensor_parallel_size = 1): the single-device engine: one `ModelRunner` in
+  this process; no other process, no collective, no cost.
+- With N > 1 ranks, `make_executor` hands over to minivllm/distributed/ (imported only then): the
+  engine spawns ranks 1..N-1 itself (`MultiprocExecutor`), or, under `torchrun`, the ranks exist
+  already and rank 0 drives (`ExecutorWithExternalLauncher`).
+
+The engine takes an executor (or calls `make_executor` once) and then calls `execute_model(sched)`
+every step, whichever it got; the simulated-time executor of the paper's experiment
+(minivllm/experiments/) plugs in the same way. See "Distributed execution" in the docs
+(docs/distributed.md) and the architecture page (docs/architecture.md).
+
+Tier: engine. It imports the runner and the worker; minivllm/distributed/ (same tier) only inside
+`make_executor`, when tensor parallelism asks for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import torch
+
+from minivllm.attention.abstract import AttentionBackend
+from minivllm.config import EngineConfig
+from minivllm.core.scheduler import SchedulerOutput
+from minivllm.distributed.parallel_state import SINGLE_DEVICE
+from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from minivllm.worker.worker import WorkerConfig, build_runner
+
+__all__ = ["Executor", "UniProcExecutor", "make_executor"]
+
+T = TypeVar("T")
+
+
+class Executor(Protocol):
+    driver_runner: ModelRunner  # rank 0's runner, in this process
+    num_blocks: int  # KV blocks on every rank
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def collective_rpc(self, fn: Callable[[ModelRunner], T]) -> list[T]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class UniProcExecutor:
+    """tensor_parallel_size = 1: the runner in this process, called directly."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.driver_runner = runner
+        self.num_blocks = runner.kv_cache.shape[2]
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.driver_runner.execute_model(sched)
+
+    def collective_rpc(self, fn: Callable[[ModelRunner], T]) -> list[T]:
+        return [fn(self.driver_runner)]
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(config: EngineConfig, backend: AttentionBackend) -> Executor:
+    """The executor for `config.parallel.tensor_parallel_size`. A size that does not split the
+    model is refused here, before any process starts."""
+    n = config.parallel.tensor_parallel_size
+    resolved = config.resolved
+    source, model_config, device = resolved.source, resolved.hf_config, resolved.device
+    wc = WorkerConfig(
+        model_path=str(source.path),
+        model_name=source.name,
+        dtype=resolved.dtype,
+        device_type=device.type,
+        attention_backend=backend.name,
+        enforce_eager=config.model.enforce_eager,
+        quantization=resolved.quantization,
+        gguf_file=None if source.gguf_file is None else str(source.gguf_file),
+        max_model_len=resolved.max_model_len,
+        cache=config.cache,
+        tensor_parallel_size=n,
+        num_threads=max(1, torch.get_num_threads() // n),
+    )
+    if n == 1:
+        return UniProcExecutor(build_runner(wc, SINGLE_DEVICE, None, device, backend))
+    from minivllm.executor.tensor_parallel import make_distributed_executor
+
+    return make_distributed_executor(wc, model_config, device, backend)

@@ -1,0 +1,199 @@
+"""Rank 0 of a tensor-parallel group: send each step to every rank, run its own share, collect.
+
+The scheduler stays centralized (paper §4.6): only the driver schedules, owns the block manager
+and samples. Each step `execute_model` broadcasts the step's plain `SchedulerOutput` on the
+control group, runs rank 0's own runner on it, and returns the logits that rank 0 gathered in the
+LM head; the workers learn nothing else and need no scheduler state at all. vLLM's executors do
+the same with their own message queue (vllm/v1/executor/multiproc_executor.py). See
+"Distributed execution" in the docs (docs/distributed.md) and the architecture page
+(docs/architecture.md).
+
+A step that fails halfway leaves the ranks at different places of the forward pass, and no
+message can put them back in step. So any failure inside a distributed step (a worker that died
+or raised, an exception on the driver, Ctrl-C) stops every worker, and the engine ends with
+`EngineDeadError` (Ctrl-C stays a `KeyboardInterrupt`); every later call raises at once.
+
+`DistributedExecutor` is the protocol; its subclasses start the ranks: `MultiprocExecutor`
+(multiproc.py) spawns them, `ExecutorWithExternalLauncher` (here) finds them started by torchrun.
+
+Tier: engine. It imports the model, core and leaves, and names the plug-ins.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from minivllm.attention.abstract import AttentionBackend
+from minivllm.core.scheduler import SchedulerOutput
+from minivllm.distributed.parallel_state import TensorParallelGroup
+from minivllm.distributed.process_group import destroy_distributed, init_distributed
+from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from minivllm.worker.worker_proc import (
+    CollectiveRPC,
+    ExecuteModel,
+    Shutdown,
+    WorkerConfig,
+    build_runner,
+    rank_device,
+)
+
+logger = logging.getLogger("minivllm")
+
+T = TypeVar("T")
+SHUTDOWN_LOCK_TIMEOUT_S = 30.0  # a shutdown waits this long for a step in another thread
+
+
+class EngineDeadError(BaseException):
+    """The tensor-parallel group cannot run another step (vLLM's name).
+
+    A `BaseException`, like `KeyboardInterrupt`: it ends the engine instead of failing one step's
+    requests, because no later step could run either. `LLM.generate` raises it; the server's
+    engine thread stops and /health turns unhealthy."""
+
+
+class WorkerStartError(RuntimeError):
+    """A tensor-parallel worker failed before the engine was built (no worker is left running)."""
+
+
+class DistributedExecutor:
+    """Rank 0 of N: send each message to every rank on the control group, do rank 0's share.
+
+    Subclasses start and stop the other ranks (`start_workers`, `end_workers`) and say what
+    happened to them after a failure (`worker_failure`); joining the group, the step, the RPCs and
+    the shutdown are here."""
+
+    init_method = "env://"
+
+    def __init__(self, wc: WorkerConfig, backend: AttentionBackend) -> None:
+        self.control: dist.ProcessGroup | None = None
+        self.tp = TensorParallelGroup()
+        self.dead: str | None = None  # why the group cannot run another step
+        self.closed = False
+        # The server steps in its engine thread while `shutdown` may come from the main thread
+        # (at exit): one message at a time on the control group.
+        self.lock = threading.Lock()
+        atexit.register(self.shutdown)
+        try:
+            self.start_workers(wc)
+            device = rank_device(wc.device_type, 0)
+            self.tp, self.control = init_distributed(
+                0, wc.tensor_parallel_size, self.init_method, device
+            )
+            self.send_worker_config(wc)
+            self.driver_runner = build_runner(wc, self.tp, self.control, device, backend)
+        except BaseException as exc:
+            known = isinstance(exc, KeyboardInterrupt | WorkerStartError)
+            reason = None if known else self.worker_failure()
+            self.closed = True
+            atexit.unregister(self.shutdown)
+            self.stop_workers(graceful=False)
+            if reason is None:
+                raise
+            raise WorkerStartError(
+                f"a tensor-parallel worker failed while starting: {reason}"
+            ) from exc
+        self.num_blocks = self.driver_runner.kv_cache.shape[2]
+
+    # ------------------------------------------------------------------ the ranks (subclasses)
+    def start_workers(self, wc: WorkerConfig) -> None:
+        """Start ranks 1..N-1 (they then wait for rank 0 at `init_method`)."""
+
+    def send_worker_config(self, wc: WorkerConfig) -> None:
+        """Give the workers the config, if they do not have it from their start."""
+
+    def end_workers(self, graceful: bool) -> None:
+        """Make sure ranks 1..N-1 are gone (after a Shutdown message if `graceful`)."""
+
+    def worker_failure(self) -> str | None:
+        """What went wrong with a worker, or None if none is known to have failed."""
+        return None
+
+    def workers_alive(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ the step
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        with self.lock:
+            self.check_alive()
+            try:
+                self.broadcast(ExecuteModel(sched))
+                return self.driver_runner.execute_model(sched)
+            except BaseException as exc:
+                raise self.fail(exc) from exc
+
+    def collective_rpc(self, fn: Callable[[ModelRunner], T]) -> list[T]:
+        """`fn(runner)` on every rank, the results in rank order (vLLM's `collective_rpc`)."""
+        with self.lock:
+            self.check_alive()
+            try:
+                self.broadcast(CollectiveRPC(fn))
+                results: list[Any] = [None] * self.tp.world_size
+                dist.gather_object(fn(self.driver_runner), results, dst=0, group=self.control)
+                return results
+            except BaseException as exc:
+                raise self.fail(exc) from exc
+
+    def broadcast(self, message: object) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def check_alive(self) -> None:
+        if self.closed:
+            raise EngineDeadError("the engine was shut down")
+        if self.dead is None and not self.workers_alive():
+            self.dead = self.worker_failure() or "a worker exited"
+            self.stop_workers(graceful=False)
+        if self.dead is not None:
+            raise EngineDeadError(f"the tensor-parallel group is stopped: {self.dead}")
+
+    def fail(self, exc: BaseException) -> BaseException:
+        """The ranks are out of step: stop every worker, remember why, and say it clearly. Ctrl-C
+        stays a KeyboardInterrupt; anything else becomes EngineDeadError."""
+        reason = None if isinstance(exc, KeyboardInterrupt) else self.worker_failure()
+        self.dead = reason or f"a step failed ({type(exc).__name__}: {exc})"
+        logger.error("tensor-parallel step failed, stopping every rank: %s", self.dead)
+        self.stop_workers(graceful=False)
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        return EngineDeadError(f"the tensor-parallel group is stopped: {self.dead}")
+
+    # ------------------------------------------------------------------ the end
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent). Called by `LLM.shutdown()`, on deletion and at exit."""
+        if self.closed:
+            return
+        # A step still running in another thread would be cut short: wait a while for it.
+        got_lock = self.lock.acquire(timeout=SHUTDOWN_LOCK_TIMEOUT_S)
+        try:
+            if self.closed:
+                return
+            self.closed = True
+            atexit.unregister(self.shutdown)
+            self.stop_workers(graceful=got_lock and self.dead is None)
+        finally:
+            if got_lock:
+                self.lock.release()
+
+    def stop_workers(self, graceful: bool) -> None:
+        if graceful:
+            try:
+                self.broadcast(Shutdown())
+            except RuntimeError:  # a worker is gone already: nothing to tell it
+                graceful = False
+        self.end_workers(graceful)
+        destroy_distributed()
+
+
+# ---------------------------------------------------------------------------------- torchrun
+class ExecutorWithExternalLauncher(DistributedExecutor):
+    """Rank 0 under torchrun, which started every rank and watches them (when one dies, torchrun
+    stops the others). The workers ran the same program up to here, so they wait in the group
+    already; they take rank 0's `WorkerConfig`, so that every rank builds the same model."""
+
+    def send_worker_config(self, wc: WorkerConfig) -> None:
+        self.broadcast(wc)

@@ -1,0 +1,69 @@
+"""The executors of tensor parallelism: N ranks in lockstep on one machine or several.
+
+- `MultiprocExecutor` (N > 1 on one machine, multiproc.py): the engine spawns ranks 1..N-1
+  itself, as vLLM's multiprocessing executor does; no launcher needed.
+- `ExecutorWithExternalLauncher` (N > 1 under `torchrun`, on one machine or several, driver.py):
+  the ranks exist already; rank 0 drives, and on the other ranks building the engine turns the
+  process into a worker.
+
+minivllm/executor/abstract.py calls `make_distributed_executor` when `tensor_parallel_size` is above 1;
+the single-device engine never imports this package. Tier: engine.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from minivllm.attention.abstract import AttentionBackend
+from minivllm.distributed.process_group import check_no_process_group, launched_by_torchrun
+from minivllm.executor.driver import (
+    DistributedExecutor,
+    EngineDeadError,
+    ExecutorWithExternalLauncher,
+    WorkerStartError,
+)
+from minivllm.executor.multiproc_executor import MultiprocExecutor
+from minivllm.model.layers.linear import check_tensor_parallel_size
+from minivllm.worker.worker import WorkerConfig
+from minivllm.worker.worker_proc import run_torchrun_worker
+
+if TYPE_CHECKING:
+    from minivllm.model.config import LlamaConfig
+
+__all__ = ["EngineDeadError", "WorkerStartError", "make_distributed_executor"]
+
+
+def make_distributed_executor(
+    wc: WorkerConfig, model_config: LlamaConfig, device: torch.device, backend: AttentionBackend
+) -> DistributedExecutor:
+    """The executor of `wc.tensor_parallel_size` ranks. A size that does not split the model is
+    refused here, before any process starts."""
+    n = wc.tensor_parallel_size
+    check_tensor_parallel_size(model_config, n)
+    check_no_process_group()  # before any worker starts
+    if device.type == "cuda":
+        if device.index not in (None, 0):
+            raise ValueError(
+                f"device must be 'cuda' with tensor_parallel_size > 1 (rank r uses cuda:r), got "
+                f"{device}"
+            )
+        if not launched_by_torchrun() and torch.cuda.device_count() < n:
+            raise ValueError(
+                f"tensor_parallel_size {n} needs {n} CUDA devices, found "
+                f"{torch.cuda.device_count()}"
+            )
+    if launched_by_torchrun():
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world_size != n:
+            raise ValueError(
+                f"tensor_parallel_size ({n}) must equal torchrun's number of ranks ({world_size})"
+            )
+        if rank != 0:
+            # Every rank runs the same program; this one serves rank 0's steps, then leaves.
+            run_torchrun_worker(wc)
+            raise SystemExit(0)
+        return ExecutorWithExternalLauncher(wc, backend)
+    return MultiprocExecutor(wc, backend)

@@ -1,0 +1,8 @@
+"""One file a model family, each the math of its decoder over the shared layers (vLLM's
+`vllm/model_executor/models/`).
+
+`llama.py` is the base: the others differ from it by a module or two and subclass or compose it
+(Qwen2's q/k/v bias, Qwen3's q/k norms, Phi-3's fused checkpoint tensors, Mixtral's and Qwen3-MoE's
+experts, Gemma 2/3's sandwich norms, soft caps and windows). `registry.py` maps a checkpoint's
+`architectures` to the class that runs it.
+"""

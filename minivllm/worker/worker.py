@@ -1,0 +1,91 @@
+"""One device's share of the engine: load the model onto it and size its KV cache.
+
+vLLM's `Worker` (vllm/v1/worker/): what the executor asks of each device before the first step.
+With one device (tensor_parallel_size 1) this is all there is: `build_runner` loads the weights
+and fits as many KV blocks as the platform's budget allows. With tensor parallelism every rank
+runs the same function on its own shard (minivllm/worker/worker_proc.py adds the loop that serves
+rank 0's steps), and the ranks agree on the smallest block count, so one block table means the
+same blocks on every rank.
+
+Tier: engine. It imports the loader, the model runner and the attention selector; only
+minivllm/distributed/ (tensor parallelism) builds on it from the same tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from minivllm.attention.abstract import AttentionBackend
+from minivllm.attention.selector import get_attention_backend
+from minivllm.config import CacheConfig
+from minivllm.distributed.parallel_state import TensorParallelGroup
+from minivllm.model.loader import load_model
+from minivllm.model.source import ModelSource
+from minivllm.platforms import resolve_obj_by_qualname
+from minivllm.worker.model_runner import ModelRunner, determine_num_blocks, kv_cache_torch_dtype
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What any rank needs to build its shard: plain data, sent to each worker when it starts."""
+
+    model_path: str  # the resolved model folder (for a GGUF file, its converted copy)
+    model_name: str
+    dtype: torch.dtype
+    device_type: str  # "cpu" or "cuda"; on CUDA, rank r uses its local device cuda:r
+    attention_backend: str  # the driver's backend, resolved ("cpu", "reference", "triton")
+    enforce_eager: bool  # the layers always from Python (ModelConfig.enforce_eager)
+    quantization: str  # "gguf" (the file's blocks as stored) or "none" (ResolvedConfig's)
+    gguf_file: str | None  # the .gguf file the model came as, if it did
+    max_model_len: int  # the RoPE table's length
+    cache: CacheConfig
+    tensor_parallel_size: int
+    num_threads: int  # torch's intra-op threads per worker on a CPU (the cores, shared out)
+
+
+def rank_device(device_type: str, local_rank: int) -> torch.device:
+    """One device per rank: cuda:local_rank on GPUs; every rank shares the CPU."""
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def build_runner(
+    wc: WorkerConfig,
+    tp: TensorParallelGroup,
+    control: dist.ProcessGroup | None,
+    device: torch.device,
+    backend: AttentionBackend | None = None,
+) -> ModelRunner:
+    """Load this rank's shard and size its KV cache: as many blocks as the *smallest* rank can
+    hold, so that one block table means the same blocks on every rank."""
+    backend = backend or get_attention_backend(wc.attention_backend, device)
+    gguf_file = Path(wc.gguf_file) if wc.gguf_file is not None else None
+    source = ModelSource(Path(wc.model_path), wc.model_name, gguf_file)
+    model = load_model(
+        source, backend, wc.dtype, device, wc.max_model_len, tp, quantization=wc.quantization
+    )
+    kv_dtype = kv_cache_torch_dtype(wc.cache.cache_dtype, wc.dtype)
+    # Windowed and global layers mixed (Gemma 2/3): block tables per group of layers, or None.
+    groups = resolve_obj_by_qualname("minivllm.core.kv_cache_groups.hybrid_kv_cache_groups")(
+        model, wc.cache.kv_allocation
+    )
+    num_layers = None if groups is None else max(len(g.layer_ids) for g in groups)
+    num_blocks = determine_num_blocks(model, wc.cache, kv_dtype, device, num_layers)
+    if control is not None:  # tensor parallelism: every rank the same blocks
+        from minivllm.distributed.process_group import min_over_ranks
+
+        num_blocks = min_over_ranks(num_blocks, control)
+    args = (model, backend, num_blocks, wc.cache.block_size, kv_dtype, device, wc.enforce_eager)
+    if groups is not None:
+        hybrid = resolve_obj_by_qualname("minivllm.worker.hybrid_model_runner.HybridModelRunner")
+        return hybrid(*args, kv_cache_groups=groups)
+    return ModelRunner(*args)
