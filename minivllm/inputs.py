@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from minivllm.sampling_params import InvalidParamError
+
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -90,14 +92,17 @@ def process_token_params(params: Any, tokenizer: Any, vocab_size: int) -> list[l
     ):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(
+            raise InvalidParamError(
                 f"{name} contains out-of-vocab token id {bad[0]}: token ids must be in "
-                f"[0, {vocab_size - 1}] (vocabulary size: {vocab_size})"
+                f"[0, {vocab_size - 1}] (vocabulary size: {vocab_size})",
+                name,
             )
     if not params.bad_words:
         return []
     if tokenizer is None:
-        raise ValueError("bad_words needs a tokenizer (skip_tokenizer_init is set)")
+        raise InvalidParamError(
+            "bad_words needs a tokenizer (skip_tokenizer_init is set)", "bad_words"
+        )
     words: list[list[int]] = []
     for word in params.bad_words:
         alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))

@@ -3,7 +3,8 @@
 The field names, defaults and error messages follow vLLM's `vllm/sampling_params.py`, so that code
 written for vLLM runs unchanged and the server's 400 errors read the same. Every check lives in
 `__post_init__`: a `SamplingParams` that exists is valid, and the sampler, the detokenizer and the
-stop checker never re-validate.
+stop checker never re-validate. A refusal is an `InvalidParamError`, whose `param` names the field:
+the server returns it as its 400 and checks none of these fields itself.
 
 `structured_outputs` constrains the output with a grammar (a JSON schema, a regex, a choice, an
 EBNF grammar or any JSON object): see `minivllm/structured_output/`.
@@ -28,7 +29,7 @@ from typing import Any
 
 from minivllm.structured_output.params import StructuredOutputsParams
 
-__all__ = ["SamplingParams", "StructuredOutputsParams"]
+__all__ = ["InvalidParamError", "SamplingParams", "StructuredOutputsParams"]
 
 # Temperatures below this are greedy; vLLM's `_SAMPLING_EPS`.
 SAMPLING_EPS = 1e-5
@@ -36,26 +37,52 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+class InvalidParamError(ValueError):
+    """A request parameter out of its type or range. `param` names the field, and the message
+    names the field and the range in vLLM's words; the server returns both as its 400 (its
+    `param` and `message`), so no check is written twice (minivllm/entrypoints/serving.py)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def verify_truncate_prompt_tokens(k: Any) -> int | None:
+    """`truncate_prompt_tokens`: None, -1 (`max_model_len`) or at least 1. Its own function, as the
+    server truncates a prompt (beam search's too) before any parameters are made from it."""
+    if k is None:
+        return None
+    k = _check_int("truncate_prompt_tokens", k)
+    if k < 1 and k != -1:
+        raise InvalidParamError(
+            f"truncate_prompt_tokens must be -1 or at least 1, got {k}.", "truncate_prompt_tokens"
+        )
+    return k
+
+
 def _is_int(value: Any) -> bool:
     # bool is a subclass of int, but `n=True` is a bug, not a request for one sample.
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# `name` is the field, or the field and a part of it ("logit_bias value"): `param` is the field.
 def _check_int(name: str, value: Any) -> int:
     if not _is_int(value):
-        raise ValueError(f"{name} must be an int, got {value!r}.")
+        raise InvalidParamError(f"{name} must be an int, got {value!r}.", name.split(" ")[0])
     return int(value)
 
 
 def _check_float(name: str, value: Any) -> float:
     if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+        raise InvalidParamError(
+            f"{name} must be a finite number, got {value!r}.", name.split(" ")[0]
+        )
     return float(value)
 
 
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}.")
+        raise InvalidParamError(f"{name} must be a bool, got {value!r}.", name)
     return value
 
 
@@ -106,56 +133,62 @@ class SamplingParams:
         """n, the penalties, temperature and the truncations (top-p, top-k, min-p), and the seed."""
         self.n = _check_int("n", self.n)
         if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
+            raise InvalidParamError(f"n must be at least 1, got {self.n}.", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+                raise InvalidParamError(f"{name} must be in [-2, 2], got {value}.", name)
             setattr(self, name, value)
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0.0:
-            raise ValueError(
-                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
+            raise InvalidParamError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
+                "repetition_penalty",
             )
         self.temperature = _check_float("temperature", self.temperature)
         if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+            raise InvalidParamError(
+                f"temperature must be non-negative, got {self.temperature}.", "temperature"
+            )
         self.top_p = _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise InvalidParamError(f"top_p must be in (0, 1], got {self.top_p}.", "top_p")
         self.top_k = _check_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+            raise InvalidParamError(
+                f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.", "top_k"
+            )
         self.min_p = _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+            raise InvalidParamError(f"min_p must be in [0, 1], got {self.min_p}.", "min_p")
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed)
             # vLLM's bound (torch.long): what a generator's seed and the server's field can hold.
             if not -(2**63) <= self.seed < 2**63:
-                raise ValueError(f"seed must be in [{-(2**63)}, {2**63 - 1}], got {self.seed}.")
+                raise InvalidParamError(
+                    f"seed must be in [{-(2**63)}, {2**63 - 1}], got {self.seed}.", "seed"
+                )
 
     def _verify_lengths(self) -> None:
         """How much of the prompt is kept and how many tokens the output has."""
-        if self.truncate_prompt_tokens is not None:
-            k = self.truncate_prompt_tokens = _check_int(
-                "truncate_prompt_tokens", self.truncate_prompt_tokens
-            )
-            if k < 1 and k != -1:
-                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {k}.")
+        self.truncate_prompt_tokens = verify_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.max_tokens is not None:
             self.max_tokens = _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+                raise InvalidParamError(
+                    f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens"
+                )
         self.min_tokens = _check_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
-            raise ValueError(
-                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."
+            raise InvalidParamError(
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.",
+                "min_tokens",
             )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise InvalidParamError(
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
-                f"got {self.min_tokens}."
+                f"got {self.min_tokens}.",
+                "min_tokens",
             )
 
     def _verify_stops(self) -> None:
@@ -174,31 +207,34 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and _check_int(name, value) < -1:
-                raise ValueError(f"{name} must be non-negative or -1, got {value}.")
+                raise InvalidParamError(f"{name} must be non-negative or -1, got {value}.", name)
 
     def _verify_token_constraints(self) -> None:
         """What the sampler's logits processors read: `logit_bias`, `allowed_token_ids`,
         `bad_words` (minivllm/sample/logits_processors.py)."""
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(
-                    f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}."
+                raise InvalidParamError(
+                    f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}.",
+                    "logit_bias",
                 )
             bias = {}
             for token, value in self.logit_bias.items():
                 token = _check_int("logit_bias token id", token)
                 value = _check_float("logit_bias value", value)
                 if not -100.0 <= value <= 100.0:
-                    raise ValueError(
-                        f"logit_bias values must be in [-100, 100], got {value} for token {token}."
+                    raise InvalidParamError(
+                        f"logit_bias values must be in [-100, 100], got {value} for token {token}.",
+                        "logit_bias",
                     )
                 bias[token] = value
             self.logit_bias = bias
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids:
-                raise ValueError(
+                raise InvalidParamError(
                     f"allowed_token_ids must be a non-empty list of token ids, got "
-                    f"{self.allowed_token_ids!r}."
+                    f"{self.allowed_token_ids!r}.",
+                    "allowed_token_ids",
                 )
             ids = self.allowed_token_ids
             self.allowed_token_ids = [_check_int("allowed_token_ids", t) for t in ids]
@@ -206,8 +242,9 @@ class SamplingParams:
             if not isinstance(self.bad_words, list | tuple) or not all(
                 isinstance(w, str) and w.strip() for w in self.bad_words
             ):
-                raise ValueError(
-                    f"bad_words must be a list of non-empty strings, got {self.bad_words!r}."
+                raise InvalidParamError(
+                    f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.",
+                    "bad_words",
                 )
             self.bad_words = list(self.bad_words)
 
@@ -218,7 +255,10 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             got = self.structured_outputs
-            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {got!r}.")
+            raise InvalidParamError(
+                f"structured_outputs must be a StructuredOutputsParams, got {got!r}.",
+                "structured_outputs",
+            )
 
     @staticmethod
     def _normalize_stop(stop: Any) -> list[str]:
@@ -227,9 +267,9 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise ValueError(f"stop must be a str or a list of str, got {stop!r}.")
+            raise InvalidParamError(f"stop must be a str or a list of str, got {stop!r}.", "stop")
         if "" in stop:
-            raise ValueError("stop cannot contain an empty string.")
+            raise InvalidParamError("stop cannot contain an empty string.", "stop")
         return list(stop)
 
     @staticmethod
@@ -237,7 +277,10 @@ class SamplingParams:
         if ids is None:
             return []
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}.")
+            raise InvalidParamError(
+                f"stop_token_ids must be a list of non-negative ints, got {ids!r}.",
+                "stop_token_ids",
+            )
         return list(ids)
 
     @property

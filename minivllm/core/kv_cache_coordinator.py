@@ -190,13 +190,7 @@ class HybridKVCacheCoordinator(KVCacheManager):
         """Admit `seq` in every group, its hit in each (`computed` from `get_computed_blocks`).
         Raises, changing nothing, if the groups' blocks together are not free."""
         seq_id, num_cached = seq.seq_id, computed.num_computed_tokens
-        if self.has_seq(seq_id):
-            raise ValueError(f"sequence {seq_id!r} already holds blocks; free it before allocating")
-        if not 0 <= num_new_tokens <= len(seq.token_ids) - num_cached:
-            raise ValueError(
-                f"num_new_tokens must be in [0, {len(seq.token_ids) - num_cached}] "
-                f"(tokens after the {num_cached} cached ones), got {num_new_tokens}"
-            )
+        self._check_allocate_args(seq, num_new_tokens, num_cached)
         hits = self._per_group(computed)
         self._check_free(seq_id, self.get_num_blocks_to_allocate(computed, num_new_tokens))
         # Pin every group's hits before any group takes fresh blocks: those come from the front of
@@ -222,12 +216,7 @@ class HybridKVCacheCoordinator(KVCacheManager):
     ) -> None:
         """Slots in every group; the windowed groups free what left their window first, so the
         blocks they give back count for the groups that take."""
-        num_slots = self.get_num_slots(seq_id)
-        if not 0 <= num_new_tokens <= len(token_ids) - num_slots:
-            raise ValueError(
-                f"num_new_tokens must be in [0, {len(token_ids) - num_slots}] "
-                f"(known tokens without a slot), got {num_new_tokens}"
-            )
+        num_slots = self._check_append_args(seq_id, token_ids, num_new_tokens)
         total = num_new_tokens + max(0, num_lookahead_tokens)
         self._check_free(seq_id, self.get_num_blocks_to_append(seq_id, total))
         if total > 0:

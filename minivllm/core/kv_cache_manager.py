@@ -186,14 +186,8 @@ class KVCacheManager:
         computes tokens from there on. `count_as_query=False` keeps a re-admission after preemption
         out of the prompt lookup counters. Raises, changing nothing, if the blocks are not free."""
         seq_id, token_ids = seq.seq_id, seq.token_ids
-        if seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id!r} already holds blocks; free it before allocating")
         num_cached_tokens = computed.num_computed_tokens
-        if not 0 <= num_new_tokens <= len(token_ids) - num_cached_tokens:
-            raise ValueError(
-                f"num_new_tokens must be in [0, {len(token_ids) - num_cached_tokens}] "
-                f"(tokens after the {num_cached_tokens} cached ones), got {num_new_tokens}"
-            )
+        self._check_allocate_args(seq, num_new_tokens, num_cached_tokens)
         self._check_free(seq_id, self.get_num_blocks_to_allocate(computed, num_new_tokens))
         self.block_pool.touch(computed.blocks)  # hits first, so the pops below cannot evict them
         skipped = computed.skipped_hashes
@@ -221,14 +215,10 @@ class KVCacheManager:
         """Slots for `num_new_tokens` more tokens of a held sequence (a decode step, or the next
         prompt chunk; `token_ids`: every known token), then `num_lookahead_tokens` for speculative
         drafts, whose blocks get no prefix-cache name: only verified tokens may ever be hit."""
-        seq = self._seq(seq_id)
-        if num_new_tokens < 0 or len(token_ids) < seq.num_slots + num_new_tokens:
-            raise ValueError(
-                f"num_new_tokens must be in [0, {len(token_ids) - seq.num_slots}] "
-                f"(known tokens without a slot), got {num_new_tokens}"
-            )
+        self._check_append_args(seq_id, token_ids, num_new_tokens)
         num_new_tokens += max(0, num_lookahead_tokens)
         self._check_free(seq_id, self.get_num_blocks_to_append(seq_id, num_new_tokens))
+        seq = self._seq(seq_id)
         if num_new_tokens == 0:
             return
         pool = self.block_pool
@@ -340,6 +330,33 @@ class KVCacheManager:
         if seq is None:
             raise UnknownSequenceError(f"sequence {seq_id!r} holds no blocks")
         return seq
+
+    def _check_allocate_args(
+        self, seq: KVCacheRequest, num_new_tokens: int, num_cached_tokens: int
+    ) -> None:
+        """`allocate_slots`' argument checks, shared by every manager (the hybrid coordinator's
+        `has_seq` asks its groups); each checks its own free blocks after. Raises, changing nothing."""
+        if self.has_seq(seq.seq_id):
+            msg = f"sequence {seq.seq_id!r} already holds blocks; free it before allocating"
+            raise ValueError(msg)
+        if not 0 <= num_new_tokens <= (num_uncached := len(seq.token_ids) - num_cached_tokens):
+            raise ValueError(
+                f"num_new_tokens must be in [0, {num_uncached}] "
+                f"(tokens after the {num_cached_tokens} cached ones), got {num_new_tokens}"
+            )
+
+    def _check_append_args(
+        self, seq_id: SeqId, token_ids: TokenIds[int], num_new_tokens: int
+    ) -> int:
+        """`append_slots`' argument checks, shared by every manager; returns the slots `seq_id`
+        holds (raises UnknownSequenceError for an unknown id, ValueError for a bad count)."""
+        num_slots = self.get_num_slots(seq_id)
+        if not 0 <= num_new_tokens <= len(token_ids) - num_slots:
+            raise ValueError(
+                f"num_new_tokens must be in [0, {len(token_ids) - num_slots}] "
+                f"(known tokens without a slot), got {num_new_tokens}"
+            )
+        return num_slots
 
     def _check_free(self, seq_id: SeqId, num_to_take: int) -> None:
         if num_to_take > self.num_free_blocks:

@@ -34,7 +34,7 @@ from minivllm.core.outputs import CompletionOutput, RequestOutput, make_request_
 from minivllm.core.sequence import Logprob, Request, Sequence, SequenceStatus
 from minivllm.engine.parallel_sampling import RequestContext
 from minivllm.sample.sampler import SampledLists
-from minivllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from minivllm.sampling_params import MAX_LOGPROBS, InvalidParamError, SamplingParams
 
 
 @dataclass
@@ -52,17 +52,26 @@ class BeamSearchParams:
         for name, low in (("beam_width", 1), ("max_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise InvalidParamError(f"{name} must be a positive integer, got {value!r}", name)
         if self.beam_width > max_width:
-            raise ValueError(f"beam_width must be in [1, {max_width}], got {self.beam_width}")
+            raise InvalidParamError(
+                f"beam_width must be in [1, {max_width}], got {self.beam_width}", "beam_width"
+            )
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+            raise InvalidParamError(
+                f"ignore_eos must be a boolean, got {self.ignore_eos!r}", "ignore_eos"
+            )
         if not (isinstance(self.temperature, int | float) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+            raise InvalidParamError(
+                f"temperature must be a number >= 0, got {self.temperature!r}", "temperature"
+            )
         if not (
             isinstance(self.length_penalty, int | float) and math.isfinite(self.length_penalty)
         ):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+            raise InvalidParamError(
+                f"length_penalty must be a finite number, got {self.length_penalty!r}",
+                "length_penalty",
+            )
 
     def sampling_params(self) -> SamplingParams:
         """What each beam asks the sampler for: its top 2 * beam_width candidates' logprobs."""
@@ -234,9 +243,10 @@ class BeamSearch:
 
     def __init__(self, params: BeamSearchParams, ctx: RequestContext) -> None:
         if params.beam_width > ctx.max_num_seqs:
-            raise ValueError(
+            raise InvalidParamError(
                 f"beam_width must be at most max_num_seqs ({ctx.max_num_seqs}), "
-                f"got {params.beam_width}"
+                f"got {params.beam_width}",
+                "beam_width",
             )
         self.state = BeamState(params)
         self.ctx = ctx

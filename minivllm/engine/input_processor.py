@@ -20,7 +20,15 @@ from minivllm.config import EngineConfig
 from minivllm.core.sequence import Request
 from minivllm.inputs import PromptType, prepare_prompt, process_prompt, process_token_params
 from minivllm.model.source import GenerationDefaults
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import InvalidParamError, SamplingParams
+
+
+def verify_n(n: int, max_num_seqs: int) -> None:
+    """A request's `n` samples run at once, so n is at most the scheduler's `max_num_seqs`. The
+    server asks this too, before it queues a request (the engine's refusal would come back on the
+    stream, after the 200): one check, made at both doors."""
+    if n > max_num_seqs:
+        raise InvalidParamError(f"n must be at most max_num_seqs ({max_num_seqs}), got {n}", "n")
 
 
 class InputProcessor:
@@ -68,10 +76,7 @@ class InputProcessor:
         """The request, checked; `max_num_seqs`: its sequences at once (0: its n), for hooks
         such as beam search that keep more sequences than they return."""
         params = params or self.default_params()
-        if params.n > self.max_num_seqs:
-            raise ValueError(
-                f"n must be at most max_num_seqs ({self.max_num_seqs}), got {params.n}"
-            )
+        verify_n(params.n, self.max_num_seqs)
         from minivllm.engine.logprobs_limit import (
             resolve_logprobs,  # -1 and max_logprobs, as vLLM's
         )

@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import InvalidParamError, SamplingParams
 
 
-class LogprobsLimitError(ValueError):
+class LogprobsLimitError(InvalidParamError):
     """A request asks for more logprobs than `max_logprobs`; `param` names its field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def resolve_logprobs(params: SamplingParams, vocab_size: int, max_logprobs: int) -> SamplingParams:

@@ -21,17 +21,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from minivllm.core.outputs import CompletionOutput, RequestOutput
 from minivllm.engine.beam_search import BeamSearchParams
+from minivllm.engine.input_processor import verify_n
 from minivllm.engine.logprobs_limit import resolve_logprobs
 from minivllm.engine.protocol import EngineClient, StreamItem
 from minivllm.entrypoints.protocol import OpenAIError, StreamOptions, check_stream_options
 from minivllm.inputs import PromptType, process_token_params, truncate_prompt
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, verify_truncate_prompt_tokens
 from minivllm.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger("minivllm")
-
-# Fields of SamplingParams whose ValueError messages name them (and so the 400's `param`).
-_PARAM_NAMES = {f for f in SamplingParams.__dataclass_fields__} | {"top_logprobs"}
 
 # Builds one stream event: (prompt index, choice so far, characters sent, tokens sent, first?,
 # the request's whole output so far: its prompt logprobs, say).
@@ -122,24 +120,31 @@ class OpenAIServing:
         structured: tuple[StructuredOutputsParams, str] | None = None,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams | BeamSearchParams:
-        """`structured`: the request's constraint, from `structured_outputs()`."""
-        if req.n > self.max_num_seqs:
-            raise OpenAIError(
-                f"n must be at most max_num_seqs ({self.max_num_seqs}), got {req.n}", param="n"
-            )
+        """`structured`: the request's constraint, from `structured_outputs()`. Every field is
+        checked by the params' own types (and the engine's limits by the engine's functions, asked
+        here first so that a refusal is a 400): this only turns their errors into the 400."""
+        try:
+            return self._build_params(req, max_tokens, logprobs, structured, prompt_logprobs)
+        except ValueError as exc:
+            raise invalid_param(exc, {"beam_width": "n"}) from None
+
+    def _build_params(
+        self,
+        req: Any,
+        max_tokens: int,
+        logprobs: int | None,
+        structured: tuple[StructuredOutputsParams, str] | None,
+        prompt_logprobs: int | None,
+    ) -> SamplingParams | BeamSearchParams:
+        verify_n(req.n, self.max_num_seqs)
         if req.use_beam_search:
-            try:
-                return BeamSearchParams(
-                    beam_width=req.best_of if req.best_of is not None else req.n,
-                    max_tokens=max_tokens,
-                    ignore_eos=req.ignore_eos,
-                    temperature=req.temperature if req.temperature is not None else 0.0,
-                    length_penalty=req.length_penalty,
-                )
-            except ValueError as exc:
-                field = str(exc).split(" ", 1)[0]
-                param = {"beam_width": "n", "max_tokens": "max_tokens"}.get(field, field)
-                raise OpenAIError(str(exc), param=param) from None
+            return BeamSearchParams(
+                beam_width=req.best_of if req.best_of is not None else req.n,
+                max_tokens=max_tokens,
+                ignore_eos=req.ignore_eos,
+                temperature=req.temperature if req.temperature is not None else 0.0,
+                length_penalty=req.length_penalty,
+            )
         extras = {
             k: v
             for k, v in (
@@ -151,40 +156,35 @@ class OpenAIServing:
             )
             if v is not None
         }
-        try:
-            params = SamplingParams(
-                n=req.n,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                seed=req.seed,
-                stop=req.stop,
-                stop_token_ids=req.stop_token_ids,
-                ignore_eos=req.ignore_eos,
-                max_tokens=max_tokens,
-                min_tokens=req.min_tokens,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=req.skip_special_tokens,
-                spaces_between_special_tokens=req.spaces_between_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output,
-                truncate_prompt_tokens=req.truncate_prompt_tokens,
-                logit_bias=_logit_bias(req.logit_bias),
-                allowed_token_ids=req.allowed_token_ids,
-                bad_words=req.bad_words,
-                structured_outputs=structured[0] if structured is not None else None,
-                **extras,
-            )
-            # -1 and --max-logprobs as the engine takes them: a 400 here (the engine repeats it).
-            resolve_logprobs(params, self.engine_client.vocab_size, self.max_logprobs)
-            if params.logit_bias or params.allowed_token_ids or params.bad_words:
-                # The engine's own checks of token ids (it repeats them): a 400 here, not a
-                # failure in the engine thread.
-                client = self.engine_client
-                process_token_params(params, client.tokenizer, client.vocab_size)
-            return params
-        except ValueError as exc:  # the messages name the field and the range
-            name = getattr(exc, "param", None) or str(exc).split(" ", 1)[0]
-            raise OpenAIError(str(exc), param=name if name in _PARAM_NAMES else None) from None
+        params = SamplingParams(
+            n=req.n,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+            logit_bias=_logit_bias(req.logit_bias),
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
+            structured_outputs=structured[0] if structured is not None else None,
+            **extras,
+        )
+        # The engine's own checks of what only it knows (max_logprobs, the vocabulary), asked now:
+        # a 400 here, not a failure in the engine thread after the response began.
+        resolve_logprobs(params, self.engine_client.vocab_size, self.max_logprobs)
+        if params.logit_bias or params.allowed_token_ids or params.bad_words:
+            client = self.engine_client
+            process_token_params(params, client.tokenizer, client.vocab_size)
+        return params
 
     def tokens_as_ids(self, req: Any) -> bool:
         """Whether logprobs name tokens 'token_id:N': the request's say, else the server's."""
@@ -198,12 +198,10 @@ class OpenAIServing:
     def truncate(self, req: Any, ids: list[int]) -> list[int]:
         """The prompt as the engine will see it: `truncate_prompt_tokens` cuts it from the left
         before anything (the completion budget first) is computed from its length."""
-        k = req.truncate_prompt_tokens
-        if k is not None and k != -1 and k < 1:
-            raise OpenAIError(
-                f"truncate_prompt_tokens must be -1 or at least 1, got {k}.",
-                param="truncate_prompt_tokens",
-            )
+        try:
+            k = verify_truncate_prompt_tokens(req.truncate_prompt_tokens)
+        except ValueError as exc:
+            raise invalid_param(exc) from None
         return truncate_prompt(ids, k, self.max_model_len)
 
     async def structured_outputs(
@@ -354,6 +352,13 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def invalid_param(exc: ValueError, names: dict[str, str] | None = None) -> OpenAIError:
+    """The 400 of a value the typed params refused (`InvalidParamError`): their message, and as
+    `param` the field they name, under the request's name for it where `names` renames it."""
+    param = getattr(exc, "param", None)
+    return OpenAIError(str(exc), param=(names or {}).get(param, param) if param else None)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -28,7 +28,7 @@ from minivllm.entrypoints.logprobs import chat_logprobs
 from minivllm.entrypoints.protocol import ChatMessage, OpenAIError, refuse_unsupported
 from minivllm.entrypoints.protocol_responses import ResponsesRequest
 from minivllm.entrypoints.responses_store import ResponsesStore, StoredResponse
-from minivllm.entrypoints.serving import OpenAIServing
+from minivllm.entrypoints.serving import OpenAIServing, invalid_param
 from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.structured_requests import compile_or_400
 from minivllm.inputs import PromptType
@@ -125,10 +125,7 @@ class OpenAIServingResponses(OpenAIServing):
                 structured_outputs=structured,
             )
         except ValueError as exc:
-            name = str(exc).split(" ", 1)[0]
-            raise OpenAIError(
-                str(exc), param=name.replace("max_tokens", "max_output_tokens")
-            ) from None
+            raise invalid_param(exc, {"max_tokens": "max_output_tokens"}) from None
 
     def _start_background(self, run: _Run, messages: list[ChatMessage]) -> dict[str, Any]:
         """Store the response as `queued` and run it in a task; GET reads its progress."""

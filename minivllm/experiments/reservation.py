@@ -174,10 +174,7 @@ class ReservationKVCacheManager(KVCacheManager):
         count_as_query: bool = True,
     ) -> int:
         seq_id, num_tokens = seq.seq_id, len(seq.token_ids)
-        if seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id!r} already holds blocks; free it before allocating")
-        if not 0 <= num_new_tokens <= num_tokens:
-            raise ValueError(f"num_new_tokens must be in [0, {num_tokens}], got {num_new_tokens}")
+        self._check_allocate_args(seq, num_new_tokens, 0)
         final_tokens = num_final_tokens(seq)
         need = self.blocks_for(num_tokens, final_tokens)
         index = self._first_fit(need)
@@ -216,12 +213,7 @@ class ReservationKVCacheManager(KVCacheManager):
     ) -> None:
         if num_lookahead_tokens:  # the engine refuses speculative decoding on a reservation
             raise ValueError("a reservation has no lookahead slots (speculative decoding)")
-        seq = self._seq(seq_id)
-        if num_new_tokens < 0 or len(token_ids) < seq.num_slots + num_new_tokens:
-            raise ValueError(
-                f"num_new_tokens must be in [0, {len(token_ids) - seq.num_slots}] "
-                f"(known tokens without a slot), got {num_new_tokens}"
-            )
+        self._check_append_args(seq_id, token_ids, num_new_tokens)
         if not self.can_append_slots(seq_id, num_new_tokens):
             raise NoFreeBlocksError(
                 f"sequence {seq_id!r} would outgrow its reservation of "

@@ -1,11 +1,12 @@
 """Qwen3-MoE: the Llama decoder with a per-head RMSNorm on queries and keys, and sparse
 mixture-of-experts MLPs (vLLM's vllm/model_executor/models/qwen3_moe.py).
 
-Two differences from Llama (`llama.py`), both in this file:
+Two differences from Llama (`llama.py`):
 
 - **QK-norm**: before RoPE, each query head and each key head is RMS-normalised over its
   `head_dim` with a learned weight (`q_norm`, `k_norm`, shared by all heads), which keeps the
-  attention logits' scale in check without a bias.
+  attention logits' scale in check without a bias. That is dense Qwen3's attention, and this
+  file uses it as it is (`Qwen3Attention`, `qwen3.py`): the two families differ only in the MLP.
 - **Sparse MLPs**: layer l's MLP is a `SparseMoeBlock` (`fused_moe.py`) of `num_experts` SwiGLU
   experts of width `moe_intermediate_size`, `num_experts_per_tok` of them per token, unless l is
   in `mlp_only_layers` or (l + 1) is not a multiple of `decoder_sparse_step`; such a layer keeps
@@ -25,23 +26,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
-from minivllm.attention.abstract import AttentionBackend, AttentionMetadata
+from minivllm.attention.abstract import AttentionBackend
 from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
 from minivllm.model.config import LlamaConfig, UnsupportedModelError
 from minivllm.model.layers.fused_moe import SparseMoeBlock
 from minivllm.model.layers.linear import Sliceable
-from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.model.models.llama import (
-    LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     RMSNorm,
 )
 from minivllm.model.models.mixtral import build_causal_lm, load_moe_weights
+from minivllm.model.models.qwen3 import Qwen3Attention
 
 
 @dataclass
@@ -83,39 +82,6 @@ class Qwen3MoeConfig(LlamaConfig):
         )
 
 
-class Qwen3MoeAttention(LlamaAttention):
-    """Llama's attention with RMSNorm over each query and key head before RoPE."""
-
-    def __init__(
-        self, config: Qwen3MoeConfig, backend: AttentionBackend, tp: TensorParallelGroup
-    ) -> None:
-        super().__init__(config, backend, tp)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [T, hidden_size]
-        positions: torch.Tensor,  # int64 [T]
-        rope: RotaryEmbedding,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden_size]
-        t, d = hidden.shape[0], self.head_dim
-        qkv = self.qkv_proj(hidden)  # [T, (num_heads + 2 * num_kv_heads) * head_dim]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # Rows of one head each ([T · heads, head_dim]): the norm's kernels take 2-D rows.
-        q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
-        k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
-        qk = rope(positions, torch.cat([q, k], dim=1))  # [T, num_heads + num_kv_heads, head_dim]
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.reshape(t, self.num_kv_heads, d)
-        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, num_heads, head_dim]
-        return self.o_proj(out.reshape(t, self.q_size))
-
-
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
     """Llama's layer (and its forward) with QK-norm attention and, where sparse, the MoE MLP."""
 
@@ -128,7 +94,7 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
     ) -> None:
         nn.Module.__init__(self)  # not Llama's: it would build Llama's attention and MLP
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Qwen3MoeAttention(config, backend, tp)
+        self.self_attn = Qwen3Attention(config, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         mlp: nn.Module
         if config.is_sparse(layer):
@@ -166,4 +132,4 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         load_moe_weights(self, weights, {})
 
 
-__all__ = ["Qwen3MoeAttention", "Qwen3MoeConfig", "Qwen3MoeDecoderLayer", "Qwen3MoeForCausalLM"]
+__all__ = ["Qwen3MoeConfig", "Qwen3MoeDecoderLayer", "Qwen3MoeForCausalLM"]
