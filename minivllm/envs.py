@@ -18,8 +18,6 @@ by minivllm/cpu/isa.py, which refuses a level the CPU lacks.
 
 This module imports nothing of minivllm, so any module may import it without creating a cycle
 (tests/test_imports.py holds the package's import graph acyclic).
-
-Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations

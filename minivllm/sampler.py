@@ -21,8 +21,6 @@ distributed as Categorical(p) (the "Gumbel-max trick" in another guise). It need
 sum and no `torch.multinomial`, which synchronizes with the host on CUDA; vLLM uses it for the same
 reasons. On a CPU the B x V exponential draws are the expensive part (~50 ms for 64 x 49152), so
 there `torch.multinomial` (one uniform per row) is used instead; both are exact samplers.
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """A request's state as the scheduler sees it: token ids, progress, status, and what it produced.
 
-Tier: core bookkeeping (imports only leaves and core; no torch).
-
 vLLM v1 folds all of this into one `Request`; we keep vLLM v0's split because parallel sampling
 (`n > 1`) is clearest that way: a `Request` owns `n` `Sequence`s that share the prompt's KV blocks
 by copy-on-write after the prompt is computed once (paper §4.4). Each `Sequence` is scheduled,

@@ -9,7 +9,6 @@ file must be placed before it lands.
 from __future__ import annotations
 
 import ast
-import re
 import sys
 from pathlib import Path
 
@@ -301,15 +300,3 @@ def test_the_single_device_engine_loads_no_tensor_parallel_code_at_import() -> N
         "minivllm.distributed",
         "minivllm.distributed.parallel_state",
     }
-
-
-def test_every_module_docstring_names_its_tier() -> None:
-    """A reader learns where a module stands, and what it may import, from its first lines."""
-    wrong = []
-    for module, path in FILES.items():
-        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        tier = TIER_NAMES[tier_of(module) or 0]
-        said = re.findall(r"Tier: ([a-z -]+)", doc)
-        if not said or not said[0].startswith(tier.split()[0]):
-            wrong.append(f"{module} ({tier}): {said[:1]}")
-    assert not wrong, "module docstrings that do not say 'Tier: <its tier>':\n" + "\n".join(wrong)

@@ -16,11 +16,10 @@ row through a compiled paged kernel, the CPU default) and "triton" (fused kernel
 default). `attention/selector.py` picks one by name; which one "auto" means, and which run on a
 device, is the device's platform's to say (minivllm/platforms/).
 
-Tier: leaves. This file is the contract between the model and its kernels and imports nothing of
-minivllm; the backends that implement it sit in the model tier (reference.py, triton.py) or among
-the platform plug-ins (minivllm/cpu/attention.py), and the selector in the engine tier. Each
-backend's per-step work list ("plan") is built by the model runner, once per step, with
-`backend.plan(...)`.
+This file is the contract between the model and its kernels and imports nothing of minivllm; the
+backends that implement it sit in the model tier (reference.py, triton.py) or among the platform
+plug-ins (minivllm/cpu/attention.py), and the selector in the engine tier. Each backend's per-step
+work list ("plan") is built by the model runner, once per step, with `backend.plan(...)`.
 """
 
 from __future__ import annotations

@@ -16,8 +16,6 @@ is what makes this backend fast enough to be the CPU default; prompt chunks are 
 request at a time. Which rows go where depends only on the step's metadata, so that "plan" is
 built once per step by the model runner (`backend.plan`, stored in `meta.plan`) and read by every
 layer of the step.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@ memory-bound work (a GPU's decode step, the paged decode kernel) against `measur
 the one bandwidth probe of the benches and of the microbenchmarks in the top-level `benchmarks/`.
 Both are timed with `synchronize` around them, so that a GPU's asynchronous launches are counted
 to their end. `timed_us` is the microbenchmarks' timer for short host-side (CPU) calls.
-
-Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

@@ -23,6 +23,4 @@ What lives here, and the test that holds each source to its plain-PyTorch refere
 
 `build.py` compiles them into one library (tests/test_kernels_cpu_build.py). The model's own
 files import nothing from here.
-
-Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """

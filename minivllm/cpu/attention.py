@@ -30,8 +30,6 @@ wrappers in `ops.py`) and are compiled on first use, into one library with the l
 (about 20 s, once per machine; `minivllm/cpu/build.py` says how, and what a user sees).
 Where it cannot be built, `get_attention_backend("auto")` says why in one line and falls back to
 the reference backend.
-
-Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """
 
 from __future__ import annotations

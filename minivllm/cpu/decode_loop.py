@@ -1,10 +1,10 @@
 """A Llama decode step's decoder layers as one C++ loop: what CUDA graphs do for vLLM, on a CPU.
 
-Tier: platform plug-ins (minivllm/cpu/). This is not a capture of the model but a second
-implementation of Llama's decoder loop, in C++ (`cpu_decode_layers.cpp`), held bit for bit to the
-Python one; it knows Llama's module layout (`LINEARS_PER_LAYER`) and refuses every other model
-(`CpuDecodeLoop.build`), which then runs its Python loop: a family with math of its own (Qwen2's
-q/k/v bias, Qwen3's q/k norms: `llama_math`) as much as a model that is not a Llama at all.
+This is not a capture of the model but a second implementation of Llama's decoder loop, in C++
+(`cpu_decode_layers.cpp`), held bit for bit to the Python one; it knows Llama's module layout
+(`LINEARS_PER_LAYER`) and refuses every other model (`CpuDecodeLoop.build`), which then runs its
+Python loop: a family with math of its own (Qwen2's q/k/v bias, Qwen3's q/k norms: `llama_math`) as
+much as a model that is not a Llama at all.
 
 A decode step runs each layer on 1-64 token rows, so each of its ~10 kernels is short, and between
 two of them Python does the layer's bookkeeping: module calls, custom-op dispatch, views, the

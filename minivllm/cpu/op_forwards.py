@@ -29,8 +29,6 @@ each one buys, measured on SmolLM2-135M with 2 cores:
   sampled float32 rows go to the skinny GEMM (1.1-1.3x faster than oneDNN up to 24 rows, 5-15 %
   slower above), more (and a bfloat16 tied head's rows) to MKL in slices of `LM_HEAD_ROWS`
   vocabulary rows, 1.2-1.4x faster than in one call.
-
-Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """
 
 from __future__ import annotations

@@ -26,8 +26,6 @@ The plain-PyTorch forms are their specification: each custom op's `forward_nativ
 reference attention backend; `tests/test_kernels_<source>.py` holds each source to its formula.
 The library is built on first use by `build.py`; where it cannot be built, `load_cpu_kernels`
 raises `CpuKernelUnavailable`.
-
-Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """
 
 from __future__ import annotations

@@ -10,6 +10,4 @@ The parallel layers themselves are in `minivllm/model/parallel_layers.py`. The d
 "Distributed execution" (docs/distributed.md) draws who holds what; see also the architecture page
 (docs/architecture.md). This package's `__init__` imports nothing, so that importing one of its
 modules never drags in the others.
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """

@@ -1,8 +1,8 @@
 """The engine behind the server, seen through one interface: `EngineClient` (protocol.py).
 
-Tier: frontends (may import anything below; nothing below imports it). vLLM keeps the same split
-between `vllm/engine/protocol.py` (the interface), `vllm/v1/engine/async_llm.py` (the in-process
-driver) and `vllm/v1/engine/core.py` / `core_client.py` (the engine in a process of its own):
+vLLM keeps the same split between `vllm/engine/protocol.py` (the interface),
+`vllm/v1/engine/async_llm.py` (the in-process driver) and `vllm/v1/engine/core.py` /
+`core_client.py` (the engine in a process of its own):
 
 - protocol.py     `EngineClient`, and `EngineClientBase`, the code its two implementations share
 - async_engine.py `AsyncLLMEngine`: the `LLMEngine` stepped by a thread of the server's process

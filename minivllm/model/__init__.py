@@ -1,1 +1,1 @@
-"""Tier: model. It imports leaves and core."""
+"""The model's math: the layers, each family's model over them, their registry and the loader."""

@@ -13,8 +13,6 @@ the model without meeting a kernel, and reads the kernels where the platform is.
 calls `dispatch_forward` on every op once the weights are loaded (`Platform.dispatch_custom_ops`);
 an op without a forward for the platform, or a model loaded with `custom_ops="none"`, runs
 `forward_native`. The parity tests run both, greedy token-exact against transformers.
-
-Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations

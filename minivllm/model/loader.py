@@ -10,7 +10,7 @@ its layer's weight loader, which copies the part this rank holds: a rank of a te
 group reads only its own slices and never holds the whole model (paper §4.6; the docs'
 architecture page, docs/architecture.md). The errors are in `errors.py`.
 
-Tier: model. Every failure is a `ModelLoadError` subclass whose message says what was looked for and what to do.
+Every failure is a `ModelLoadError` subclass whose message says what was looked for and what to do.
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ model reaches past its training length: `linear` divides every frequency by a fa
 stores those divisors: `rope_freqs`, read as `freq_factors`). The cos/sin table is computed once
 for every position up to the model's limit and indexed by the step's flat `positions`, so one
 batch mixes tokens from any place in any request; in float32, in transformers' order of operations.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ which imports much of transformers' model zoo: about 2 s of a 5 s start-up on tw
 (`python -X importtime`). A folder whose `tokenizer_config.json` names transformers' generic
 tokenizers.json-backed class needs none of that: the class is imported from its own module and
 built directly (`load_tokenizer` in loader.py); any other folder goes to `AutoTokenizer`.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ no other module asks `device.type` to pick its code:
   the device's decode loop, if it has one (`decode_loop_cls`: a decode step's layers as one
   compiled call, which the model runner owns, as vLLM's runner owns CUDA-graph capture).
 
-Tier: leaves. A platform states facts and *names* code (vLLM's platforms return qualified class
-names); it imports nothing of minivllm but the custom-op base, which is a leaf too. The plug-ins it
-names (minivllm/cpu/) sit above the model and are imported by name, on first use, by whoever asks
+A platform states facts and *names* code (vLLM's platforms return qualified class names); it imports
+nothing of minivllm but the custom-op base, which is a leaf too. The plug-ins it names
+(minivllm/cpu/) sit above the model and are imported by name, on first use, by whoever asks
 (`resolve_obj_by_qualname`), so no import goes up a tier and none goes round in a circle.
 """
 

@@ -15,6 +15,4 @@ vLLM v1's `vllm/v1/spec_decode/` and `vllm/v1/sample/rejection_sampler.py`, on p
   the model ran (the scheduler gives a request 1 + k slots and rolls back the rejected ones).
 
 The package is imported only when `speculative_config` is set; its leaf `config.py` apart.
-
-Tier: engine.
 """

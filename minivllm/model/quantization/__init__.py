@@ -6,6 +6,4 @@ from them. GGUF's block formats (`gguf_blocks.py`, `gguf.py`; `gguf_moe.py` for 
 experts) are the one quantization minivllm runs; the kernels that multiply by the blocks without
 dequantizing the whole weight live behind the platform seam (minivllm/cpu/, `triton_gguf.py`),
 each held to the plain-PyTorch reference.
-
-Tier: model. It imports leaves and core.
 """
