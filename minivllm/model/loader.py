@@ -75,7 +75,7 @@ def build_model(
     with torch.device("meta"):
         model = model_cls(config, backend, max_positions, tp).to(dtype)
     # `to_empty`, with `torch.empty` for its `empty_like`: on meta tensors `empty_like` runs
-    # torch's Python reference ops, whose first use imports sympy (~1 s of start-up). Parameters
+    # torch's Python reference ops, whose first use imports sympy, a start-up cost. Parameters
     # only: the one buffer (the RoPE table) is rebuilt below.
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):

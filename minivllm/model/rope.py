@@ -67,7 +67,7 @@ class RotaryEmbedding(CustomOp):
     def __init__(self, config: LlamaConfig, max_positions: int) -> None:
         super().__init__()
         # Computed on the CPU, then moved: on the `meta` device the loader builds the model on,
-        # these few ops would import torch._dynamo (~1 s of start-up) for a table never used.
+        # these few ops would import torch._dynamo (a start-up cost) for a table never used.
         device = torch.get_default_device()
         with torch.device("cpu"):
             inv_freq = rope_inverse_frequencies(config)  # [head_dim // 2]
