@@ -13,8 +13,6 @@ Two measures of the Performance page, each an A/B in the same process, alternati
 `--draft-model PATH` measures the draft-model proposer instead, on a float32 target (the bundled
 file dequantized, `quantization="none"`) drafted by PATH (e.g. the bundled .gguf file itself, run
 on its own Q4_1 blocks), and `--prompt open` asks an open question instead of the copy task.
-
-Tier: an investigation script (outside the package).
 """
 
 from __future__ import annotations

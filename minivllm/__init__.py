@@ -8,8 +8,8 @@ The public names are vLLM's: `LLM`, `SamplingParams`, `RequestOutput`, `Completi
 `EngineArgs` (every engine option, declared once), `BeamSearchParams` and its outputs,
 `StructuredOutputsParams` (a grammar the output must follow).
 
-Tier: package, above every other. Each name is imported on first use (vLLM's `MODULE_ATTRS`): importing
-one module, `minivllm.core.block_pool` say, runs this file first and must not load the engine.
+Each name is imported on first use (vLLM's `MODULE_ATTRS`): importing one module,
+`minivllm.core.block_pool` say, runs this file first and must not load the engine.
 """
 
 from __future__ import annotations

@@ -17,9 +17,7 @@ default: the best this CPU has), `reference`, `generic`, `avx2`, `avx512` or `av
 by minivllm/cpu/isa.py, which refuses a level the CPU lacks.
 
 This module imports nothing of minivllm, so any module may import it without creating a cycle
-(tests/test_imports.py holds the package's import graph acyclic).
-
-Tier: leaves. It imports no other tier of the package.
+(tests/test_package_layout.py holds the package's import graph acyclic).
 """
 
 from __future__ import annotations

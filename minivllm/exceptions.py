@@ -1,7 +1,7 @@
 """Errors that cross a module boundary: what a caller catches (vLLM's vllm/v1/engine/exceptions.py).
 
-Tier: leaves. An error lives here when a lower tier must catch what a higher one raises (the
-attention selector falls back when the CPU plug-in cannot be built).
+An error lives here when a lower tier must catch what a higher one raises (the attention selector
+falls back when the CPU plug-in cannot be built).
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@
 A prompt is a string (tokenized here), a list of token ids, or a dict `{"prompt": ...}` or
 `{"prompt_token_ids": [...]}` (vLLM's TextPrompt / TokensPrompt). Every check that can be made
 before a request reaches the scheduler is made here, with a message that names what is wrong.
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

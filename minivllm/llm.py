@@ -3,8 +3,6 @@
 `LLM` owns an `LLMEngine`, feeds it every prompt at once, and steps it until all are done. That
 is the whole trick of continuous batching from the user's side: hand over all the work and let
 the scheduler keep the batch full (paper §4.5). Outputs come back in input order.
-
-Tier: api and extras. It imports the engine and below; the engine never imports it.
 """
 
 from __future__ import annotations

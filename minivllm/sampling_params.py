@@ -16,8 +16,6 @@ which knows its size.
 Deviations from vLLM, on purpose: no `best_of` or `output_kind` (out of scope); non-finite floats
 are rejected; `logit_bias` values outside OpenAI's [-100, 100] are refused, not clamped. Logprobs
 of -1 (the vocabulary) and the engine's `max_logprobs`: minivllm/engine/logprobs_limit.py.
-
-Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 vLLM's vllm/attention/selector.py: the platform says which backend "auto" means on a device and
 names each backend's class (`Platform.get_attn_backend_cls`); the selector imports the one asked
-for. Tier: engine. It is the only module that turns a backend's name into its class, so the
-contract (attention/__init__.py) stays a leaf and the compiled CPU backend stays a plug-in.
+for. It is the only module that turns a backend's name into its class, so the contract
+(attention/__init__.py) stays a leaf and the compiled CPU backend stays a plug-in.
 """
 
 from __future__ import annotations

@@ -11,6 +11,6 @@ The other peers (transformers, vLLM's CPU build), the matmul floor, the op profi
 investigations are not commands a user runs: they live outside the package, in the top-level
 `benchmarks/` folder of a checkout, and build on these modules.
 
-Tier: frontends. The commands import the offline API, the engine's arguments and, for `bench
-paper`, the experiments; nothing in the package imports them.
+The commands import the offline API, the engine's arguments and, for `bench paper`, the experiments;
+nothing in the package imports them.
 """

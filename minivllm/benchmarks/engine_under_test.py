@@ -1,8 +1,6 @@
 """What the `minivllm bench` commands share besides the workload (workload.py), the report
 (report.py) and the machine's limits (machine.py): the engine under test and a loop that drives it
 step by step, the model's cost in FLOPs and bytes, each tensor-parallel rank's share.
-
-Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

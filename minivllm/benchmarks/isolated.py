@@ -10,8 +10,6 @@ the high-water mark of the process's address space, which starts anew at `exec` 
 Every system gets the same conditions: a fresh process, the same torch thread count, its model
 loaded and warmed up before its timed run; the bench waits for one to end before starting the
 next, so no two compete for the cores.
-
-Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

@@ -20,8 +20,6 @@ Why this peer lives in the package, while transformers and vLLM live in the top-
 `benchmarks/`: it is a process and an HTTP client, it needs nothing `minivllm bench` does not
 already import (httpx), and the comparison is one a CPU user runs; vLLM's `vllm bench serve` has a
 llama.cpp backend for the same reason.
-
-Tier: frontends. It may import anything below; nothing in the package imports it but the benches.
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@ memory-bound work (a GPU's decode step, the paged decode kernel) against `measur
 the one bandwidth probe of the benches and of the microbenchmarks in the top-level `benchmarks/`.
 Both are timed with `synchronize` around them, so that a GPU's asynchronous launches are counted
 to their end. `timed_us` is the microbenchmarks' timer for short host-side (CPU) calls.
-
-Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations
@@ -72,7 +70,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 2**30, repeats: i
     small share of a GPU's run). Take `nbytes` far past the last-level cache (the default 1 GiB
     is 20x an H100's L2; 256 MiB suffices on a CPU). The copy goes into a tensor allocated once:
     `clone()` would allocate fresh pages every call and time the kernel's page faults rather than
-    the memory (on this project's CPU: 4.8 GB/s against ~15)."""
+    the memory, a fraction of the copy's bandwidth."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     dst.copy_(src)  # warm-up: the pages of both are touched before anything is timed

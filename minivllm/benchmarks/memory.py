@@ -14,8 +14,6 @@ read after every step. The naive allocator is simulated on the same requests wit
 scheduling rules (FCFS admission, the same token budget and `max_num_seqs`, decodes first, chunked
 prompts), except that admitting a request reserves `max_model_len` contiguous slots up front, as
 the systems before vLLM did (Orca (Max) in the paper). A PNG shows both runs step by step.
-
-Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

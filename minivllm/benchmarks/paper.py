@@ -25,8 +25,6 @@ Two modes:
                                  clock is the sum of the steps' measured CPU time (this process's:
                                  other jobs on a shared machine do not count), and idle gaps
                                  between arrivals are skipped, not slept (nothing runs then)
-
-Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The figures of `minivllm bench paper`: Fig. 12 (normalized latency against request rate) and
 Fig. 13 (the mean number of requests in a step), drawn from its results with matplotlib (the
-`bench` extra).
-
-Tier: frontends. It may import anything below; nothing in the package imports it."""
+`bench` extra)."""
 
 from __future__ import annotations
 

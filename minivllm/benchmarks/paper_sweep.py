@@ -5,8 +5,6 @@ paper's metrics (§6.2): normalized latency, batched requests, the highest susta
 (workload, policy, rate) point; `summarize` finds each policy's sustained rate and paged's ratios.
 The same seed draws the same lengths at every rate (only the gaps between arrivals scale), so
 points differ in load alone.
-
-Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

@@ -11,8 +11,6 @@ Two scenarios, each run twice on fresh engines:
 
 For each run: prompt tokens whose K/V was computed, the peak KV blocks in use
 (`EngineStats.peak_kv_blocks_used`) and output tokens/s.
-
-Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

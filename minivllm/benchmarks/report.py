@@ -5,8 +5,6 @@ The row builders (throughput: each system's speed and memory, each tensor-parall
 memory, prefix and sharing: their one table each) are shared by the bench's printout and the docs'
 hook (docs/hooks/perf_tables.py), so that the terminal and the Performance page always show the
 same columns from the same JSON.
-
-Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

@@ -16,8 +16,6 @@ With `--llama-server PATH`, the same prompts then go to llama.cpp's server, star
 a GGUF file (`--llama-cpp-model`, unset: the bundled SmolLM2's; serve the same file from the server
 under test) with one slot per request in flight (llama_cpp.py), after a warm-up of each server; the
 two summaries and the ratio of their output throughputs are printed, and kept in the JSON.
-
-Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ block (return, error or Ctrl-C alike) stops the group: SIGTERM, then SIGKILL 10 
 either way. On Linux the server also dies with the bench (`PR_SET_PDEATHSIG`), should the bench
 itself be killed. A server that exits before it is healthy is an error that quotes the end of its
 log; its peak resident set (VmHWM) can be read while it runs.
-
-Tier: frontends. It may import anything below; nothing in the package imports it but the benches.
 """
 
 from __future__ import annotations

@@ -14,8 +14,6 @@ mean lengths of the paper's Fig. 11 (lengths drawn from an exponential distribut
 
     alpaca     prompts ~19 tokens, outputs ~58   (short instructions)
     sharegpt   prompts ~161 tokens, outputs ~338 (long conversations)
-
-Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

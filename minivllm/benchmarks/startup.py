@@ -15,8 +15,6 @@ first run on a machine pays: the GGUF conversion and the C++ compilation.
 Each phase is reported as wall time and as the process's CPU time. On a shared machine the wall
 time grows with the load while the CPU time barely does, so the load average is printed beside
 them; on quiet cores, wall is close to CPU for these mostly single-threaded phases.
-
-Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ roofline and the op profile are investigations, not a user's command: `python -m
 benchmarks.throughput_vs_peers` in a checkout (benchmarks/README.md), which builds on the
 functions here.
 
-Tier: frontends (a command). It imports the offline API and the engine's arguments.
+It imports the offline API and the engine's arguments.
 """
 
 from __future__ import annotations

@@ -14,8 +14,6 @@ benches is only the length profile:
 Everything is drawn from one `random.Random`, so a seed gives the same workload on every run and
 machine. Token ids come from a `token_pool`: the vocabulary without the special tokens (or without
 its lowest ids, where special tokens live in most vocabularies, when no tokenizer is at hand).
-
-Tier: frontends. It may import anything below; nothing in the package imports it.
 """
 
 from __future__ import annotations

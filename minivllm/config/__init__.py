@@ -9,8 +9,6 @@ allowed range, so a bad argument fails at construction, the same way from `LLM(.
 the benches. `ResolvedConfig` is what `create_engine_config()` then found out from the model's
 files and the machine (vLLM's `ModelConfig` carries the same: the HF config, the dtype, the
 max_model_len), so that the engine receives every decision made and makes none itself.
-
-Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@ prompt lookup over the sequence's own tokens) and a draft model (`model=PATH_OR_
 check names the field and the allowed range, so the server answers a bad `--speculative-config`
 before any weight loads (the draft model's files are read with the target's, in
 `EngineArgs.create_engine_config`).
-
-Tier: leaves (no torch, no package import).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The block pool: owns every physical KV block and hands them out — get, touch, free, evict, cache.
 
-Tier: core bookkeeping (imports only leaves and core; no torch). vLLM v1's `BlockPool`
-(`vllm/v1/core/block_pool.py`): the one place where a block changes hands, so the counts that
-depend on who holds what (free blocks, evictable cached blocks, filled slots) are kept here, next
-to the changes. Which sequence holds which block is the KV cache manager's (`kv_cache_manager.py`).
+vLLM v1's `BlockPool` (`vllm/v1/core/block_pool.py`): the one place where a block changes hands, so
+the counts that depend on who holds what (free blocks, evictable cached blocks, filled slots) are
+kept here, next to the changes. Which sequence holds which block is the KV cache manager's
+(`kv_cache_manager.py`).
 
 - A block is *held* while its reference count is above 0 (several block tables may share it,
   paper §4.4) and *free* otherwise; free blocks wait in the free queue, least recently freed first.

@@ -23,8 +23,6 @@ It is a `KVCacheManager` (the scheduler cannot tell) whose own table dict stays 
 keeps of its base is the pool-wide accounting (free blocks, stats and peaks, reset, forks).
 Group 0 is a global group: its table is `get_block_table`'s, the others travel in the step's
 `ScheduledSequence.group_block_tables`.
-
-Tier: core bookkeeping (imports only leaves and core; no torch).
 """
 
 from __future__ import annotations

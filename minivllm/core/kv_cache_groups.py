@@ -15,8 +15,6 @@ whichever group holds b. A kind whose layers do not fill its last group leaves s
 
     Gemma 2, 26 layers:  (13 global), (13 windowed)             group_size 13, 2 groups
     Gemma 3, 26 layers:  (4 global), 6 x (up to 4 windowed)     group_size 4,  7 groups
-
-Tier: core bookkeeping (imports only leaves and core; no torch).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The KV cache manager: per-sequence block tables, copy-on-write and prefix caching, over the pool.
 
-Tier: core bookkeeping (imports only leaves and core; no torch). vLLM v1's `KVCacheManager`
-(`vllm/v1/core/kv_cache_manager.py`): it decides which physical block holds which token of which
-sequence; the blocks change hands in `block_pool.py`, and the model runner owns the cache tensors
-and turns block tables into slot mappings.
+vLLM v1's `KVCacheManager` (`vllm/v1/core/kv_cache_manager.py`): it decides which physical block
+holds which token of which sequence; the blocks change hands in `block_pool.py`, and the model
+runner owns the cache tensors and turns block tables into slot mappings.
 
 - Paged memory (PagedAttention paper §4.2–4.3): a sequence of `t` tokens holds `ceil(t / block_size)`
   blocks, allocated on demand, listed in logical order in its *block table*.

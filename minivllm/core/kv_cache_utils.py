@@ -1,9 +1,8 @@
 """The types of the KV cache's bookkeeping: blocks, the free queue that orders their eviction, the
 content hashes that name full blocks for prefix caching, and the read-only views listeners get.
 
-Tier: core bookkeeping (imports only leaves; no torch). vLLM v1 keeps the same set in
-`vllm/v1/core/kv_cache_utils.py`; `block_pool.py` holds the operations on them, `kv_cache_manager.py`
-the per-sequence block tables.
+vLLM v1 keeps the same set in `vllm/v1/core/kv_cache_utils.py`; `block_pool.py` holds the operations
+on them, `kv_cache_manager.py` the per-sequence block tables.
 
 - Physical blocks (PagedAttention paper §4.1): the KV cache is cut into fixed-size blocks of
   `block_size` token slots; `KVCacheBlock` is one of them, with the reference count that lets

@@ -2,8 +2,6 @@
 
 `LLMEngine.step()` returns one `RequestOutput` per request that progressed, cumulative (the text
 and tokens so far), so a streaming caller takes the new suffix and an offline caller the last one.
-
-Tier: core. It imports only leaves and core, and no torch.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Iteration-level scheduling under a token budget: decodes first, prompt chunks, preemption.
 
-The paper's §4.5 and vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py). Tier: core
-bookkeeping (imports only leaves and core; no torch). The scheduler is the only owner of the KV
-cache manager: admission, slots, forks, preemption and freeing all go through it. Every step:
+The paper's §4.5 and vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py). The scheduler is the
+only owner of the KV cache manager: admission, slots, forks, preemption and freeing all go through
+it. Every step:
 
 1. Running sequences, oldest first, each get what they still need — one token for a decode, the
    rest of the prompt (up to the remaining budget) for a prompt that is being chunked. A sequence

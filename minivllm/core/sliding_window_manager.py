@@ -22,8 +22,6 @@ holds about W / block_size + 1 blocks, however long it gets.
 
 A model that mixes windowed and global layers (Gemma 2/3) has one of these per windowed group of
 layers, beside a plain manager per global group, over one pool (kv_cache_coordinator.py).
-
-Tier: core bookkeeping (imports only leaves and core; no torch).
 """
 
 from __future__ import annotations

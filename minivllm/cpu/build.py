@@ -32,8 +32,6 @@ step, at the price of three things this module takes care of:
 
 Where it all lives: `$MINIVLLM_CACHE/torch_extensions/` (see `minivllm/envs.py`). Every op's Python
 wrapper is in `ops.py`; docs/concepts/attention-kernels.md explains the build.
-
-Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """
 
 from __future__ import annotations

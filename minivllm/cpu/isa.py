@@ -24,7 +24,7 @@ To run as an AVX2 machine would in every respect, PyTorch's own kernels and oneD
 to the same level: `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (read by PyTorch and oneDNN
 when they start, so they go in the environment, not here); `make test` does so for its AVX2 pass.
 
-Tier: platform plug-ins. It imports no other module of the package.
+It imports no other module of the package.
 """
 
 from __future__ import annotations

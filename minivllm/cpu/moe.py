@@ -18,8 +18,6 @@ Experts a GGUF file stores in blocks (quantization/gguf_moe.py) are not packed: 
 rows are multiplied by its blocks with the quantized GEMM the linears use (`gguf_linear`, which
 unpacks each block where it is used), part by part, as `gguf_linear_cpu` runs a fused linear;
 the reference it is held to dequantizes the expert and multiplies (tests/test_model_gguf_moe.py).
-
-Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """
 
 from __future__ import annotations

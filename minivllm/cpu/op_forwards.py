@@ -3,34 +3,32 @@
 Each function below is registered (`register_forward`) for the op class whose `forward_native`
 it replaces when the CPU platform runs `custom_ops="all"`; it computes the same result, and the
 tests hold it there (tests/test_model_llama.py, greedy token-exact against transformers). What
-each one buys, measured on SmolLM2-135M with 2 cores:
+each one buys (the Performance page, docs/performance.md, has the measurements and their
+commands):
 
 - **Linears** (`ColumnParallelLinear`, `QKVParallelLinear`, `RowParallelLinear`): where oneDNN
   is built in, each weight is replaced at load by itself in oneDNN's blocked layout
   (`prepack_linear`; vLLM's CPU build packs the same way), and oneDNN runs every row count on it:
-  per decoder layer of SmolLM2 it is 2.2-2.3x faster than MKL at 96-512 float32 rows (a
-  prompt's), 1.1-1.2x faster than the skinny GEMM at 8-64. The layer holds the packed weight
-  only: a plain copy beside it would cost the linears' size again (425 MB for SmolLM2 in float32)
-  for the skinny GEMM's 1.1-1.3x at 1-5 float32 rows. `forward_native` and `state_dict()` read it
-  back plain, exactly. bfloat16 weights are packed where the CPU has bf16 dot-product
-  instructions (AVX512-BF16, AMX): MKL's bf16 `aten::mm` does not use them (oneDNN 1.6-1.9x
-  faster at 1-8 rows). oneDNN's output is token-major. A weight oneDNN does not pack (no oneDNN,
-  float16) stays plain: up to `SKINNY_GEMM_MAX_ROWS` float32 rows go to the skinny GEMM
-  (`cpu_skinny_gemm.cpp`, which streams the weight once; token-major rows), more to MKL as
-  (W · xᵀ)ᵀ (~1.3x faster than `F.linear`), whose result is a transposed ("feature-major") view
-  that the fused ops, RoPE and the CPU attention backend read as it is.
+  MKL packs its operands again on every call, oneDNN once, at load. The layer holds the packed
+  weight only: a plain copy beside it would cost the linears' size again (425 MB for SmolLM2 in
+  float32) for the skinny GEMM's small lead at a handful of float32 rows. `forward_native` and
+  `state_dict()` read it back plain, exactly. bfloat16 weights are packed where the CPU has bf16
+  dot-product instructions (AVX512-BF16, AMX): MKL's bf16 `aten::mm` does not use them, oneDNN
+  does. oneDNN's output is token-major. A weight oneDNN does not pack (no oneDNN, float16) stays
+  plain: up to `SKINNY_GEMM_MAX_ROWS` float32 rows go to the skinny GEMM (`cpu_skinny_gemm.cpp`,
+  which streams the weight once; token-major rows), more to MKL as (W · xᵀ)ᵀ, the operand order
+  MKL runs faster than `F.linear`'s, whose result is a transposed ("feature-major") view that the
+  fused ops, RoPE and the CPU attention backend read as it is.
 - **RMSNorm, SiLU·mul, RoPE**: one fused pass over memory each (`cpu_layernorm.cpp`,
-  `cpu_activation_rope.cpp`), where plain PyTorch runs a chain of ops (RMSNorm alone is eight);
-  unfused, that work was a sixth of an engine step (issue 16's profile).
+  `cpu_activation_rope.cpp`), where plain PyTorch runs a chain of ops (RMSNorm alone is eight),
+  each a full pass over the activation: bytes moved, not arithmetic done.
 - **LM head**: the largest matmul of a small model's step (113 MB for SmolLM2). An untied head
-  is packed as the linears are and runs on oneDNN (1.5-3x faster than MKL at 1-128 float32 rows;
-  bfloat16: 1.8x at 1 row, 1.3x at 64). A tied head (SmolLM2's) is the embedding's table, whose
-  lookup reads plain rows, so it stays plain, held once for both: up to `SKINNY_GEMM_MAX_ROWS`
-  sampled float32 rows go to the skinny GEMM (1.1-1.3x faster than oneDNN up to 24 rows, 5-15 %
-  slower above), more (and a bfloat16 tied head's rows) to MKL in slices of `LM_HEAD_ROWS`
-  vocabulary rows, 1.2-1.4x faster than in one call.
-
-Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
+  is packed as the linears are and runs on oneDNN. A tied head (SmolLM2's) is the embedding's
+  table, whose lookup reads plain rows, so it stays plain, held once for both: up to
+  `SKINNY_GEMM_MAX_ROWS` sampled float32 rows go to the skinny GEMM, which leads oneDNN at few
+  rows, more (and a bfloat16 tied head's rows) to MKL in slices of `LM_HEAD_ROWS` vocabulary rows:
+  on a weight far larger than the caches MKL ran the slices faster than one call, with the same
+  results.
 """
 
 from __future__ import annotations

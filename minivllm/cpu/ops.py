@@ -26,8 +26,6 @@ The plain-PyTorch forms are their specification: each custom op's `forward_nativ
 reference attention backend; `tests/test_kernels_<source>.py` holds each source to its formula.
 The library is built on first use by `build.py`; where it cannot be built, `load_cpu_kernels`
 raises `CpuKernelUnavailable`.
-
-Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
 """
 
 from __future__ import annotations
@@ -63,8 +61,8 @@ __all__ = [
 ]
 
 # The most token rows a linear sends to the skinny GEMM (`cpu_skinny_gemm.cpp`); above it MKL's
-# packed GEMM is as fast or faster (measured over SmolLM2's 30 layers on 2 cores: the kernel is
-# 1.2x faster at 32 rows, 1.1x at 64, 0.96x at 96; python benchmarks/skinny_gemm.py).
+# packed GEMM is as fast or faster: the kernel's lead shrinks with the rows and is gone by 96
+# (python benchmarks/skinny_gemm.py measures both over a model's layers).
 SKINNY_GEMM_MAX_ROWS = 64
 # The GGML types that `gguf_linear` and `gguf_dequantize` take (`int(gguf.GGMLQuantizationType.X)`),
 # each with (weights per block, bytes per block) as in `gguf.GGML_QUANT_SIZES`: Q4_0, Q4_1, Q5_0,

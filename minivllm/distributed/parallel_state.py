@@ -22,8 +22,8 @@ collective call. The group is handed to the model explicitly (not read from a gl
 nano-vllm's layers read `dist.get_rank()`), so a rank's shard can also be built, for a test or a
 memory estimate, without any process group.
 
-Tier: model (the handle the layers hold). Starting and joining the process groups is
-`process_group.py`, which only tensor parallelism imports.
+Starting and joining the process groups is `process_group.py`, which only tensor parallelism
+imports.
 """
 
 from __future__ import annotations

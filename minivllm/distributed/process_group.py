@@ -3,7 +3,7 @@
 The two groups of parallel_state.py's docstring: the *device group* (torch's default group, for
 the model's collectives: NCCL on CUDA, gloo on CPU) and the *control group* (gloo, for the
 driver's messages). Imported by the tensor-parallel executors and workers only, never by the
-single-device engine. Tier: engine.
+single-device engine.
 """
 
 from __future__ import annotations

@@ -12,8 +12,6 @@ ways of setting an option are all generated from these fields, so they cannot dr
 (`ModelConfig`, `CacheConfig`, `SchedulerConfig`, `ParallelConfig`), whose `__post_init__`
 checks the values, so a bad value fails the same way from every surface. See the architecture
 page (docs/architecture.md) for where each config is read.
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

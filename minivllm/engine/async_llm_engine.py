@@ -1,10 +1,10 @@
 """AsyncLLMEngine: the blocking `LLMEngine` driven by one thread, fed and read from asyncio.
 
-Tier: frontends (may import anything below; nothing below imports it). One of the two
-`EngineClient`s (protocol.py); the other runs the engine in a process of its own (client.py).
-vLLM's `AsyncLLM` (vllm/v1/engine/async_llm.py) puts the engine core in another process and talks
-to it over ZeroMQ; here a thread is enough by default, because `LLMEngine.step()` spends its time
-in PyTorch ops, which release the GIL. The design keeps the engine single-threaded all the same:
+One of the two `EngineClient`s (protocol.py); the other runs the engine in a process of its own
+(client.py). vLLM's `AsyncLLM` (vllm/v1/engine/async_llm.py) puts the engine core in another process
+and talks to it over ZeroMQ; here a thread is enough by default, because `LLMEngine.step()` spends
+its time in PyTorch ops, which release the GIL. The design keeps the engine single-threaded all the
+same:
 
 - Handlers never touch the engine. `add_request` / `abort` put a command on a thread-safe queue;
   the engine thread applies the commands *between* steps, so no step ever sees a half-added request

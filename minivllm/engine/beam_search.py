@@ -20,8 +20,6 @@ sampled in a round (vLLM's `LLM.beam_search` semantics: candidates are each beam
 `2 * beam_width` tokens by log-probability; the score is `cum_logprob / len ** length_penalty`
 over prompt and output, not counting a final EOS; a beam that draws EOS is complete unless
 `ignore_eos`; after `max_tokens` the best `beam_width` complete or running beams are returned).
-
-Tier: api and extras. It imports the engine and below; the engine never imports it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """EngineCoreProc: the `LLMEngine` in a process of its own, driven over a pipe.
 
-Tier: frontends (may import anything below; nothing below imports it).
-
 vLLM v1 runs its engine core in a separate process (vllm/v1/engine/core.py `EngineCoreProc`) so
 that the server's host work -- HTTP, JSON and SSE encoding, tokenization, the event loop -- never
 takes the interpreter (and its GIL) from the model's steps. Here the same split, over one

@@ -1,7 +1,5 @@
 """The frontend's side of the engine-core process (vLLM v1's core_client.py `AsyncMPClient`).
 
-Tier: frontends (may import anything below; nothing below imports it).
-
 - `EngineCoreClient` starts the core (core.py) in a spawned process, waits for its
   handshake, and stands in for the `LLMEngine` wherever the frontend needs facts about the model
   but not the model itself: the tokenizer (loaded here, in the frontend, where prompts are

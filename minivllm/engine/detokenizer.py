@@ -28,8 +28,6 @@ finished. Deltas never need to be taken back: the longest end of the text that i
 some stop string is held back until the next tokens show that it is not one (or `finish()` flushes
 it). EOS and `stop_token_ids` that end the sequence are not decoded, unless
 `include_stop_str_in_output` (vLLM's behaviour; EOS is still dropped by `skip_special_tokens`).
-
-Tier: core. It imports only leaves and core, and no torch.
 """
 
 from __future__ import annotations

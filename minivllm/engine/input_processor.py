@@ -8,7 +8,7 @@ against `max_num_seqs` and logprobs against `max_logprobs`, the model's extra en
 become stop tokens, the token ids the request names are checked against the vocabulary, and the
 prompt is tokenized, truncated and checked against `max_model_len` (minivllm/inputs.py).
 
-Tier: engine. It imports the inputs, the sampling parameters and the request type.
+It imports the inputs, the sampling parameters and the request type.
 """
 
 from __future__ import annotations

@@ -14,8 +14,6 @@ steps (the engine's counters, the step trace) listens (`step_listener.py`).
 
 A step that raises (an exception, or Ctrl-C inside the model) fails the requests it carried and
 frees their blocks; the prefix-cache names it gave are withdrawn (final only when a step commits).
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ than the engine's `max_logprobs` (EngineArgs, `--max-logprobs`; -1: the vocabula
 default 20). The engine's input processor and the server both hold a request to it (the server
 first, so that the refusal is a 400 before the request reaches the engine).
 
-Tier: engine. It imports the sampling parameters only.
+It imports the sampling parameters only.
 """
 
 from __future__ import annotations

@@ -14,8 +14,6 @@ tokens are known. For every sequence that sampled a token this step it:
 
 It never frees blocks: it reports which sequences finished, and the engine tells the scheduler,
 the only owner of the KV bookkeeping (see "one engine step" on the docs' architecture page).
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

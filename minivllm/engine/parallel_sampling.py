@@ -15,8 +15,6 @@ any other parameters object brings its own hook (`RequestParams.make_after_sampl
 keeps its state (a beam search's candidates and finished beams) off `Request` and `Sequence`.
 Both sides of a step call it: `sequences_to_sample` before the sampler (which sequences draw from a row),
 `process` after the commit (forks share the blocks the step completed).
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """`EngineClient`: the one interface the server's handlers drive an engine through.
 
-Tier: frontends (may import anything below; nothing below imports it). vLLM's `EngineClient`
-(vllm/engine/protocol.py), which `AsyncLLM` and the engine-core clients implement, so that the
-OpenAI handlers never ask which one they hold. Here two implementations:
+vLLM's `EngineClient` (vllm/engine/protocol.py), which `AsyncLLM` and the engine-core clients
+implement, so that the OpenAI handlers never ask which one they hold. Here two implementations:
 
 - `AsyncLLMEngine` (async_engine.py): the `LLMEngine` stepped by a thread of the server's process.
 - `AsyncMPClient` (client.py): the `LLMEngine` in a process of its own (core.py), over a pipe.

@@ -17,8 +17,6 @@ its runner (drafting at the end of a step) and `RejectionSampler`. Here, each st
    the output processor one row per kept token, so stop strings, EOS and max_tokens inside a kept
    run end the sequence there; the scheduler's commit lowers `num_computed_tokens` by the rejected
    count and gives back their slots (the next step overwrites them).
-
-Tier: engine.
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ paper's Fig. 2 framing: of the KV slots allocated to requests, how many hold rea
 the committed steps and the tokens they sampled; the rest is read when asked from the
 KV cache manager and the scheduler, which count their own events (`KVCacheManagerStats`, in
 core/kv_cache_utils.py).
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

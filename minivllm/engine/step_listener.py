@@ -17,8 +17,6 @@ The engine's own counters (`stats.StatsCollector`) and the step trace
 publishes nothing: its requests are failed and its blocks freed instead (`LLMEngine._fail_step`).
 Listeners run on the engine's thread, inside `step()`: they must be quick and must not change
 what they are given.
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

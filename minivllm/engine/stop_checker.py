@@ -16,8 +16,6 @@ the sequence is exactly that one, and stop strings follow the same rule (as vLLM
 
 Order: a stop is reported before a length cap (v0's order), so a sequence whose last allowed token
 is EOS finishes with "stop" — the more informative answer, and what OpenAI's API reports.
-
-Tier: core. It imports only leaves and core, and no torch.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """The server's API key: `--api-key`, or else the `VLLM_API_KEY` environment variable.
 
-Tier: frontends (may import anything below; nothing below imports it).
-
 vLLM reads both (`vllm/entrypoints/openai/api_server.py`: "Ensure --api-key option from CLI takes
 precedence over VLLM_API_KEY"), so a deployment that sets only the variable is protected by either
 server. When both are set, the flag's value is the key and the variable is ignored, as in vLLM. An

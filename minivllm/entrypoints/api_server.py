@@ -1,9 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app(engine)`, composed of its middlewares and routes.
 
-Tier: frontends (may import anything below; nothing below imports it). vLLM's
-vllm/entrypoints/openai/api_server.py. The handlers drive the engine through one interface,
-`EngineClient` (minivllm/engine/protocol.py); `make_engine_client` is the one place that
-picks its implementation (the engine in a thread of this process, or in a process of its own).
+vLLM's vllm/entrypoints/openai/api_server.py. The handlers drive the engine through one interface,
+`EngineClient` (minivllm/engine/protocol.py); `make_engine_client` is the one place that picks
+its implementation (the engine in a thread of this process, or in a process of its own).
 
 Why FastAPI + uvicorn + pydantic: it is vLLM's own stack, so its code maps onto ours line for
 line; pydantic models are the request schema *and* the validator (with the field name in every

@@ -3,8 +3,6 @@ and `minivllm bench {throughput,memory,prefix,sharing,serve} ...`, with vLLM's f
 (vllm/entrypoints/cli/). The engine's flags come from `EngineArgs` (minivllm/engine/arg_utils.py),
 the one declaration of the engine's options; the server's from the table in cli_args.py.
 
-Tier: frontends (may import anything below; nothing below imports it).
-
 Subcommand modules are imported only when their subcommand runs, so `minivllm serve` never pays
 for the benchmarks' imports (matplotlib, ...) and the CLI works while a benchmark is missing. Each
 bench module follows one convention: `add_arguments(parser)` and `main(args) -> int`.

@@ -1,9 +1,8 @@
 """The server's own flags of `minivllm serve`, declared once as a table (vLLM's FrontendArgs,
 vllm/entrypoints/openai/cli_args.py); the engine's flags come from `EngineArgs`.
 
-Tier: frontends (may import anything below; nothing below imports it). Cheap to import (no
-FastAPI, no torch): `minivllm --help` reads it, and `api_server.build_app` takes its defaults
-from the constants here, so a default is written in one place.
+Cheap to import (no FastAPI, no torch): `minivllm --help` reads it, and `api_server.build_app` takes
+its defaults from the constants here, so a default is written in one place.
 """
 
 from __future__ import annotations

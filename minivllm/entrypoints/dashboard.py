@@ -16,8 +16,6 @@ plain JSON route, and a page that falls behind just asks for more.
   and keeps it in the tab's sessionStorage.
 
 See the docs' architecture page (docs/architecture.md) for the step the recorder subscribes to.
-
-Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ drain time to finish, then they are aborted and the server exits. uvicorn alone 
 every open connection for ever (its `timeout_graceful_shutdown` is unset by default), and when
 given one it cancels the handlers, which cuts each stream with an ASGI traceback; aborting the
 requests through the engine first ends each stream as an aborted request's ends.
-
-Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

@@ -17,8 +17,6 @@ logprobs. `prompt_logprobs` (vLLM's field) is returned as vLLM does: per prompt 
 With `as_ids` (the server's `--return-tokens-as-token-ids`, vLLM's flag) every token is the string
 `token_id:N` instead of its text: a client that must map logprobs back to ids (some tokens do not
 decode to text on their own) gets them exactly; `text_offset` still counts the text's characters.
-
-Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the server tells its operators: Prometheus metrics and the periodic stats log line.
 
-Tier: frontends (may import anything below; nothing below imports it). The names, types, labels and buckets are vLLM v1's (`vllm/v1/metrics/loggers.py`:
+The names, types, labels and buckets are vLLM v1's (`vllm/v1/metrics/loggers.py`:
 `PrometheusStatLogger`), `vllm:` prefix included, so that a Grafana dashboard or an autoscaler
 written for vLLM reads this server unchanged; every series carries a `model_name` label. Each app
 owns its `CollectorRegistry` (not prometheus_client's global one), so tests can build several apps

@@ -1,8 +1,6 @@
 """The server's ASGI middlewares: the API key and the body-size limit, request ids in headers,
 and the server load (what vLLM's server does around its routes, not in them).
 
-Tier: frontends (may import anything below; nothing below imports it).
-
 - `GuardMiddleware`: 401 on /v1/* without the API key (compared in constant time); 413 for a
   body over `--max-request-body-bytes`, known from Content-Length or found while reading.
 - `RequestIdMiddleware` (vLLM's `--enable-request-id-headers`): every response carries an

@@ -9,8 +9,6 @@ schema per model in `components.schemas`, referenced by each route's `requestBod
 `openapi_extra`, its documented way for a body the handler reads itself), so the schema cannot
 drift from the validation. Responses are documented from the response models, stream events
 included, and every 4xx/5xx as OpenAI's error object. See docs/serving.md.
-
-Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

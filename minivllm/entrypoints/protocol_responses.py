@@ -7,8 +7,6 @@ What minivllm serves: `input` as a string or a list of messages (`role` + `conte
 (text, a JSON object, a JSON schema), output logprobs (`include` + `top_logprobs`), and the stored
 responses' fields (`store`, `previous_response_id`, `background`; responses_store.py). Tools and
 reasoning are a 400 that says so.
-
-Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

@@ -4,8 +4,6 @@ Requests: `response_format` (OpenAI: text, json_object, json_schema), vLLM's `st
 object (`StructuredOutputsParams` as JSON), `tools` / `tool_choice` / `parallel_tool_calls`, and
 the messages that carry calls (`assistant` with `tool_calls`, `tool` with `tool_call_id`).
 Responses: the `tool_calls` of a message, and their streamed deltas.
-
-Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

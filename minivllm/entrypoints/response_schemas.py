@@ -4,8 +4,6 @@ The handlers build plain dicts; these models document them: `openapi.py` publish
 server's schema (what `/docs` shows and what clients generate code from), and the schema-driven
 fuzz test (tests/test_server_fuzz.py) fails on any field a handler sends that is not named here.
 The request models, which validate, are in `protocol.py`.
-
-Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

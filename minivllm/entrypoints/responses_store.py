@@ -6,8 +6,6 @@ vLLM keeps them in two dicts that only grow, behind `VLLM_ENABLE_RESPONSES_API_S
 store is bounded: it keeps the `max_responses` most recently used (stored, read, continued from);
 putting one more evicts the least recently used, and a background run still going when its entry is
 evicted is cancelled with it, so no task outlives the only handle that could cancel it.
-
-Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The server's routes, in groups: `add_*_routes(app, ...)`, each adding one group to the app.
 
-Tier: frontends (may import anything below; nothing below imports it). vLLM's routes in
-vllm/entrypoints/openai/api_server.py; `build_app` (api_server.py) composes the groups. A route
-parses its body itself (`parse_body`) so that every schema error is OpenAI's 400, then calls its
-handler (`Handlers`: vLLM's `OpenAIServing*` objects), which drives the engine through its
-`EngineClient`.
+vLLM's routes in vllm/entrypoints/openai/api_server.py; `build_app` (api_server.py) composes the
+groups. A route parses its body itself (`parse_body`) so that every schema error is OpenAI's 400,
+then calls its handler (`Handlers`: vLLM's `OpenAIServing*` objects), which drives the engine
+through its `EngineClient`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """What the two generation endpoints share: request checks, SamplingParams, engine plumbing, SSE.
 
-Tier: frontends (may import anything below; nothing below imports it). vLLM's `OpenAIServing` (vllm/entrypoints/openai/serving_engine.py), the base of
+vLLM's `OpenAIServing` (vllm/entrypoints/openai/serving_engine.py), the base of
 `OpenAIServingCompletion` (serving_completion.py) and `OpenAIServingChat` (serving_chat.py), which
-differ only in how the prompt is made (text or token ids vs. the chat template) and in the names
-of the response fields. Every check that can fail runs before the first byte is sent, so a bad
-request is a 400 and never a broken stream; a failure after the stream began (the engine failed
-the step that carried the request) is sent as an error event followed by `data: [DONE]`, and the
-same failure without streaming is a 500 in OpenAI's error shape. See docs/serving.md.
+differ only in how the prompt is made (text or token ids vs. the chat template) and in the names of
+the response fields. Every check that can fail runs before the first byte is sent, so a bad request
+is a 400 and never a broken stream; a failure after the stream began (the engine failed the step
+that carried the request) is sent as an error event followed by `data: [DONE]`, and the same failure
+without streaming is a 500 in OpenAI's error shape. See docs/serving.md.
 """
 
 from __future__ import annotations

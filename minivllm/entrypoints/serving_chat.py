@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: messages through the model's chat template (vLLM's serving_chat.py).
 
-Tier: frontends (may import anything below; nothing below imports it). A stream starts with one `{"role": "assistant"}` delta per choice, as OpenAI's does; the choices
-are the request's n samples of its one prompt.
+A stream starts with one `{"role": "assistant"}` delta per choice, as OpenAI's does; the choices are
+the request's n samples of its one prompt.
 
 Tool calling (`tools`, `tool_choice`): "none" generates text; "required" and a named function
 force a valid call through the grammar engine (`tool_parsers/forced.py`); "auto" lets the model

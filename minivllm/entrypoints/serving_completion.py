@@ -1,6 +1,6 @@
 """POST /v1/completions: OpenAI's legacy text completion (vLLM's serving_completion.py).
 
-Tier: frontends (may import anything below; nothing below imports it). A completion with several prompts becomes one engine request per prompt, sharing one output queue;
+A completion with several prompts becomes one engine request per prompt, sharing one output queue;
 the choices are numbered prompt-major (`prompt_index * n + sample_index`), as OpenAI does.
 """
 

@@ -6,8 +6,6 @@ the engine request is the same. What differs is the shape: `output` items instea
 `usage` as input/output tokens, `status` "incomplete" when `max_output_tokens` cut the text, and a
 stream of typed events (`response.created`, `response.output_text.delta`, ...,
 `response.completed`), each with a `sequence_number`, instead of chunks.
-
-Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

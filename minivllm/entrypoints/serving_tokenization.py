@@ -1,12 +1,11 @@
 """POST /tokenize, /detokenize and GET /tokenizer_info: vLLM's tokenizer endpoints
 (vLLM's serving_tokenization.py).
 
-Tier: frontends (may import anything below; nothing below imports it). A client counts a prompt's
-tokens, or renders a conversation through the chat template exactly as a chat completion would,
-without running the model; `return_token_strs` adds each token's string, and `tools` are rendered
-as a chat completion with those tools renders them. `tokenizer_info` is
-vLLM's `GET /tokenizer_info` (behind `--enable-tokenizer-info-endpoint`, because it exposes the
-chat template): the tokenizer's class and its JSON-safe init settings.
+A client counts a prompt's tokens, or renders a conversation through the chat template exactly as a
+chat completion would, without running the model; `return_token_strs` adds each token's string, and
+`tools` are rendered as a chat completion with those tools renders them. `tokenizer_info` is vLLM's
+`GET /tokenizer_info` (behind `--enable-tokenizer-info-endpoint`, because it exposes the chat
+template): the tokenizer's class and its JSON-safe init settings.
 """
 
 from __future__ import annotations

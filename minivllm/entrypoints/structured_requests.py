@@ -4,8 +4,6 @@ Four ways to ask, as vLLM accepts them: OpenAI's `response_format`, vLLM's `stru
 vLLM's older `guided_*` fields, and (chat only) a forced tool call. At most one per request. The
 constraint is compiled in the handler, so a bad schema, regex or grammar is a 400 that names the
 field and quotes the grammar engine, before anything is queued: never a 500, never a hang.
-
-Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

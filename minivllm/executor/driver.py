@@ -15,8 +15,6 @@ or raised, an exception on the driver, Ctrl-C) stops every worker, and the engin
 
 `DistributedExecutor` is the protocol; its subclasses start the ranks: `MultiprocExecutor`
 (multiproc.py) spawns them, `ExecutorWithExternalLauncher` (here) finds them started by torchrun.
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

@@ -17,8 +17,6 @@ failed and cannot wait for a process that died before joining:
 
 See "Distributed execution" in the docs (docs/distributed.md) and the architecture page
 (docs/architecture.md).
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
   process into a worker.
 
 minivllm/executor/abstract.py calls `make_distributed_executor` when `tensor_parallel_size` is above 1;
-the single-device engine never imports this package. Tier: engine.
+the single-device engine never imports this package.
 """
 
 from __future__ import annotations

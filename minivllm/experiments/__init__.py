@@ -5,8 +5,7 @@ The paper's baselines and its simulated GPU are here, not in the core: the reser
 executor it is given (`LLMEngine(config, executor=...)`). Nothing in the engine, the scheduler or
 the block files reads a parameter that only an experiment needs.
 
-Tier: api and extras. `reservation.py`: the paper's Orca baselines (§6.2) as KV cache managers,
-chosen with `kv_allocation` (minivllm/config/__init__.py names their classes); `simulated_executor.py`:
-no model, a roofline clock. These modules import the engine and the core; nothing below imports
-them.
+`reservation.py`: the paper's Orca baselines (§6.2) as KV cache managers, chosen with
+`kv_allocation` (minivllm/config/__init__.py names their classes); `simulated_executor.py`: no model, a
+roofline clock. These modules import the engine and the core; nothing below imports them.
 """

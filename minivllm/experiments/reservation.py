@@ -1,8 +1,8 @@
 """The paper's Orca baselines: KV cache reserved per request, contiguously, at admission.
 
-Tier: api and extras (an experiment: nothing in the engine or the core imports it). The engine is
-handed its KV cache manager class; `kv_allocation` names one (minivllm/config/__init__.py keeps the names
-as qualified class paths, as vLLM's platforms do), so these plug in without the core knowing them.
+The engine is handed its KV cache manager class; `kv_allocation` names one (minivllm/config/__init__.py keeps
+the names as qualified class paths, as vLLM's platforms do), so these plug in without the core
+knowing them.
 
 The PagedAttention paper's headline (§6.2, Figs. 12-13) compares vLLM against Orca, whose KV cache
 is reserved per request, contiguously, at admission: the request's whole possible length gets a

@@ -21,8 +21,6 @@ batch each policy can hold and what that batch costs on an ideal machine; the do
 The engine is built as usual (`LLMEngine(config, executor=...)`) from a model folder holding only
 a `config.json` written here: two token ids (the output token and an EOS the workload ignores),
 no weights, no tokenizer, prompts given as token ids.
-
-Tier: api and extras. It imports the engine and below; the engine never imports it.
 """
 
 from __future__ import annotations

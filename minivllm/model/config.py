@@ -5,8 +5,6 @@ switches: `qkv_bias`, `qk_norm`, `sliding_window`). It reads HuggingFace's JSON,
 4's `rope_theta`/`rope_scaling` and transformers 5's `rope_parameters`; a GGUF file's metadata is
 first written as the config.json it stands for (gguf_config.py), so the model never sees where
 its weights came from.
-
-Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations

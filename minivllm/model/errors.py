@@ -3,8 +3,6 @@
 A module of their own so that the loader (minivllm/model/loader.py) and the weight reader
 (minivllm/model/weights.py) raise the same classes; `minivllm.model.loader` re-exports them. See
 the architecture page (docs/architecture.md).
-
-Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations

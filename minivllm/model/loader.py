@@ -10,7 +10,7 @@ its layer's weight loader, which copies the part this rank holds: a rank of a te
 group reads only its own slices and never holds the whole model (paper §4.6; the docs'
 architecture page, docs/architecture.md). The errors are in `errors.py`.
 
-Tier: model. Every failure is a `ModelLoadError` subclass whose message says what was looked for and what to do.
+Every failure is a `ModelLoadError` subclass whose message says what was looked for and what to do.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def build_model(
     with torch.device("meta"):
         model = model_cls(config, backend, max_positions, tp).to(dtype)
     # `to_empty`, with `torch.empty` for its `empty_like`: on meta tensors `empty_like` runs
-    # torch's Python reference ops, whose first use imports sympy (~1 s of start-up). Parameters
+    # torch's Python reference ops, whose first use imports sympy, a start-up cost. Parameters
     # only: the one buffer (the RoPE table) is rebuilt below.
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):

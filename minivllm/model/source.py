@@ -1,8 +1,8 @@
 """What a model is before it loads: its files on disk, and what its authors ask of generation.
 
 Plain data that the engine's configuration carries (`ResolvedConfig` in minivllm/config/__init__.py) and
-the loader fills (minivllm/model/loader.py). Tier: leaves, beside the configs, so that the
-configuration can name these types without importing the loader.
+the loader fills (minivllm/model/loader.py). It sits beside the configs, so that the configuration
+can name these types without importing the loader.
 """
 
 from __future__ import annotations

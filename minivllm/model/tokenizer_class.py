@@ -1,12 +1,11 @@
 """A local folder's generic fast-tokenizer class, found without `AutoTokenizer`'s detour.
 
 `AutoTokenizer.from_pretrained(folder)` first reads the model's config through `AutoConfig`,
-which imports much of transformers' model zoo: about 2 s of a 5 s start-up on two cores
-(`python -X importtime`). A folder whose `tokenizer_config.json` names transformers' generic
-tokenizers.json-backed class needs none of that: the class is imported from its own module and
-built directly (`load_tokenizer` in loader.py); any other folder goes to `AutoTokenizer`.
-
-Tier: model. It imports leaves and core.
+which imports much of transformers' model zoo, a large share of a learner's start-up
+(`python -X importtime` shows it). A folder whose `tokenizer_config.json` names transformers'
+generic tokenizers.json-backed class needs none of that: the class is imported from its own
+module and built directly (`load_tokenizer` in loader.py); any other folder goes to
+`AutoTokenizer`.
 """
 
 from __future__ import annotations

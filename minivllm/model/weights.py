@@ -8,8 +8,6 @@ the weight loader of the layer that holds it (minivllm/model/layers/linear.py), 
 just this rank's rows or columns. No rank ever holds the whole model, not even while loading.
 See "Distributed execution" (docs/distributed.md) and the architecture page
 (docs/architecture.md).
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ the loader, the model runner and the sampler ask the platform. (The Triton backe
 and the worker also read `device.type`, for what only they do with a device: CUDA streams and
 device indices, not a choice of code.)
 
-Tier: leaves. Nothing here imports a plug-in: the platforms name the code they choose
-(interface.py).
+Nothing here imports a plug-in: the platforms name the code they choose (interface.py).
 """
 
 from __future__ import annotations

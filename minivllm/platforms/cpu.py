@@ -13,8 +13,6 @@ step's layers may run as one C++ loop (`decode_loop_cls`, minivllm/worker/cpu_de
 library as that backend, so where the library could not be built (and "auto" fell back to the
 reference backend) they are not there either; the reference backend is the plain-PyTorch
 specification end to end; and the Triton backend on a CPU is the interpreter of the tests.
-
-Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations

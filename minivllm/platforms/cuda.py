@@ -6,8 +6,6 @@ inside the product (minivllm/model/quantization/gguf/cuda_forwards.py), and the 
 Triton grouped GEMM (minivllm/model/layers/triton_fused_moe.py); every other layer runs
 `forward_native` (cuBLAS for the matmuls), and there is no decode loop: a CUDA graph would be
 that, and is not built here.
-
-Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations

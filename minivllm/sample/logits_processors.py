@@ -12,8 +12,6 @@ the rows that ask for it. The order, each before temperature, min_p, top-k and t
 (vLLM v1's order: the whitelist and the bans first, then the processors that change values.) A
 new processor is one function and one entry in `LOGITS_PROCESSORS`; its per-row inputs go into
 `SamplingMetadata.from_rows`.
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

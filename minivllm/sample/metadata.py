@@ -5,8 +5,6 @@ logits processors (`logits_processors.py`) are pure functions of the step's logi
 metadata, so neither imports the other's module to know what a row asked for. `from_rows` turns
 the scheduled sequences' `SamplingParams` into tensors once per step; everything per-token
 (penalty counts, the min_tokens mask, the grammar bitmask) is gathered here too.
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

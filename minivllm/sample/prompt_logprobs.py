@@ -6,7 +6,7 @@ The model runner finds the rows (`ModelInput.prompt_rows`, chunk by chunk) and c
 in a step where a request asked, so a step without one never loads this module. A [rows, vocab]
 float32 tensor never leaves the runner, and is made a slice of rows at a time.
 
-Tier: engine. It imports the model, the sampler's logprob helpers and leaves.
+It imports the model, the sampler's logprob helpers and leaves.
 """
 
 from __future__ import annotations

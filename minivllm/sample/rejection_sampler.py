@@ -21,8 +21,6 @@ words, logit_bias, allowed_token_ids; each row sees the drafts before it as outp
 temperature, min_p, top_k, top_p (`sampler.py`). Everything is a tensor operation over the flat rows
 of the whole batch; rows without a draft (a prompt's first token, a sequence that drafted nothing)
 are bonus rows, sampled plainly.
-
-Tier: engine.
 """
 
 from __future__ import annotations

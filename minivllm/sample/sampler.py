@@ -19,10 +19,9 @@ comes from its own generator alone, one Exp(1) vector of size V per random step.
 Why the exponential race on a GPU: if q_i ~ Exp(1) independently, argmax_i p_i / q_i is
 distributed as Categorical(p) (the "Gumbel-max trick" in another guise). It needs no cumulative
 sum and no `torch.multinomial`, which synchronizes with the host on CUDA; vLLM uses it for the same
-reasons. On a CPU the B x V exponential draws are the expensive part (~50 ms for 64 x 49152), so
-there `torch.multinomial` (one uniform per row) is used instead; both are exact samplers.
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
+reasons. On a CPU nothing synchronizes, and the B x V exponential draws are the expensive part
+(V random numbers a row against multinomial's one), so there `torch.multinomial` is used
+instead; both are exact samplers.
 """
 
 from __future__ import annotations
@@ -204,7 +203,7 @@ class Sampler:
         logits = apply_logits_processors(logits, meta)
 
         # The argmax, as `max(...).indices`: the same index (the first of equal maxima, as
-        # documented for both), ~2.7x faster on a CPU at [32, 49152] than `argmax`'s kernel.
+        # documented for both), from a kernel that runs faster on a CPU than `argmax`'s.
         greedy = None if meta.all_random else logits.max(dim=-1).indices
         if meta.all_greedy:
             assert greedy is not None

@@ -22,8 +22,6 @@ draws d_j from q_j, the draft's logits through the request's own sampling pipeli
 temperature, min-p, top-k, top-p; `sampler.py`), and q_j travels with the draft: the rejection
 sampler keeps d_j with probability min(1, p_j(d_j) / q_j(d_j)), so the output is distributed as
 the target's plain sampling whatever the draft is.
-
-Tier: engine.
 """
 
 from __future__ import annotations

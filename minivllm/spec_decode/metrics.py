@@ -6,8 +6,6 @@ They reach `LLM.get_stats()` (`EngineStats.spec_decode_*`), the server's /metric
 sequence's drafts in one step; the acceptance rate at position i is
 num_accepted_tokens_per_pos[i] / num_drafts, and the mean acceptance length (kept tokens per
 verification, the bonus token included) is 1 + num_accepted_tokens / num_drafts.
-
-Tier: engine.
 """
 
 from __future__ import annotations

@@ -9,8 +9,6 @@ the draft as a point mass, as vLLM does.
 
 The search is bytes.rfind over the token ids packed as 4-byte integers: the scan runs in C, a few
 microseconds for a thousand-token sequence, so proposing costs nothing next to a model step.
-
-Tier: engine (plain Python; no torch).
 """
 
 from __future__ import annotations

@@ -4,8 +4,6 @@ vLLM v1's proposers (`vllm/v1/spec_decode/`) return draft token ids, and those t
 drafts also return the draft distribution q, which the rejection sampler needs to keep a draft
 with probability min(1, p / q). A proposer that drafts deterministically (the n-gram lookup, a
 draft model's argmax for a greedy request) has no q: each draft is a point mass.
-
-Tier: engine (plain Python; torch only for type checking).
 """
 
 from __future__ import annotations

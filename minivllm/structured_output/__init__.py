@@ -8,6 +8,6 @@
 The mask itself is applied by the sampler's logits-processor pipeline
 (`minivllm/sample/logits_processors.py`). See docs/concepts/structured-outputs.md.
 
-Tier: engine. The package itself imports nothing, so that naming `params.py` (a leaf) or `backend.py` (the seam)
+The package itself imports nothing, so that naming `params.py` (a leaf) or `backend.py` (the seam)
 does not load the manager; the manager and xgrammar load with the first constrained request.
 """

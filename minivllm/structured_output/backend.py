@@ -10,8 +10,6 @@ A backend does the two halves that xgrammar's design splits (Dong et al., "XGram
 
 Any library with these two halves fits: xgrammar (`xgrammar_backend.py`, vLLM's default) today;
 llguidance or outlines-core could be added as other backends without touching the engine.
-
-Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations

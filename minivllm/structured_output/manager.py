@@ -13,8 +13,6 @@ The matcher of a sequence is a function of its output tokens. The engine advance
 step committed (a failed step leaves it untouched), and `backend.sync_grammar` rebuilds it by replaying the output
 tokens whenever the two disagree — which is how a matcher could be re-created after preemption
 by recompute, though recompute keeps the output tokens and so the matcher stays valid as it is.
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

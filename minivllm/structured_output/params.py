@@ -4,8 +4,6 @@
 schema), `regex`, `choice` (one of these strings), `grammar` (EBNF, GBNF-style as xgrammar reads
 it) or `json_object` (any JSON object) constrains what a request may generate.
 `StructuredOutputsConfig` is vLLM's engine-wide `--structured-outputs-config`.
-
-Tier: leaves. It imports no other tier of the package.
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ vocabulary size: an LM head is often padded beyond the tokenizer's last id, and 
 columns must be masked too (xgrammar treats ids it has no text for as never allowed).
 Its stop tokens are the engine's EOS ids, so that "EOS" is allowed exactly where the grammar
 may end.
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@
 
 How the recorder subscribes to the engine's step is on the docs' architecture page
 (docs/architecture.md, "the step as a message").
-
-Tier: api and extras. It imports the engine and below; the engine never imports it.
 """
 
 from minivllm.trace.page import render_page, write_page

@@ -10,8 +10,6 @@ What the page shows at step K is described on the docs' Trace page (docs/trace.m
 carry `data-block`, `data-refcount` and `data-seq` attributes so that the browser tests can hold
 it equal to the trace (tests/test_trace_page.py). See the docs' architecture page
 (docs/architecture.md) for where the trace comes from.
-
-Tier: api and extras. It imports the engine and below; the engine never imports it.
 """
 
 from __future__ import annotations

@@ -11,8 +11,6 @@ copy-on-write copies yellow stars, forks black ticks.
 The tutorials end with it, so that each run draws its own picture without a browser. The trace
 format is on the docs' Trace page; see the architecture page (docs/architecture.md) for where the
 trace comes from.
-
-Tier: api and extras. It imports the engine and below; the engine never imports it.
 """
 
 from __future__ import annotations

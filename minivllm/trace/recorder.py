@@ -35,8 +35,6 @@ the others' in group order, and the trace's `kv_cache_groups` say which layers e
 Thread safety (the live dashboard reads from the server's thread while the engine thread
 records): records are built outside the lock and never changed afterwards; the lock only guards
 appending them and copying the list, and the per-sequence token lists the recorder owns.
-
-Tier: api and extras. It imports the engine and below; the engine never imports it.
 """
 
 from __future__ import annotations

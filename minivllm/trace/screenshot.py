@@ -8,8 +8,6 @@ are reachable. Set `MINIVLLM_CHROMIUM` to use another Chromium binary.
 
 The docs' screenshots (docs/img/trace/) are made this way from tutorial 09's run; see the docs'
 Trace page (docs/trace.md) and the architecture page (docs/architecture.md) for the trace.
-
-Tier: api and extras. It imports the engine and below; the engine never imports it.
 """
 
 from __future__ import annotations

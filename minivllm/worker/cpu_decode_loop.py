@@ -1,15 +1,15 @@
 """A Llama decode step's decoder layers as one C++ loop: what CUDA graphs do for vLLM, on a CPU.
 
-Tier: platform plug-ins (minivllm/cpu/). This is not a capture of the model but a second
-implementation of Llama's decoder loop, in C++ (`cpu_decode_layers.cpp`), held bit for bit to the
-Python one; it knows Llama's module layout (`LINEARS_PER_LAYER`) and refuses every other model
-(`CpuDecodeLoop.build`), which then runs its Python loop: a family with math of its own (Qwen2's
-q/k/v bias, Qwen3's q/k norms: `llama_math`) as much as a model that is not a Llama at all.
+This is not a capture of the model but a second implementation of Llama's decoder loop, in C++
+(`cpu_decode_layers.cpp`), held bit for bit to the Python one; it knows Llama's module layout
+(`LINEARS_PER_LAYER`) and refuses every other model (`CpuDecodeLoop.build`), which then runs its
+Python loop: a family with math of its own (Qwen2's q/k/v bias, Qwen3's q/k norms: `llama_math`) as
+much as a model that is not a Llama at all.
 
 A decode step runs each layer on 1-64 token rows, so each of its ~10 kernels is short, and between
 two of them Python does the layer's bookkeeping: module calls, custom-op dispatch, views, the
-wrappers' checks. On SmolLM2 (30 layers, 2 cores) that host work measured ~2.5 ms per decode step,
-about the same at 16 rows (a 19 ms forward) and at 64 (55 ms): 5-14 % of the body's time. vLLM
+wrappers' checks. That host work costs about the same at every row count, so it weighs most on
+the smallest steps (the Performance page, docs/performance.md, has the measurement). vLLM
 removes the host from a GPU's decode step by replaying a captured CUDA graph; a CPU has no such
 graph, so `cpu_decode_layers.cpp` does the host's part in C++ instead. It calls the same kernels
 as `LlamaModel.forward` with every custom op on its CPU forward (minivllm/cpu/op_forwards.py),
@@ -189,7 +189,8 @@ class CpuDecodeLoop:
 
     def hooked(self) -> bool:
         """Whether a forward hook is registered on the body or any module in it, or globally:
-        a user's probe on a layer keeps working (~10 µs per step to ask)."""
+        a user's probe on a layer keeps working. Asked every step: a walk over the modules' hook
+        dicts, small beside the step."""
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)

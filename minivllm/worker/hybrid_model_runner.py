@@ -17,7 +17,7 @@ a block in every slot, which copies the group's layers that hold it.
 
 The C++ decode loop is not used: it runs no sliding window, and such a model always has one.
 
-Tier: engine. It imports the model runner, core and leaves.
+It imports the model runner, core and leaves.
 """
 
 from __future__ import annotations

@@ -24,8 +24,6 @@ Logits are computed only at the last new token of sequences that will sample thi
 whose new tokens reach the end of what they know); a prompt chunk that is not the last needs none.
 A request that asks for its prompt's logprobs also gets its prompt rows scored, chunk by chunk,
 on the runner (minivllm/sample/prompt_logprobs.py, loaded by the first step that has any).
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

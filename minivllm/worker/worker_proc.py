@@ -17,8 +17,6 @@ and the architecture page, docs/architecture.md):
   when the driver goes away (its *lifeline* pipe closes, whatever killed the driver).
 - started by `torchrun`, which runs the same program on every rank: on ranks 1..N-1, building the
   engine ends in `run_torchrun_worker`, which serves rank 0's steps and then ends the process.
-
-Tier: engine. It imports the model, core and leaves, and names the plug-ins.
 """
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
 """`CpuBackend`: PagedAttention on CPUs, with a compiled paged decode kernel (the CPU default).
 
-Decode is where a CPU engine spends its attention time: every step, every running request reads
-its whole context to produce one token. The reference backend gathers that context into a padded
+Decode is where a CPU engine spends its attention time: every step, every running request reads its
+whole context to produce one token. The reference backend gathers that context into a padded
 contiguous tensor before `scaled_dot_product_attention`, so each key and value crosses memory three
-times. This backend sends decode rows to `minivllm/cpu/csrc/cpu_attention.cpp`, which follows each request's block
-table and reads each key and value once (the paper's §4.1 kernel); measured on SmolLM2 at 64
-requests x 256 tokens of context, decode attention drops from ~8 ms to ~2 ms per layer.
+times. This backend sends decode rows to `minivllm/cpu/csrc/cpu_attention.cpp`, which follows each
+request's block table and reads each key and value once (the paper's §4.1 kernel), so decode
+attention costs what its bytes cost.
 
-Prompt chunks run through the same kernel: row i of a chunk of new tokens sees exactly the
-request's cached tokens up to its own position, so causal attention is one decode per row over a
-prefix of the context (`make_cpu_plan`), with no mask to build and no gathered copy. A sliding
-window is the same walk started later: each row's last W keys, from the block of the first. The reference
-backend's way (gather the context, then `scaled_dot_product_attention` with a causal mask) computes
-the masked half of every score matrix too; measured on SmolLM2's shapes, 2 cores, the kernel is
-2.5-3x faster for prompts of 64-256 tokens (its float32 AVX-512 loops, `cpu_attention_avx512.cpp`,
-run at ~60-90 GB/s on a context that sits in cache). vLLM's CPU backend uses SDPA for prompts;
-this backend needs one kernel, one plan and one call per layer for a whole step.
+Prompt chunks run through the same kernel: row i of a chunk of new tokens sees exactly the request's
+cached tokens up to its own position, so causal attention is one decode per row over a prefix of the
+context (`make_cpu_plan`), with no mask to build and no gathered copy. A sliding window is the same
+walk started later: each row's last W keys, from the block of the first. The reference backend's way
+(gather the context, then `scaled_dot_product_attention` with a causal mask) computes the masked
+half of every score matrix too, and copies the context first; the kernel computes only the visible
+scores and reads the context where it lies (on AVX-512 with float32 loops of its own,
+`cpu_attention_avx512.cpp`). vLLM's CPU backend uses SDPA for prompts; this backend needs one
+kernel, one plan and one call per layer for a whole step.
 
 The cache write is a C++ op too, vLLM's `reshape_and_cache`: one call writes K and V and skips
 slots of -1 without the reference's host-side check.
@@ -26,12 +26,10 @@ in float32, so the result is the reference backend's on the same rounded cache, 
 bytes.
 
 The kernels live with the other compiled code in `minivllm/cpu/` (`cpu_attention.cpp`, their
-wrappers in `ops.py`) and are compiled on first use, into one library with the layer ops
-(about 20 s, once per machine; `minivllm/cpu/build.py` says how, and what a user sees).
-Where it cannot be built, `get_attention_backend("auto")` says why in one line and falls back to
-the reference backend.
-
-Tier: platform plug-ins. It imports the model and below; lower tiers name it, never import it.
+wrappers in `ops.py`) and are compiled on first use, into one library with the layer ops (once per
+machine and instruction-set level; `minivllm/cpu/build.py` says how, and what a user sees). Where it
+cannot be built, `get_attention_backend("auto")` says why in one line and falls back to the
+reference backend.
 """
 
 from __future__ import annotations

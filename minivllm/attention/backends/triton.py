@@ -26,8 +26,6 @@ on `cuda:1` would otherwise be device 0 and an illegal memory access.
 Without CUDA the kernels run on CPU tensors in Triton's interpreter. Importing this module turns
 the interpreter on when CUDA is absent and `TRITON_INTERPRET` is unset, so that
 `get_attention_backend("triton")` works on a laptop with no setup (slowly: it is for tests).
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

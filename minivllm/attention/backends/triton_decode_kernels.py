@@ -6,7 +6,7 @@ writing a partial output and its log-sum-exp; stage 2 (`paged_decode_merge_kerne
 splits exactly, `out = Σ_s exp(lse_s - lse) · out_s`. The ideas, the precision rules and the
 reason every step-dependent value is a run-time argument are in `triton_kernels.py`'s docstring;
 like it, import this module through `minivllm.attention.backends.triton`, which settles the interpreter
-first. Tier: model (a portable attention backend's kernels).
+first.
 """
 
 from __future__ import annotations

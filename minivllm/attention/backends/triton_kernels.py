@@ -48,8 +48,6 @@ decode stages are in `triton_decode_kernels.py`. Their tile sizes and per-step w
 `minivllm.attention.backends.triton_plan`, their launches in `minivllm.attention.backends.triton`. Import it through
 that module, which switches the interpreter on when there is no GPU *before* the `@triton.jit`
 decorators below run: Triton decides there, per kernel, whether it is interpreted or compiled.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -20,8 +20,6 @@ A decode-only step (`max_query_len == 1`) is planned without reading the metadat
 device; any other step copies `query_start_loc` and `seq_lens` to the host once (one sync per
 step, not per layer). Plain Python, no Triton: see docs/architecture.md for where the plan sits
 in a step.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

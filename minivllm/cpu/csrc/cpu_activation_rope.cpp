@@ -1,26 +1,25 @@
 // Fused per-token layer ops for CPUs: SiLU-and-mul and rotary embedding here, RMSNorm (alone and
 // with its residual add) in cpu_layernorm.cpp; each one pass over its tensor.
 //
-// Between a decoder layer's matmuls, plain PyTorch runs each formula as a chain of elementwise
-// ops, and every link reads and writes the whole activation: RMSNorm alone is float(), pow, mean,
-// add, rsqrt, mul, to() and mul, plus the residual add before it; RoPE is two muls, a neg, a cat
-// and an add. On SmolLM2 with 32 requests that chain is ~16% of an engine step, spent moving bytes,
-// not computing. Each op here reads its inputs once and writes its outputs once, keeping a row in
-// registers and L1 between the formula's steps (measured on 2 cores at 32 and 300 tokens: 3-15x
-// faster than the plain forms; SiLU-and-mul, bound by its exp, 1.5-2x). vLLM's CPU backend does
-// the same (csrc/cpu/layernorm.cpp, activation.cpp, pos_encoding.cpp); the ops keep vLLM's names,
-// and the norms and SiLU-and-mul its arguments too. rotary_embedding differs: it takes queries
-// and keys as one tensor (they sit side by side in the qkv output) and minivllm's cos/sin table.
+// Between a decoder layer's matmuls, plain PyTorch runs each formula as a chain of elementwise ops,
+// and every link reads and writes the whole activation: RMSNorm alone is float(), pow, mean, add,
+// rsqrt, mul, to() and mul, plus the residual add before it; RoPE is two muls, a neg, a cat and an
+// add. That chain's time goes to moving bytes, not computing. Each op here reads its inputs once
+// and writes its outputs once, keeping a row in registers and L1 between the formula's steps
+// (SiLU-and-mul gains least: its exp, not its bytes, bounds it; the Performance page,
+// docs/performance.md, has the measurements). vLLM's CPU backend does the same
+// (csrc/cpu/layernorm.cpp, activation.cpp, pos_encoding.cpp); the ops keep vLLM's names, and the
+// norms and SiLU-and-mul its arguments too. rotary_embedding differs: it takes queries and keys as
+// one tensor (they sit side by side in the qkv output) and minivllm's cos/sin table.
 //
-// Two layouts. On a CPU the model's linears compute x·Wᵀ as (W·xᵀ)ᵀ, which MKL runs ~1.3x faster
-// at decode row counts (minivllm/model/layers/linear.py), so every linear returns a transposed
+// Two layouts. On a CPU the model's linears compute x·Wᵀ as (W·xᵀ)ᵀ, which MKL runs faster at
+// decode row counts (minivllm/model/layers/linear.py), so every linear returns a transposed
 // view: logically [T, N], physically a contiguous [N, T] ("feature-major", strides (1, T)). The
 // ops take that layout as it is and keep it (the next linear reads it at the same speed), since
 // transposing the qkv, gate_up and down outputs to rows first cost more than the fusion saved.
 // They also take token-major rows (stride(1) == 1), as vLLM's do; a single token is both.
-// Measured at SmolLM2's sizes, 32 and 300 tokens, 2 cores (python benchmarks/cpu_layer_layouts.py):
-// against `.contiguous()` and the token-major op, SiLU-and-mul on the layout as it is runs 5-7x
-// faster, RoPE 2-3.5x, and the residual add + norm up to 1.9x (float32; bfloat16 at par).
+// `python benchmarks/cpu_layer_layouts.py` times each op on the layout as it is against
+// `.contiguous()` and the token-major op.
 //
 // The specification of each op is its plain-PyTorch form (RMSNorm and the MLP in
 // minivllm/model/models/llama.py, RotaryEmbedding in minivllm/model/layers/rotary_embedding.py), and
@@ -184,8 +183,8 @@ void rotary_embedding_kernel(const int64_t* __restrict__ positions,  // [T]
 
 // Tokens per tile of the feature-major path: the tile's angles (cos and sin, [head_dim, 32]
 // each, 16 KiB at head_dim 64) stay in L1 while every head of those tokens turns by them. 32
-// rather than 64: measured 1.5x faster in float32 at 300 tokens (more tiles share out evenly
-// between the threads), within 10% in bfloat16.
+// rather than 64: more tiles share out evenly between the threads (float32 gains; bfloat16 is
+// about even).
 constexpr int64_t kRopeTileTokens = 32;
 
 template <typename scalar_t>

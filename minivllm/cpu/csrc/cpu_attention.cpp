@@ -8,7 +8,7 @@
 //
 // Work item = one request, all heads: a block of the cache ([block_size, num_kv_heads, head_dim])
 // is one contiguous run of memory, so reading it whole streams at the memory's speed (a work item
-// per KV head would read a strided third of every row, measured 2x slower). Items run on
+// per KV head would read a strided third of every row, which streams worse). Items run on
 // PyTorch's own intra-op thread pool (at::parallel_for), never a second OpenMP runtime that would
 // fight it for the cores.
 //
@@ -22,9 +22,8 @@
 //
 // Two passes over a request's context (all scores, one softmax, then the values) rather than
 // flash-decoding's one pass with an online softmax: both read the same bytes, and the one-pass
-// version, which rescales its sums and runs the softmax on one block's 16 scores at a time,
-// measured 1.2x slower per core on cached data and no faster from memory
-// (python benchmarks/cpu_decode.py, SmolLM2 shapes).
+// version, which rescales its sums and runs the softmax on one block's 16 scores at a time, was
+// slower per core on cached data and no faster from memory (python benchmarks/cpu_decode.py).
 //
 // The file's second op, reshape_and_cache (vLLM's name), is the cache write that comes before
 // the read: the new tokens' K and V into their slots, both caches in one call.
@@ -89,7 +88,6 @@ namespace {
 
 // Load the next block's rows into cache while this block is computed: blocks are scattered, so
 // the hardware prefetcher, which follows addresses, cannot guess where the next one starts.
-// Measured on 2 EPYC cores: 1.7x faster decode attention at 64 requests x 256 tokens.
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t row_elems) {
   constexpr int64_t per_line = 64 / sizeof(scalar_t);
@@ -167,7 +165,7 @@ void simd_decode_values(DecodeLoops loops, const float* p, const elem_t* v_cache
 
 // HEAD_DIM > 0 is head_dim known at compile time (0: read at run time). With it the compiler
 // unrolls each 64-long dot product and value update into a few vector instructions with no loop
-// or remainder handling: measured 1.2x faster per core on cached data (SmolLM2, float32).
+// or remainder handling.
 // query_t is the activations' dtype, cache_t the cache's (kv_cache_dtype): the same, or a
 // bfloat16 / float16 cache under float32 queries.
 template <typename query_t, typename cache_t, int64_t HEAD_DIM>

@@ -2,12 +2,12 @@
 //
 // A decode step does little work per op: at 1-64 rows a Llama layer is ~10 kernels of tens to
 // hundreds of microseconds, and between two of them Python runs the layer's `forward` — module
-// calls, custom-op dispatch, views, the wrappers' checks. On SmolLM2 (30 layers, 2 cores) that host
-// work measured ~2.5 ms of a 17-55 ms step, the same at 16 rows and at 64. vLLM removes the same
-// cost on a GPU by capturing the decode step into a CUDA graph that replays without the host;
-// there is no such graph on a CPU, so here the host work itself moves to C++: this op runs every
-// layer of the step, calling the very kernels `LlamaModel.forward` calls on the CPU fast path, in
-// the same order, on the same layouts, so that its result is bit for bit the Python path's
+// calls, custom-op dispatch, views, the wrappers' checks. That host work costs about the same at
+// any row count, so it weighs most on the smallest steps. vLLM removes the same cost on a GPU by
+// capturing the decode step into a CUDA graph that replays without the host; there is no such graph
+// on a CPU, so here the host work itself moves to C++: this op runs every layer of the step,
+// calling the very kernels `LlamaModel.forward` calls on the CPU fast path, in the same order, on
+// the same layouts, so that its result is bit for bit the Python path's
 // (tests/test_kernels_cpu_decode_loop.py checks exactly that).
 //
 // Per layer, with T token rows, the same sequence as minivllm/model/models/llama.py (linear: oneDNN on a

@@ -1,13 +1,13 @@
 // Fused RMSNorm for CPUs, alone and with the residual add before it, each one pass over its rows.
 //
 // The two norms of minivllm/cpu/csrc/cpu_activation_rope.cpp's family of fused layer ops (that file's
-// header says why they exist, how they are built and how they are tested, and why an op takes
-// two layouts); here only what is particular to the norms. Plain PyTorch runs RMSNorm as float(),
-// pow, mean, add, rsqrt, mul, to() and mul, plus the residual add before it, each a pass over
-// the activation; these read each input once and write each output once (3-15x faster on 2
-// cores at 32 and 300 tokens). vLLM's CPU backend does the same (csrc/cpu/layernorm.cpp), with
-// these names and arguments. The specification is RMSNorm in minivllm/model/models/llama.py: float32
-// arithmetic, cast back to the input dtype before the weight, as transformers does.
+// header says why they exist, how they are built and how they are tested, and why an op takes two
+// layouts); here only what is particular to the norms. Plain PyTorch runs RMSNorm as float(), pow,
+// mean, add, rsqrt, mul, to() and mul, plus the residual add before it, each a pass over the
+// activation; these read each input once and write each output once. vLLM's CPU backend does the
+// same (csrc/cpu/layernorm.cpp), with these names and arguments. The specification is RMSNorm in
+// minivllm/model/models/llama.py: float32 arithmetic, cast back to the input dtype before the weight, as
+// transformers does.
 //
 // Layouts. fused_add_rms_norm's `input` is a sublayer's output, and on a CPU the model's linears
 // return feature-major views ([T, hidden] whose storage is a contiguous [hidden, T]; see
@@ -17,7 +17,7 @@
 // input is turned into rows a tile of tokens at a time, in a buffer that never leaves L1, and the
 // row code runs on it: the arithmetic, and so the result, is the token-major path's bit for bit.
 // (Walking the tile feature by feature instead, with the residual strided, kept the data in cache
-// too but left the bfloat16 rounding scalar: 1.7x slower at 300 tokens.)
+// too but left the bfloat16 rounding scalar, and ran slower.)
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -3,13 +3,12 @@
 // At decode, a linear multiplies a handful of token rows (T = the running requests, 1-64) by a
 // weight far larger than the caches: SmolLM2's 30 layers hold 425 MB of float32 weights, read
 // once per step. MKL's sgemm copies ("packs") its operands into blocked buffers on every call,
-// which costs little for square matrices but, at T = 2-32, makes the step 2.5x slower than
-// reading the weights once (measured over SmolLM2's 30 layers, 2 cores: 17 ms at T = 1, where
-// MKL switches to its matrix-vector routine, then 37-44 ms from T = 2 to 32). This kernel packs
-// nothing: it streams the weight as stored, a few rows at a time, and multiplies each block of
-// rows by every token while the block sits in L1 (python benchmarks/skinny_gemm.py:
-// 2.2-2.6x faster than MKL at T = 2-8, 1.5x at 16, 1.2x at 32, 1.1x at 64; at 96 rows MKL's
-// packing pays off, so the model calls this kernel at T <= 64 only).
+// which costs little for square matrices but, from T = 2 (at T = 1 MKL switches to its
+// matrix-vector routine), makes the step take far longer than reading the weights once.
+// This kernel packs nothing: it streams the weight as stored, a few rows at a time, and multiplies
+// each block of rows by every token while the block sits in L1. Its lead over MKL shrinks as T
+// grows and MKL's packing pays off, so the model calls this kernel at T <= 64 only
+// (`SKINNY_GEMM_MAX_ROWS`; python benchmarks/skinny_gemm.py measures both).
 // ROCm's vLLM has kernels of the same kind for the same reason ("skinny GEMMs", wvSplitK).
 //
 // The register tile: 4 weight rows x 6 tokens, 24 running sums of 16 lanes each, along K. For
@@ -78,7 +77,7 @@ inline void tile(const float* __restrict__ w, int64_t ldw, const float* __restri
 #pragma GCC unroll 8
     for (int j = 0; j < TB; ++j) acc[i][j] = _mm512_setzero_ps();
   // Whole vectors of K first, then (when K is not a multiple of 16) one masked step: a mask in
-  // the main loop cost ~10 % at SmolLM2's sizes.
+  // the main loop would cost every step of it.
   const int64_t k_full = K & ~int64_t(15);
   for (int64_t k = 0; k < k_full; k += 16) step<R, TB>(w, ldw, x, ldx, k, __mmask16(0xFFFF), prefetch, acc);
   if (k_full < K) step<R, TB>(w, ldw, x, ldx, k_full, __mmask16((1u << (K - k_full)) - 1), prefetch, acc);

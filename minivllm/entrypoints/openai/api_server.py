@@ -1,8 +1,6 @@
 """`python -m minivllm.entrypoints.openai.api_server --model NAME --port N`: the same server as
 `minivllm serve`, with the same flags, under the module path of vLLM's getting-started guides
 (vllm/entrypoints/openai/api_server.py), so their commands run with `vllm` replaced by `minivllm`.
-
-Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Tool-call parsers: the model's text -> OpenAI `tool_calls` (vLLM: `entrypoints/openai/tool_parsers/`).
 
-Tier: frontends (may import anything below; nothing below imports it). With `tool_choice: "auto"`
-the model decides whether to call a tool, and says so in the format its chat template taught it;
-a parser, chosen by `--tool-call-parser NAME`, finds the calls in the finished text. With
-`"required"` or a named function there is nothing to find: the grammar engine forced the output
-into a known JSON shape (`forced.py`).
+With `tool_choice: "auto"` the model decides whether to call a tool, and says so in the format its
+chat template taught it; a parser, chosen by `--tool-call-parser NAME`, finds the calls in the
+finished text. With `"required"` or a named function there is nothing to find: the grammar engine
+forced the output into a known JSON shape (`forced.py`).
 
 One direction only: the parsers import `abstract_tool_parser.py`; this registry names them by
 qualified path (as vLLM's `ToolParserManager` registers lazily) and imports only the one asked for.

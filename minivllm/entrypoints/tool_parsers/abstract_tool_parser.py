@@ -1,7 +1,6 @@
 """The tool-parser interface: what a parser returns, and the base class every parser extends.
 
-Tier: frontends (may import anything below; nothing below imports it). vLLM's
-`abstract_tool_parser.py` (vllm/entrypoints/openai/tool_parsers/). The parsers import this
+vLLM's `abstract_tool_parser.py` (vllm/entrypoints/openai/tool_parsers/). The parsers import this
 module; the package's registry (`__init__.py`) names them by qualified path, so no module of the
 package imports the package itself.
 """

@@ -1,7 +1,5 @@
 """Forced tool calls: `tool_choice` "required" or a named function, for any model.
 
-Tier: frontends (may import anything below; nothing below imports it).
-
 As vLLM does (`_get_json_schema_from_tool` in vllm/entrypoints/openai/protocol.py), the choice
 becomes a JSON schema for the grammar engine: a named function's output *is* its arguments
 object; "required" is a non-empty array of `{"name": <one of the tools>, "parameters": {...}}`,

@@ -1,7 +1,6 @@
 """Hermes-style calls (NousResearch Hermes, Qwen 2.5): `<tool_call>{"name": .., "arguments": ..}</tool_call>`.
 
-Tier: frontends (may import anything below; nothing below imports it). vLLM's
-`hermes_tool_parser.py`: every tagged block is one call; the text outside the blocks is the
+vLLM's `hermes_tool_parser.py`: every tagged block is one call; the text outside the blocks is the
 message's content.
 """
 

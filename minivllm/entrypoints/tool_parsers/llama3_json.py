@@ -1,7 +1,5 @@
 """Llama 3.x JSON calls: the whole answer is `{"name": .., "parameters": ..}` (several joined by
 `;`), optionally after `<|python_tag|>` (vLLM's `llama_tool_parser.py`).
-
-Tier: frontends (may import anything below; nothing below imports it).
 """
 
 from __future__ import annotations

@@ -22,8 +22,6 @@ outputs summed with the router's weights. Three parts:
 
 With tensor parallelism each rank holds I / N of every expert's inner width (as the dense MLP
 splits its own), computes a partial sum of the output, and `SparseMoeBlock` all-reduces it.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@
 Custom ops (`custom_op.py`): `forward_native` is the plain-PyTorch specification, and a platform
 may run a fused kernel of equal results instead (minivllm/cpu/op_forwards.py), for Llama's norms
 and Qwen3's per-head q/k norms alike. The linears are `parallel_layers.py`, RoPE `rope.py`.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

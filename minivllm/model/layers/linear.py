@@ -31,8 +31,6 @@ The linears and the LM head are custom ops (`custom_op.py`): their `forward_nati
 `F.linear` on token-major rows, the specification; a platform may run a faster matmul of equal
 results in its place (the CPU's: minivllm/cpu/op_forwards.py). See "Distributed execution" in
 the docs (docs/distributed.md) and the architecture page (docs/architecture.md).
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ model reaches past its training length: `linear` divides every frequency by a fa
 stores those divisors: `rope_freqs`, read as `freq_factors`). The cos/sin table is computed once
 for every position up to the model's limit and indexed by the step's flat `positions`, so one
 batch mixes tokens from any place in any request; in float32, in transformers' order of operations.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations
@@ -69,7 +67,7 @@ class RotaryEmbedding(CustomOp):
     def __init__(self, config: LlamaConfig, max_positions: int) -> None:
         super().__init__()
         # Computed on the CPU, then moved: on the `meta` device the loader builds the model on,
-        # these few ops would import torch._dynamo (~1 s of start-up) for a table never used.
+        # these few ops would import torch._dynamo (a start-up cost) for a table never used.
         device = torch.get_default_device()
         with torch.device("cpu"):
             inv_freq = rope_inverse_frequencies(config)  # [head_dim // 2]

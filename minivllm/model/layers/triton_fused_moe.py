@@ -27,8 +27,6 @@ written in float32 and summed over top_k before the one rounding to the activati
 Without CUDA the kernel runs on CPU tensors in Triton's interpreter (for tests); importing this
 module turns the interpreter on when CUDA is absent and `TRITON_INTERPRET` is unset, as
 `triton_gguf.py` does.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -26,8 +26,6 @@ backend, so the output is the same either way.
 
 The norm and the activation live here, beside the only models that use them, rather than in
 layers.py, whose lines count against the README's reading path; Gemma 3 (gemma3.py) imports them.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

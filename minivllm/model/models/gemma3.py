@@ -18,8 +18,6 @@ As for Gemma 2, such a mixed model keeps its KV cache per group of layers: five 
 per global one make five windowed groups as large as the global one (core/kv_cache_groups.py),
 each freeing what left its window. The vision tower of the multimodal checkpoints
 (`Gemma3ForConditionalGeneration`) is not here.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

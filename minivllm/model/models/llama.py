@@ -21,8 +21,6 @@ projections are the parallel layers of `parallel_layers.py`, built for the `Tens
 the model is given. A rank holds num_heads / N query heads, its KV heads and 1/N of the MLP; the
 shapes below are a rank's. With the default single-device group nothing is split and no
 collective runs.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@ router's softmax weights, renormalised over the chosen experts.
 The checkpoint names the block `block_sparse_moe` (`.gate`, `.experts.{e}.w1/w3/w2`); the model
 names it `mlp`, as transformers 5 does, so that Llama's decoder layer runs it unchanged;
 `load_moe_weights` renames and places each tensor (expert weights into the stacked w13/w2).
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

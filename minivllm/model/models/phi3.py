@@ -12,8 +12,6 @@ Phi-3's long-context variants scale RoPE with `longrope` (two per-frequency fact
 that is refused by name when the config is read (config.py's supported rope types), as is a
 `partial_rotary_factor` other than 1. Phi-3-mini's config sets `sliding_window` (2047); the
 loader refuses such a window shorter than max_model_len until sliding-window attention lands.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

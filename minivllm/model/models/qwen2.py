@@ -12,8 +12,6 @@ the loader.
 So the math is Llama's, and this class exists as vLLM's `qwen2.py` does: the registry's target
 for `Qwen2ForCausalLM`, and the place a Qwen2 difference would go. Walked end to end in the docs'
 "Adding a model" page (docs/concepts/adding-a-model.md).
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

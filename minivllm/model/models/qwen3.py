@@ -7,8 +7,6 @@ Qwen2 had; Qwen3 drops those). Qwen3's head_dim is given in its config and need 
 hidden / heads (Qwen3-0.6B: 16 heads of 128 over a hidden size of 1024), which the config reader
 and Llama's projections already take. Everything else is Llama's, so this file is only the
 attention's forward with the two norms, in vLLM's `qwen3.py` layout.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

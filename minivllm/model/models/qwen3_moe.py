@@ -16,8 +16,6 @@ Two differences from Llama (`llama.py`):
 
 The checkpoint names match the model's (`mlp.gate`, `mlp.experts.{e}.gate_proj/up_proj/
 down_proj`); `load_moe_weights` places the experts' tensors into the stacked w13/w2.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -11,8 +11,6 @@ Several names may share a class where the math is the same: Mistral is Llama wit
 window, which every attention layer takes from the config (vLLM maps it to `LlamaForCausalLM`
 too). An architecture not listed is refused by name, with the list of those that run, before any
 weight is read.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ keeps that shape with one simplification: a layer without a quantization has no 
 (`quant_method is None`) and runs its plain `F.linear`, so the model files a learner reads first
 carry no quantization code. The loader sets a method on each layer a quantized checkpoint
 stores in blocks (`gguf.py`).
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -27,8 +27,6 @@ The layouts, byte by byte (d, m, dmin: float16 scales; q: the small integers):
       ql and 2 high bits from qh, in two halves of 128 weights.
 
 F32, F16 and BF16 tensors are plain weights: the loader reads them as ordinary parameters.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -21,8 +21,6 @@ each architecture's graph), and minivllm assumes the same:
   hidden / heads (gemma_pytorch's configs, which llama.cpp cites).
 
 GGUF does not record tied embeddings either: they are tied when the file has no `output.weight`.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@ dequantizes the whole weight into memory on every call; every other layer keeps 
 (cuBLAS). The CUDA platform imports this module when its custom ops are enabled
 (`CudaPlatform.register_op_forwards`), as the CPU platform imports minivllm/cpu/op_forwards.py.
 tests/test_kernels_triton_gguf.py holds the kernel to the reference, in Triton's interpreter.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

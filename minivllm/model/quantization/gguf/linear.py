@@ -13,8 +13,6 @@ spans two rows), so SmolLM2's all-Q4_1 layers hold one buffer each, while a Q4_K
 q/k and Q6_K v give qkv_proj two. Buffers are named `qweight_0`, `qweight_1`, ... in row order;
 `layer.qtypes` holds their GGML types. The embedding stays quantized too: a lookup dequantizes
 the rows of the step's tokens only, and a tied LM head multiplies by the very same bytes.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

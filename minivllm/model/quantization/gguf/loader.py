@@ -20,8 +20,6 @@ Any other GGML type is refused by name (tensor and type) before anything is allo
 file then runs with `quantization="none"`, which dequantizes every type the `gguf` library knows.
 Tensor parallelism splits weights by rows and columns that need not fall on block boundaries,
 so a quantized model runs on one device.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -18,8 +18,6 @@ experts as `GGUFExperts`: reading expert e dequantizes its rows only, and only e
 tokens were routed to are read. The CPU's forward (minivllm/cpu/moe.py) multiplies each expert's
 rows by its blocks with `gguf_linear` instead, held to this reference by the tests. On CUDA the
 experts run this reference (no GGUF MoE kernel is written for Triton here).
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

@@ -18,8 +18,6 @@ does it once and leaves a HuggingFace-style folder (config.json, tokenizer files
 by the file's path, size and mtime. The weights are read from the GGUF file itself, in their
 blocks (minivllm/model/quantization/gguf/loader.py); only `quantization="none"` dequantizes them,
 once, into that folder's model.safetensors, read then like any local checkpoint.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations

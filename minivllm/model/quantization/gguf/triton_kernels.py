@@ -71,8 +71,6 @@ interpreter, which keeps bfloat16 as raw bits, x is widened to float32 instead.
 Without CUDA the kernel runs on CPU tensors in Triton's interpreter (slowly: it is for tests);
 importing this module turns the interpreter on when CUDA is absent and `TRITON_INTERPRET` is unset,
 as `minivllm.attention.backends.triton` does.
-
-Tier: model. It imports leaves and core.
 """
 
 from __future__ import annotations
