@@ -77,11 +77,12 @@ def test_the_readme_states_the_reading_path_as_counted() -> None:
     for room, n in sorted(rooms.items(), key=lambda kv: -kv[1]):
         print(f"  {room:<32} {n:>6}")
     stated = stated_counts()
-    # The README rounds lines to the nearest 100; the module count is exact.
+    # The module count is exact; the line counts may drift by 2 % (a docstring edited) before the
+    # README's sentence must be brought up to date.
     assert stated[1] == len(reached), (
         f"README says {stated[1]} modules; the path reaches {len(reached)}"
     )
-    assert abs(stated[0] - ordered) <= 50 and abs(stated[2] - total) <= 50, (
+    assert abs(stated[0] - ordered) <= ordered // 50 and abs(stated[2] - total) <= total // 50, (
         f"README says {stated[0]} / {stated[2]} lines; counted {ordered} / {total}"
     )
 
