@@ -212,7 +212,8 @@ def check_module(module: nn.Module, where: str, covered: Covered) -> str | None:
         return reason
     tensors = set(covered.tensors)
     if isinstance(module, LinearBase) and type(module.quant_method) is GGUFLinearMethod:
-        tensors = {f"qweight_{i}" for i in range(len(module.qtypes))}  # `gguf_parts`
+        qtypes: tuple[int, ...] = getattr(module, "qtypes", ())
+        tensors = {f"qweight_{i}" for i in range(len(qtypes))}  # `gguf_parts`
     held = {n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None}
     held |= {n for n, value in vars(module).items() if isinstance(value, torch.Tensor)}
     if extra := sorted(held - tensors):
