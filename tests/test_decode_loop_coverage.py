@@ -21,11 +21,14 @@ from test_kernels_cpu_decode_loop import load, prefilled, step_meta
 from test_model_llama import CONFIGS, save_tiny_llama
 from torch import nn
 
+from minivllm.attention.selector import get_attention_backend
 from minivllm.cpu.decode_loop import CpuDecodeLoop, not_covered
 from minivllm.cpu.ops import skinny_gemm_fast
 from minivllm.llm import LLM
 from minivllm.model.layers import RMSNorm
 from minivllm.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from minivllm.model.loader import load_model
+from minivllm.model.resolver import resolve_model
 from minivllm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -301,3 +304,25 @@ def test_the_runner_logs_why_once_and_generates_what_the_python_loop_does(
     assert said[0].startswith("decode steps run the Python loop")
     with_lora = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert with_lora != before  # the adapter changes the tokens: the C++ loop would not have
+
+
+def test_a_gguf_step_of_the_opt_in_gemm_s_rows_runs_the_python_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From MINIVLLM_CPU_GGUF_GEMM_ROWS rows a GGUF linear's CPU forward dequantizes and runs one
+    GEMM, which the C++ loop (always the tiles) does not: such a step keeps the Python loop."""
+    from gguf_utils import tiny_llama_gguf
+
+    from minivllm.cpu import decode_loop
+
+    monkeypatch.setattr(decode_loop, "gguf_gemm_rows", lambda: 4)
+    path = tiny_llama_gguf(tmp_path / "tiny.gguf")
+    model = load_model(
+        resolve_model(path), get_attention_backend("cpu"), torch.float32, torch.device("cpu"),
+        quantization="gguf",
+    )  # fmt: skip
+    loop = CpuDecodeLoop.build(model, model.model.layers[0].self_attn.backend)
+    assert loop is not None
+    tables = torch.arange(5 * 2, dtype=torch.int32).view(5, 2)
+    assert loop.applies(3, step_meta(model, [1] * 3, [9, 20, 31], tables[:3]))
+    assert not loop.applies(5, step_meta(model, [1] * 5, [9, 20, 31, 2, 5], tables))
