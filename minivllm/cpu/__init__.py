@@ -19,7 +19,7 @@ What lives here, and the test that holds each source to its plain-PyTorch refere
 | `cpu_activation_rope.cpp` | `silu_and_mul`, `rotary_embedding` | tests/test_kernels_cpu_activation_rope.py |
 | `cpu_skinny_gemm.cpp` | `skinny_gemm` | tests/test_kernels_cpu_skinny_gemm.py |
 | `cpu_gguf_gemm.cpp` | `gguf_linear`, `gguf_dequantize` | tests/test_kernels_cpu_gguf.py |
-| `cpu_decode_layers.cpp` | `decode_layers` (wrapped by minivllm/worker/cpu_decode_loop.py) | tests/test_kernels_cpu_decode_loop.py |
+| `cpu_decode_layers.cpp` | `decode_layers` (wrapped by minivllm/worker/cpu_decode_loop.py, which declares what it covers) | tests/test_kernels_cpu_decode_loop.py, tests/test_decode_loop_coverage.py |
 
 `build.py` compiles them into one library (tests/test_kernels_cpu_build.py). The model's own
 files import nothing from here.

@@ -1,40 +1,49 @@
 """A Llama decode step's decoder layers as one C++ loop: what CUDA graphs do for vLLM, on a CPU.
 
-This is not a capture of the model but a second implementation of Llama's decoder loop, in C++
-(`cpu_decode_layers.cpp`), held bit for bit to the Python one; it knows Llama's module layout
-(`LINEARS_PER_LAYER`) and refuses every other model (`CpuDecodeLoop.build`), which then runs its
-Python loop: a family with math of its own (Qwen2's q/k/v bias, Qwen3's q/k norms: `llama_math`) as
-much as a model that is not a Llama at all.
+This is not a capture of the model but a second
+implementation of Llama's decoder loop, in C++ (`cpu_decode_layers.cpp`), held bit for bit to the
+Python one (tests/test_kernels_cpu_decode_loop.py), which stays the specification.
 
-A decode step runs each layer on 1-64 token rows, so each of its ~10 kernels is short, and between
-two of them Python does the layer's bookkeeping: module calls, custom-op dispatch, views, the
-wrappers' checks. That host work costs about the same at every row count, so it weighs most on
-the smallest steps (the Performance page, docs/performance.md, has the measurement). vLLM
-removes the host from a GPU's decode step by replaying a captured CUDA graph; a CPU has no such
-graph, so `cpu_decode_layers.cpp` does the host's part in C++ instead. It calls the same kernels
-as `LlamaModel.forward` with every custom op on its CPU forward (minivllm/cpu/op_forwards.py),
-in the same order and on the same layouts, so its result is bit for bit the Python loop's; that
-loop stays the specification (tests/test_kernels_cpu_decode_loop.py holds the two equal).
+Why it exists: a decode step runs each layer on 1-64 token rows, so each of its ~10 kernels is
+short, and between two of them Python does the layer's bookkeeping (module calls, custom-op
+dispatch, views, the wrappers' checks). vLLM removes the host from a GPU's decode step by
+replaying a captured CUDA graph; a CPU has no such graph, so `cpu_decode_layers.cpp` does the
+host's part in C++, calling the same kernels as `LlamaModel.forward` with every custom op on its
+CPU forward (minivllm/cpu/op_forwards.py), in the same order and on the same layouts.
+docs/performance.md has what it saves.
 
 Like a CUDA graph in vLLM, it is built and run by the model runner (`ModelRunner.build_decode_loop`,
 from the class the CPU platform names in `decode_loop_cls`); the model does not know it exists.
 
-It applies where the whole of a step is what the C++ loop knows how to do:
+What it covers is declared once, as data, below (`COVERED_MODELS`, `BODY`, `LAYER`): the model
+classes, by exact class; every module of the body and of a decoder layer, by path and exact
+class; the tensors each holds (those the C++ loop reads, no other); and, for a custom op, the CPU
+forward the C++ loop reproduces. `not_covered` holds a model to that declaration, and to the
+values the declared forwards read (no bias, no sliding window, one scale and one eps for every
+layer, weights in a layout the C++ loop multiplies), and returns None or the first reason it
+differs, naming the module and the feature. The rule is closed: whatever is not declared falls
+back. A subclass (even one that only overrides a method), a forward replaced on an instance, a
+submodule the declaration does not list (a LoRA adapter beside a linear, a wrapper in its
+place), a tensor the loop does not read (a bias, LoRA's A and B), a custom op on another
+forward: each keeps the model on its Python loop, so a layer feature added to the model in
+Python runs there without a line here, and the C++ loop learns it only when both are written.
+The reason is logged once, at debug level, on the "minivllm" logger, when the runner builds the
+loop (tests/test_decode_loop_coverage.py plants each kind of feature and holds the answer to the
+Python loop's).
 
-- the CPU attention backend (the op attends through its plan: every row is a work item of the
-  paged kernel) and every custom op on its CPU forward (`custom_ops="all"`);
-- one device: with tensor parallelism, each layer's two all-reduces happen in Python;
-- Llama's math in every layer (`llama_math`: Llama's layer and attention classes, no q/k norm),
-  no biases, no sliding window, and weights that every linear holds prepacked for oneDNN (`prepack_linear` in
-  minivllm/cpu/op_forwards.py: float32 wherever oneDNN is built in, bfloat16 where the CPU has
-  bf16 dot products; the C++ loop then calls oneDNN on them, as the Python path does) or as a
-  GGUF file's blocks (the loop calls `gguf_linear` on each part, with the same products), or
-  plain float32 weights on a CPU where the skinny GEMM runs its AVX-512 path;
-- a step of decodes only; on plain weights with at most `SKINNY_GEMM_MAX_ROWS` rows, since above
-  that the linears go to MKL;
-- no forward hook on the model, its body or their modules: a hook is Python, and a user who
-  registers one on a layer expects it to run (vLLM's CUDA graphs skip hooks; here they turn the
-  C++ call off).
+The check runs when the runner builds the loop, after the weights are loaded and every custom op
+dispatched, as vLLM captures its graphs once the model is ready: a change made to the model after
+that must build it again (`ModelRunner.build_decode_loop`). Then, per step, `applies` takes the
+C++ call only where the whole of the step is what it does:
+
+- a step of decodes only, planned by the CPU attention backend (every row a work item of its
+  paged kernel);
+- on plain float32 weights, at most `SKINNY_GEMM_MAX_ROWS` rows (above that the linears go to
+  MKL); a GGUF model, fewer rows than `MINIVLLM_CPU_GGUF_GEMM_ROWS` where that is set (from
+  there its linears dequantize and run one GEMM);
+- no forward hook on the model, its body or their modules, nor a global one: a hook is Python,
+  and a user who registers one on a layer expects it to run (vLLM's CUDA graphs skip hooks;
+  here they turn the C++ call off).
 
 Every other step runs the Python loop, and `enforce_eager=True` (vLLM's flag, `--enforce-eager`)
 keeps every step there.
@@ -42,23 +51,253 @@ keeps every step there.
 
 from __future__ import annotations
 
-from typing import cast
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from minivllm.attention.abstract import AttentionBackend, AttentionMetadata
 from minivllm.attention.backends.cpu import CpuPlan
+from minivllm.cpu.op_forwards import (
+    column_parallel_linear_forward_cpu,
+    gguf_gemm_rows,
+    rms_norm_forward_cpu,
+    rotary_embedding_forward_cpu,
+    row_parallel_linear_forward_cpu,
+    silu_and_mul_forward_cpu,
+)
 from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
-from minivllm.model.custom_op import CustomOp
-from minivllm.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from minivllm.model.layers.layernorm import RMSNorm, SiluAndMul
+from minivllm.model.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from minivllm.model.layers.rotary_embedding import RotaryEmbedding
+from minivllm.model.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+)
+from minivllm.model.models.phi3 import Phi3ForCausalLM
+from minivllm.model.quantization.gguf.linear import GGUFLinearMethod
+
+logger = logging.getLogger("minivllm")
 
 
+# ---------------------------------------------------------------------------------- what it covers
+@dataclass(frozen=True)
+class Covered:
+    """One module the C++ loop replays."""
+
+    cls: type[nn.Module]  # its exact class: a subclass may compute something else
+    tensors: tuple[str, ...] = ()  # its own parameters and buffers: those the C++ loop reads
+    # A custom op's CPU forward (op_forwards.py), the one whose kernels the C++ loop calls.
+    cpu_forward: Callable[..., Any] | None = None
+    # Called as a module by the C++ loop's Python side too (the embedding): whatever it is, and
+    # whatever its subtree holds, runs as in the Python loop.
+    in_python: bool = False
+
+
+# The model classes whose decode step it replays, by exact class. Phi-3's only adds how its
+# checkpoint is read (`packed_checkpoint`); Mistral is `LlamaForCausalLM` (the registry's map).
+COVERED_MODELS: tuple[type[nn.Module], ...] = (LlamaForCausalLM, Phi3ForCausalLM)
+
+# The body (`model.model`), by path; its layers are each held to `LAYER`.
+BODY: dict[str, Covered] = {
+    "": Covered(LlamaModel),
+    "embed_tokens": Covered(VocabParallelEmbedding, in_python=True),
+    "layers": Covered(nn.ModuleList),
+    "norm": Covered(RMSNorm, ("weight",), rms_norm_forward_cpu),
+    "rotary_emb": Covered(RotaryEmbedding, ("cos_sin",), rotary_embedding_forward_cpu),
+}
+
+# A decoder layer, by path: Llama's, module for module. A linear holds its `weight` (plain, or
+# prepacked for oneDNN), or, under a `GGUFLinearMethod`, that method's block buffers instead.
+LAYER: dict[str, Covered] = {
+    "": Covered(LlamaDecoderLayer),
+    "input_layernorm": Covered(RMSNorm, ("weight",), rms_norm_forward_cpu),
+    "self_attn": Covered(LlamaAttention),
+    "self_attn.qkv_proj": Covered(
+        QKVParallelLinear, ("weight",), column_parallel_linear_forward_cpu
+    ),
+    "self_attn.o_proj": Covered(RowParallelLinear, ("weight",), row_parallel_linear_forward_cpu),
+    "post_attention_layernorm": Covered(RMSNorm, ("weight",), rms_norm_forward_cpu),
+    "mlp": Covered(LlamaMLP),
+    "mlp.gate_up_proj": Covered(
+        ColumnParallelLinear, ("weight",), column_parallel_linear_forward_cpu
+    ),
+    "mlp.down_proj": Covered(RowParallelLinear, ("weight",), row_parallel_linear_forward_cpu),
+    "mlp.act_fn": Covered(SiluAndMul, (), silu_and_mul_forward_cpu),
+}
+
+# The four linears of a layer, in the op's order.
+LINEARS_PER_LAYER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+# ---------------------------------------------------------------------------------- the check
+def not_covered(model: nn.Module, backend: AttentionBackend) -> str | None:
+    """None where the C++ loop computes exactly what `model`'s Python loop computes for a decode
+    step; otherwise the first reason it does not, naming the module and the feature."""
+    if type(model) not in COVERED_MODELS:
+        names = ", ".join(cls.__name__ for cls in COVERED_MODELS)
+        return f"the model is {type(model).__qualname__}; the C++ loop covers {names}, exactly"
+    model = cast("LlamaForCausalLM", model)
+    if backend.name != "cpu":
+        return f"the attention backend is {backend.name!r}; the C++ loop calls the CPU's kernels"
+    if model.tp.world_size != 1:
+        return "tensor parallelism: each layer's two all-reduces run in Python"
+    if reason := replaced_methods(model, "the model"):
+        return reason
+    body = model.model
+    if reason := check_modules(body, "model", BODY, own_subtrees=("layers",)):
+        return reason
+    # The op's activations are float32 or bfloat16: a float16 model (a GGUF file's blocks under
+    # --dtype half) keeps its Python loop.
+    if body.norm.weight.dtype not in (torch.float32, torch.bfloat16):
+        return (
+            f"model.norm.weight is {body.norm.weight.dtype}; the C++ loop runs float32 or bfloat16"
+        )
+    for i, layer in enumerate(body.layers):
+        name = f"model.layers.{i}"
+        if reason := check_modules(layer, name, LAYER) or check_values(layer, name, body, backend):
+            return reason
+        for path in LINEARS_PER_LAYER:
+            if reason := check_linear(layer.get_submodule(path), f"{name}.{path}"):
+                return reason
+    return None
+
+
+def check_modules(
+    root: nn.Module, name: str, declared: dict[str, Covered], own_subtrees: tuple[str, ...] = ()
+) -> str | None:
+    """`root` holds exactly the declared modules, each as declared (`check_module`); below a path
+    in `own_subtrees`, or a module the loop calls in Python, nothing is looked at here."""
+    seen = set()
+    skipped = [*own_subtrees]
+    for path, module in root.named_modules():
+        if any(path.startswith(f"{top}.") for top in skipped):
+            continue
+        where = f"{name}.{path}" if path else name
+        covered = declared.get(path)
+        if covered is None:
+            return f"{where} ({type(module).__qualname__}) is a module the C++ loop does not know"
+        seen.add(path)
+        if covered.in_python:
+            skipped.append(path)
+        elif reason := check_module(module, where, covered):
+            return reason
+    if missing := sorted(declared.keys() - seen):
+        return f"{name}.{missing[0]} is missing"
+    return None
+
+
+def check_module(module: nn.Module, where: str, covered: Covered) -> str | None:
+    """`module` is of the declared class, runs the declared forward, holds the declared tensors
+    and no other, and replaces none of its class's methods."""
+    if type(module) is not covered.cls:
+        return (
+            f"{where} is {type(module).__qualname__}, not {covered.cls.__qualname__}: the C++ "
+            "loop knows classes exactly, and a subclass may compute something else"
+        )
+    if reason := replaced_methods(module, where):
+        return reason
+    tensors = set(covered.tensors)
+    if isinstance(module, LinearBase) and type(module.quant_method) is GGUFLinearMethod:
+        qtypes: tuple[int, ...] = getattr(module, "qtypes", ())
+        tensors = {f"qweight_{i}" for i in range(len(qtypes))}  # `gguf_parts`
+    held = {n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None}
+    held |= {n for n, value in vars(module).items() if isinstance(value, torch.Tensor)}
+    if extra := sorted(held - tensors):
+        return f"{where}.{extra[0]} is a tensor the C++ loop does not read"
+    if missing := sorted(tensors - held):
+        return f"{where} has no {missing[0]}"
+    if covered.cpu_forward is not None:
+        forward = getattr(module, "_forward_method", None)
+        if not (
+            isinstance(forward, functools.partial)
+            and forward.func is covered.cpu_forward
+            and forward.args == (module,)
+            and not forward.keywords
+        ):
+            runs = getattr(forward, "func", forward)
+            return (
+                f"{where} runs {getattr(runs, '__qualname__', runs)}, not "
+                f"{covered.cpu_forward.__qualname__}, whose kernels the C++ loop calls"
+            )
+    return None
+
+
+def replaced_methods(module: nn.Module, where: str) -> str | None:
+    """A method of the module's class that the instance replaces (`layer.forward = ...`)."""
+    for attr in vars(module):
+        if callable(getattr(type(module), attr, None)):
+            return f"{where}.{attr} is replaced on the instance"
+    return None
+
+
+def check_values(
+    layer: nn.Module, where: str, body: LlamaModel, backend: AttentionBackend
+) -> str | None:
+    """The values the declared forwards read that the C++ loop takes once for every layer (the
+    first layer's scale and heads, the final norm's eps) or does not take at all (a window)."""
+    layer = cast("LlamaDecoderLayer", layer)
+    attn, first = layer.self_attn, cast("LlamaDecoderLayer", body.layers[0]).self_attn
+    if attn.backend is not backend:
+        return f"{where}.self_attn attends through another backend than the step's"
+    # The C++ loop calls paged_decode, which has no window (paged_decode_sliding has).
+    if attn.sliding_window is not None:
+        return f"{where}.self_attn has a sliding window"
+    heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    if heads != (first.num_heads, first.num_kv_heads, first.head_dim) or (
+        attn.q_size != attn.num_heads * attn.head_dim
+        or attn.kv_size != attn.num_kv_heads * attn.head_dim
+    ):
+        return (
+            f"{where}.self_attn's heads differ from model.layers.0's, or its sizes from its heads"
+        )
+    if attn.scale != first.scale:
+        return f"{where}.self_attn.scale differs from model.layers.0's"
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        if getattr(layer, norm).eps != body.norm.eps:
+            return f"{where}.{norm}.eps differs from model.norm's"
+    return None
+
+
+def check_linear(op: nn.Module, where: str) -> str | None:
+    """A linear the C++ loop multiplies as its CPU forward does: no bias, one device, and its
+    weight prepacked for oneDNN, GGUF blocks, or plain float32 where the skinny GEMM is fast."""
+    op = cast("ColumnParallelLinear | RowParallelLinear", op)
+    if op.bias is not None:  # the tensor check has refused a registered one already
+        return f"{where}.bias is a bias, which the C++ loop does not add"
+    if op.tp.world_size != 1:
+        return f"{where} is split over {op.tp.world_size} ranks"
+    if op.quant_method is not None:
+        if type(op.quant_method) is not GGUFLinearMethod:
+            return f"{where} is quantized by {type(op.quant_method).__qualname__}"
+        return None
+    weight = op.weight
+    if weight.is_mkldnn:
+        return None
+    if weight.dtype != torch.float32 or not skinny_gemm_fast():
+        return (
+            f"{where}.weight is plain {weight.dtype}: the C++ loop multiplies plain weights by "
+            "the skinny GEMM, in float32 where it has its AVX-512 path"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------- the weights
 def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
     return cast("list[LlamaDecoderLayer]", list(model.model.layers))
-
-
-LINEARS_PER_LAYER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def linear_weights(op: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
@@ -93,30 +332,28 @@ def all_linears_packed(model: LlamaForCausalLM) -> bool:
     return all(op.quant_method is not None or op.weight.is_mkldnn for op in linears(model))
 
 
-def llama_math(model: LlamaForCausalLM) -> bool:
-    """Whether every decoder layer is Llama's own, with Llama's attention: a family that brings
-    its own layer or attention (Qwen3's q/k norms) computes something the C++ loop does not.
-    Phi-3 qualifies (only its checkpoint's layout differs), and so does Mistral."""
-    return (
-        all(
-            type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
-            for layer in decoder_layers(model)
-        )
-        and not model.config.qk_norm
-    )
-
-
+# ---------------------------------------------------------------------------------- the loop
 class CpuDecodeLoop:
     """`LlamaForCausalLM.forward` for a decode step: the embedding, then the layers and the final
     norm as one `decode_layers` op call."""
 
     @classmethod
     def build(cls, model: nn.Module, backend: AttentionBackend) -> CpuDecodeLoop | None:
-        """The loop for `model`, where it runs it exactly as its Python loop does: a Llama, the
-        CPU attention backend, and the other conditions of `supports`; None otherwise."""
-        if backend.name != "cpu" or not isinstance(model, LlamaForCausalLM):
+        """The loop for `model`, where it covers it (`not_covered`); None otherwise, the reason
+        logged once, at debug level."""
+        reason = not_covered(model, backend)
+        if reason is not None:
+            logger.debug("decode steps run the Python loop: %s", reason)
             return None
-        return cls(model) if cls.supports(model) else None
+        return cls(cast("LlamaForCausalLM", model))
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """Whether the C++ loop covers `model` with its own attention backend."""
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if not layers:
+            return False
+        return not_covered(model, layers[0].self_attn.backend) is None
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         body = model.model
@@ -137,6 +374,9 @@ class CpuDecodeLoop:
             from minivllm.cpu.op_forwards import gguf_dot
 
             self.bf16_dot = gguf_dot() == "bf16"
+        # From this many rows a GGUF linear's CPU forward dequantizes and runs one GEMM (opt-in),
+        # which the C++ loop does not: such a step stays in Python.
+        self.gguf_gemm_rows = gguf_gemm_rows() if any(t >= 0 for t in self.qtypes) else None
         self.packed = all_linears_packed(model)
         attention = layers[0].self_attn
         self.scale = attention.scale
@@ -145,44 +385,15 @@ class CpuDecodeLoop:
         # outside the replay, in `compute_logits`, hooks and all).
         self.modules = [model, *body.modules()]
 
-    @staticmethod
-    def supports(model: LlamaForCausalLM) -> bool:
-        """Whether the model is one the C++ loop runs exactly as `LlamaModel.forward` does."""
-        config = model.config
-        layer = decoder_layers(model)[0]
-        return (
-            llama_math(model)
-            and model.tp.world_size == 1
-            and all(
-                op.dispatched_to == "cpu"
-                for op in model.model.modules()
-                if isinstance(op, CustomOp)
-            )
-            # The op's activations are float32 or bfloat16: a float16 model (a GGUF file's blocks
-            # under --dtype half) keeps its Python loop.
-            and model.model.norm.weight.dtype in (torch.float32, torch.bfloat16)
-            and not config.attention_bias
-            and not config.qkv_bias
-            and not config.mlp_bias
-            # The C++ loop calls paged_decode, which has no window (paged_decode_sliding has).
-            and all(layer.self_attn.sliding_window is None for layer in decoder_layers(model))
-            and (
-                all_linears_packed(model)
-                or (
-                    layer.self_attn.qkv_proj.quant_method is None
-                    and layer.self_attn.qkv_proj.weight.dtype == torch.float32
-                    and skinny_gemm_fast()
-                )
-            )
-        )
-
     def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether this step is one the C++ loop runs: decodes only, few enough for the skinny
-        GEMM (the Python loop's choice at every linear), planned by the CPU backend, and no
-        forward hook on a layer, which the Python loop runs and this call would skip."""
+        GEMM and the GGUF tiles (the Python loop's choices at every linear), planned by the CPU
+        backend, and no forward hook on a layer, which the Python loop runs and this call would
+        skip."""
         return (
             meta.is_decode_only
             and (num_tokens <= SKINNY_GEMM_MAX_ROWS or self.packed)
+            and (self.gguf_gemm_rows is None or num_tokens < self.gguf_gemm_rows)
             and isinstance(meta.plan, CpuPlan)
             and not self.hooked()
         )
