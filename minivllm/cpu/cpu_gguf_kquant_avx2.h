@@ -81,22 +81,12 @@ inline void broadcast16(int16_t* dst, int lo, int hi) {  // lanes 0..7 lo, 8..15
   for (int i = 0; i < 8; ++i) dst[i] = int16_t(lo), dst[8 + i] = int16_t(hi);
 }
 
-// Q4_K and Q5_K's eight 6-bit scales and mins (cpu_gguf_blocks.h's k_scale_min) four at a time:
-// scales[12] = | a: sc0..3 (+ top bits of sc4..7) | b: m0..3 (+ top bits of m4..7) | c: low
-// nibbles sc4..7, high nibbles m4..7 |, one 6-bit value a byte out.
-inline void k_scales_mins(const uint8_t* s, __m128i& sc8, __m128i& mn8) {  // 8 bytes each
-  uint32_t a, b, c;
-  std::memcpy(&a, s, 4), std::memcpy(&b, s + 4, 4), std::memcpy(&c, s + 8, 4);
-  const uint32_t sc_hi = (c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030);
-  const uint32_t mn_hi = ((c >> 4) & 0x0F0F0F0F) | ((b >> 2) & 0x30303030);
-  sc8 = _mm_setr_epi32(int(a & 0x3F3F3F3F), int(sc_hi), 0, 0);
-  mn8 = _mm_setr_epi32(int(b & 0x3F3F3F3F), int(mn_hi), 0, 0);
-}
 // The in-register scales of Q4_K and Q5_K: 8 int16 scales in each 128-bit half (sub-block s's
 // broadcast by pick16(s)), and each min twice, once per 16-sum of its sub-block.
 inline KScales k_scales(const uint8_t* b, __m256i& sc16) {
-  __m128i sc8, mn8;
-  k_scales_mins(b + 4, sc8, mn8);
+  uint64_t sc, m;
+  k_scales_mins8(b + 4, sc, m);
+  const __m128i sc8 = _mm_cvtsi64_si128(int64_t(sc)), mn8 = _mm_cvtsi64_si128(int64_t(m));
   sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc8));
   return {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8)), half(b), half(b + 2)};
 }
