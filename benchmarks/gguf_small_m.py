@@ -26,12 +26,23 @@ import sys
 import torch
 
 Q4_K, Q6_K = 12, 14
-SHAPES = {"ffn_up Q4_K 8192x2048": (8192, 2048, Q4_K), "head Q6_K 128256x2048": (128256, 2048, Q6_K)}
+SHAPES = {
+    "ffn_up Q4_K 8192x2048": (8192, 2048, Q4_K),
+    "head Q6_K 128256x2048": (128256, 2048, Q6_K),
+}
+
+
+def time_call(x: torch.Tensor, qtype: int, dot: str, copies: list[torch.Tensor]) -> float:
+    """Microseconds per gguf_linear call, fastest pass over all copies (benchmarks/gguf_gemm.py)."""
+    from benchmarks.gguf_gemm import pass_us
+    from minivllm.cpu import ops as cpu_ops
+
+    return pass_us(lambda w: cpu_ops.gguf_linear(x, w, qtype, dot), copies)
 
 
 def one_level(tokens: list[int], threads: int, mib: int) -> dict[str, object]:
     """This process's level: {shape: {dot: {M: microseconds}}}, the copy bandwidth and the load."""
-    from benchmarks.gguf_gemm import pass_us, random_blocks
+    from benchmarks.gguf_gemm import random_blocks
     from minivllm.benchmarks.machine import measure_copy_bandwidth
     from minivllm.cpu import ops as cpu_ops
 
@@ -40,7 +51,7 @@ def one_level(tokens: list[int], threads: int, mib: int) -> dict[str, object]:
     copy_bw = measure_copy_bandwidth(torch.device("cpu"), nbytes=2**30)
     result: dict[str, object] = {
         "kind": cpu_ops.gguf_dot_kind(), "copy_gbs": copy_bw / 1e9,
-        "load": open("/proc/loadavg").read().split()[0], "times": {},
+        "load": f"{os.getloadavg()[0]:.2f}", "times": {},
     }  # fmt: skip
     for seed, (name, (n, k, qtype)) in enumerate(SHAPES.items()):
         q = torch.from_numpy(random_blocks(n, k, qtype, seed))  # uint8 [n, row_bytes]
@@ -48,10 +59,7 @@ def one_level(tokens: list[int], threads: int, mib: int) -> dict[str, object]:
         del q
         per_dot = {}
         for dot in dots:
-            per_dot[dot] = {
-                m: pass_us(lambda w, x=torch.randn(m, k): cpu_ops.gguf_linear(x, w, qtype, dot), copies)
-                for m in tokens
-            }
+            per_dot[dot] = {m: time_call(torch.randn(m, k), qtype, dot, copies) for m in tokens}
         result["times"][name] = {"bytes": copies[0].numel(), "us": per_dot}  # type: ignore[index]
         del copies
     return result
@@ -68,7 +76,9 @@ def main() -> None:
     if args.one_level:
         print(json.dumps(one_level(args.tokens, args.threads, args.mib)))
         return
-    print("level      dot      shape                     M     µs/call   floor µs  x floor  load  copy GB/s")
+    print(
+        "level      dot      shape                     M     µs/call   floor µs  x floor  load  copy GB/s"
+    )
     for level in args.levels:
         cmd = [sys.executable, __file__, "--one-level", "--threads", str(args.threads),
                "--mib", str(args.mib), "--tokens", *map(str, args.tokens)]  # fmt: skip
