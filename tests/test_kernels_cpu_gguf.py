@@ -319,3 +319,19 @@ def test_bad_arguments_name_the_problem(
 ) -> None:
     with pytest.raises(RuntimeError, match=match):
         torch.ops.minivllm_cpu.gguf_linear(torch.empty(x.shape[0], q.shape[0]), x, q, qtype)
+
+
+@pytest.mark.parametrize("dot", ["float32", "bf16"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_row_s_output_does_not_depend_on_the_batch_around_it(qtype: T, dot: str) -> None:
+    # Batch-invariance: a token row multiplied alone gives, bit for bit, what it gives inside a
+    # batch of any size, whichever path (in-register tiles at few rows, unpacked rows or chunks at
+    # many) each batch takes.
+    if dot == "bf16" and not cpu_ops.gguf_has_bf16_dot():
+        pytest.skip("this CPU (or build) has no AVX512-BF16")
+    q = torch.from_numpy(random_blocks(qtype, N, 512, seed=3))
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([gguf_linear(x[i : i + 1], q, int(qtype), dot) for i in range(9)])
+    for m in (2, 3, 4, 5, 8, 9, 64, 300):
+        batch = gguf_linear(x[:m], q, int(qtype), dot)[:9]
+        assert torch.equal(batch, alone[:m]), f"M = {m}"

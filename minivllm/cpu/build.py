@@ -74,7 +74,11 @@ SOURCES = tuple(
         "cpu_decode_layers.cpp",
     )
 )
-HEADERS = (Path(__file__).with_name("csrc") / "cpu_gguf_blocks.h",)  # included by the GGUF sources
+# included by the GGUF sources
+HEADERS = tuple(
+    Path(__file__).with_name("csrc") / name
+    for name in ("cpu_gguf_blocks.h", "cpu_gguf_kquant_avx2.h")
+)
 LDFLAGS = ("-lm", "-fopenmp")
 # How long a process waits for another one to finish compiling (a build takes about a minute on 2
 # idle cores, several on a loaded machine). A process that died while building holds nothing to wait for.

@@ -45,6 +45,18 @@ inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
   }
 }
 
+// All eight of k_scale_min's 6-bit scales (sc) and mins (m), one a byte, sub-block s in byte s,
+// four at a time on 32-bit words: scales[12] = | a: sc0..3 (+ top bits of sc4..7) | b: m0..3
+// (+ top bits of m4..7) | c: low nibbles sc4..7, high nibbles m4..7 |.
+inline void k_scales_mins8(const uint8_t* s, uint64_t& sc, uint64_t& m) {
+  uint32_t a, b, c;
+  std::memcpy(&a, s, 4), std::memcpy(&b, s + 4, 4), std::memcpy(&c, s + 8, 4);
+  const uint32_t sc_hi = (c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030);
+  const uint32_t m_hi = ((c >> 4) & 0x0F0F0F0F) | ((b >> 2) & 0x30303030);
+  sc = uint64_t(a & 0x3F3F3F3F) | (uint64_t(sc_hi) << 32);
+  m = uint64_t(b & 0x3F3F3F3F) | (uint64_t(m_hi) << 32);
+}
+
 #if defined(__AVX512F__)
 // 16 bytes as 16 int32 lanes.
 inline __m512i bytes16(const uint8_t* p) {
@@ -60,6 +72,11 @@ inline __m512i add16(__m512i v, __mmask16 fifth) {
   return _mm512_mask_add_epi32(v, fifth, v, _mm512_set1_epi32(16));
 }
 inline __m512 to_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return bits;
+}
 // An fp16 scale in all 16 lanes: broadcast, then convert, which is fewer instructions than
 // converting the scalar and broadcasting the float.
 inline __m512 fp16x16(const uint8_t* p) {
@@ -79,8 +96,19 @@ inline __m512 times(__m512i q, float scale) { return times(q, _mm512_set1_ps(sca
 inline __m512 times_plus(__m512i q, __m512 scale, __m512 offset) {  // scale * q + offset
   return _mm512_fmadd_ps(to_float(q), scale, offset);
 }
-inline __m512 times_plus(__m512i q, float scale, float offset) {
-  return times_plus(q, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+// Lane `lane` of v in all 16 lanes.
+inline __m512 lane(__m512 v, int lane) { return _mm512_permutexvar_ps(_mm512_set1_epi32(lane), v); }
+// A Q4_K or Q5_K block's per-sub-block factors, all eight at once: lane s holds d · sc_s and lane
+// 8 + s holds -(dmin · m_s), the same float products k_scale_min's scalars give. The kernels
+// call `weights` for every 16 weights of a block; this vector depends on the block only, so the
+// compiler computes it once per block (the loop over a block is unrolled) and each sub-block takes
+// its two factors by one lane broadcast each.
+inline __m512 k_factors(const uint8_t* b) {
+  uint64_t sc, m;
+  k_scales_mins8(b + 4, sc, m);
+  const __m512 q = to_float(_mm512_cvtepu8_epi32(_mm_set_epi64x(int64_t(m), int64_t(sc))));
+  return _mm512_mul_ps(q, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(_cvtsh_ss(load_u16(b))),
+                                               _mm512_set1_ps(-_cvtsh_ss(load_u16(b + 2)))));
 }
 #endif
 
@@ -215,10 +243,9 @@ struct Q4_K {
 #if defined(__AVX512F__)
   static __m512 weights(const uint8_t* b, int i) {  // sub-block s = i / 2, its lanes 16 (i % 2) on
     const int s = i / 2;
-    int sc, m;
-    k_scale_min(b + 4, s, sc, m);
+    const __m512 f = k_factors(b);
     const __m512i q = nibbles16(b + 16 + 32 * (s / 2) + 16 * (i % 2), s % 2);
-    return times_plus(q, fp16(b) * float(sc), -(fp16(b + 2) * float(m)));
+    return times_plus(q, lane(f, s), lane(f, 8 + s));
   }
 #endif
 };
@@ -246,13 +273,12 @@ struct Q5_K {
 #if defined(__AVX512F__)
   static __m512 weights(const uint8_t* b, int i) {
     const int s = i / 2, h = i % 2;
-    int sc, m;
-    k_scale_min(b + 4, s, sc, m);
+    const __m512 f = k_factors(b);
     // The lanes whose qh byte has bit s set: one byte test gives all 16 5th bits.
     const __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + 16 * h));
     const __mmask16 fifth = _mm_test_epi8_mask(qh, _mm_set1_epi8(char(1 << s)));
     const __m512i q = add16(nibbles16(b + 48 + 32 * (s / 2) + 16 * h, s % 2), fifth);
-    return times_plus(q, fp16(b) * float(sc), -(fp16(b + 2) * float(m)));
+    return times_plus(q, lane(f, s), lane(f, 8 + s));
   }
 #endif
 };
@@ -280,7 +306,10 @@ struct Q6_K {
     const __m512i top = _mm512_and_si512(_mm512_srli_epi32(bytes16(b + 128 + 32 * H + 16 * h), 2 * t),
                                          _mm512_set1_epi32(3));
     const __m512i q = _mm512_or_si512(lo, _mm512_slli_epi32(top, 4));
-    return times(_mm512_sub_epi32(q, _mm512_set1_epi32(32)), fp16(b + 208) * float(int8_t(b[192 + i])));
+    // all 16 factors d · scale_j at once, computed once per block as Q4_K's k_factors
+    const __m512 f = _mm512_mul_ps(to_float(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))),
+                                   _mm512_set1_ps(_cvtsh_ss(load_u16(b + 208))));
+    return times(_mm512_sub_epi32(q, _mm512_set1_epi32(32)), lane(f, i));
   }
 #endif
 };

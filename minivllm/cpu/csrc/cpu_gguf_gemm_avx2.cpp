@@ -22,6 +22,10 @@
 // register tiles of R rows x T tokens run over the buffer, so that a 32-byte load of weights serves
 // T tokens and a load of x serves R rows; token panels keep the x rows that the tiles reread in L2.
 // The int8 buffer is a quarter of the float32 scratch that dequantize-then-multiply would write.
+// At decode's few token rows (kInRegisterTokens) the K-quants skip the buffer: writing and
+// rereading it costs more than the packed weight's own bytes, so each super-block is unpacked in
+// registers and dotted at once (tileK_in_registers, cpu_gguf_kquant_avx2.h), with the same int32
+// lanes and float steps as the buffered tile: a row's output does not depend on the batch size.
 //
 // Threads split the weight rows (at::parallel_for); inside the parallel regions only raw pointers
 // and std::vector are touched: ATen ops there would run without the caller's InferenceMode.
@@ -30,6 +34,7 @@
 // the same integer scheme and to the float product within the bound above.
 
 #include "cpu_gguf_blocks.h"
+#include "cpu_gguf_kquant_avx2.h"
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #include <immintrin.h>
@@ -120,12 +125,6 @@ Tokens quantize_tokens(const float* x, int64_t ldx, int64_t M, int64_t K, int bl
 }
 
 // ------------------------------------------------------------------- unpacking weight blocks
-// An fp16 scale by F16C's conversion (cpu_gguf_blocks.h's `fp16` is the portable bit-twiddling).
-inline float half(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return _cvtsh_ss(bits);
-}
 // The nibbles of 16 bytes as 32 bytes: the low nibbles (weights 0..15), then the high (16..31).
 inline __m256i nibbles32(const uint8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -144,7 +143,6 @@ inline __m256i fifth_bits(const uint8_t* p) {
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
-inline void store32(uint8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v); }
 
 // 32-weight types: block b of a row becomes q[32] (one byte per weight, in order) and two floats,
 // w_k = A · q_k + B; so Σ_k w_k · dx · xq_k = A · dx · (q · xq) + B · sx. Q8_0's q is signed
@@ -180,87 +178,7 @@ struct Q8_0x { using Q = Q8_0; static constexpr bool kSigned = true, kOffset = f
   }
 };
 
-// K-quants: super-block sb of a row becomes q[256] (bytes 0..63, in order), sc[8][16] int16 (the
-// scale of each weight pair's products in each 32-chunk, as _mm256_madd_epi16 wants it), mn[16]
-// (the coefficient of each 16-sum of xq) and two floats, so that
-//   Σ_k w_k · dx · xq_k = dx · (d · Σ_c madd(q_c · xq_c, sc_c) - dmin · Σ_j mn_j · bsums_j)
-struct KBlock {
-  uint8_t* q;
-  int16_t* sc;
-  int16_t* mn;
-  float* d;
-  float* dmin;
-};
-inline void broadcast16(int16_t* dst, int lo, int hi) {  // lanes 0..7 lo, 8..15 hi
-  for (int i = 0; i < 8; ++i) dst[i] = int16_t(lo), dst[8 + i] = int16_t(hi);
-}
-
-struct Q4_Kx { using Q = Q4_K;
-  // | d | dmin | scales[12] | qs[128] |: 32-byte chunk c holds sub-block 2c (low nibbles) and
-  // 2c + 1 (high); w = (d · sc_s) · q - dmin · m_s
-  static void unpack(const uint8_t* b, KBlock o) {
-    const __m256i lo4 = _mm256_set1_epi8(0xF);
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
-      store32(o.q + 64 * c, _mm256_and_si256(v, lo4));
-      store32(o.q + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4));
-    }
-    for (int s = 0; s < 8; ++s) {
-      int sc, m;
-      k_scale_min(b + 4, s, sc, m);
-      broadcast16(o.sc + 16 * s, sc, sc);
-      o.mn[2 * s] = o.mn[2 * s + 1] = int16_t(m);
-    }
-    *o.d = half(b), *o.dmin = half(b + 2);
-  }
-};
-
-struct Q5_Kx { using Q = Q5_K;
-  // | d | dmin | scales[12] | qh[32] | qs[128] |: as Q4_K, plus bit s of qh[l] as 16
-  static void unpack(const uint8_t* b, KBlock o) {
-    const __m256i lo4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * c));
-      for (int h = 0; h < 2; ++h) {
-        const int s = 2 * c + h;
-        const __m256i nib = h ? _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4) : _mm256_and_si256(v, lo4);
-        const __m256i top = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), one);
-        store32(o.q + 32 * s, _mm256_or_si256(nib, _mm256_slli_epi16(top, 4)));
-      }
-    }
-    for (int s = 0; s < 8; ++s) {
-      int sc, m;
-      k_scale_min(b + 4, s, sc, m);
-      broadcast16(o.sc + 16 * s, sc, sc);
-      o.mn[2 * s] = o.mn[2 * s + 1] = int16_t(m);
-    }
-    *o.d = half(b), *o.dmin = half(b + 2);
-  }
-};
-
-struct Q6_Kx { using Q = Q6_K;
-  // | ql[128] | qh[64] | int8 scales[16] | d |: chunk c = 4H + t (weights 128 H + 32 t + l) has
-  // its low 4 bits in ql[64 H + 32 (t % 2) + l] (low nibble for t < 2) and its top 2 in bits
-  // 2t, 2t + 1 of qh[32 H + l]; w = (d · sc_j) · (q - 32), j = k / 16, so mn_j = 32 · sc_j and
-  // dmin = d.
-  static void unpack(const uint8_t* b, KBlock o) {
-    const __m256i lo4 = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
-    for (int H = 0; H < 2; ++H) {
-      const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * H));
-      for (int t = 0; t < 4; ++t) {
-        const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * H + 32 * (t % 2)));
-        const __m256i nib = t < 2 ? _mm256_and_si256(l, lo4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), lo4);
-        const __m256i top = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * t)), three);
-        store32(o.q + 128 * H + 32 * t, _mm256_or_si256(nib, _mm256_slli_epi16(top, 4)));
-      }
-    }
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    for (int c = 0; c < 8; ++c) broadcast16(o.sc + 16 * c, sc[2 * c], sc[2 * c + 1]);
-    for (int j = 0; j < 16; ++j) o.mn[j] = int16_t(32 * sc[j]);
-    *o.d = *o.dmin = half(b + 208);
-  }
-};
+// The K-quants' unpacking (to a buffer, or in registers) is in cpu_gguf_kquant_avx2.h.
 
 // ------------------------------------------------------------------------------ the tiles
 inline float hsum(__m256 v) {
@@ -359,26 +277,50 @@ void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64
           sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), scv));
         }
       }
-      const __m256i mnv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mn + rs * 16));
-      const __m256 d = _mm256_set1_ps(w.d[rs]), dmin = _mm256_set1_ps(w.dmin[rs]);
+      const KScales k{load32(w.mn + rs * 16), w.d[rs], w.dmin[rs]};
 #pragma GCC unroll 4
-      for (int t = 0; t < T; ++t) {
-        const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums + (t * ns + s) * 16));
-        const __m256 summ = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mnv));
-        const __m256 dxt = _mm256_set1_ps(dx[t * ns + s]);
-        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[t]), _mm256_mul_ps(d, dxt), acc[r][t]);
-        acc[r][t] = _mm256_fnmadd_ps(summ, _mm256_mul_ps(dmin, dxt), acc[r][t]);
-      }
+      for (int t = 0; t < T; ++t)
+        acc[r][t] = accumulate(acc[r][t], sumi[t], k, bsums + (t * ns + s) * 16, dx[t * ns + s]);
     }
   }
   for (int r = 0; r < rows; ++r)
     for (int t = 0; t < T; ++t) out[t * ldo + r] = hsum(acc[r][t]);
 }
 
+// The same outputs as tileK, for rows [0, rows) of packed blocks w (row stride row_bytes) and
+// tokens [t0, t0 + T), with every super-block unpacked in registers (X::dot) and dotted into the
+// T tokens at once: no buffer is written or reread. Each row's weight bytes are read once, in
+// order, so that a thread's rows are one stream that the hardware prefetcher follows.
+template <class X, int T>
+void tileK_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, const Tokens& x,
+                        int64_t t0, float* out, int64_t ldo) {
+  const int64_t K = x.K, ns = x.blocks;
+  const int8_t* xq = x.xq.data() + t0 * K;
+  const float* dx = x.dx.data() + t0 * ns;
+  const int16_t* bsums = x.bsums.data() + t0 * ns * 16;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* wr = w + r * row_bytes;
+    __m256 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < ns; ++s) {
+      __m256i sumi[T];
+      for (int t = 0; t < T; ++t) sumi[t] = _mm256_setzero_si256();
+      const KScales k = X::template dot<T>(wr + s * X::Q::kBytes, xq + 256 * s, K, sumi);
+      for (int t = 0; t < T; ++t)
+        acc[t] = accumulate(acc[t], sumi[t], k, bsums + (t * ns + s) * 16, dx[t * ns + s]);
+    }
+    for (int t = 0; t < T; ++t) out[t * ldo + r] = hsum(acc[t]);
+  }
+}
+
 // ------------------------------------------------------------------------------ the linear
 constexpr int kTokens = 4;                   // tokens per register tile
 constexpr int64_t kPanelBytes = 64 * 1024;   // x rows (int8) that the tiles reread: kept in L2
 constexpr int64_t kGroupBytes = 128 * 1024;  // a thread's unpacked rows (1 to 2.2 bytes a weight)
+// K-quants at up to kInRegisterTokens token rows skip the buffer (tileK_in_registers): unpacking
+// again for every kTokens tokens costs less than writing and rereading the unpacked rows. Work
+// items of kInRegisterRows rows, whose packed bytes stay in L2 while each token tile rereads them.
+constexpr int64_t kInRegisterTokens = 8, kInRegisterRows = 16;
 
 // Rows per work item: a buffer of about kGroupBytes, a multiple of 4, in a number of items that
 // splits evenly over the threads.
@@ -457,6 +399,24 @@ void linearK(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t 
   using Q = typename X::Q;
   const Tokens tok = quantize_tokens(x, ldx, M, K, 256);
   const int64_t ns = K / 256, row_bytes = ns * Q::kBytes, G = group_rows(N, K, 3);
+  if (M <= kInRegisterTokens) {  // each kInRegisterRows rows against every tile of kTokens tokens
+    at::parallel_for(0, (N + kInRegisterRows - 1) / kInRegisterRows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t n0 = begin * kInRegisterRows; n0 < std::min(N, end * kInRegisterRows); n0 += kInRegisterRows) {
+        const int64_t rows = std::min(kInRegisterRows, N - n0);
+        for (int64_t t0 = 0; t0 < M; t0 += kTokens) {
+          const uint8_t* wg = w + n0 * row_bytes;
+          float* o = out + t0 * N + n0;
+          switch (std::min<int64_t>(kTokens, M - t0)) {
+            case 1: tileK_in_registers<X, 1>(wg, row_bytes, rows, tok, t0, o, N); break;
+            case 2: tileK_in_registers<X, 2>(wg, row_bytes, rows, tok, t0, o, N); break;
+            case 3: tileK_in_registers<X, 3>(wg, row_bytes, rows, tok, t0, o, N); break;
+            default: tileK_in_registers<X, 4>(wg, row_bytes, rows, tok, t0, o, N); break;
+          }
+        }
+      }
+    });
+    return;
+  }
   with_rows(M, 1, [&](auto r_) {
     constexpr int R = decltype(r_)::value;
     at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
