@@ -42,7 +42,7 @@ lint: install
 # (a saved tiny model, a running server) are built once; tests/conftest.py gives each worker one
 # thread. PYTEST_ARGS="-n0" runs them in this process.
 PYTEST_ARGS ?= -n auto --dist loadfile
-# Then the kernel parity files and tests/test_cpu_isa_levels.py (marker cpu_isa) again at each lower
+# Then the kernel parity files and tests/cpu/test_cpu_isa_levels.py (marker cpu_isa) again at each lower
 # instruction-set level this CPU runs a build of its own for (minivllm/cpu/isa.py: on an AVX-512
 # machine avx2 and generic, each with PyTorch's and oneDNN's kernels held to it too), so the code
 # an AVX2 or ARM user runs is built and tested here. ISA_PASSES=none skips them.
@@ -70,7 +70,7 @@ serve: install
 	$(VENV)/bin/minivllm serve $(MODEL) $(SERVE_ARGS)
 
 # On a machine with a CUDA GPU: the GPU suite compiled for real (kernel parity, the engine end to
-# end, resources as loaded), the tensor-parallel tests over NCCL (tests/test_tensor_parallel_gpu.py:
+# end, resources as loaded), the tensor-parallel tests over NCCL (tests/distributed/test_tensor_parallel_gpu.py:
 # they run with 2+ GPUs and skip with fewer), then the kernel benchmark, which fails when it misses
 # its target.
 test-gpu: install

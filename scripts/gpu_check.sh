@@ -41,7 +41,7 @@ cat "$OUT/machine.txt"
 parallel=()
 "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 4)
 step 1-gpu-suite "$PY" -m pytest -q -m gpu tests -rA -p no:cacheprovider --timeout=900 "${parallel[@]}"
-step 1-compile-report "$PY" -m pytest -q tests/test_attention_triton_launch.py -rA \
+step 1-compile-report "$PY" -m pytest -q tests/attention/test_attention_triton_launch.py -rA \
   -p no:cacheprovider -k sm90
 # 2. Overheads: first-call (compile) time by context length, a chunk with and without 64
 #    decodes, host time per tiny decode call.

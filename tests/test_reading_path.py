@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from test_package_layout import FILES, imports_of
+from tests.test_package_layout import FILES, imports_of
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ to the lesson it states. Every tutorial ends with a picture of its own run and a
 exercise; figures and traces are written into a temporary folder and checked (PNGs; a trace.json
 and its page). The copies the docs show are committed under docs/tutorials/img/ (regenerate them
 with `python tutorials/0N_*.py docs/tutorials/img`) and docs/img/trace/ (screenshots of tutorial
-09's page, tests/trace_screenshots.py), so the docs build never depends on this run.
+09's page, tests/utils/trace_screenshots.py), so the docs build never depends on this run.
 
 Also here: the docs include the tutorials and their figures, and every line-range snippet of
 library code in the docs still starts and ends on a whole definition, so a page cannot drift
@@ -202,7 +202,7 @@ def test_09_the_trace_shows_a_shared_prefix_a_preemption_and_a_copy_on_write(
     tmp_path: Path,
 ) -> None:
     """The walk-through's events are in its trace, and its page is the one the docs' screenshots
-    show (taken here in Chromium, as tests/trace_screenshots.py takes the committed ones)."""
+    show (taken here in Chromium, as tests/utils/trace_screenshots.py takes the committed ones)."""
     out = run_tutorial("09_watch_the_scheduler.py", tmp_path)
     trace = assert_trace(tmp_path / "09_trace")
     for event in ("cache_hits", "preempted", "forked", "copies", "finished"):
@@ -215,7 +215,7 @@ def test_09_the_trace_shows_a_shared_prefix_a_preemption_and_a_copy_on_write(
     assert re.search(r"shared block \d+, partly filled; the first to write got a copy", out)
     assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "09_block_map.png")
 
-    from trace_screenshots import SHOTS, take_screenshots
+    from tests.utils.trace_screenshots import SHOTS, take_screenshots
 
     shots = take_screenshots(tmp_path / "09_trace", tmp_path / "shots")
     assert set(shots) == set(SHOTS)
@@ -316,7 +316,7 @@ def test_docs_figures_are_committed_and_are_the_tutorials_figures() -> None:
 
 
 def test_docs_screenshots_of_the_trace_page_are_committed_and_are_the_ones_the_tests_take() -> None:
-    from trace_screenshots import SHOTS
+    from tests.utils.trace_screenshots import SHOTS
 
     pages = "\n".join(p.read_text() for p in DOCS.rglob("*.md"))
     shown = set(re.findall(r"img/trace/([\w.-]+\.png)", pages))

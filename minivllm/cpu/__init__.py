@@ -12,15 +12,15 @@ What lives here, and the test that holds each source to its plain-PyTorch refere
 
 | source | ops | test |
 |---|---|---|
-| `cpu_attention.cpp` | `paged_decode`, `reshape_and_cache` | tests/test_kernels_cpu_attention.py |
-| `cpu_attention_avx512.cpp` | the float32 AVX-512 loops of `paged_decode` | tests/test_kernels_cpu_attention_avx512.py |
-| `cpu_attention_avx2.cpp` | the same loops for AVX2 (`paged_decode_loops` says which run) | tests/test_kernels_cpu_attention_avx512.py |
-| `cpu_layernorm.cpp` | `rms_norm`, `fused_add_rms_norm` | tests/test_kernels_cpu_layernorm.py |
-| `cpu_activation_rope.cpp` | `silu_and_mul`, `rotary_embedding` | tests/test_kernels_cpu_activation_rope.py |
-| `cpu_skinny_gemm.cpp` | `skinny_gemm` | tests/test_kernels_cpu_skinny_gemm.py |
-| `cpu_gguf_gemm.cpp` | `gguf_linear`, `gguf_dequantize` | tests/test_kernels_cpu_gguf.py |
-| `cpu_decode_layers.cpp` | `decode_layers` (wrapped by minivllm/worker/cpu_decode_loop.py, which declares what it covers) | tests/test_kernels_cpu_decode_loop.py, tests/test_decode_loop_coverage.py |
+| `cpu_attention.cpp` | `paged_decode`, `reshape_and_cache` | tests/cpu/test_kernels_cpu_attention.py |
+| `cpu_attention_avx512.cpp` | the float32 AVX-512 loops of `paged_decode` | tests/cpu/test_kernels_cpu_attention_avx512.py |
+| `cpu_attention_avx2.cpp` | the same loops for AVX2 (`paged_decode_loops` says which run) | tests/cpu/test_kernels_cpu_attention_avx512.py |
+| `cpu_layernorm.cpp` | `rms_norm`, `fused_add_rms_norm` | tests/cpu/test_kernels_cpu_layernorm.py |
+| `cpu_activation_rope.cpp` | `silu_and_mul`, `rotary_embedding` | tests/cpu/test_kernels_cpu_activation_rope.py |
+| `cpu_skinny_gemm.cpp` | `skinny_gemm` | tests/cpu/test_kernels_cpu_skinny_gemm.py |
+| `cpu_gguf_gemm.cpp` | `gguf_linear`, `gguf_dequantize` | tests/cpu/test_kernels_cpu_gguf.py |
+| `cpu_decode_layers.cpp` | `decode_layers` (wrapped by minivllm/worker/cpu_decode_loop.py, which declares what it covers) | tests/worker/test_kernels_cpu_decode_loop.py, tests/worker/test_decode_loop_coverage.py |
 
-`build.py` compiles them into one library (tests/test_kernels_cpu_build.py). The model's own
+`build.py` compiles them into one library (tests/cpu/test_kernels_cpu_build.py). The model's own
 files import nothing from here.
 """

@@ -11,13 +11,13 @@ float32, the arithmetic of the reference (to summation order).
 
 The stacked tensors stay beside the packed copies, since `forward_native` and `state_dict()` read
 them (so this path holds the experts twice); where oneDNN does not pack the dtype (float16, or a
-build without oneDNN) the op runs the reference. tests/test_fused_moe.py holds this forward to
+build without oneDNN) the op runs the reference. tests/model/test_fused_moe.py holds this forward to
 the reference.
 
 Experts a GGUF file stores in blocks (quantization/gguf_moe.py) are not packed: each expert's
 rows are multiplied by its blocks with the quantized GEMM the linears use (`gguf_linear`, which
 unpacks each block where it is used), part by part, as `gguf_linear_cpu` runs a fused linear;
-the reference it is held to dequantizes the expert and multiplies (tests/test_model_gguf_moe.py).
+the reference it is held to dequantizes the expert and multiplies (tests/model/test_model_gguf_moe.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each function below is registered (`register_forward`) for the op class whose `forward_native`
 it replaces when the CPU platform runs `custom_ops="all"`; it computes the same result, and the
-tests hold it there (tests/test_model_llama.py, greedy token-exact against transformers). What
+tests hold it there (tests/model/test_model_llama.py, greedy token-exact against transformers). What
 each one buys (the Performance page, docs/performance.md, has the measurements and their
 commands):
 

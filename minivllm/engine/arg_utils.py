@@ -258,7 +258,7 @@ class EngineArgs:
 
 class EngineKwargs(TypedDict, total=False):
     """EngineArgs's fields but `model`, typed for `LLM(model, **kwargs: Unpack[EngineKwargs])`
-    (PEP 692): what type checkers and IDEs read. tests/test_engine_args.py holds it equal to
+    (PEP 692): what type checkers and IDEs read. tests/engine/test_engine_args.py holds it equal to
     EngineArgs, names and types."""
 
     tokenizer: str | None

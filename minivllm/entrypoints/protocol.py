@@ -17,7 +17,7 @@ The structured-output and tool-calling models live in `protocol_structured.py`.
 
 The request models are also the published OpenAPI schema of the request bodies (one source of
 truth: see `openapi.py`). The response models only document what the handlers send; the handlers
-build plain dicts, and the schema-driven fuzz test (tests/test_server_fuzz.py) holds the two equal.
+build plain dicts, and the schema-driven fuzz test (tests/entrypoints/test_server_fuzz.py) holds the two equal.
 """
 
 from __future__ import annotations

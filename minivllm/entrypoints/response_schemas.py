@@ -2,7 +2,7 @@
 
 The handlers build plain dicts; these models document them: `openapi.py` publishes them in the
 server's schema (what `/docs` shows and what clients generate code from), and the schema-driven
-fuzz test (tests/test_server_fuzz.py) fails on any field a handler sends that is not named here.
+fuzz test (tests/entrypoints/test_server_fuzz.py) fails on any field a handler sends that is not named here.
 The request models, which validate, are in `protocol.py`.
 """
 

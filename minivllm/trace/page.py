@@ -8,7 +8,7 @@ that tells the script where to poll for recent steps.
 
 What the page shows at step K is described on the docs' Trace page (docs/trace.md); its elements
 carry `data-block`, `data-refcount` and `data-seq` attributes so that the browser tests can hold
-it equal to the trace (tests/test_trace_page.py). See the docs' architecture page
+it equal to the trace (tests/trace/test_trace_page.py). See the docs' architecture page
 (docs/architecture.md) for where the trace comes from.
 """
 

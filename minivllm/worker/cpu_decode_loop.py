@@ -2,7 +2,7 @@
 
 This is not a capture of the model but a second
 implementation of Llama's decoder loop, in C++ (`cpu_decode_layers.cpp`), held bit for bit to the
-Python one (tests/test_kernels_cpu_decode_loop.py), which stays the specification.
+Python one (tests/worker/test_kernels_cpu_decode_loop.py), which stays the specification.
 
 Why it exists: a decode step runs each layer on 1-64 token rows, so each of its ~10 kernels is
 short, and between two of them Python does the layer's bookkeeping (module calls, custom-op
@@ -28,7 +28,7 @@ place), a tensor the loop does not read (a bias, LoRA's A and B), a custom op on
 forward: each keeps the model on its Python loop, so a layer feature added to the model in
 Python runs there without a line here, and the C++ loop learns it only when both are written.
 The reason is logged once, at debug level, on the "minivllm" logger, when the runner builds the
-loop (tests/test_decode_loop_coverage.py plants each kind of feature and holds the answer to the
+loop (tests/worker/test_decode_loop_coverage.py plants each kind of feature and holds the answer to the
 Python loop's).
 
 The check runs when the runner builds the loop, after the weights are loaded and every custom op

@@ -4,7 +4,7 @@ llama.cpp stores a weight row of K values as K / block_size blocks of `type_size
 quantized tensor of N rows is therefore the bytes `uint8 [N, K / block_size * type_size]`, and
 minivllm keeps exactly those bytes in memory (`GGUFLinearMethod` in `gguf.py`). Every kernel that
 multiplies by them (minivllm/cpu/csrc/cpu_gguf_gemm.cpp, `triton_gguf.py`) is held to `dequantize`
-below, which is held to the `gguf` library's own dequantization (tests/test_gguf_blocks.py).
+below, which is held to the `gguf` library's own dequantization (tests/model/test_gguf_blocks.py).
 
 The layouts, byte by byte (d, m, dmin: float16 scales; q: the small integers):
 

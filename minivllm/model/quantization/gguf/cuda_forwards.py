@@ -5,7 +5,7 @@ A layer holding GGUF blocks (`quant_method` set by the loader) multiplies each o
 dequantizes the whole weight into memory on every call; every other layer keeps `forward_native`
 (cuBLAS). The CUDA platform imports this module when its custom ops are enabled
 (`CudaPlatform.register_op_forwards`), as the CPU platform imports minivllm/cpu/op_forwards.py.
-tests/test_kernels_triton_gguf.py holds the kernel to the reference, in Triton's interpreter.
+tests/model/test_kernels_triton_gguf.py holds the kernel to the reference, in Triton's interpreter.
 """
 
 from __future__ import annotations
