@@ -338,6 +338,10 @@ def test_every_kernel_variant_compiles_for_sm90_without_spills_or_recompiles() -
     env = {
         **os.environ,
         "TRITON_INTERPRET": "0",
+        # run as a script, this file imports its sibling tests as the package `tests`
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
+        ),
     }  # set, so that importing the backend leaves it off
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the current default; silences Triton's warning
     procs = [

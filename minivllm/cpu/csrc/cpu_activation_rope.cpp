@@ -23,7 +23,7 @@
 //
 // The specification of each op is its plain-PyTorch form (RMSNorm and the MLP in
 // minivllm/model/models/llama.py, RotaryEmbedding in minivllm/model/layers/rotary_embedding.py), and
-// tests/test_kernels_cpu_layernorm.py holds them equal in both layouts. Every dtype computes in
+// tests/cpu/test_kernels_cpu_layernorm.py holds them equal in both layouts. Every dtype computes in
 // float32 and rounds once per output, except where the specification itself rounds (RMSNorm
 // casts back to the input dtype before the weight, as transformers does).
 //

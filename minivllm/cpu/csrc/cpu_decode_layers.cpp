@@ -8,7 +8,7 @@
 // on a CPU, so here the host work itself moves to C++: this op runs every layer of the step,
 // calling the very kernels `LlamaModel.forward` calls on the CPU fast path, in the same order, on
 // the same layouts, so that its result is bit for bit the Python path's
-// (tests/test_kernels_cpu_decode_loop.py checks exactly that).
+// (tests/worker/test_kernels_cpu_decode_loop.py checks exactly that).
 //
 // Per layer, with T token rows, the same sequence as minivllm/model/models/llama.py (linear: oneDNN on a
 // prepacked weight, the skinny GEMM on a plain one, gguf_linear on a GGUF model's blocks):

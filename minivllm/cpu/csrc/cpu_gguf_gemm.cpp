@@ -37,7 +37,7 @@
 // Inside parallel regions every path touches raw pointers and std::vector only: worker threads do
 // not carry the caller's InferenceMode, so an ATen op there (at::empty, at::mm_out on a view of an
 // inference tensor) is refused or silently leaves the mode.
-// tests/test_kernels_cpu_gguf.py holds both ops to gguf's numpy dequantization.
+// tests/cpu/test_kernels_cpu_gguf.py holds both ops to gguf's numpy dequantization.
 
 #include "cpu_gguf_blocks.h"
 

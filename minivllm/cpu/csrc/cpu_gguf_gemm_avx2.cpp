@@ -30,7 +30,7 @@
 // Threads split the weight rows (at::parallel_for); inside the parallel regions only raw pointers
 // and std::vector are touched: ATen ops there would run without the caller's InferenceMode.
 // Compiled on AVX2 builds only (minivllm/cpu/build.py's flags); AVX-512 builds keep
-// cpu_gguf_gemm.cpp's float32 tiles. tests/test_kernels_cpu_gguf.py holds this to a numpy model of
+// cpu_gguf_gemm.cpp's float32 tiles. tests/cpu/test_kernels_cpu_gguf.py holds this to a numpy model of
 // the same integer scheme and to the float product within the bound above.
 
 #include "cpu_gguf_blocks.h"

@@ -9,7 +9,7 @@
 // activations are rounded to bf16 once per call, as llama.cpp rounds them to 8-bit blocks (its
 // `vec_dot_type`) for its integer dots. This is what a quantized model loses for it:
 //   |out - x · Wᵀ| <= (2^-8 + K · 2^-24) · (|x| · |W|ᵀ)   (each factor off by at most 2^-9)
-// held by tests/test_kernels_cpu_gguf.py. The float32 path stays for CPUs without AVX512-BF16.
+// held by tests/cpu/test_kernels_cpu_gguf.py. The float32 path stays for CPUs without AVX512-BF16.
 //
 // Batch-invariance. Each output is the same chain of `vdpbf16ps` over K in order, whatever M is
 // and whichever path (on the fly or chunked) ran it: a request's logits do not depend on what else

@@ -23,7 +23,7 @@
 // PyTorch's intra-op threads by blocks of weight rows (at::parallel_for). The AVX-512 path is
 // compiled where PyTorch detected AVX-512 (minivllm/cpu/build.py); elsewhere the op
 // calls at::mm, and minivllm/cpu/ops.py keeps MKL's path there (`skinny_gemm_fast`).
-// tests/test_kernels_cpu_skinny_gemm.py holds it equal to torch.mm.
+// tests/cpu/test_kernels_cpu_skinny_gemm.py holds it equal to torch.mm.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
