@@ -1,8 +1,9 @@
 """05 · The sampler: from logits to the next token.
 
 After each step the model gives one row of logits per sequence that needs a token. minivllm's
-`Sampler` (minivllm/sample/sampler.py) turns the whole batch of rows into tokens in one call, in vLLM v1's
-order: penalties -> greedy argmax, or temperature -> min_p -> top_k -> top_p -> a random draw.
+`Sampler` (minivllm/sample/sampler.py) turns the whole batch of rows into tokens in one call, in
+vLLM v1's order: penalties -> greedy argmax, or temperature -> min_p -> top_k -> top_p -> a random
+draw.
 The draw is an "exponential race" (argmax of p / q with q ~ Exp(1)), which picks token i with
 probability p_i without a cumulative sum, and each seeded sequence draws from its own generator,
 so its output does not depend on what else shares its batch.

@@ -2,15 +2,16 @@
 
 minivllm has three attention backends behind one interface (`write_kv`, then `attend`):
 
-- "reference" (minivllm/attention/backends/reference.py): gathers each request's K/V blocks through its
-  block table into a contiguous tensor, then calls `scaled_dot_product_attention` with a
-  bottom-right causal mask. Clear, and the specification.
-- "triton" (minivllm/attention/backends/triton.py, triton_kernels.py): fused kernels that follow the block
-  table key tile by key tile with an online softmax, never copying the context (paper §4.1), and
-  a split-KV "flash-decoding" kernel for batches of decodes.
-- "cpu" (minivllm/attention/backends/cpu.py, cpu_attention.cpp): a small compiled C++ kernel that reads each
-  request's blocks in place, for decodes and prompt rows alike (a prompt's token j is a decode
-  over the context up to its own position). The default on a CPU.
+- "reference" (minivllm/attention/backends/reference.py): gathers each request's K/V blocks
+  through its block table into a contiguous tensor, then calls `scaled_dot_product_attention`
+  with a bottom-right causal mask. Clear, and the specification.
+- "triton" (minivllm/attention/backends/triton.py, triton_kernels.py): fused kernels that follow
+  the block table key tile by key tile with an online softmax, never copying the context (paper
+  §4.1), and a split-KV "flash-decoding" kernel for batches of decodes.
+- "cpu" (minivllm/attention/backends/cpu.py over minivllm/cpu/csrc/cpu_attention.cpp): a small
+  compiled C++ kernel that reads each request's blocks in place, for decodes and prompt rows
+  alike (a prompt's token j is a decode over the context up to its own position). The default on
+  a CPU.
 
 Without a GPU the Triton kernels run in Triton's interpreter (numpy on the CPU: correct, slow);
 on a CUDA GPU the same script runs them compiled. Either way their output must match the reference.
