@@ -6,7 +6,8 @@ prefill and preemption, a full sampler, a Llama model, and an OpenAI-compatible 
 
 The public names are vLLM's: `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`,
 `EngineArgs` (every engine option, declared once), `BeamSearchParams` and its outputs,
-`StructuredOutputsParams` (a grammar the output must follow).
+`StructuredOutputsParams` (a grammar the output must follow); for pooling models `PoolingParams`
+and `EmbeddingRequestOutput` / `ScoringRequestOutput` (`LLM.embed`, `LLM.score`).
 
 Each name is imported on first use (vLLM's `MODULE_ATTRS`): importing one module,
 `minivllm.core.block_pool` say, runs this file first and must not load the engine.
@@ -28,6 +29,12 @@ MODULE_ATTRS = {
     "CompletionOutput": "minivllm.core.outputs",
     "EngineArgs": "minivllm.engine.arg_utils",
     "EngineStats": "minivllm.engine.stats",
+    "EmbeddingOutput": "minivllm.pooling.outputs",
+    "EmbeddingRequestOutput": "minivllm.pooling.outputs",
+    "PoolingParams": "minivllm.pooling.pooling_params",
+    "PoolingRequestOutput": "minivllm.pooling.outputs",
+    "ScoringOutput": "minivllm.pooling.outputs",
+    "ScoringRequestOutput": "minivllm.pooling.outputs",
     "LLMEngine": "minivllm.engine.llm_engine",
     "RequestOutput": "minivllm.core.outputs",
     "SamplingParams": "minivllm.sampling_params",
@@ -41,6 +48,14 @@ if TYPE_CHECKING:
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.engine.stats import EngineStats
     from minivllm.llm import LLM
+    from minivllm.pooling.outputs import (
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        ScoringOutput,
+        ScoringRequestOutput,
+    )
+    from minivllm.pooling.pooling_params import PoolingParams
     from minivllm.sampling_params import SamplingParams
     from minivllm.structured_output.params import StructuredOutputsParams
 
@@ -57,11 +72,17 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "EngineStats",
     "LLMEngine",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
     "__version__",
 ]

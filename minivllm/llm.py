@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import torch
 from tqdm.auto import tqdm
 
 from minivllm.core.outputs import RequestOutput
@@ -21,10 +22,12 @@ from minivllm.engine.arg_utils import EngineArgs, EngineKwargs, document_engine_
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptTooLongError, PromptType
+from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from minivllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
+    from minivllm.pooling.outputs import EmbeddingRequestOutput, ScoringRequestOutput
     from minivllm.trace.recorder import StepRecorder
 
 if sys.version_info >= (3, 11):
@@ -71,6 +74,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for one prompt or many: strings, or {"prompt_token_ids": [...]} dicts."""
+        self.llm_engine.check_runner("generate")  # a pooling model refuses, naming its runner
         prompt_list = self._prompt_list(prompts)
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(prompt_list)
@@ -137,6 +141,72 @@ class LLM:
         with record(self.llm_engine, max_steps) as recorder:
             yield recorder
 
+    # ------------------------------------------------------------------ pooling models
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's `LLM.embed`), from a model loaded with
+        `runner="pooling"` (or `convert="embed"`): `.outputs.embedding` is a list of floats."""
+        from minivllm.pooling.outputs import EmbeddingOutput, PoolingRequestOutput
+
+        self.llm_engine.check_runner("pooling")
+        prompt_list = self._prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"pooling_params must be one PoolingParams or one per prompt "
+                    f"({len(prompt_list)}), got {len(params_list)}"
+                )
+        results = []
+        for out in self._run(prompt_list, params_list, use_tqdm):
+            if out.error is not None or out.pooled is None:
+                raise ValueError(f"request {out.request_id} failed: {out.error}")
+            results.append(
+                PoolingRequestOutput(
+                    out.request_id,
+                    EmbeddingOutput(out.pooled),
+                    out.prompt_token_ids,
+                    out.finished,
+                    out.num_cached_tokens,
+                )
+            )
+        return results
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """Similarity scores of text pairs (vLLM's `LLM.score`): one `text_1` against each of
+        `text_2` (1:N), or pairwise (N:N). For an embedding model a score is the cosine
+        similarity of the two embeddings, as vLLM computes it."""
+        from minivllm.pooling.outputs import PoolingRequestOutput, ScoringOutput
+
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if not seconds or len(firsts) != len(seconds):
+            raise ValueError(
+                f"text_1 must be one text or as many as text_2 ({len(seconds)}), got {len(firsts)}"
+            )
+        embeds = self.embed([*firsts, *seconds], pooling_params, use_tqdm)
+        results = []
+        for a, b in zip(embeds[: len(firsts)], embeds[len(firsts) :]):
+            u, v = torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding)
+            cosine = torch.nn.functional.cosine_similarity(u, v, dim=0).item()
+            ids = a.prompt_token_ids + b.prompt_token_ids
+            results.append(PoolingRequestOutput(a.request_id, ScoringOutput(cosine), ids))
+        return results
+
     # ------------------------------------------------------------------
     def beam_search(
         self,
@@ -184,7 +254,7 @@ class LLM:
     def _run(
         self,
         prompts: list[PromptType],
-        params: Sequence[SamplingParams | BeamSearchParams],
+        params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -200,7 +270,10 @@ class LLM:
                 # One bad prompt fails alone; the others still run (the reason is in the output).
                 logger.warning("request %s failed: %s", rid, exc)
                 text, ids = engine.tokenize_prompt(prompt)
-                sampling = p if isinstance(p, SamplingParams) else p.sampling_params()
+                if isinstance(p, PoolingParams):
+                    sampling = SamplingParams(max_tokens=1)  # a pooling request's placeholder
+                else:
+                    sampling = p if isinstance(p, SamplingParams) else p.sampling_params()
                 request = Request(rid, text, ids, sampling)
                 results[rid] = engine.fail_request(request, str(exc))
             except Exception:

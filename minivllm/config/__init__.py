@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from minivllm.config.speculative import SpeculativeConfig
     from minivllm.model.config import LlamaConfig
     from minivllm.model.source import GenerationDefaults, ModelSource
+    from minivllm.pooling.config import PoolerConfig
 
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 # How weights are held (vLLM's `quantization`): "gguf" keeps a GGUF file's blocks as stored
@@ -145,6 +146,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int  # sequences running at once
     max_num_batched_tokens: int  # tokens computed per step, decodes and prompt chunks together
+    # False: a prompt is admitted only when all of it fits the step (an encoder's bidirectional
+    # attention needs every token at once; vLLM's flag)
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -192,6 +196,9 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
     draft: ResolvedConfig | None = None  # the draft model's files, when `speculative` names one
+    pooler: PoolerConfig | None = (
+        None  # a pooling model's pooler (minivllm/pooling/); None: generate
+    )
 
     def __post_init__(self) -> None:
         # A cache wider than the model stores nothing the model computed (its K and V are already

@@ -38,6 +38,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token, finish times
+    pooled: list[float] | None = None  # a pooling request's vector (minivllm/pooling/), once done
 
 
 def make_request_output(req: Request) -> RequestOutput:
@@ -72,4 +73,5 @@ def make_request_output(req: Request) -> RequestOutput:
         prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         error=req.error,
         metrics=metrics,
+        pooled=req.pooled,
     )

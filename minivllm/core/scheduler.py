@@ -80,6 +80,9 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted_seq_ids: list[int] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # Sequences finished (or aborted) since the last step: a runner that keeps per-sequence state
+    # across steps (a pooling runner's chunked prompts) drops theirs (vLLM's `finished_req_ids`).
+    finished_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -95,6 +98,7 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence, by seq_id
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt K/V computed by the model, not cache hits
+        self.finished_seq_ids: list[int] = []  # since the last schedule()
 
     # ------------------------------------------------------------------ queue changes
     def add_seq(self, seq: Sequence) -> None:
@@ -121,6 +125,7 @@ class Scheduler:
         if self.kv_cache_manager.has_seq(seq.seq_id):
             self.kv_cache_manager.free(seq.seq_id)
         self.seqs.pop(seq.seq_id, None)
+        self.finished_seq_ids.append(seq.seq_id)
         seq.status = status
 
     # ------------------------------------------------------------------ the step
@@ -155,6 +160,7 @@ class Scheduler:
 
         # Admitting while preempting would evict the very blocks a preempted sequence will want.
         num_seqs = sum(self._num_seqs_at_admission(s) for s in self.running)
+        chunking = self.config.enable_chunked_prefill
         while not out.preempted_seq_ids and self.waiting and budget > 0:
             seq = self.waiting[0]
             if num_seqs + self._num_seqs_at_admission(seq) > self.config.max_num_seqs:
@@ -163,6 +169,8 @@ class Scheduler:
             # The one prefix lookup of this admission: what it decides on is what it allocates.
             computed = kv.get_computed_blocks(seq.token_ids) if lookup else NO_COMPUTED_BLOCKS
             num_new = min(seq.num_tokens - computed.num_computed_tokens, budget)
+            if num_new < seq.num_tokens - computed.num_computed_tokens and not chunking:
+                break  # an encoder's prompt runs whole: it waits for a step with room for it
             if not kv.can_allocate(seq, num_new, computed):
                 break  # first come, first served: nobody overtakes the head of the queue
             first_admission = seq.num_cached_tokens is None
@@ -181,6 +189,8 @@ class Scheduler:
             budget -= num_new
 
         out.block_copies = kv.take_pending_copies()
+        if out.scheduled:  # an empty step runs nothing: they travel with the next one
+            out.finished_seq_ids, self.finished_seq_ids = self.finished_seq_ids, []
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from minivllm.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # a type only: the grammar module needs torch, which the core does not load
+if TYPE_CHECKING:  # types only: the grammar module needs torch, which the core does not load
+    from minivllm.pooling.pooling_params import PoolingParams
     from minivllm.structured_output.backend import StructuredOutputGrammar
 
 
@@ -133,6 +134,10 @@ class Request:
     max_num_seqs: int = 0
     # n > 1 (or beams): the first sequence computes the prompt; at its first sample it is forked.
     forked: bool = False
+    # A pooling request (minivllm/pooling/): prefill-only, its prompt pooled instead of sampled
+    # (`params` is then a placeholder of one token); `pooled` is the result, once its prompt ran.
+    pooling_params: PoolingParams | None = None
+    pooled: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.max_num_seqs = self.max_num_seqs or self.params.n

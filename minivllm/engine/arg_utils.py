@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import difflib
 import inspect
+import logging
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -46,9 +47,19 @@ from minivllm.config.speculative import SpeculativeConfig
 from minivllm.model.loader import load_config
 from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
 from minivllm.model.source import ModelSource
+from minivllm.pooling.config import (
+    CONVERTS,
+    RUNNERS,
+    TASKS,
+    PoolerConfig,
+    parse_pooler_config,
+    resolve_pooler_config,
+    resolve_runner,
+)
 from minivllm.structured_output.params import StructuredOutputsConfig
 
 ENGINE_GROUP = "engine"  # the argparse group holding the engine's flags on every parser
+logger = logging.getLogger("minivllm")
 
 
 def _arg(default: Any, help: str, **cli: Any) -> Any:
@@ -164,6 +175,32 @@ class EngineArgs:
         "(speculate while at most b sequences run; unset: 8); unset: off",
     )
 
+    # ---------------------------------------------------------------------- pooling models
+    runner: str = _arg(
+        "auto",
+        "generate, or pooling (embeddings, scores: prefill-only steps, a pooler instead of a "
+        "sampler; minivllm/pooling/); auto: pooling for a bare encoder or decoder (BertModel, "
+        "Qwen3Model), a classifier or a sentence-transformers folder, else generate",
+        choices=RUNNERS,
+    )
+    convert: str = _arg(
+        "auto",
+        "embed: run a causal LM as an embedding model (last-token pooling unless pooler_config "
+        "or its sentence-transformers files say otherwise); classify; auto: the checkpoint's own",
+        choices=CONVERTS,
+    )
+    task: str | None = _arg(
+        None,
+        "vLLM's older spelling of runner/convert: embed, classify, score, generate or auto",
+        choices=tuple(TASKS),
+    )
+    pooler_config: str | Mapping[str, Any] | None = _arg(
+        None,
+        'JSON object (vLLM\'s flag): {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool, '
+        '"matryoshka_dimensions": [int, ...]}; unset: sentence-transformers\' files, else the '
+        "model's default",
+    )
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """`EngineArgs(**kwargs)`, but a misspelled option is named with the valid ones."""
@@ -227,6 +264,8 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
         )
         speculative = SpeculativeConfig.parse(self.speculative_config)
+        resolve_runner(self.runner, self.convert, self.task)  # checked before a file is read
+        parse_pooler_config(self.pooler_config)
         if speculative is not None and self.kv_allocation != "paged":
             raise ValueError(
                 "speculative_config needs kv_allocation='paged' (drafts take lookahead slots "
@@ -253,7 +292,36 @@ class EngineArgs:
             speculative=speculative,
         )
         config.draft = _resolve_draft(speculative, config.resolved)  # read after the target's
+        config.pooler = self._resolve_pooler(config)
         return config
+
+    def _resolve_pooler(self, config: EngineConfig) -> PoolerConfig | None:
+        """The pooling runner's pooler, and what it implies for the cache and the scheduler
+        (minivllm/pooling/config.py): no prefix cache where a hit would skip hidden states the
+        pooler reads, and an encoder's prompts whole in one step."""
+        resolved = config.resolved
+        pooler = resolve_pooler_config(
+            self.runner,
+            self.convert,
+            self.task,
+            parse_pooler_config(self.pooler_config),
+            resolved.source.path,
+            resolved.hf_config.architecture,
+            resolved.hf_config.hidden_size,
+            causal=getattr(resolved.hf_config, "is_causal", True),
+        )
+        if pooler is None:
+            return None
+        if config.speculative is not None:
+            raise ValueError("speculative_config is not supported with runner='pooling'")
+        if not pooler.supports_prefix_caching and config.cache.enable_prefix_caching:
+            logger.info("prefix caching is off: %s pooling reads every token", pooler.pooling_type)
+            config.cache.enable_prefix_caching = False
+        if not pooler.supports_chunked_prefill:
+            sched = config.scheduler
+            sched.enable_chunked_prefill = False
+            sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, resolved.max_model_len)
+        return pooler
 
 
 class EngineKwargs(TypedDict, total=False):
@@ -283,6 +351,10 @@ class EngineKwargs(TypedDict, total=False):
     tensor_parallel_size: int
     structured_outputs_config: str | None
     speculative_config: str | Mapping[str, Any] | None
+    runner: str
+    convert: str
+    task: str | None
+    pooler_config: str | Mapping[str, Any] | None
 
 
 InitT = TypeVar("InitT", bound=Callable[..., None])

@@ -25,10 +25,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from minivllm.core.outputs import RequestOutput
-from minivllm.engine.beam_search import BeamSearchParams
-from minivllm.engine.protocol import AddHook, EngineClientBase, StepHook, StreamItem
+from minivllm.engine.protocol import (
+    AddHook,
+    EngineClientBase,
+    RequestParamsType,
+    StepHook,
+    StreamItem,
+)
 from minivllm.inputs import PromptType
-from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import asyncio
@@ -42,7 +46,7 @@ logger = logging.getLogger("minivllm")
 class _Add:
     request_id: str
     prompt: PromptType
-    params: SamplingParams | BeamSearchParams
+    params: RequestParamsType
     sink: Callable[[StreamItem], None]
 
 
@@ -84,7 +88,7 @@ class AsyncLLMEngine(EngineClientBase):
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | BeamSearchParams,
+        params: RequestParamsType,
         out: asyncio.Queue[StreamItem],
     ) -> None:
         """Queue a request; its outputs (and a failure, as an exception) arrive on `out`.

@@ -38,6 +38,7 @@ from minivllm.core.outputs import RequestOutput
 from minivllm.engine.beam_search import BeamSearchParams
 from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptType
+from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("minivllm")
@@ -50,7 +51,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 class AddRequest:  # frontend -> core
     request_id: str
     prompt: PromptType
-    params: SamplingParams | BeamSearchParams
+    params: SamplingParams | BeamSearchParams | PoolingParams
 
 
 @dataclass

@@ -28,7 +28,6 @@ import threading
 from typing import Any
 
 from minivllm.config import EngineConfig
-from minivllm.engine.beam_search import BeamSearchParams
 from minivllm.engine.core import (
     AbortRequests,
     AddRequest,
@@ -38,12 +37,17 @@ from minivllm.engine.core import (
     Shutdown,
     run_engine_core,
 )
-from minivllm.engine.protocol import AddHook, EngineClientBase, StepHook, StreamItem
+from minivllm.engine.protocol import (
+    AddHook,
+    EngineClientBase,
+    RequestParamsType,
+    StepHook,
+    StreamItem,
+)
 from minivllm.engine.stats import EngineStats
 from minivllm.exceptions import EngineDeadError
 from minivllm.inputs import PromptType, process_prompt
 from minivllm.model.loader import load_tokenizer
-from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("minivllm")
@@ -155,7 +159,7 @@ class AsyncMPClient(EngineClientBase):
     ) -> None:
         super().__init__(client, on_step, on_add)  # `stats`: the handshake's, until a step's
         self.engine: EngineCoreClient = client
-        self._params: dict[str, SamplingParams | BeamSearchParams] = {}  # sent, not yet taken
+        self._params: dict[str, RequestParamsType] = {}  # sent, not yet taken
         self._lock = threading.Lock()  # sinks vs. the reader failing them all at once
         self._stopping = False
 
@@ -176,7 +180,7 @@ class AsyncMPClient(EngineClientBase):
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | BeamSearchParams,
+        params: RequestParamsType,
         out: asyncio.Queue[StreamItem],
     ) -> None:
         sink = self._sink_for(out)

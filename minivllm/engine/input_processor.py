@@ -18,8 +18,17 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.core.sequence import Request
-from minivllm.inputs import PromptType, prepare_prompt, process_prompt, process_token_params
+from minivllm.inputs import (
+    PromptTooLongError,
+    PromptType,
+    prepare_prompt,
+    process_prompt,
+    process_token_params,
+    truncate_prompt,
+)
 from minivllm.model.source import GenerationDefaults
+from minivllm.pooling.config import PoolerConfig
+from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sampling_params import InvalidParamError, SamplingParams
 
 
@@ -64,6 +73,33 @@ class InputProcessor:
     def default_params(self) -> SamplingParams:
         """What a request that brings no parameters samples with: the model's defaults."""
         return SamplingParams(**self.sampling_defaults)
+
+    def process_pooling_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        pooler: PoolerConfig,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """A prefill-only request: its prompt may fill max_model_len (nothing is generated),
+        and its parameters must suit the model's pooler."""
+        params.verify(pooler)
+        text, ids = process_prompt(prompt, self.tokenizer, self.vocab_size)
+        kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+        if len(kept) < len(ids):
+            text, ids = None, kept
+        if len(ids) > self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "it must be at most that long (or set truncate_prompt_tokens)"
+            )
+        # The placeholder sampling parameters of a request that samples nothing.
+        request = Request(request_id, text, ids, SamplingParams(max_tokens=1))
+        request.pooling_params = params
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        return request
 
     def process_inputs(
         self,

@@ -45,6 +45,8 @@ from minivllm.executor.abstract import Executor, make_executor
 from minivllm.inputs import PromptType
 from minivllm.model.loader import load_tokenizer
 from minivllm.platforms import resolve_obj_by_qualname
+from minivllm.pooling.pooler import finish_embedding
+from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
 from minivllm.worker.model_runner import kv_cache_torch_dtype
@@ -76,6 +78,7 @@ class LLMEngine:
         backend = get_attention_backend(mc.attention_backend, self.device)
         self.attention_backend = backend.name  # "auto" resolved, after any fallback
         self.max_model_len = resolved.max_model_len
+        self.pooler = config.pooler  # a pooling model's pooler (minivllm/pooling/); None: generate
         # The model runner in this process (tensor_parallel_size 1), or rank 0's of N ranks that
         # each hold 1/N of the model and get every step (paper §4.6; minivllm/distributed/).
         self.executor = executor or make_executor(config, backend)
@@ -195,13 +198,16 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | RequestParams | None = None,
+        params: SamplingParams | RequestParams | PoolingParams | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Queue a request: sampling (SamplingParams, vLLM's defaults or the model's when None), or
-        parameters that bring their own hook after sampling (`BeamSearchParams`)."""
+        """Queue a request: sampling (SamplingParams, vLLM's defaults or the model's when None),
+        parameters that bring their own hook after sampling (`BeamSearchParams`), or, for a
+        pooling model, `PoolingParams` (None: the pooler's defaults)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.pooler is not None or isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt, params, arrival_time)
         hook: AfterSampling = self.parallel_sampling
         width = 0  # the request's sequences at once; 0: its n
         if params is not None and not isinstance(params, SamplingParams):
@@ -223,6 +229,43 @@ class LLMEngine:
         request.seqs.append(seq)
         self.scheduler.add_seq(seq)
         return request
+
+    def _add_pooling_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | RequestParams | PoolingParams | None,
+        arrival_time: float | None,
+    ) -> Request:
+        """Queue a prefill-only request (minivllm/pooling/): a pooling model takes nothing else,
+        and a generating model takes none."""
+        pools = params is None or isinstance(params, PoolingParams)
+        self.check_runner("pooling" if pools else "generate")
+        assert self.pooler is not None
+        pooling = params if isinstance(params, PoolingParams) else PoolingParams()
+        request = self.input_processor.process_pooling_inputs(
+            request_id, prompt, pooling, self.pooler, arrival_time
+        )
+        self.after_sampling[request_id] = self.parallel_sampling
+        seq = self._new_seq(request, 0)
+        self.requests[request_id] = request
+        request.seqs.append(seq)
+        self.scheduler.add_seq(seq)
+        return request
+
+    def check_runner(self, runner: str) -> None:
+        """Refuse a request the model's runner does not serve, naming both (vLLM's wording)."""
+        if runner == "generate" and self.pooler is not None:
+            raise ValueError(
+                f"this model runs with runner='pooling' (task {self.pooler.task!r}): it does "
+                "not generate; use LLM.embed / LLM.score (or /v1/embeddings), or load it with "
+                "runner='generate'"
+            )
+        if runner == "pooling" and self.pooler is None:
+            raise ValueError(
+                "this model runs with runner='generate': embeddings and scores need a pooling "
+                "model; load it with runner='pooling' (convert='embed', or vLLM's task='embed')"
+            )
 
     def _new_seq(self, request: Request, index: int) -> Sequence:
         params = request.params
@@ -306,6 +349,7 @@ class LLMEngine:
                 request = self.scheduler.seqs[seq_id].request
                 self.output_processor.record_prompt_logprobs(request, scored)
             step_outputs = self._process_outputs(seqs, sampled)
+            step_outputs += self._process_pooled(ran.pooled)
         except BaseException as exc:  # Ctrl-C too: the step's requests cannot be trusted
             return outputs + self._fail_step(sched, exc)
         self._publish(sched, seqs, step_outputs)
@@ -350,6 +394,20 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)
+        return outputs
+
+    def _process_pooled(self, pooled: dict[int, torch.Tensor]) -> list[RequestOutput]:
+        """Each request whose prompt was pooled this step: its vector, finished per its
+        `PoolingParams`; the request ends (its KV blocks freed) without a decode step."""
+        outputs: list[RequestOutput] = []
+        for seq_id, vector in pooled.items():
+            seq = self.scheduler.seqs[seq_id]
+            request = seq.request
+            assert request.pooling_params is not None and self.pooler is not None
+            request.pooled = finish_embedding(vector, request.pooling_params, self.pooler).tolist()
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+            outputs.append(make_request_output(request))
+            self._forget(request.request_id)
         return outputs
 
     def _publish(

@@ -25,6 +25,7 @@ from minivllm.core.outputs import RequestOutput
 from minivllm.engine.beam_search import BeamSearchParams
 from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptType
+from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,7 +37,9 @@ logger = logging.getLogger("minivllm")
 # What a request's queue receives: cumulative outputs, or the exception that ended it.
 StreamItem = RequestOutput | BaseException
 StepHook = Callable[[EngineStats, list[RequestOutput]], None]  # after each step: metrics, logs
-AddHook = Callable[[str, SamplingParams | BeamSearchParams], None]  # each request the engine took
+# What a request may carry: sampling, a beam search, or (a pooling model's) pooling parameters.
+RequestParamsType = SamplingParams | BeamSearchParams | PoolingParams
+AddHook = Callable[[str, RequestParamsType], None]  # each request the engine took
 
 
 def threadsafe_sink(
@@ -106,7 +109,7 @@ class EngineClient(Protocol):
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | BeamSearchParams,
+        params: RequestParamsType,
         out: asyncio.Queue[StreamItem],
     ) -> None: ...
     def abort(self, request_ids: list[str]) -> None: ...

@@ -34,8 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minivllm.engine.beam_search import BeamSearchParams
-from minivllm.engine.protocol import EngineClient, EngineFacts
+from minivllm.engine.protocol import EngineClient, EngineFacts, RequestParamsType
 from minivllm.entrypoints.cli_args import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.middleware import (
@@ -52,6 +51,7 @@ from minivllm.entrypoints.routes import (
     add_invocations_route,
     add_model_routes,
     add_operations_routes,
+    add_pooling_routes,
     add_tokenization_routes,
     server_version,
 )
@@ -60,7 +60,6 @@ from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.serving_responses import OpenAIServingResponses
 from minivllm.entrypoints.serving_tokenization import OpenAIServingTokenization
-from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("minivllm")
 
@@ -80,7 +79,7 @@ def make_engine_client(
     from minivllm.engine.async_llm_engine import AsyncLLMEngine
     from minivllm.engine.core_client import AsyncMPClient, EngineCoreClient
 
-    def on_add(request_id: str, params: SamplingParams | BeamSearchParams) -> None:
+    def on_add(request_id: str, params: RequestParamsType) -> None:
         metrics.on_add(request_id, params)
         if log_requests:  # vLLM's --enable-log-requests line
             logger.info("Received request %s: params: %s", request_id, params)
@@ -138,7 +137,12 @@ def make_handlers(
         chat.tool_parser = get_tool_parser(tool_call_parser)
     chat.enable_auto_tool_choice = enable_auto_tool_choice
     responses_api = OpenAIServingResponses(chat, client, *limits)
-    return Handlers(completion, chat, responses_api, OpenAIServingTokenization(chat))
+    embedding = None
+    if client.config.pooler is not None:  # a pooling model: embeddings instead of generation
+        from minivllm.entrypoints.serving_embedding import OpenAIServingEmbedding
+
+        embedding = OpenAIServingEmbedding(client, *limits)
+    return Handlers(completion, chat, responses_api, OpenAIServingTokenization(chat), embedding)
 
 
 # ---------------------------------------------------------------------- the app
@@ -193,8 +197,12 @@ def build_app(
     add_operations_routes(app, client, metrics, server_load, enable_tokenizer_info_endpoint)
     add_model_routes(app, client, names, api_key, model_path or engine.source.name)
     v1_errors = (400, 401, 404, 413, 500, 503) if api_key else (400, 404, 413, 500, 503)
-    add_generation_routes(app, handlers, names[0], v1_errors)
-    add_invocations_route(app, handlers, v1_errors)
+    pooler = client.config.pooler
+    if handlers.embedding is not None and pooler is not None:
+        add_pooling_routes(app, handlers.embedding, pooler.task, names[0], v1_errors)
+    else:
+        add_generation_routes(app, handlers, names[0], v1_errors)
+        add_invocations_route(app, handlers, v1_errors)
     add_tokenization_routes(app, handlers.tokenization)
     return app
 

@@ -274,8 +274,11 @@ class ServerMetrics:
             cache_info.set(1)
 
     # ------------------------------------------------------------------ the engine-thread hooks
-    def on_add(self, request_id: str, params: SamplingParams | BeamSearchParams) -> None:
-        """A request entered the engine: its parameters' histograms."""
+    def on_add(self, request_id: str, params: object) -> None:
+        """A request entered the engine: its parameters' histograms (a pooling request's
+        none: it samples nothing)."""
+        if not isinstance(params, SamplingParams | BeamSearchParams):
+            return
         n = params.n if isinstance(params, SamplingParams) else params.beam_width
         self.request_params_n.labels(**self._label).observe(n)
         if params.max_tokens is not None:

@@ -24,6 +24,7 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 from minivllm.entrypoints import protocol as p
 from minivllm.entrypoints import protocol_responses as pr
 from minivllm.entrypoints import response_schemas as rs
+from minivllm.entrypoints.protocol_pooling import EmbeddingRequest
 
 _REQUEST_MODELS: list[type[BaseModel]] = [
     p.CompletionRequest,
@@ -31,6 +32,7 @@ _REQUEST_MODELS: list[type[BaseModel]] = [
     p.TokenizeRequest,
     p.DetokenizeRequest,
     pr.ResponsesRequest,
+    EmbeddingRequest,
 ]
 _RESPONSE_MODELS: list[type[BaseModel]] = [
     rs.ErrorResponse,
@@ -44,6 +46,7 @@ _RESPONSE_MODELS: list[type[BaseModel]] = [
     rs.VersionResponse,
     rs.LoadResponse,
     rs.TokenizerInfoResponse,
+    rs.EmbeddingResponse,
     pr.ResponsesResponse,
     pr.ResponsesStreamEvent,
 ]

@@ -203,6 +203,7 @@ class ModelCard(_Response):
     owned_by: str
     root: str = Field(description="The model the name serves.")
     max_model_len: int
+    task: str = Field(description="generate, or a pooling model's task: embed or classify.")
 
 
 class ModelList(_Response):
@@ -212,3 +213,23 @@ class ModelList(_Response):
 
 class VersionResponse(_Response):
     version: str
+
+
+class EmbeddingData(_Response):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(description="Numbers, or base64 float32 bytes.")
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

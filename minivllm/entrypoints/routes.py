@@ -25,6 +25,7 @@ from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.middleware import ServerLoad
 from minivllm.entrypoints.openapi import json_body, responses
 from minivllm.entrypoints.protocol import OpenAIError
+from minivllm.entrypoints.protocol_pooling import EmbeddingRequest
 from minivllm.entrypoints.protocol_responses import (
     ResponsesRequest,
     ResponsesResponse,
@@ -33,6 +34,7 @@ from minivllm.entrypoints.protocol_responses import (
 from minivllm.entrypoints.serving import error_response
 from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
+from minivllm.entrypoints.serving_embedding import OpenAIServingEmbedding, refuse_generation
 from minivllm.entrypoints.serving_responses import OpenAIServingResponses
 from minivllm.entrypoints.serving_tokenization import OpenAIServingTokenization, tokenizer_info
 
@@ -76,6 +78,7 @@ class Handlers:
     chat: OpenAIServingChat
     responses: OpenAIServingResponses
     tokenization: OpenAIServingTokenization
+    embedding: OpenAIServingEmbedding | None = None  # a pooling model's /v1/embeddings
 
 
 def disconnect_watcher(request: Request) -> Any:
@@ -150,6 +153,8 @@ def add_model_routes(
                 "owned_by": "minivllm",
                 "root": root,  # the model as the server was told it (vLLM's model_path)
                 "max_model_len": client.max_model_len,
+                # generate, or a pooling model's task (embed, classify): what its routes serve
+                "task": "generate" if client.config.pooler is None else client.config.pooler.task,
             }
             for name in names
         ]
@@ -231,6 +236,33 @@ def add_generation_routes(
     )
     async def cancel_response(response_id: str) -> Any:
         return await handlers.responses.cancel_response(response_id)
+
+
+def add_pooling_routes(
+    app: FastAPI,
+    embedding: OpenAIServingEmbedding,
+    task: str,
+    model: str,
+    v1_errors: tuple[int, ...],
+) -> None:
+    """A pooling model's routes (minivllm/pooling/): /v1/embeddings, and the generation routes
+    answering a 400 that names the model's task."""
+
+    @app.post(
+        "/v1/embeddings",
+        response_model=None,
+        openapi_extra=json_body(EmbeddingRequest, {"model": model, "input": "Hello, world"}),
+        responses=responses(rs.EmbeddingResponse, v1_errors, "One embedding per input"),
+    )
+    async def embeddings(request: Request) -> Any:
+        req = await parse_body(request, EmbeddingRequest)
+        return await embedding.create_embedding(req, disconnect_watcher(request))
+
+    async def refuse() -> Any:
+        raise refuse_generation(task)
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations"):
+        app.post(path, response_model=None, responses=responses(None, (400,)))(refuse)
 
 
 def add_invocations_route(app: FastAPI, handlers: Handlers, v1_errors: tuple[int, ...]) -> None:

@@ -23,7 +23,7 @@ from minivllm.core.outputs import CompletionOutput, RequestOutput
 from minivllm.engine.beam_search import BeamSearchParams
 from minivllm.engine.input_processor import verify_n
 from minivllm.engine.logprobs_limit import resolve_logprobs
-from minivllm.engine.protocol import EngineClient, StreamItem
+from minivllm.engine.protocol import EngineClient, RequestParamsType, StreamItem
 from minivllm.entrypoints.protocol import OpenAIError, StreamOptions, check_stream_options
 from minivllm.inputs import PromptType, process_token_params, truncate_prompt
 from minivllm.sampling_params import SamplingParams, verify_truncate_prompt_tokens
@@ -231,7 +231,7 @@ class OpenAIServing:
         self,
         rid: str,
         prompts: list[PromptType],
-        params: Sequence[SamplingParams | BeamSearchParams],
+        params: Sequence[RequestParamsType],
     ) -> tuple[asyncio.Queue[StreamItem], list[str]]:
         out: asyncio.Queue[StreamItem] = asyncio.Queue()
         rids = [f"{rid}-{i}" for i in range(len(prompts))]
@@ -265,7 +265,7 @@ class OpenAIServing:
         self,
         rid: str,
         prompts: list[PromptType],
-        params: Sequence[SamplingParams | BeamSearchParams],
+        params: Sequence[RequestParamsType],
         is_disconnected: Any,
     ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)

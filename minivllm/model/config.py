@@ -17,7 +17,12 @@ from typing import Any
 ARCHITECTURE_FACTS: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"qkv_bias": True},  # q/k/v carry a bias, o does not
     "Qwen3ForCausalLM": {"qk_norm": True},  # each head's q and k are RMS-normalised before RoPE
+    "Qwen2Model": {"qkv_bias": True},  # the bare decoders (pooling models): the same facts
+    "Qwen3Model": {"qk_norm": True},
 }
+# A bare decoder's checkpoint (`Qwen3Model`) has no LM head: it is tied to the embedding, so that
+# the model's shapes stay a causal LM's at no cost (the pooling runner never computes logits).
+BARE_DECODERS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
@@ -108,7 +113,8 @@ class LlamaConfig:
             rope_theta=rope_theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False))
+            or arch in BARE_DECODERS,
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=_sliding_window(cfg),

@@ -144,6 +144,8 @@ def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> N
         return model.load_weights(weights)  # type: ignore[operator]
     from safetensors import SafetensorError
 
+    if "embed_tokens.weight" in weights:  # a bare decoder's (`Qwen3Model`): no "model." prefix
+        weights = {f"model.{name}": tensor for name, tensor in weights.items()}
     if model.packed_checkpoint:  # q/k/v and gate/up stored fused (Phi-3): seen as the parts
         from minivllm.model.packed_weights import unpack_checkpoint
 

@@ -28,7 +28,7 @@ on the runner (minivllm/sample/prompt_logprobs.py, loaded by the first step that
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -101,6 +101,8 @@ class ModelRunnerOutput:
     logits: torch.Tensor | None  # float32 [S, vocab] for the sampled rows; None: none, or rank > 0
     # seq_id -> the step's scored prompt rows (`LogprobsTensors`, row r: the token at start + 1 + r)
     prompt_logprobs: dict[int, LogprobsTensors]
+    # A pooling runner's: seq_id -> float32 [H], for each sequence whose prompt ended this step
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:

@@ -26,6 +26,7 @@ from minivllm.distributed.parallel_state import TensorParallelGroup
 from minivllm.model.loader import load_model
 from minivllm.model.source import ModelSource
 from minivllm.platforms import resolve_obj_by_qualname
+from minivllm.pooling.config import PoolerConfig
 from minivllm.worker.model_runner import ModelRunner, determine_num_blocks, kv_cache_torch_dtype
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class WorkerConfig:
     cache: CacheConfig
     tensor_parallel_size: int
     num_threads: int  # torch's intra-op threads per worker on a CPU (the cores, shared out)
+    pooler: PoolerConfig | None = None  # a pooling model's: its runner pools instead of logits
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:
@@ -85,6 +87,12 @@ def build_runner(
 
         num_blocks = min_over_ranks(num_blocks, control)
     args = (model, backend, num_blocks, wc.cache.block_size, kv_dtype, device, wc.enforce_eager)
+    if wc.pooler is not None:
+        from minivllm.worker.pooling_model_runner import PoolingModelRunner
+
+        if groups is not None:
+            raise ValueError("runner='pooling' does not support models with sliding-window layers")
+        return PoolingModelRunner(*args, pooler=wc.pooler)
     if groups is not None:
         hybrid = resolve_obj_by_qualname("minivllm.worker.hybrid_model_runner.HybridModelRunner")
         return hybrid(*args, kv_cache_groups=groups)

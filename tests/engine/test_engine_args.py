@@ -135,6 +135,10 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         tensor_parallel_size=1,
         structured_outputs_config='{"backend": "xgrammar", "disable_any_whitespace": true}',
         speculative_config=None,  # refused with kv_allocation="orca-oracle": carried below
+        runner="generate",  # runner, convert, task, pooler_config: one PoolerConfig (or None)
+        convert="none",
+        task=None,
+        pooler_config=None,
     )
     assert set(values) == set(FIELDS)
     config = EngineArgs(**values).create_engine_config()
@@ -145,6 +149,7 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
             "structured_outputs",
             "speculative",
             "draft",  # the draft model's resolved files (`speculative_config.model`)
+            "pooler",  # a pooling model's (tests/pooling/): None for a generator
         ):  # one JSON flag -> one typed config
             carried.update(dataclasses.asdict(getattr(config, section.name)))
     carried["kv_cache_dtype"] = carried.pop("cache_dtype")  # vLLM's names: CacheConfig.cache_dtype
@@ -152,7 +157,10 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
     # engine from the model's attention layers (core/kv_cache_groups.py).
     assert carried.pop("sliding_window") is None
     assert carried.pop("layer_sliding_windows") == ()
+    assert carried.pop("enable_chunked_prefill") is True  # False only for an encoder's pooler
     json_flags = ("structured_outputs_config", "speculative_config")
+    json_flags += ("runner", "convert", "task", "pooler_config")
+    assert config.pooler is None
     assert carried == {k: v for k, v in values.items() if k not in json_flags}
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
     speculative = (
@@ -200,6 +208,10 @@ INVALID = [
     ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer, got 0"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be a positive integer, got 0"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
+    ({"runner": "draft"}, "runner must be one of ('auto', 'generate', 'pooling'), got 'draft'"),
+    ({"convert": "reward"}, "convert must be one of ('auto', 'none', 'embed', 'classify')"),
+    ({"task": "transcribe"}, "task must be one of ('auto', 'generate', 'embed', "),
+    ({"pooler_config": '{"pooling_type": "MAX"}'}, "pooler_config.pooling_type must be one of"),
 ]
 # Checked where they are used: a path or hub id is resolved when the model loads; flags are bools.
 UNCHECKED = {"model", "tokenizer", "skip_tokenizer_init", "enable_prefix_caching", "enforce_eager"}

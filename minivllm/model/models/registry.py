@@ -35,6 +35,12 @@ MODELS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "minivllm.model.models.qwen3_moe:Qwen3MoeForCausalLM",
     "Gemma2ForCausalLM": "minivllm.model.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "minivllm.model.models.gemma3:Gemma3ForCausalLM",
+    # Bare decoders, as transformers' AutoModel (and so sentence-transformers) saves them: no LM
+    # head, run by the pooling runner (minivllm/pooling/), which never calls one.
+    "LlamaModel": "minivllm.model.models.llama:LlamaForCausalLM",
+    "MistralModel": "minivllm.model.models.llama:LlamaForCausalLM",
+    "Qwen2Model": "minivllm.model.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3Model": "minivllm.model.models.qwen3:Qwen3ForCausalLM",
 }
 # The families whose config has fields of its own (experts, Gemma's); the others: LlamaConfig.
 CONFIGS: dict[str, str] = {

@@ -1,0 +1,66 @@
+"""The pooling runner: the same step as a generator's, with a pooler where the LM head was.
+
+vLLM v1 runs pooling models in its GPU model runner with `runner="pooling"`; here a subclass of
+`ModelRunner` (as the hybrid runner is), so the generating runner stays as it was. A pooling
+request is prefill-only: the scheduler hands it out in chunks under the same token budget, this
+runner keeps each chunk's hidden states until the prompt's last chunk has run (`sample` is set on
+it), then pools the whole prompt into one float32 vector (minivllm/pooling/pooler.py) and forgets
+it. No logits are computed.
+
+Per-sequence state across steps is what the step message tells it to drop: a sequence that was
+finished or aborted meanwhile (`SchedulerOutput.finished_seq_ids`), or one whose chunk does not
+continue where the kept rows end (preempted and recomputed from 0, or a prefix-cache hit that
+LAST pooling allows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from minivllm.core.scheduler import SchedulerOutput
+from minivllm.pooling.config import PoolerConfig
+from minivllm.pooling.pooler import pool
+from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+
+@dataclass
+class PromptRows:
+    """A chunked prompt's hidden states so far."""
+
+    next_position: int  # the position the next chunk must start at
+    chunks: list[torch.Tensor] = field(default_factory=list)  # each [chunk_len, H]
+
+
+class PoolingModelRunner(ModelRunner):
+    def __init__(self, *args: Any, pooler: PoolerConfig, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pooler = pooler
+        self.prompt_rows: dict[int, PromptRows] = {}  # seq_id -> its earlier chunks' rows
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step's prompt chunks; pool each prompt whose last chunk this is."""
+        for seq_id in sched.finished_seq_ids:
+            self.prompt_rows.pop(seq_id, None)
+        self.copy_blocks(sched.block_copies)
+        inp = self.prepare_inputs(sched)
+        hidden = self.run_model(inp)  # [T, hidden_size]
+        starts = inp.meta.query_start_loc.tolist()
+        pooled: dict[int, torch.Tensor] = {}
+        for i, item in enumerate(sched.scheduled):
+            rows = hidden[starts[i] : starts[i + 1]]  # [num_new_tokens, H]
+            kept = self.prompt_rows.pop(item.seq_id, None)
+            if kept is None or kept.next_position != item.num_computed_tokens:
+                kept = PromptRows(item.num_computed_tokens)  # a fresh start (see the docstring)
+            if item.sample:  # the prompt's last chunk
+                whole = torch.cat([*kept.chunks, rows]) if kept.chunks else rows
+                pooled[item.seq_id] = pool(whole, self.pooler.pooling_type)
+            else:  # a copy: the step's hidden states are not kept alive for one request
+                keep = rows[:0] if self.pooler.pooling_type == "LAST" else rows  # LAST: none
+                kept.chunks.append(keep.clone())
+                kept.next_position = item.seq_len
+                self.prompt_rows[item.seq_id] = kept
+        return ModelRunnerOutput(None, {}, pooled)
