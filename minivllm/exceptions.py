@@ -1,6 +1,6 @@
 """Errors that cross a module boundary: what a caller catches (vLLM's vllm/v1/engine/exceptions.py).
 
-An error lives here when a lower tier must catch what a higher one raises (the attention selector
+An error lives here when a lower room must catch what a higher one raises (the attention selector
 falls back when the CPU plug-in cannot be built).
 """
 

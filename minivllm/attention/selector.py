@@ -3,7 +3,7 @@
 vLLM's vllm/attention/selector.py: the platform says which backend "auto" means on a device and
 names each backend's class (`Platform.get_attn_backend_cls`); the selector imports the one asked
 for. It is the only module that turns a backend's name into its class, so the contract
-(attention/__init__.py) stays a leaf and the compiled CPU backend stays a plug-in.
+(attention/abstract.py) imports no backend and the compiled CPU backend stays a plug-in.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def get_attention_backend(
     resolved = resolve_backend_name(name, device)
     platform = platform_for(device)
     # Imported by name, on first use: the default path pays for no backend it does not use, and
-    # the compiled ones (minivllm/cpu/) are plug-ins this tier may name but not import.
+    # the compiled ones (minivllm/cpu/) are plug-ins from a room above this one.
     backend_cls = resolve_obj_by_qualname(platform.get_attn_backend_cls(resolved))
     try:
         return backend_cls()

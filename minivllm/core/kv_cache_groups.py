@@ -40,7 +40,7 @@ def kv_cache_windows(model: object) -> tuple[int | None, LayerWindows]:
     with a `sliding_window` attribute, in order): (the window every layer has, the largest, since
     what it cannot see no layer can; each layer's window where windowed and global layers mix).
     (None, ()) for a model of global layers only, or none (the simulated executor's)."""
-    modules = getattr(model, "modules", None)  # an nn.Module's; duck-typed, this tier has no torch
+    modules = getattr(model, "modules", None)  # an nn.Module's; duck-typed, the core has no torch
     found = [m.sliding_window for m in modules() if hasattr(m, "sliding_window")] if modules else []
     windows = [w for w in found if w is not None]
     if not windows:

@@ -71,8 +71,8 @@ class Sequence:
     token_ids: list[int]  # prompt + output, grows by one per decode step
     num_prompt_tokens: int
     detokenizer: Detokenizer | None
-    # This sequence's own RNG, a torch.Generator (None for greedy). Typed Any: the core tier imports
-    # no torch; only the sampler draws from it.
+    # This sequence's own RNG, a torch.Generator (None for greedy). Typed Any: the core imports no
+    # torch; only the sampler draws from it.
     generator: Any
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache

@@ -11,8 +11,8 @@ every step, whichever it got; the simulated-time executor of the paper's experim
 (minivllm/experiments/) plugs in the same way. See "Distributed execution" in the docs
 (docs/distributed.md) and the architecture page (docs/architecture.md).
 
-It imports the runner and the worker; minivllm/distributed/ (same tier) only inside `make_executor`,
-when tensor parallelism asks for it.
+It imports the runner and the worker; tensor parallelism's executors
+(tensor_parallel.py) only inside `make_executor`, when its size asks for them.
 """
 
 from __future__ import annotations

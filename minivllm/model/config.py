@@ -3,7 +3,7 @@
 Everything the model code needs and nothing else (the other families differ from Llama by a few
 switches: `qkv_bias`, `qk_norm`, `sliding_window`). It reads HuggingFace's JSON, both transformers
 4's `rope_theta`/`rope_scaling` and transformers 5's `rope_parameters`; a GGUF file's metadata is
-first written as the config.json it stands for (gguf_config.py), so the model never sees where
+first written as the config.json it stands for (minivllm/model/quantization/gguf/config.py), so the model never sees where
 its weights came from.
 """
 

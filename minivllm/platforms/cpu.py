@@ -1,6 +1,6 @@
 """`CpuPlatform`: x86 CPUs (vLLM's vllm/platforms/cpu.py), with the compiled kernels of
-minivllm/cpu/, which it names and never imports (tier: leaves; vLLM's platforms return class
-names for the same reason: the plug-in sits above the model, the platform below it).
+minivllm/cpu/, which it names and never imports (vLLM's platforms return class names for the
+same reason: the plug-in sits above the model, the platform below it).
 
 The compiled CPU attention backend is the default ("cpu"), float32 the default dtype, and the KV
 cache takes `cpu_kv_cache_space` GiB (vLLM's VLLM_CPU_KVCACHE_SPACE). With `custom_ops="all"`

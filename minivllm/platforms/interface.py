@@ -41,7 +41,7 @@ ATTENTION_BACKEND_CLASSES = {
 
 def resolve_obj_by_qualname(qualname: str) -> Any:
     """The object `qualname` ("package.module.Name") names, its module imported now (vLLM's
-    `resolve_obj_by_qualname`): how a lower tier reaches a plug-in it may only name."""
+    `resolve_obj_by_qualname`): how a lower room reaches a plug-in it may only name."""
     module, _, name = qualname.rpartition(".")
     return getattr(importlib.import_module(module), name)
 

@@ -7,8 +7,8 @@ runs the same function on its own shard (minivllm/worker/worker_proc.py adds the
 rank 0's steps), and the ranks agree on the smallest block count, so one block table means the
 same blocks on every rank.
 
-It imports the loader, the model runner and the attention selector; only minivllm/distributed/
-(tensor parallelism) builds on it from the same tier.
+It imports the loader, the model runner and the attention selector; a tensor-parallel rank
+(worker_proc.py) builds on it.
 """
 
 from __future__ import annotations

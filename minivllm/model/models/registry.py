@@ -1,7 +1,7 @@
 """The model registry: a checkpoint's architecture name -> the class that runs it (vLLM's registry).
 
 A HuggingFace `config.json` names its model class in `architectures` ("Qwen2ForCausalLM"); a GGUF
-file names its family in `general.architecture` ("qwen2", which gguf_config.py turns into the
+file names its family in `general.architecture` ("qwen2", which minivllm/model/quantization/gguf/config.py turns into the
 former).
 vLLM's `vllm/model_executor/models/registry.py` maps each name to a module and a class and imports
 the module only when a model of that kind is loaded; the same here, so adding a family is one line

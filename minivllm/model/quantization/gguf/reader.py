@@ -1,12 +1,12 @@
 """Reading llama.cpp's GGUF format: metadata into a config, tensor names into HuggingFace's.
 
-Seven of llama.cpp's architectures load (`gguf_config.GGUF_ARCHITECTURES`): llama (Llama,
+Seven of llama.cpp's architectures load (`config.GGUF_ARCHITECTURES`, gguf/config.py): llama (Llama,
 Mistral, and Mixtral where the file has experts), qwen2, qwen3, qwen3moe, phi3, gemma2 and gemma3
 (text).
 
 GGUF stores one file with key/value metadata and (often quantized) tensors under llama.cpp's
 names. The `gguf` library (maintained with llama.cpp) parses the file and dequantizes every
-quantization type; `gguf_config.py` reads the metadata as a config.json, and this module maps
+quantization type; `config.py` beside it reads the metadata as a config.json, and this module maps
 tensor names (`hf_name`, `hf_tensors`) and undoes llama.cpp's two layout changes
 (`to_hf_layout`): its llama converter permutes the rows of Q and K so that RoPE rotates
 interleaved pairs (x0, x1), (x2, x3), ..., whereas the HuggingFace layout minivllm uses rotates
@@ -186,7 +186,7 @@ def to_hf_layout(name: str, rows: torch.Tensor, config: LlamaConfig) -> torch.Te
 
 
 def gguf_hf_config(reader: Any) -> dict[str, Any]:
-    """The file's config.json, from its metadata and tensor names (`gguf_config.hf_config`)."""
+    """The file's config.json, from its metadata and tensor names (`config.hf_config`)."""
     fields = {k: f.contents() for k, f in reader.fields.items() if k not in _SKIP_FIELDS}
     names = {t.name for t in reader.tensors}
     if "rope_factors_long.weight" in names:  # Phi-3's long-context variants
