@@ -15,10 +15,13 @@ from __future__ import annotations
 import ast
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "minivllm"
@@ -292,3 +295,22 @@ def test_the_single_device_engine_loads_no_tensor_parallel_code_at_import() -> N
         "minivllm.worker.worker_proc",
     }
     assert not (top & tensor_parallel), sorted(top & tensor_parallel)
+
+
+def test_the_architecture_page_draws_the_rooms_in_the_contract_s_order() -> None:
+    """docs/architecture.md's drawing of the rooms (its `L<n>[...]` boxes, highest first) names
+    the same rooms, layer by layer, as pyproject.toml's layers contract, so the page cannot rot."""
+    contract = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = contract["contracts"][0]["layers"]
+
+    def shown(module: str) -> str:
+        path = PACKAGE.parent / module.replace(".", "/")
+        return path.relative_to(PACKAGE).as_posix() + ("/" if path.is_dir() else ".py")
+
+    expected = [sorted(shown(m.strip()) for m in layer.split("|")) for layer in layers]
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    drawn = [
+        sorted(re.findall(r"<b>([\w/.]+)</b>", box))
+        for box in re.findall(r'^\s*L\d+\["(.*)"\]$', page, re.M)
+    ]
+    assert drawn == expected, f"the page draws {drawn}\nthe contract says {expected}"
