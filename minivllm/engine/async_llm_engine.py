@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING
 
 from minivllm.core.outputs import RequestOutput
 from minivllm.engine.beam_search import BeamSearchParams
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.protocol import AddHook, EngineClientBase, StepHook, StreamItem
 from minivllm.inputs import PromptType
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import asyncio
-
-    from minivllm.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("minivllm")
 

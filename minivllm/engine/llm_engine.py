@@ -47,11 +47,11 @@ from minivllm.model.loader import load_tokenizer
 from minivllm.platforms import resolve_obj_by_qualname
 from minivllm.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured_output.manager import StructuredOutputManager
 from minivllm.worker.model_runner import kv_cache_torch_dtype
 
 if TYPE_CHECKING:
     from minivllm.engine.speculator import Speculator
-    from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("minivllm")
 SPECULATOR = "minivllm.engine.speculator.Speculator"  # loaded only when speculating
@@ -134,9 +134,8 @@ class LLMEngine:
     @functools.cached_property
     def structured_output_manager(self) -> StructuredOutputManager:
         """Compiles each constraint once (at add_request) and hands out matchers; built at first
-        use, so that an engine that never sees a constrained request never loads it."""
-        from minivllm.structured_output.manager import StructuredOutputManager
-
+        use, so that an engine that never sees a constrained request never builds it (nor loads
+        xgrammar, which the manager imports at its first grammar)."""
         return StructuredOutputManager(
             self.tokenizer,
             self.vocab_size,
