@@ -11,21 +11,19 @@ import logging
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from minivllm.core.outputs import RequestOutput
 from minivllm.core.sequence import Request
 from minivllm.engine.arg_utils import EngineArgs, EngineKwargs, document_engine_args
+from minivllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptTooLongError, PromptType
 from minivllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from minivllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
-    from minivllm.trace.recorder import StepRecorder
+from minivllm.trace.recorder import StepRecorder, record
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -132,8 +130,6 @@ class LLM:
         """Record every engine step inside the block: `with llm.trace() as trace: llm.generate(...)`,
         then `trace.save(dir)` writes trace.json and index.html, a page that shows the block pool,
         the block tables and the scheduler's batch step by step (minivllm/trace/)."""
-        from minivllm.trace.recorder import record  # an extra: loaded when first asked for
-
         with record(self.llm_engine, max_steps) as recorder:
             yield recorder
 
@@ -147,8 +143,6 @@ class LLM:
         """Beam search for each prompt (vLLM's `LLM.beam_search`), run inside the engine on
         copy-on-write blocks and batched like any other requests: the beams of a prompt share
         their history's KV blocks (paper §4.4). One `BeamSearchOutput` per prompt, best beam first."""
-        from minivllm.engine.beam_search import BeamSearchOutput, BeamSearchSequence
-
         prompt_list = self._prompt_list(prompts)
         tokenizer = self.llm_engine.tokenizer
         results = []
