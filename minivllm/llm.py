@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -19,16 +19,20 @@ from tqdm.auto import tqdm
 from minivllm.core.outputs import RequestOutput
 from minivllm.core.sequence import Request
 from minivllm.engine.arg_utils import EngineArgs, EngineKwargs, document_engine_args
+from minivllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptTooLongError, PromptType
+from minivllm.pooling.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from minivllm.engine.beam_search import BeamSearchOutput, BeamSearchParams
-    from minivllm.pooling.outputs import EmbeddingRequestOutput, ScoringRequestOutput
-    from minivllm.trace.recorder import StepRecorder
+from minivllm.trace.recorder import StepRecorder, record
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -136,8 +140,6 @@ class LLM:
         """Record every engine step inside the block: `with llm.trace() as trace: llm.generate(...)`,
         then `trace.save(dir)` writes trace.json and index.html, a page that shows the block pool,
         the block tables and the scheduler's batch step by step (minivllm/trace/)."""
-        from minivllm.trace.recorder import record  # an extra: loaded when first asked for
-
         with record(self.llm_engine, max_steps) as recorder:
             yield recorder
 
@@ -150,8 +152,6 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (vLLM's `LLM.embed`), from a model loaded with
         `runner="pooling"` (or `convert="embed"`): `.outputs.embedding` is a list of floats."""
-        from minivllm.pooling.outputs import EmbeddingOutput, PoolingRequestOutput
-
         self.llm_engine.check_runner("pooling")
         prompt_list = self._prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
@@ -188,8 +188,6 @@ class LLM:
         """Similarity scores of text pairs (vLLM's `LLM.score`): one `text_1` against each of
         `text_2` (1:N), or pairwise (N:N). For an embedding model a score is the cosine
         similarity of the two embeddings, as vLLM computes it."""
-        from minivllm.pooling.outputs import PoolingRequestOutput, ScoringOutput
-
         firsts = [text_1] if isinstance(text_1, str) else list(text_1)
         seconds = [text_2] if isinstance(text_2, str) else list(text_2)
         if len(firsts) == 1:
@@ -217,8 +215,6 @@ class LLM:
         """Beam search for each prompt (vLLM's `LLM.beam_search`), run inside the engine on
         copy-on-write blocks and batched like any other requests: the beams of a prompt share
         their history's KV blocks (paper §4.4). One `BeamSearchOutput` per prompt, best beam first."""
-        from minivllm.engine.beam_search import BeamSearchOutput, BeamSearchSequence
-
         prompt_list = self._prompt_list(prompts)
         tokenizer = self.llm_engine.tokenizer
         results = []

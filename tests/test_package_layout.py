@@ -7,7 +7,7 @@ functions and under `TYPE_CHECKING` alike). These tests hold what that contract 
 the contract itself can fail, no module-level import circle hides inside a room, the core needs no
 torch, the top level stays a handful of modules a user imports, and an import that is deferred
 (inside a function, under `TYPE_CHECKING`, or by a qualified name) is a declared plug-in or
-optional dependency, never a way round the layers.
+optional dependency, declared per (importer, imported) pair, never a way round the layers.
 """
 
 from __future__ import annotations
@@ -80,7 +80,33 @@ def imports_of(module: str) -> list[tuple[str, int, bool]]:
     return found
 
 
+# A qualified name in a string: `minivllm.a.b`, `minivllm.a.b.Name`, `minivllm.a.b:Name`, or an
+# f-string's `minivllm.a.` prefix. The logger's and cache folder's bare "minivllm" is not one.
+QUALIFIED_NAME = re.compile(r"minivllm(\.\w+)+(:\w+)?\.?")
+
+
+@functools.cache
+def loads_by_name(module: str) -> list[tuple[str, int]]:
+    """(loaded module, line) for every string literal in `module`'s file that names a module of
+    the package, or a name in one: what `resolve_obj_by_qualname`, `importlib.import_module` and the
+    tables of qualified names (attention backends, `kv_allocation`'s managers, `decode_loop_cls`,
+    the model registry) load. The packages above `module` are left out: they are loaded first."""
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(FILES[module].read_text())):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+            continue
+        if not QUALIFIED_NAME.fullmatch(node.value):
+            continue
+        target = resolve(node.value.replace(":", ".").rstrip("."))
+        outside = target and target != module and not module.startswith(target + ".")
+        if outside and (target, node.lineno) not in found:
+            found.append((target, node.lineno))
+    return found
+
+
 def graph(module_level_only: bool = False) -> dict[str, set[str]]:
+    """Import edges only: a by-name load is how a lower room reaches a plug-in above it, so it
+    is declared in DEFERRED rather than held to the layers and the no-circle rule."""
     return {m: {t for t, _, top in imports_of(m) if top or not module_level_only} for m in FILES}
 
 
@@ -180,49 +206,176 @@ def test_the_top_level_is_a_handful_of_modules_a_user_imports() -> None:
     assert len(found) <= 8
 
 
-# Imports that are deferred (inside a function or under TYPE_CHECKING), each with its reason. A
-# deferred import is for a plug-in (named by the platform or a config, loaded when chosen), an
-# optional dependency or extra (loaded when used), or a type only (an annotation of a module that
-# imports torch, named by a module that does not). Anything else goes at module level.
+# Every import that is not at module level, and every load by qualified name, declared per
+# (importer, imported) pair with its reason. The reason's category comes first:
+#   "plug-in": named by the platform, a config, a flag or a table, loaded when chosen (a by-name load
+#       is how a lower room reaches a plug-in above it; the layers contract does not see it);
+#   "optional dependency": a package heavy to import, loaded at its first use;
+#   "light path": the importer must stay cheap (the CLI's parser, a bench without torch);
+#   "type only": an annotation of a module that imports torch, named by a core module that does not;
+#   "public names (PEP 562)": `minivllm`'s names, loaded when first touched.
+# Anything else goes at module level. The test fails on an undeclared pair and on a declared pair
+# that no longer exists, so the table is the list of the package's deferred imports.
+CATEGORIES = (
+    "plug-in: ",
+    "optional dependency: ",
+    "light path: ",
+    "type only: ",
+    "public names (PEP 562)",
+)
+_PUBLIC = "public names (PEP 562): loaded when first touched, so `import minivllm` stays cheap"
+_CLI = "light path: the CLI's parser and --help load no torch or server; a command imports what it runs"
+_TORCH_FREE_CORE = "type only: the core stays torch-free, and the configs load torch"
+_GGUF = "plug-in: the GGUF quantization method, chosen by the checkpoint"
+_KV_MANAGER = "plug-in: the KV cache manager that `kv_allocation` and the model's windows name"
+_FAMILY = "plug-in: a model family, loaded by name when its architecture is asked (vLLM's registry)"
+_CPU_OPS = (
+    "plug-in: the CPU kernels and their forwards, loaded when a model asks for the platform's ops"
+)
 DEFERRED = {
-    "minivllm": "the public names, loaded when first touched (PEP 562), so `import minivllm` is cheap",
-    "minivllm.config": "types only: the configs name the model's and the speculative config",
-    "minivllm.core": "types only: the core names tensor-holding types without loading torch",
-    "minivllm.platforms": "plug-ins: the one platform of this machine",
-    "minivllm.model.loader": "plug-ins by checkpoint kind: GGUF, a registry family, a tokenizer",
-    "minivllm.model.resolver": "plug-in: the GGUF reader, when the file is a GGUF",
-    "minivllm.model.weights": "plug-in: fused checkpoints (Phi-3) only",
-    "minivllm.model.models.registry": "plug-ins: each family loaded when its architecture is asked",
-    "minivllm.cpu": "plug-in: the GGUF parts of a quantized linear, when the model has them",
-    "minivllm.worker": "plug-ins: tensor parallelism's group, the GGUF parts, the CPU forwards",
-    "minivllm.executor": "plug-in: tensor parallelism, when its size is above 1",
-    "minivllm.sample": "types and plug-in: the grammar backend, when a request has a grammar",
-    "minivllm.spec_decode": "types only: the sequence the proposers read",
-    "minivllm.structured_output": "optional dependency: xgrammar, when a grammar is asked",
-    "minivllm.engine": "plug-ins: speculative decoding, structured outputs, the in-process engine",
-    "minivllm.experiments": "the engine, built when an experiment runs",
-    "minivllm.trace": "the engine type, and the page, written when asked",
-    "minivllm.llm": "extras: beam search and the step trace, loaded when called",
-    "minivllm.entrypoints": "the server's optional parts: chosen by the command and its flags",
-    "minivllm.benchmarks": "each bench's own machinery, loaded when that bench runs",
+    **{
+        ("minivllm", target): _PUBLIC
+        for target in (
+            "minivllm.core.outputs",
+            "minivllm.engine.arg_utils",
+            "minivllm.engine.beam_search",
+            "minivllm.engine.llm_engine",
+            "minivllm.engine.stats",
+            "minivllm.llm",
+            "minivllm.pooling.outputs",
+            "minivllm.pooling.pooling_params",
+            "minivllm.sampling_params",
+            "minivllm.structured_output.params",
+        )
+    },
+    ("minivllm.benchmarks.llama_cpp", "minivllm.model.resolver"): (
+        "light path: the llama.cpp bench loads no torch; the resolver finds the bundled GGUF only "
+        "when no model is given"
+    ),
+    ("minivllm.benchmarks.machine", "minivllm.cpu.op_forwards"): (
+        "plug-in: the CPU platform's oneDNN GEMM, on a CPU with oneDNN (importing the forwards "
+        "registers them, which the CPU platform does after building its kernels)"
+    ),
+    ("minivllm.config", "minivllm.core.kv_cache_manager"): _KV_MANAGER,
+    ("minivllm.config", "minivllm.core.kv_cache_coordinator"): _KV_MANAGER,
+    ("minivllm.config", "minivllm.core.sliding_window_manager"): _KV_MANAGER,
+    ("minivllm.config", "minivllm.experiments.reservation"): _KV_MANAGER + " (the Orca baselines)",
+    ("minivllm.core.kv_cache_coordinator", "minivllm.config"): _TORCH_FREE_CORE,
+    ("minivllm.core.kv_cache_manager", "minivllm.config"): _TORCH_FREE_CORE,
+    ("minivllm.core.sliding_window_manager", "minivllm.config"): _TORCH_FREE_CORE,
+    ("minivllm.core.sequence", "minivllm.structured_output.backend"): (
+        "type only: the core stays torch-free, and the grammar module loads torch"
+    ),
+    ("minivllm.engine.llm_engine", "minivllm.engine.speculator"): (
+        "plug-in: speculative decoding, loaded by name when `speculative_config` is set"
+    ),
+    ("minivllm.engine.speculator", "minivllm.spec_decode.draft_model_proposer"): (
+        "plug-in: the draft-model proposer, when the speculative config names a draft model"
+    ),
+    **{
+        ("minivllm.entrypoints.cli", target): _CLI
+        for target in (
+            "minivllm.engine.arg_utils",
+            "minivllm.engine.core_client",
+            "minivllm.engine.llm_engine",
+            "minivllm.entrypoints.api_server",
+            "minivllm.entrypoints.cli_args",
+            "minivllm.entrypoints.draining_server",
+            "minivllm.entrypoints.metrics",
+            "minivllm.llm",
+            "minivllm.model.errors",
+            "minivllm.sampling_params",
+        )
+    },
+    ("minivllm.entrypoints.cli", "minivllm.benchmarks"): (
+        "plug-in: `minivllm bench NAME` loads the bench module NAME"
+    ),
+    ("minivllm.entrypoints.tool_parsers", "minivllm.entrypoints.tool_parsers.hermes"): (
+        "plug-in: the tool-call parser that --tool-call-parser names"
+    ),
+    ("minivllm.entrypoints.tool_parsers", "minivllm.entrypoints.tool_parsers.llama3_json"): (
+        "plug-in: the tool-call parser that --tool-call-parser names"
+    ),
+    ("minivllm.executor.abstract", "minivllm.executor.tensor_parallel"): (
+        "plug-in: tensor parallelism, when its size is above 1"
+    ),
+    ("minivllm.worker.worker", "minivllm.distributed.process_group"): (
+        "plug-in: tensor parallelism's process group, when the worker is one rank of several"
+    ),
+    ("minivllm.model.loader", "minivllm.model.quantization.gguf.loader"): _GGUF,
+    ("minivllm.model.loader", "minivllm.model.quantization.gguf.reader"): _GGUF,
+    ("minivllm.model.resolver", "minivllm.model.quantization.gguf.reader"): _GGUF,
+    ("minivllm.model.models.registry", "minivllm.model.models.llama"): (
+        _FAMILY + "; the base family is named as a type, so reading a config imports no model code"
+    ),
+    **{
+        ("minivllm.model.models.registry", f"minivllm.model.models.{family}"): _FAMILY
+        for family in ("qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3")
+    },
+    ("minivllm.platforms", "minivllm.platforms.cuda"): "plug-in: the one platform of this machine",
+    ("minivllm.platforms", "minivllm.platforms.cpu"): "plug-in: the one platform of this machine",
+    ("minivllm.platforms.cpu", "minivllm.worker.cpu_decode_loop"): (
+        "plug-in: the CPU decode loop (`decode_loop_cls`), which the model runner builds"
+    ),
+    ("minivllm.platforms.cpu", "minivllm.cpu.build"): _CPU_OPS,
+    ("minivllm.platforms.cpu", "minivllm.cpu.op_forwards"): _CPU_OPS,
+    ("minivllm.platforms.cpu", "minivllm.cpu.moe"): _CPU_OPS,
+    ("minivllm.platforms.cuda", "minivllm.model.quantization.gguf.cuda_forwards"): (
+        "plug-in: the CUDA forwards, loaded when a model asks for the platform's ops"
+    ),
+    ("minivllm.platforms.cuda", "minivllm.model.layers.triton_fused_moe"): (
+        "plug-in: the CUDA forwards, loaded when a model asks for the platform's ops"
+    ),
+    **{
+        ("minivllm.platforms.interface", f"minivllm.attention.backends.{backend}"): (
+            "plug-in: the attention backend the platform names"
+        )
+        for backend in ("reference", "cpu", "triton")
+    },
+    ("minivllm.structured_output.manager", "minivllm.structured_output.xgrammar_backend"): (
+        "optional dependency: xgrammar, heavy to import, loaded at the first constrained request"
+    ),
 }
 
 
-def test_every_deferred_import_is_declared() -> None:
-    undeclared = []
+def deferred_edges() -> dict[tuple[str, str], list[str]]:
+    """(importer, imported) -> where: every import not at module level, and every by-name load."""
+    found: dict[tuple[str, str], list[str]] = {}
     for module in FILES:
-        room = next(
-            (
-                r
-                for r in sorted(DEFERRED, key=len, reverse=True)
-                if module == r or module.startswith(r + ".")
-            ),
-            None,
-        )
         for target, line, top in imports_of(module):
-            if not top and room is None:
-                undeclared.append(f"{module}:{line} -> {target}")
-    assert not undeclared, "deferred imports outside the declared rooms:\n" + "\n".join(undeclared)
+            if not top:
+                found.setdefault((module, target), []).append(f"{module}:{line}")
+        for target, line in loads_by_name(module):
+            found.setdefault((module, target), []).append(f"{module}:{line} (by name)")
+    return found
+
+
+def test_every_deferred_import_and_load_by_name_is_declared() -> None:
+    found = deferred_edges()
+    undeclared = [
+        f"{where[0]} -> {pair[1]}" for pair, where in found.items() if pair not in DEFERRED
+    ]
+    assert not undeclared, "undeclared deferred imports or by-name loads:\n" + "\n".join(undeclared)
+    gone = [f"{a} -> {b}" for a, b in DEFERRED if (a, b) not in found]
+    assert not gone, "declared, but no longer deferred or loaded by name:\n" + "\n".join(gone)
+    unreasoned = [
+        f"{pair}: {why}" for pair, why in DEFERRED.items() if not why.startswith(CATEGORIES)
+    ]
+    assert not unreasoned, "a reason starts with its category:\n" + "\n".join(unreasoned)
+
+
+def test_loads_by_name_are_found() -> None:
+    """The measure itself: a table of qualified names, a class path a config returns, a
+    `module:Class` entry and an f-string's module prefix all count as loads."""
+    assert "minivllm.experiments.reservation" in {t for t, _ in loads_by_name("minivllm.config")}
+    assert "minivllm.core.sliding_window_manager" in {
+        t for t, _ in loads_by_name("minivllm.config")
+    }
+    assert "minivllm.model.models.gemma3" in {
+        t for t, _ in loads_by_name("minivllm.model.models.registry")
+    }
+    assert "minivllm.benchmarks" in {t for t, _ in loads_by_name("minivllm.entrypoints.cli")}
+    assert loads_by_name("minivllm.envs") == []  # its "minivllm" is a folder name, not a module
 
 
 def reached_from(module: str) -> set[str]:

@@ -4,7 +4,8 @@ The README names a reading order (the files between its `<!-- reading-order -->`
 a learner reads (one model, the reference attention, the block pool, the KV cache manager, the
 scheduler, the model runner, the sampler, the engine step). What a reader may have to follow from
 there is everything those files import, by any import: at module level, inside functions and under
-`TYPE_CHECKING` alike. The test prints both counts and holds the README's sentence to them, so the
+`TYPE_CHECKING` alike, and every module they load by qualified name (the plug-ins a platform, a
+config or a registry names). The test prints both counts and holds the README's sentence to them, so the
 README says what the code is; it sets no cap that code would be moved to get under.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.test_package_layout import FILES, imports_of
+from tests.test_package_layout import FILES, imports_of, loads_by_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +37,8 @@ def reading_order() -> list[str]:
 
 
 def closure(modules: list[str]) -> set[str]:
-    """The modules, their packages' `__init__`s, and everything any of them imports, by any import."""
+    """The modules, their packages' `__init__`s, and everything any of them imports, by any import
+    or by qualified name."""
     seen: set[str] = set()
     todo = list(modules)
     while todo:
@@ -47,6 +49,7 @@ def closure(modules: list[str]) -> set[str]:
         parts = module.split(".")
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # packages run first
         todo += [target for target, _, _ in imports_of(module)]
+        todo += [target for target, _ in loads_by_name(module)]
     return seen & FILES.keys()
 
 
@@ -88,8 +91,10 @@ def test_the_readme_states_the_reading_path_as_counted() -> None:
 
 
 def test_the_closure_follows_every_import() -> None:
-    """The measure itself: imports inside functions and under TYPE_CHECKING are followed."""
+    """The measure itself: imports inside functions and under TYPE_CHECKING, and loads by
+    qualified name, are followed."""
     reached = closure(["minivllm.llm"])
     assert "minivllm.engine.llm_engine" in reached and "minivllm.core.scheduler" in reached
-    assert "minivllm.engine.beam_search" in reached  # imported inside LLM.beam_search
-    assert "minivllm.trace.recorder" in reached  # imported inside LLM.trace
+    assert "minivllm.engine.speculator" in reached  # by name and under TYPE_CHECKING in the engine
+    assert "minivllm.spec_decode.draft_model_proposer" in reached  # inside Speculator's builder
+    assert "minivllm.experiments.reservation" in reached  # by name, in kv_allocation's table

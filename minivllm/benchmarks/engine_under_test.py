@@ -20,6 +20,7 @@ from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.beam_search import BeamSearchParams
 from minivllm.llm import LLM
 from minivllm.model.models.llama import LlamaForCausalLM
+from minivllm.model.weights import weight_bytes
 from minivllm.sampling_params import SamplingParams
 from minivllm.worker.worker_proc import RankReport, rank_report
 
@@ -135,8 +136,6 @@ class ModelCost:
         kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_elem
         stored = total * elem  # a GGUF model's blocks: the bytes it holds (one device only)
         if engine.config.resolved.quantization == "gguf":
-            from minivllm.model.weights import weight_bytes
-
             stored = weight_bytes(engine.model)
         return cls(body, lm_head, stored, kv)
 

@@ -7,12 +7,10 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from minivllm.benchmarks.paper_sweep import PointResult
 from minivllm.config import KV_ALLOCATIONS
-
-if TYPE_CHECKING:
-    from minivllm.benchmarks.paper_sweep import PointResult
 
 COLORS = {
     "paged": "tab:red",

@@ -17,15 +17,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minivllm.attention.abstract import BACKEND_NAMES
+from minivllm.config.speculative import SpeculativeConfig
+from minivllm.model.config import LlamaConfig
+from minivllm.model.source import GenerationDefaults, ModelSource
+from minivllm.pooling.config import PoolerConfig
 from minivllm.structured_output.params import StructuredOutputsConfig
 
 if TYPE_CHECKING:
     import torch
-
-    from minivllm.config.speculative import SpeculativeConfig
-    from minivllm.model.config import LlamaConfig
-    from minivllm.model.source import GenerationDefaults, ModelSource
-    from minivllm.pooling.config import PoolerConfig
 
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 # How weights are held (vLLM's `quantization`): "gguf" keeps a GGUF file's blocks as stored

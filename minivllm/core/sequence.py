@@ -18,10 +18,10 @@ from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # types only: the grammar module needs torch, which the core does not load
-    from minivllm.pooling.pooling_params import PoolingParams
+if TYPE_CHECKING:  # a type only: the grammar module needs torch, which the core does not load
     from minivllm.structured_output.backend import StructuredOutputGrammar
 
 

@@ -33,6 +33,7 @@ from minivllm.model.layers.fused_moe import (
     silu_and_mul,
     sort_by_expert,
 )
+from minivllm.model.quantization.gguf.moe import moe_parts
 
 # One expert's (w13, w2) in oneDNN's layout: [2·I, H] and [H, I] as `packed_linear` reads them.
 PackedExpert = tuple[torch.Tensor, torch.Tensor]
@@ -86,8 +87,6 @@ def fused_experts_gguf_cpu(
     topk_ids: torch.Tensor,  # int64 [T, top_k]
 ) -> torch.Tensor:  # [T, H]  in hidden's dtype
     """`GGUFMoEMethod.apply`'s result, each expert's group multiplied by its blocks."""
-    from minivllm.model.quantization.gguf.moe import moe_parts
-
     w13, w2 = moe_parts(op, "w13"), moe_parts(op, "w2")  # (qtype, uint8 [E, rows, row_bytes])
     dot = gguf_dot()
     top_k = topk_ids.shape[1]

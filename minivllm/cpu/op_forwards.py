@@ -44,6 +44,7 @@ from minivllm.model.custom_op import register_forward
 from minivllm.model.layers.layernorm import RMSNorm, SiluAndMul
 from minivllm.model.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
+from minivllm.model.quantization.gguf.linear import gguf_parts
 
 LM_HEAD_ROWS = 1024  # vocabulary rows per MKL matmul of a plain LM-head weight
 
@@ -155,8 +156,6 @@ def gguf_linear_cpu(
 ) -> torch.Tensor:  # [M, out]
     """x · Wᵀ (+ b) for a layer holding GGUF blocks: each part through the quantized GEMM,
     which dequantizes inside the product (`GGUFLinearMethod.apply` is its specification)."""
-    from minivllm.model.quantization.gguf.linear import gguf_parts
-
     dot = gguf_dot()
     # Opt-in (MINIVLLM_CPU_GGUF_GEMM_ROWS): many token rows dequantize and run one dense GEMM, as
     # vLLM's GGUF path does past its batch bound (`_fused_mul_mat_gguf`). Off by default, because

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from minivllm.core.outputs import RequestOutput
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.protocol import (
     AddHook,
     EngineClientBase,
@@ -36,8 +37,6 @@ from minivllm.inputs import PromptType
 
 if TYPE_CHECKING:
     import asyncio
-
-    from minivllm.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("minivllm")
 

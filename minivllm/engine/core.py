@@ -36,6 +36,7 @@ from typing import Any
 from minivllm.config import EngineConfig
 from minivllm.core.outputs import RequestOutput
 from minivllm.engine.beam_search import BeamSearchParams
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptType
 from minivllm.pooling.pooling_params import PoolingParams
@@ -144,8 +145,6 @@ def run_engine_core(
 
 class EngineCoreProc:
     def __init__(self, conn: Connection, config: EngineConfig, idle_wakeup_s: float = 1.0) -> None:
-        from minivllm.engine.llm_engine import LLMEngine
-
         self.conn = conn
         self.engine = LLMEngine(config)
         self.idle_wakeup_s = idle_wakeup_s  # an idle core still sends stats this often

@@ -18,6 +18,7 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.core.sequence import Request
+from minivllm.engine.logprobs_limit import resolve_logprobs  # -1 and max_logprobs, as vLLM's
 from minivllm.inputs import (
     PromptTooLongError,
     PromptType,
@@ -113,10 +114,6 @@ class InputProcessor:
         such as beam search that keep more sequences than they return."""
         params = params or self.default_params()
         verify_n(params.n, self.max_num_seqs)
-        from minivllm.engine.logprobs_limit import (
-            resolve_logprobs,  # -1 and max_logprobs, as vLLM's
-        )
-
         params = resolve_logprobs(params, self.vocab_size, self.max_logprobs)
         if self.extra_eos_token_ids and not params.ignore_eos:
             stops = set(params.stop_token_ids or []) | self.extra_eos_token_ids

@@ -27,6 +27,7 @@ import torch
 
 from minivllm.attention.selector import get_attention_backend
 from minivllm.config import EngineConfig
+from minivllm.core.kv_cache_groups import kv_cache_windows
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.outputs import RequestOutput, make_request_output
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
@@ -49,11 +50,11 @@ from minivllm.pooling.pooler import finish_embedding
 from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured_output.manager import StructuredOutputManager
 from minivllm.worker.model_runner import kv_cache_torch_dtype
 
 if TYPE_CHECKING:
     from minivllm.engine.speculator import Speculator
-    from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("minivllm")
 SPECULATOR = "minivllm.engine.speculator.Speculator"  # loaded only when speculating
@@ -86,8 +87,8 @@ class LLMEngine:
         self.model = self.runner.model  # rank 0's shard when tensor_parallel_size > 1
         self.kv_cache_dtype = kv_cache_torch_dtype(cc.cache_dtype, self.dtype)  # "auto": dtype
         num_blocks = self.executor.num_blocks  # the same on every rank: the smallest any can hold
-        windows = resolve_obj_by_qualname("minivllm.core.kv_cache_groups.kv_cache_windows")
-        cc.sliding_window, cc.layer_sliding_windows = windows(self.model)  # name the manager
+        # The windows name the KV cache manager (`CacheConfig.kv_cache_manager_cls`).
+        cc.sliding_window, cc.layer_sliding_windows = kv_cache_windows(self.model)
         manager_cls = kv_cache_manager_cls or resolve_obj_by_qualname(cc.kv_cache_manager_cls)
         budget = config.scheduler.max_num_batched_tokens  # a windowed group holds a chunk too
         self._fit_max_model_len(num_blocks, manager_cls.max_num_tokens(cc, num_blocks, budget))
@@ -137,9 +138,8 @@ class LLMEngine:
     @functools.cached_property
     def structured_output_manager(self) -> StructuredOutputManager:
         """Compiles each constraint once (at add_request) and hands out matchers; built at first
-        use, so that an engine that never sees a constrained request never loads it."""
-        from minivllm.structured_output.manager import StructuredOutputManager
-
+        use, so that an engine that never sees a constrained request never builds it (nor loads
+        xgrammar, which the manager imports at its first grammar)."""
         return StructuredOutputManager(
             self.tokenizer,
             self.vocab_size,

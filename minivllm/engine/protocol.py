@@ -18,19 +18,17 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from minivllm.config import EngineConfig
 from minivllm.core.outputs import RequestOutput
 from minivllm.engine.beam_search import BeamSearchParams
 from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptType
+from minivllm.model.source import ModelSource
 from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from minivllm.model.source import ModelSource
-    from minivllm.structured_output.manager import StructuredOutputManager
+from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("minivllm")
 

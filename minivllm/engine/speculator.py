@@ -23,24 +23,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
+from minivllm.config import EngineConfig
 from minivllm.config.speculative import SpeculativeConfig
+from minivllm.core.scheduler import Scheduler, SchedulerOutput
+from minivllm.core.sequence import Sequence
+from minivllm.engine.parallel_sampling import AfterSampling, ParallelSampling
+from minivllm.engine.stats import StatsCollector
+from minivllm.executor.abstract import Executor
 from minivllm.sample.rejection_sampler import RejectionSamplerOutput, rejection_sample
 from minivllm.sample.sampler import SamplerOutput, SamplingMetadata, SamplingRow
 from minivllm.spec_decode.metrics import SpecDecodingStats
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.spec_decode.proposer import Proposer
-
-if TYPE_CHECKING:
-    from minivllm.config import EngineConfig
-    from minivllm.core.scheduler import Scheduler, SchedulerOutput
-    from minivllm.core.sequence import Sequence
-    from minivllm.engine.parallel_sampling import AfterSampling, ParallelSampling
-    from minivllm.engine.stats import StatsCollector
-    from minivllm.executor.abstract import Executor
 
 logger = logging.getLogger("minivllm")
 

@@ -12,15 +12,12 @@ core/kv_cache_utils.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import BlockPoolSnapshot
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.step_listener import StepOutputs
-
-if TYPE_CHECKING:
-    from minivllm.spec_decode.metrics import SpecDecodingStats
+from minivllm.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass

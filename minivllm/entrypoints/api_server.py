@@ -34,8 +34,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minivllm.engine.async_llm_engine import AsyncLLMEngine
+from minivllm.engine.core_client import AsyncMPClient, EngineCoreClient
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.protocol import EngineClient, EngineFacts, RequestParamsType
 from minivllm.entrypoints.cli_args import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+from minivllm.entrypoints.dashboard import add_dashboard
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.middleware import (
     GuardMiddleware,
@@ -58,8 +62,10 @@ from minivllm.entrypoints.routes import (
 from minivllm.entrypoints.serving import error_response
 from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
+from minivllm.entrypoints.serving_embedding import OpenAIServingEmbedding
 from minivllm.entrypoints.serving_responses import OpenAIServingResponses
 from minivllm.entrypoints.serving_tokenization import OpenAIServingTokenization
+from minivllm.entrypoints.tool_parsers import get_tool_parser
 
 logger = logging.getLogger("minivllm")
 
@@ -76,8 +82,6 @@ def make_engine_client(
 ) -> EngineClient:
     """The `EngineClient` for `engine`: the client of an engine-core process is driven over its
     pipe (`AsyncMPClient`), an `LLMEngine` by a thread of this process (`AsyncLLMEngine`)."""
-    from minivllm.engine.async_llm_engine import AsyncLLMEngine
-    from minivllm.engine.core_client import AsyncMPClient, EngineCoreClient
 
     def on_add(request_id: str, params: RequestParamsType) -> None:
         metrics.on_add(request_id, params)
@@ -86,8 +90,6 @@ def make_engine_client(
 
     if isinstance(engine, EngineCoreClient):
         return AsyncMPClient(engine, on_step=metrics.on_step, on_add=on_add)
-    from minivllm.engine.llm_engine import LLMEngine
-
     assert isinstance(engine, LLMEngine), type(engine)
     return AsyncLLMEngine(engine, on_step=metrics.on_step, on_add=on_add)
 
@@ -132,15 +134,11 @@ def make_handlers(
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if tool_call_parser is not None:
-        from minivllm.entrypoints.tool_parsers import get_tool_parser
-
         chat.tool_parser = get_tool_parser(tool_call_parser)
     chat.enable_auto_tool_choice = enable_auto_tool_choice
     responses_api = OpenAIServingResponses(chat, client, *limits)
     embedding = None
     if client.config.pooler is not None:  # a pooling model: embeddings instead of generation
-        from minivllm.entrypoints.serving_embedding import OpenAIServingEmbedding
-
         embedding = OpenAIServingEmbedding(client, *limits)
     return Handlers(completion, chat, responses_api, OpenAIServingTokenization(chat), embedding)
 
@@ -239,9 +237,6 @@ def add_middlewares(
 def add_dashboard_routes(
     app: FastAPI, engine: EngineFacts, api_key: str | None, max_steps: int
 ) -> None:
-    from minivllm.engine.llm_engine import LLMEngine
-    from minivllm.entrypoints.dashboard import add_dashboard
-
     if not isinstance(engine, LLMEngine):
         raise ValueError("the dashboard needs the engine in the server's process")
     add_dashboard(app, engine, api_key, max_steps)

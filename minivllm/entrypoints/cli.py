@@ -19,6 +19,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from minivllm.entrypoints.api_key import resolve_api_key  # os only: the CLI stays light
+
 BENCHMARKS = {
     "throughput": "offline generation throughput",
     "memory": "KV cache memory use (the paper's Fig. 2)",
@@ -148,7 +150,6 @@ def serve(args: argparse.Namespace) -> int:
     from minivllm.engine.arg_utils import EngineArgs
     from minivllm.engine.core_client import EngineCoreClient
     from minivllm.engine.llm_engine import LLMEngine
-    from minivllm.entrypoints.api_key import resolve_api_key
     from minivllm.entrypoints.api_server import build_app
     from minivllm.entrypoints.draining_server import ABORT_GRACE_S, DrainingServer
     from minivllm.entrypoints.metrics import show_hidden_metrics

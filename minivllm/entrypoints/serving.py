@@ -25,6 +25,7 @@ from minivllm.engine.input_processor import verify_n
 from minivllm.engine.logprobs_limit import resolve_logprobs
 from minivllm.engine.protocol import EngineClient, RequestParamsType, StreamItem
 from minivllm.entrypoints.protocol import OpenAIError, StreamOptions, check_stream_options
+from minivllm.entrypoints.structured_requests import compile_or_400, request_structured_outputs
 from minivllm.inputs import PromptType, process_token_params, truncate_prompt
 from minivllm.sampling_params import SamplingParams, verify_truncate_prompt_tokens
 from minivllm.structured_output.params import StructuredOutputsParams
@@ -210,11 +211,6 @@ class OpenAIServing:
         """The request's constraint (`forced`: one the handler made, a forced tool call), compiled
         now, in a worker thread: a bad one is a 400 before anything is queued, and a slow one
         blocks neither the event loop nor the engine's steps. The engine then hits the cache."""
-        from minivllm.entrypoints.structured_requests import (
-            compile_or_400,
-            request_structured_outputs,
-        )
-
         structured = forced or request_structured_outputs(req)
         if structured is not None:
             if req.use_beam_search:

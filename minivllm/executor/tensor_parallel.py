@@ -13,7 +13,6 @@ the single-device engine never imports this package.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,12 +25,10 @@ from minivllm.executor.driver import (
     WorkerStartError,
 )
 from minivllm.executor.multiproc_executor import MultiprocExecutor
+from minivllm.model.config import LlamaConfig
 from minivllm.model.layers.linear import check_tensor_parallel_size
 from minivllm.worker.worker import WorkerConfig
 from minivllm.worker.worker_proc import run_torchrun_worker
-
-if TYPE_CHECKING:
-    from minivllm.model.config import LlamaConfig
 
 __all__ = ["EngineDeadError", "WorkerStartError", "make_distributed_executor"]
 

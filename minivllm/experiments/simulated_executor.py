@@ -30,15 +30,15 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from minivllm.core.scheduler import SchedulerOutput
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model.config import LlamaConfig
 from minivllm.worker.model_runner import ModelRunnerOutput
-
-if TYPE_CHECKING:
-    from minivllm.engine.llm_engine import LLMEngine
 
 T = TypeVar("T")
 GiB = 2**30
@@ -177,8 +177,6 @@ class SimulatedExecutor:
     """The executor interface (minivllm/executor/tensor_parallel.py), with time modelled, not spent."""
 
     def __init__(self, setup: SimulatedSetup, block_size: int) -> None:
-        from minivllm.model.config import LlamaConfig
-
         self.setup = setup
         self.num_blocks = setup.num_kv_blocks(block_size)
         self.driver_runner: Any = _NoRunner(LlamaConfig.from_hf_dict(setup.hf_config()))
@@ -215,9 +213,6 @@ def model_folder(setup: SimulatedSetup) -> Path:
 
 def build_simulated_engine(setup: SimulatedSetup, **engine_kwargs: Any) -> LLMEngine:
     """An engine whose steps run on `SimulatedExecutor`: token-id prompts, no text."""
-    from minivllm.engine.arg_utils import EngineArgs
-    from minivllm.engine.llm_engine import LLMEngine
-
     block_size = engine_kwargs.get("block_size", 16)
     executor = SimulatedExecutor(setup, block_size)
     kwargs: dict[str, Any] = {

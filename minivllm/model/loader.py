@@ -34,16 +34,17 @@ from minivllm.model.errors import (
     TokenizerNotFoundError,
     UnsupportedArchitectureError,
 )
+from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.model.models.llama import LlamaForCausalLM
+from minivllm.model.models.registry import config_from_hf_dict, model_class
 from minivllm.model.source import ModelSource
+from minivllm.model.tokenizer_class import generic_tokenizer_class
 from minivllm.model.weights import load_weights, open_checkpoint
 from minivllm.platforms import platform_for
 
 
 def load_config(source: ModelSource) -> LlamaConfig:
     """The model's config, after the registry has said its architecture runs."""
-    from minivllm.model.models.registry import config_from_hf_dict
-
     try:
         config = config_from_hf_dict(json.loads((source.path / "config.json").read_text()))
     except UnsupportedModelError as exc:
@@ -70,8 +71,6 @@ def build_model(
     device's platform chooses each custom op's forward: its own kernels under `custom_ops="all"`,
     plain PyTorch under "none"; "auto" is settled by `Platform.resolve_custom_ops` ("none" with
     the reference attention backend)."""
-    from minivllm.model.models.registry import model_class
-
     model_cls = model_class(config)
     with torch.device("meta"):
         model = model_cls(config, backend, max_positions, tp).to(dtype)
@@ -86,8 +85,6 @@ def build_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     load(model)
     # The RoPE table is a non-persistent buffer, never loaded: build it for real (in float32).
-    from minivllm.model.layers.rotary_embedding import RotaryEmbedding
-
     model.model.rotary_emb = RotaryEmbedding(
         config, max_positions or config.max_position_embeddings
     ).to(device)
@@ -162,8 +159,6 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
             + _TOKENIZER_HINT
         )
     try:
-        from minivllm.model.tokenizer_class import generic_tokenizer_class
-
         generic = generic_tokenizer_class(folder) if folder.is_dir() else None
         if generic is not None:
             return generic.from_pretrained(name)

@@ -23,6 +23,7 @@ from minivllm.model.config import LlamaConfig
 from minivllm.model.errors import CorruptCheckpointError, ModelNotFoundError
 from minivllm.model.layers.linear import Sliceable
 from minivllm.model.models.llama import LlamaForCausalLM
+from minivllm.model.packed_weights import unpack_checkpoint
 
 # A checkpoint tensor stored separately -> (the fused parameter it feeds, which part of it).
 # vLLM calls this `stacked_params_mapping`; the fused layer's weight loader puts
@@ -147,8 +148,6 @@ def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> N
     if "embed_tokens.weight" in weights:  # a bare decoder's (`Qwen3Model`): no "model." prefix
         weights = {f"model.{name}": tensor for name, tensor in weights.items()}
     if model.packed_checkpoint:  # q/k/v and gate/up stored fused (Phi-3): seen as the parts
-        from minivllm.model.packed_weights import unpack_checkpoint
-
         weights = unpack_checkpoint(weights, model.config)
     expected = check_checkpoint(model.config, {k: _shape(v) for k, v in weights.items()})
     for name in expected:

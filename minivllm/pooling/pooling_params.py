@@ -9,12 +9,9 @@ supports matryoshka `dimensions`, and how many) is checked by `verify` against i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from minivllm.pooling.config import PoolerConfig
 from minivllm.sampling_params import InvalidParamError, verify_truncate_prompt_tokens
-
-if TYPE_CHECKING:
-    from minivllm.pooling.config import PoolerConfig
 
 __all__ = ["PoolingParams"]
 

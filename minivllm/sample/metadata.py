@@ -11,16 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from minivllm.core.sequence import Sequence as Seq
 from minivllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # structured outputs are read where a row has a grammar, not on every path
-    from minivllm.structured_output.backend import StructuredOutputGrammar
+from minivllm.structured_output.backend import StructuredOutputGrammar, sync_grammar
 
 
 @dataclass
@@ -182,8 +179,6 @@ def _grammar_bitmask(
     grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
     if not grammar_rows:
         return [], None
-    from minivllm.structured_output.backend import sync_grammar
-
     bitmask = torch.full((len(grammar_rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for g, i in enumerate(grammar_rows):
         grammar = rows[i].grammar

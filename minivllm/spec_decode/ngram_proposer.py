@@ -15,12 +15,9 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from minivllm.core.sequence import Sequence as EngineSequence
 from minivllm.spec_decode.proposer import Draft
-
-if TYPE_CHECKING:
-    from minivllm.core.sequence import Sequence as EngineSequence
 
 
 class NgramProposer:

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from minivllm.core.sequence import Sequence as EngineSequence
+
 if TYPE_CHECKING:
     import torch
-
-    from minivllm.core.sequence import Sequence as EngineSequence
 
 
 @dataclass

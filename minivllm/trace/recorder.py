@@ -46,16 +46,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from minivllm.core.kv_cache_coordinator import HybridBlockPoolSnapshot, HybridKVCacheCoordinator
 from minivllm.core.kv_cache_utils import BlockHash, BlockPoolSnapshot, KVCacheManagerStats
 from minivllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.core.sequence import Sequence as EngineSequence
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.step_listener import StepOutputs
-
-if TYPE_CHECKING:
-    from minivllm.engine.llm_engine import LLMEngine
+from minivllm.trace.page import write_page
 
 TRACE_FORMAT_VERSION = 1
 StepRecord = dict[str, Any]  # one step, exactly as trace.json stores it
@@ -269,8 +268,6 @@ class StepRecorder:
     def save(self, out_dir: str | Path) -> Path:
         """Write `out_dir/trace.json` and `out_dir/index.html` (the page, self-contained: open it
         from the file system); returns the page's path."""
-        from minivllm.trace.page import write_page
-
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         trace = self.to_dict()

@@ -64,6 +64,7 @@ from minivllm.attention.abstract import AttentionBackend, AttentionMetadata
 from minivllm.attention.backends.cpu import CpuPlan
 from minivllm.cpu.op_forwards import (
     column_parallel_linear_forward_cpu,
+    gguf_dot,
     gguf_gemm_rows,
     rms_norm_forward_cpu,
     rotary_embedding_forward_cpu,
@@ -88,7 +89,7 @@ from minivllm.model.models.llama import (
     LlamaModel,
 )
 from minivllm.model.models.phi3 import Phi3ForCausalLM
-from minivllm.model.quantization.gguf.linear import GGUFLinearMethod
+from minivllm.model.quantization.gguf.linear import GGUFLinearMethod, gguf_parts
 
 logger = logging.getLogger("minivllm")
 
@@ -304,8 +305,6 @@ def linear_weights(op: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
     """A linear's tensors and their GGML types (-1: plain): its one weight (an MKLDNN tensor where
     `prepack_linear` packed it for oneDNN), or the GGUF block parts a quantized layer holds."""
     if getattr(op, "quant_method", None) is not None:
-        from minivllm.model.quantization.gguf.linear import gguf_parts
-
         parts = gguf_parts(op)
         return [q for _, q in parts], [qtype for qtype, _ in parts]
     return [cast("torch.Tensor", op.weight)], [-1]
@@ -371,8 +370,6 @@ class CpuDecodeLoop:
         self.parts = [len(tensors) for tensors, _ in slots]
         self.bf16_dot = False
         if any(t >= 0 for t in self.qtypes):
-            from minivllm.cpu.op_forwards import gguf_dot
-
             self.bf16_dot = gguf_dot() == "bf16"
         # From this many rows a GGUF linear's CPU forward dequantizes and runs one GEMM (opt-in),
         # which the C++ loop does not: such a step stays in Python.

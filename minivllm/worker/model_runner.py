@@ -23,13 +23,12 @@ so does a forward hook on the model (the C++ loop would skip it).
 Logits are computed only at the last new token of sequences that will sample this step (those
 whose new tokens reach the end of what they know); a prompt chunk that is not the last needs none.
 A request that asks for its prompt's logprobs also gets its prompt rows scored, chunk by chunk,
-on the runner (minivllm/sample/prompt_logprobs.py, loaded by the first step that has any).
+on the runner (minivllm/sample/prompt_logprobs.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,9 +37,8 @@ from minivllm.config import CacheConfig
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.platforms import DecodeLoop, platform_for, resolve_obj_by_qualname
-
-if TYPE_CHECKING:
-    from minivllm.sample.sampler import LogprobsTensors
+from minivllm.sample.prompt_logprobs import score_prompt_logprobs
+from minivllm.sample.sampler import LogprobsTensors
 
 
 def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -219,8 +217,6 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
         prompt_logprobs = {}
         if inp.prompt_rows:  # every rank scores: the LM head gathers the vocabulary
-            from minivllm.sample.prompt_logprobs import score_prompt_logprobs
-
             prompt_logprobs = score_prompt_logprobs(self.model, hidden, inp.prompt_rows)
         return ModelRunnerOutput(logits, prompt_logprobs)
 

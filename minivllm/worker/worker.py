@@ -22,12 +22,14 @@ import torch
 from minivllm.attention.abstract import AttentionBackend
 from minivllm.attention.selector import get_attention_backend
 from minivllm.config import CacheConfig
+from minivllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from minivllm.distributed.parallel_state import TensorParallelGroup
 from minivllm.model.loader import load_model
 from minivllm.model.source import ModelSource
-from minivllm.platforms import resolve_obj_by_qualname
 from minivllm.pooling.config import PoolerConfig
+from minivllm.worker.hybrid_model_runner import HybridModelRunner
 from minivllm.worker.model_runner import ModelRunner, determine_num_blocks, kv_cache_torch_dtype
+from minivllm.worker.pooling_model_runner import PoolingModelRunner
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -77,9 +79,7 @@ def build_runner(
     )
     kv_dtype = kv_cache_torch_dtype(wc.cache.cache_dtype, wc.dtype)
     # Windowed and global layers mixed (Gemma 2/3): block tables per group of layers, or None.
-    groups = resolve_obj_by_qualname("minivllm.core.kv_cache_groups.hybrid_kv_cache_groups")(
-        model, wc.cache.kv_allocation
-    )
+    groups = hybrid_kv_cache_groups(model, wc.cache.kv_allocation)
     num_layers = None if groups is None else max(len(g.layer_ids) for g in groups)
     num_blocks = determine_num_blocks(model, wc.cache, kv_dtype, device, num_layers)
     if control is not None:  # tensor parallelism: every rank the same blocks
@@ -88,12 +88,9 @@ def build_runner(
         num_blocks = min_over_ranks(num_blocks, control)
     args = (model, backend, num_blocks, wc.cache.block_size, kv_dtype, device, wc.enforce_eager)
     if wc.pooler is not None:
-        from minivllm.worker.pooling_model_runner import PoolingModelRunner
-
         if groups is not None:
             raise ValueError("runner='pooling' does not support models with sliding-window layers")
         return PoolingModelRunner(*args, pooler=wc.pooler)
     if groups is not None:
-        hybrid = resolve_obj_by_qualname("minivllm.worker.hybrid_model_runner.HybridModelRunner")
-        return hybrid(*args, kv_cache_groups=groups)
+        return HybridModelRunner(*args, kv_cache_groups=groups)
     return ModelRunner(*args)
