@@ -22,6 +22,7 @@ from minivllm.structured_output.params import StructuredOutputsConfig
 if TYPE_CHECKING:
     import torch
 
+    from minivllm.config.lora import LoRAConfig
     from minivllm.config.speculative import SpeculativeConfig
     from minivllm.model.config import LlamaConfig
     from minivllm.model.source import GenerationDefaults, ModelSource
@@ -192,6 +193,7 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
     draft: ResolvedConfig | None = None  # the draft model's files, when `speculative` names one
+    lora: LoRAConfig | None = None  # LoRA adapters (minivllm/lora/); None: enable_lora off
 
     def __post_init__(self) -> None:
         # A cache wider than the model stores nothing the model computed (its K and V are already

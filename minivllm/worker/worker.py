@@ -22,6 +22,7 @@ import torch
 from minivllm.attention.abstract import AttentionBackend
 from minivllm.attention.selector import get_attention_backend
 from minivllm.config import CacheConfig
+from minivllm.config.lora import LoRAConfig
 from minivllm.distributed.parallel_state import TensorParallelGroup
 from minivllm.model.loader import load_model
 from minivllm.model.source import ModelSource
@@ -48,6 +49,7 @@ class WorkerConfig:
     cache: CacheConfig
     tensor_parallel_size: int
     num_threads: int  # torch's intra-op threads per worker on a CPU (the cores, shared out)
+    lora: LoRAConfig | None = None  # LoRA adapters' slots (minivllm/lora/); None: off
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:
@@ -73,6 +75,11 @@ def build_runner(
     model = load_model(
         source, backend, wc.dtype, device, wc.max_model_len, tp, quantization=wc.quantization
     )
+    lora_manager = None
+    if wc.lora is not None:  # wrap the linears before the runner checks what its decode loop runs
+        from minivllm.lora.manager import LoRAModelManager
+
+        lora_manager = LoRAModelManager(model, wc.lora, wc.dtype, device)
     kv_dtype = kv_cache_torch_dtype(wc.cache.cache_dtype, wc.dtype)
     # Windowed and global layers mixed (Gemma 2/3): block tables per group of layers, or None.
     groups = resolve_obj_by_qualname("minivllm.core.kv_cache_groups.hybrid_kv_cache_groups")(
@@ -87,5 +94,8 @@ def build_runner(
     args = (model, backend, num_blocks, wc.cache.block_size, kv_dtype, device, wc.enforce_eager)
     if groups is not None:
         hybrid = resolve_obj_by_qualname("minivllm.worker.hybrid_model_runner.HybridModelRunner")
-        return hybrid(*args, kv_cache_groups=groups)
-    return ModelRunner(*args)
+        runner: ModelRunner = hybrid(*args, kv_cache_groups=groups)
+    else:
+        runner = ModelRunner(*args)
+    runner.lora_manager = lora_manager
+    return runner
