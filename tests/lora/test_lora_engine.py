@@ -192,3 +192,25 @@ def test_a_lora_model_s_decode_steps_run_the_python_loop(
                      cpu_kv_cache_space=0.01) as plain:  # fmt: skip
         model = plain.llm_engine.runner.model
         assert (plain.llm_engine.runner.decode_loop is not None) == CpuDecodeLoop.supports(model)
+
+
+def test_slots_and_host_copies_evict_the_least_recently_used_adapter(
+    llama: tuple[Path, dict[str, LoRARequest]],
+) -> None:
+    """One device slot and two host copies for three adapters: each step's adapter takes the
+    slot, the host LRU drops the oldest, and an adapter read again from its folder (or copied
+    back into the slot) still gives peft's tokens."""
+    base, adapters = llama
+    prompt = prompts_for(2)[1]
+    with lora_llm(base, attention_backend="reference", max_loras=1, max_cpu_loras=2) as llm:
+        manager = llm.llm_engine.runner.lora_manager
+        assert manager is not None
+        for name in ["attn", "mlp", "all", "attn"]:
+            lora = adapters[name]
+            assert greedy(llm, [prompt], [5], [lora]) == peft_greedy(base, lora, [prompt], [5])
+            assert dict(manager.slots) == {lora.lora_int_id: 0}
+        # attn was re-read after "all" pushed it out of host memory; mlp is now the oldest gone.
+        assert list(manager.cpu_loras) == [
+            adapters["all"].lora_int_id,
+            adapters["attn"].lora_int_id,
+        ]
