@@ -23,6 +23,7 @@ from minivllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, Beam
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptTooLongError, PromptType
+from minivllm.lora.request import LoRARequest
 from minivllm.pooling.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -76,8 +77,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or many: strings, or {"prompt_token_ids": [...]} dicts."""
+        """Generate for one prompt or many: strings, or {"prompt_token_ids": [...]} dicts; under
+        one LoRA adapter, or one per prompt (None: the base model), with `enable_lora=True`."""
         self.llm_engine.check_runner("generate")  # a pooling model refuses, naming its runner
         prompt_list = self._prompt_list(prompts)
         if sampling_params is None:
@@ -91,7 +94,24 @@ class LLM:
                     f"sampling_params must be one SamplingParams or one per prompt "
                     f"({len(prompt_list)}), got {len(params_list)}"
                 )
-        return self._run(prompt_list, params_list, use_tqdm)
+        return self._run(
+            prompt_list, params_list, use_tqdm, self._lora_list(lora_request, prompt_list)
+        )
+
+    @staticmethod
+    def _lora_list(
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None, prompts: list[PromptType]
+    ) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, as vLLM's `lora_request` accepts it."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * len(prompts)
+        loras = list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(
+                f"lora_request must be one LoRARequest or one per prompt ({len(prompts)}), "
+                f"got {len(loras)}"
+            )
+        return loras
 
     def chat(
         self,
@@ -99,6 +119,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or many, through the model's chat template."""
         convs: list[ChatMessages]
@@ -109,7 +130,7 @@ class LLM:
         prompts: list[PromptType] = [
             {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)} for c in convs
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(
         self, conversation: ChatMessages, add_generation_prompt: bool = True
@@ -252,16 +273,17 @@ class LLM:
         prompts: list[PromptType],
         params: Sequence[SamplingParams | BeamSearchParams | PoolingParams],
         use_tqdm: bool,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for prompt, p in zip(prompts, params):
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
             rid = str(self._counter)
             self._counter += 1
             order.append(rid)
             try:
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, lora_request=loras[i] if loras else None)
             except PromptTooLongError as exc:
                 # One bad prompt fails alone; the others still run (the reason is in the output).
                 logger.warning("request %s failed: %s", rid, exc)

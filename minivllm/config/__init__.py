@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minivllm.attention.abstract import BACKEND_NAMES
+from minivllm.config.lora import LoRAConfig
 from minivllm.config.speculative import SpeculativeConfig
 from minivllm.model.config import LlamaConfig
 from minivllm.model.source import GenerationDefaults, ModelSource
@@ -198,6 +199,7 @@ class EngineConfig:
     pooler: PoolerConfig | None = (
         None  # a pooling model's pooler (minivllm/pooling/); None: generate
     )
+    lora: LoRAConfig | None = None  # LoRA adapters (minivllm/lora/); None: enable_lora off
 
     def __post_init__(self) -> None:
         # A cache wider than the model stores nothing the model computed (its K and V are already

@@ -36,8 +36,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from minivllm.config import SchedulerConfig
+from minivllm.config.lora import LoRAConfig
 from minivllm.core.kv_cache_manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from minivllm.core.sequence import Sequence, SequenceStatus
+from minivllm.lora.request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class ScheduledSequence:
     prompt_logprobs: PromptLogprobsSlice | None = None  # prompt rows to score, if asked
     num_spec_tokens: int = 0  # the last this many new tokens are drafts to verify (lookahead)
     group_block_tables: tuple[list[int], ...] = ()  # a hybrid model's other KV cache groups'
+    lora_request: LoRARequest | None = None  # the adapter its rows run under; None: the base model
 
     @property
     def num_new_tokens(self) -> int:
@@ -90,9 +93,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        lora_config: LoRAConfig | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.lora_config = lora_config  # its max_loras bounds the distinct adapters running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence, by seq_id
@@ -161,13 +170,23 @@ class Scheduler:
         # Admitting while preempting would evict the very blocks a preempted sequence will want.
         num_seqs = sum(self._num_seqs_at_admission(s) for s in self.running)
         chunking = self.config.enable_chunked_prefill
+        loras = self.active_lora_ids()
+        skipped: list[Sequence] = []  # waiting for a LoRA slot; they keep their place in the queue
         while not out.preempted_seq_ids and self.waiting and budget > 0:
             seq = self.waiting[0]
             if num_seqs + self._num_seqs_at_admission(seq) > self.config.max_num_seqs:
                 break
+            if not self._lora_fits(seq, loras):
+                # vLLM v1 skips it too: requests of adapters already running (or of the base
+                # model) may go ahead, since they need no slot; it is first again next step.
+                skipped.append(self.waiting.popleft())
+                continue
             lookup = not seq.request.needs_prompt_logprobs  # a cache hit has no logits
+            extra = seq.request.block_hash_extra_keys  # its adapter: no block shared across them
             # The one prefix lookup of this admission: what it decides on is what it allocates.
-            computed = kv.get_computed_blocks(seq.token_ids) if lookup else NO_COMPUTED_BLOCKS
+            computed = (
+                kv.get_computed_blocks(seq.token_ids, extra) if lookup else NO_COMPUTED_BLOCKS
+            )
             num_new = min(seq.num_tokens - computed.num_computed_tokens, budget)
             if num_new < seq.num_tokens - computed.num_computed_tokens and not chunking:
                 break  # an encoder's prompt runs whole: it waits for a step with room for it
@@ -175,7 +194,7 @@ class Scheduler:
                 break  # first come, first served: nobody overtakes the head of the queue
             first_admission = seq.num_cached_tokens is None
             num_cached = kv.allocate_slots(
-                seq, num_new, computed, count_as_query=first_admission and lookup
+                seq, num_new, computed, extra, count_as_query=first_admission and lookup
             )
             if first_admission:  # vLLM v1 reports the first admission's hit, not a recompute's
                 seq.num_cached_tokens = num_cached
@@ -185,8 +204,11 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             num_seqs += self._num_seqs_at_admission(seq)
+            if seq.request.lora_request is not None:
+                loras.add(seq.request.lora_int_id)
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         out.block_copies = kv.take_pending_copies()
         if out.scheduled:  # an empty step runs nothing: they travel with the next one
@@ -205,7 +227,24 @@ class Scheduler:
             prompt_logprobs=self._prompt_logprobs_slice(seq, start, start + num_new),
             num_spec_tokens=len(spec),
             group_block_tables=self.kv_cache_manager.get_group_block_tables(seq.seq_id),
+            lora_request=seq.request.lora_request,
         )
+
+    # ------------------------------------------------------------------ LoRA slots
+    def active_lora_ids(self) -> set[int]:
+        """The adapters the running sequences hold slots for: a sequence's reference is its place
+        in `running`, so finishing, aborting or preempting it releases the reference."""
+        return {s.request.lora_int_id for s in self.running if s.request.lora_request is not None}
+
+    def _lora_fits(self, seq: Sequence, loras: set[int]) -> bool:
+        """Whether admitting `seq` keeps the running adapters within `max_loras`: every running
+        sequence is scheduled each step it gets budget, so a step never carries more adapters
+        than the running set holds, and the worker always finds them a slot."""
+        request = seq.request
+        if request.lora_request is None or request.lora_int_id in loras:
+            return True
+        assert self.lora_config is not None, "a LoRA request reached a scheduler without LoRA"
+        return len(loras) < self.lora_config.max_loras
 
     @staticmethod
     def _prompt_logprobs_slice(seq: Sequence, start: int, end: int) -> PromptLogprobsSlice | None:

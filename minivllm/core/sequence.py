@@ -18,6 +18,7 @@ from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from minivllm.lora.request import LoRARequest
 from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
 
@@ -138,6 +139,19 @@ class Request:
     # (`params` is then a placeholder of one token); `pooled` is the result, once its prompt ran.
     pooling_params: PoolingParams | None = None
     pooled: list[float] | None = None
+    # The LoRA adapter its every sequence runs under (minivllm/lora/); None: the base model.
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model (vLLM's convention)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def block_hash_extra_keys(self) -> tuple[tuple[str, int], ...] | None:
+        """What else than its tokens shapes its K/V (vLLM's extra keys): the adapter, whose
+        q/k/v deltas change every layer's K/V, so that two adapters never share a cached block."""
+        return (("lora", self.lora_int_id),) if self.lora_request is not None else None
 
     def __post_init__(self) -> None:
         self.max_num_seqs = self.max_num_seqs or self.params.n

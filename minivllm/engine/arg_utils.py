@@ -43,6 +43,7 @@ from minivllm.config import (
     ResolvedConfig,
     SchedulerConfig,
 )
+from minivllm.config.lora import LoRAConfig
 from minivllm.config.speculative import SpeculativeConfig
 from minivllm.model.loader import load_config
 from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
@@ -166,6 +167,20 @@ class EngineArgs:
         'bool, "max_cached_grammars": int}; unset: xgrammar with its defaults',
     )
 
+    # ---------------------------------------------------------------------- LoRA adapters
+    enable_lora: bool = _arg(
+        False,
+        "serve LoRA adapters (PEFT folders), many in one batch: a request names its adapter "
+        "with lora_request=LoRARequest(name, id, path)",
+    )
+    max_loras: int = _arg(1, "most distinct LoRA adapters in one step (device slots)")
+    max_lora_rank: int = _arg(
+        16, "the highest LoRA rank served; one of 1, 8, 16, 32, 64, 128, 256, 320, 512"
+    )
+    max_cpu_loras: int | None = _arg(
+        None, "LoRA adapters kept loaded in host memory (LRU); unset: max_loras"
+    )
+
     # ---------------------------------------------------------------------- speculative decoding
     speculative_config: str | Mapping[str, Any] | None = _arg(
         None,
@@ -271,6 +286,9 @@ class EngineArgs:
                 "speculative_config needs kv_allocation='paged' (drafts take lookahead slots "
                 f"that a reservation does not have), got kv_allocation={self.kv_allocation!r}"
             )
+        lora = self.create_lora_config()
+        if lora is not None and speculative is not None:
+            raise ValueError("enable_lora is not supported with speculative_config; unset one")
         config = EngineConfig(
             model=model,
             cache=CacheConfig(
@@ -290,6 +308,7 @@ class EngineArgs:
             resolved=_resolve(model),
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
             speculative=speculative,
+            lora=lora,
         )
         config.draft = _resolve_draft(speculative, config.resolved)  # read after the target's
         config.pooler = self._resolve_pooler(config)
@@ -323,6 +342,19 @@ class EngineArgs:
             sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, resolved.max_model_len)
         return pooler
 
+    def create_lora_config(self) -> LoRAConfig | None:
+        """The adapters' limits, or None when `enable_lora` is off (vLLM's `LoRAConfig`)."""
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size > 1:
+            # vLLM shards A and B across ranks; minivllm's LoRA layers hold them whole.
+            raise ValueError(
+                "enable_lora is not supported with tensor_parallel_size > 1, got "
+                f"tensor_parallel_size={self.tensor_parallel_size}"
+            )
+        cpu = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)
+
 
 class EngineKwargs(TypedDict, total=False):
     """EngineArgs's fields but `model`, typed for `LLM(model, **kwargs: Unpack[EngineKwargs])`
@@ -350,6 +382,10 @@ class EngineKwargs(TypedDict, total=False):
     max_num_batched_tokens: int
     tensor_parallel_size: int
     structured_outputs_config: str | None
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int | None
     speculative_config: str | Mapping[str, Any] | None
     runner: str
     convert: str

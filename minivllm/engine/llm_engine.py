@@ -44,6 +44,8 @@ from minivllm.engine.stats import EngineStats, StatsCollector
 from minivllm.engine.step_listener import StepListener, StepOutputs
 from minivllm.executor.abstract import Executor, make_executor
 from minivllm.inputs import PromptType
+from minivllm.lora.errors import LoRADisabledError, LoRAError
+from minivllm.lora.request import LoRARequest
 from minivllm.model.loader import load_tokenizer
 from minivllm.platforms import resolve_obj_by_qualname
 from minivllm.pooling.pooler import finish_embedding
@@ -51,7 +53,7 @@ from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output.manager import StructuredOutputManager
-from minivllm.worker.model_runner import kv_cache_torch_dtype
+from minivllm.worker.model_runner import ModelRunner, kv_cache_torch_dtype
 
 if TYPE_CHECKING:
     from minivllm.engine.speculator import Speculator
@@ -93,7 +95,7 @@ class LLMEngine:
         budget = config.scheduler.max_num_batched_tokens  # a windowed group holds a chunk too
         self._fit_max_model_len(num_blocks, manager_cls.max_num_tokens(cc, num_blocks, budget))
         self.kv_cache_manager = manager_cls.from_config(cc, num_blocks, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.lora)
         # Unseeded random sampling draws from the engine's own generator, seeded by `seed`: a
         # whole offline run is reproducible, and torch's global RNG stays the user's.
         self.generator = torch.Generator(device=self.device).manual_seed(mc.seed)
@@ -125,6 +127,7 @@ class LLMEngine:
         )
         self.parallel_sampling = ParallelSampling(self.request_context)
         self.requests: dict[str, Request] = {}
+        self.lora_requests: dict[int, LoRARequest] = {}  # every adapter added, by lora_int_id
         self.after_sampling: dict[str, AfterSampling] = {}  # request_id -> its hook
         self._next_seq_id = 0
         self._aborted_outputs: list[RequestOutput] = []
@@ -200,14 +203,20 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | RequestParams | PoolingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Queue a request: sampling (SamplingParams, vLLM's defaults or the model's when None),
         parameters that bring their own hook after sampling (`BeamSearchParams`), or, for a
-        pooling model, `PoolingParams` (None: the pooler's defaults)."""
+        pooling model, `PoolingParams` (None: the pooler's defaults); under a LoRA adapter
+        (`lora_request`, read and checked now) or the base model (None)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.pooler is not None or isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request is not supported for pooling requests")
             return self._add_pooling_request(request_id, prompt, params, arrival_time)
+        if lora_request is not None:
+            self.add_lora(lora_request)  # a bad adapter is refused here, before anything changes
         hook: AfterSampling = self.parallel_sampling
         width = 0  # the request's sequences at once; 0: its n
         if params is not None and not isinstance(params, SamplingParams):
@@ -219,6 +228,7 @@ class LLMEngine:
         request = self.input_processor.process_inputs(
             request_id, prompt, params, width, arrival_time
         )
+        request.lora_request = lora_request
         self.after_sampling[request_id] = hook
         try:
             seq = self._new_seq(request, 0)  # compiles a grammar: an invalid one raises here
@@ -266,6 +276,34 @@ class LLMEngine:
                 "this model runs with runner='generate': embeddings and scores need a pooling "
                 "model; load it with runner='pooling' (convert='embed', or vLLM's task='embed')"
             )
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter into every rank's host memory (vLLM's `add_lora`); a later
+        request of it then starts without reading its files. Raises a `LoRAError` that names what
+        is wrong (minivllm/lora/errors.py); `LoRADisabledError` without `enable_lora`."""
+        if self.config.lora is None:
+            raise LoRADisabledError(
+                f"lora_request {lora_request.lora_name!r} was given, but LoRA is off: build the "
+                "engine with enable_lora=True (--enable-lora)"
+            )
+        known = self.lora_requests.get(lora_request.lora_int_id)
+        if known is not None and known != lora_request:
+            raise LoRAError(
+                f"lora_int_id {lora_request.lora_int_id} is already the adapter "
+                f"{known.lora_name!r} at {known.lora_path}; each adapter needs its own id"
+            )
+
+        def add(runner: ModelRunner) -> None:
+            assert runner.lora_manager is not None
+            runner.lora_manager.add_lora(lora_request)
+
+        self.executor.collective_rpc(add)
+        self.lora_requests[lora_request.lora_int_id] = lora_request
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters added so far (vLLM's `list_loras`)."""
+        return list(self.lora_requests.values())
 
     def _new_seq(self, request: Request, index: int) -> Sequence:
         params = request.params

@@ -82,6 +82,7 @@ def make_executor(config: EngineConfig, backend: AttentionBackend) -> Executor:
         tensor_parallel_size=n,
         num_threads=max(1, torch.get_num_threads() // n),
         pooler=config.pooler,
+        lora=config.lora,
     )
     if n == 1:
         return UniProcExecutor(build_runner(wc, SINGLE_DEVICE, None, device, backend))

@@ -35,6 +35,7 @@ import torch
 from minivllm.attention.abstract import AttentionBackend, AttentionMetadata
 from minivllm.config import CacheConfig
 from minivllm.core.scheduler import SchedulerOutput
+from minivllm.lora.manager import LoRAModelManager
 from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.platforms import DecodeLoop, platform_for, resolve_obj_by_qualname
 from minivllm.sample.prompt_logprobs import score_prompt_logprobs
@@ -90,6 +91,9 @@ class ModelInput:
     logits_indices: torch.Tensor  # int64 [S]  rows of the flat batch whose logits are sampled
     # seq_id -> (rows of the flat batch, int64 [R]; the prompt tokens they predict, int64 [R]; k)
     prompt_rows: dict[int, tuple[torch.Tensor, torch.Tensor, int]]
+    token_lora_slots: (
+        torch.Tensor | None
+    )  # int64 [T]  each row's adapter slot (-1: none); no LoRA: None
 
 
 @dataclass
@@ -135,6 +139,9 @@ class ModelRunner:
             device=device,
         )  # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], this rank's heads
         self.decode_loop: DecodeLoop | None = None
+        # LoRA adapters' slots, set by `build_runner` after it wrapped the model's linears (which
+        # keeps every step on the model's Python loop: the decode loop declares no wrapper).
+        self.lora_manager: LoRAModelManager | None = None
         if not enforce_eager:
             self.build_decode_loop()
 
@@ -200,7 +207,23 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
             prompt_rows=prompt_rows,
+            token_lora_slots=self.prepare_lora_slots(sched),
         )
+
+    def prepare_lora_slots(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        """Each row's adapter slot (int64 [T], -1: the base model), after making the step's
+        adapters resident: a prompt chunk's rows and a decode's row alike take their request's
+        slot, as a block table is per request and read per row (Punica's batching)."""
+        if self.lora_manager is None:
+            return None
+        slot_of = self.lora_manager.activate(
+            item.lora_request for item in sched.scheduled if item.lora_request is not None
+        )
+        slots: list[int] = []
+        for item in sched.scheduled:
+            lora = item.lora_request
+            slots += [slot_of[lora.lora_int_id] if lora else -1] * item.num_new_tokens
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -211,6 +234,8 @@ class ModelRunner:
         that asked for prompt logprobs (rank 0 only)."""
         self.copy_blocks(sched.block_copies)
         inp = self.prepare_inputs(sched)
+        if self.lora_manager is not None and inp.token_lora_slots is not None:
+            self.lora_manager.set_mapping(inp.token_lora_slots)  # read by every LoRA wrapper
         hidden = self.run_model(inp)  # [T, hidden_size]
         logits = None
         if inp.logits_indices.numel():

@@ -22,8 +22,10 @@ import torch
 from minivllm.attention.abstract import AttentionBackend
 from minivllm.attention.selector import get_attention_backend
 from minivllm.config import CacheConfig
+from minivllm.config.lora import LoRAConfig
 from minivllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from minivllm.distributed.parallel_state import TensorParallelGroup
+from minivllm.lora.manager import LoRAModelManager
 from minivllm.model.loader import load_model
 from minivllm.model.source import ModelSource
 from minivllm.pooling.config import PoolerConfig
@@ -52,6 +54,7 @@ class WorkerConfig:
     tensor_parallel_size: int
     num_threads: int  # torch's intra-op threads per worker on a CPU (the cores, shared out)
     pooler: PoolerConfig | None = None  # a pooling model's: its runner pools instead of logits
+    lora: LoRAConfig | None = None  # LoRA adapters' slots (minivllm/lora/); None: off
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:
@@ -77,6 +80,9 @@ def build_runner(
     model = load_model(
         source, backend, wc.dtype, device, wc.max_model_len, tp, quantization=wc.quantization
     )
+    lora_manager = None
+    if wc.lora is not None:  # wrap the linears before the runner checks what its decode loop runs
+        lora_manager = LoRAModelManager(model, wc.lora, wc.dtype, device)
     kv_dtype = kv_cache_torch_dtype(wc.cache.cache_dtype, wc.dtype)
     # Windowed and global layers mixed (Gemma 2/3): block tables per group of layers, or None.
     groups = hybrid_kv_cache_groups(model, wc.cache.kv_allocation)
@@ -88,9 +94,14 @@ def build_runner(
         num_blocks = min_over_ranks(num_blocks, control)
     args = (model, backend, num_blocks, wc.cache.block_size, kv_dtype, device, wc.enforce_eager)
     if wc.pooler is not None:
+        if lora_manager is not None:
+            raise ValueError("enable_lora is not supported with runner='pooling'")
         if groups is not None:
             raise ValueError("runner='pooling' does not support models with sliding-window layers")
         return PoolingModelRunner(*args, pooler=wc.pooler)
     if groups is not None:
-        return HybridModelRunner(*args, kv_cache_groups=groups)
-    return ModelRunner(*args)
+        runner: ModelRunner = HybridModelRunner(*args, kv_cache_groups=groups)
+    else:
+        runner = ModelRunner(*args)
+    runner.lora_manager = lora_manager
+    return runner

@@ -134,6 +134,10 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         max_num_batched_tokens=50,
         tensor_parallel_size=1,
         structured_outputs_config='{"backend": "xgrammar", "disable_any_whitespace": true}',
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        max_cpu_loras=3,
         speculative_config=None,  # refused with kv_allocation="orca-oracle": carried below
         runner="generate",  # runner, convert, task, pooler_config: one PoolerConfig (or None)
         convert="none",
@@ -152,6 +156,7 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
             "pooler",  # a pooling model's (tests/pooling/): None for a generator
         ):  # one JSON flag -> one typed config
             carried.update(dataclasses.asdict(getattr(config, section.name)))
+    carried["enable_lora"] = config.lora is not None  # LoRAConfig exists only when it is on
     carried["kv_cache_dtype"] = carried.pop("cache_dtype")  # vLLM's names: CacheConfig.cache_dtype
     # The model's windows (vLLM's CacheConfig.sliding_window too), not arguments: set by the
     # engine from the model's attention layers (core/kv_cache_groups.py).
@@ -212,6 +217,16 @@ INVALID = [
     ({"convert": "reward"}, "convert must be one of ('auto', 'none', 'embed', 'classify')"),
     ({"task": "transcribe"}, "task must be one of ('auto', 'generate', 'embed', "),
     ({"pooler_config": '{"pooling_type": "MAX"}'}, "pooler_config.pooling_type must be one of"),
+    ({"max_loras": 0, "enable_lora": True}, "max_loras must be in [1, 64], got 0"),
+    ({"max_lora_rank": 12, "enable_lora": True}, "max_lora_rank must be one of (1, 8, 16, "),
+    (
+        {"max_cpu_loras": 1, "enable_lora": True, "max_loras": 2},
+        "max_cpu_loras must be at least max_loras (2), got 1",
+    ),
+    (
+        {"enable_lora": True, "tensor_parallel_size": 2},
+        "enable_lora is not supported with tensor_parallel_size > 1",
+    ),
 ]
 # Checked where they are used: a path or hub id is resolved when the model loads; flags are bools.
 UNCHECKED = {"model", "tokenizer", "skip_tokenizer_init", "enable_prefix_caching", "enforce_eager"}
