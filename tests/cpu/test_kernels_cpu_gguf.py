@@ -206,9 +206,7 @@ def test_the_model_s_linears_dequantize_from_the_row_bound_only_when_asked(
         lambda *a: calls.append("dense") or torch.zeros(a[0].shape[0], N),
     )
     q = torch.from_numpy(random_blocks(T.Q4_1, N, 256, seed=1))
-    monkeypatch.setattr(
-        "minivllm.model.quantization.gguf.linear.gguf_parts", lambda op: [(int(T.Q4_1), q)]
-    )
+    monkeypatch.setattr(op_forwards, "gguf_parts", lambda op: [(int(T.Q4_1), q)])
     bound = cpu_ops.GGUF_DEQUANTIZE_MIN_ROWS
     for rows, expected in ((None, ["tiles"] * 3), (bound, ["tiles", "tiles", "dense"])):
         monkeypatch.setattr(op_forwards, "gguf_gemm_rows", lambda rows=rows: rows)
