@@ -138,6 +138,9 @@ class Request:
     # (`params` is then a placeholder of one token); `pooled` is the result, once its prompt ran.
     pooling_params: PoolingParams | None = None
     pooled: list[float] | None = None
+    # An encoder's segment of each prompt token (BERT's token types: 0, then 1 for the second
+    # text of a pair), as the tokenizer gave them; None: all 0.
+    token_type_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.max_num_seqs = self.max_num_seqs or self.params.n
