@@ -139,9 +139,9 @@ def make_handlers(
     responses_api = OpenAIServingResponses(chat, client, *limits)
     embedding = None
     if client.config.pooler is not None:  # a pooling model: embeddings instead of generation
-        from minivllm.entrypoints.serving_embedding import OpenAIServingEmbedding
+        from minivllm.entrypoints.serving_score import OpenAIServingScore
 
-        embedding = OpenAIServingEmbedding(client, *limits)
+        embedding = OpenAIServingScore(client, *limits)  # /v1/embeddings, /score, /rerank, /pooling
     return Handlers(completion, chat, responses_api, OpenAIServingTokenization(chat), embedding)
 
 

@@ -108,7 +108,7 @@ def save_tiny_bert(out: Path, num_labels: int | None = None, seed: int = 0) -> P
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
-        max_position_embeddings=128,
+        max_position_embeddings=256,
         initializer_range=0.2,
         **({} if num_labels is None else {"num_labels": num_labels}),
     )
