@@ -7,7 +7,8 @@ prefill and preemption, a full sampler, a Llama model, and an OpenAI-compatible 
 The public names are vLLM's: `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`,
 `EngineArgs` (every engine option, declared once), `BeamSearchParams` and its outputs,
 `StructuredOutputsParams` (a grammar the output must follow); for pooling models `PoolingParams`
-and `EmbeddingRequestOutput` / `ScoringRequestOutput` (`LLM.embed`, `LLM.score`).
+and `EmbeddingRequestOutput` / `ClassificationRequestOutput` / `ScoringRequestOutput`
+(`LLM.embed`, `LLM.classify`, `LLM.score`).
 
 Each name is imported on first use (vLLM's `MODULE_ATTRS`): importing one module,
 `minivllm.core.block_pool` say, runs this file first and must not load the engine.
@@ -29,6 +30,8 @@ MODULE_ATTRS = {
     "CompletionOutput": "minivllm.core.outputs",
     "EngineArgs": "minivllm.engine.arg_utils",
     "EngineStats": "minivllm.engine.stats",
+    "ClassificationOutput": "minivllm.pooling.outputs",
+    "ClassificationRequestOutput": "minivllm.pooling.outputs",
     "EmbeddingOutput": "minivllm.pooling.outputs",
     "EmbeddingRequestOutput": "minivllm.pooling.outputs",
     "PoolingParams": "minivllm.pooling.pooling_params",
@@ -49,6 +52,8 @@ if TYPE_CHECKING:
     from minivllm.engine.stats import EngineStats
     from minivllm.llm import LLM
     from minivllm.pooling.outputs import (
+        ClassificationOutput,
+        ClassificationRequestOutput,
         EmbeddingOutput,
         EmbeddingRequestOutput,
         PoolingRequestOutput,
@@ -71,6 +76,8 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",

@@ -11,9 +11,8 @@ import logging
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
-import torch
 from tqdm.auto import tqdm
 
 from minivllm.core.outputs import RequestOutput
@@ -25,6 +24,8 @@ from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptTooLongError, PromptType
 from minivllm.lora.request import LoRARequest
 from minivllm.pooling.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,
@@ -32,6 +33,7 @@ from minivllm.pooling.outputs import (
     ScoringRequestOutput,
 )
 from minivllm.pooling.pooling_params import PoolingParams
+from minivllm.pooling.scoring import cosine, pair_prompt, pair_texts
 from minivllm.sampling_params import SamplingParams
 from minivllm.trace.recorder import StepRecorder, record
 
@@ -41,6 +43,7 @@ else:  # a dependency of torch
     from typing_extensions import Unpack
 
 logger = logging.getLogger("minivllm")
+T = TypeVar("T")  # a pooling output's result: an embedding, a classification, a score
 
 ChatMessages = list[dict[str, Any]]
 
@@ -173,7 +176,75 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (vLLM's `LLM.embed`), from a model loaded with
         `runner="pooling"` (or `convert="embed"`): `.outputs.embedding` is a list of floats."""
+
+        return [
+            self._pooling_output(out, EmbeddingOutput(vector))
+            for out, vector in self._pool(prompts, pooling_params, use_tqdm, "embed")
+        ]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """A classifier's outputs per prompt (vLLM's `LLM.classify`): `.outputs.probs`, softmax
+        over the labels (a sigmoid for one label; raw logits with `activation=False`)."""
+
+        return [
+            self._pooling_output(out, ClassificationOutput(vector))
+            for out, vector in self._pool(prompts, pooling_params, use_tqdm, "classify")
+        ]
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """Similarity scores of text pairs (vLLM's `LLM.score`): one `text_1` against each of
+        `text_2` (1:N), or pairwise (N:N). A cross-encoder (a classifier with one label) reads
+        each pair as its tokenizer joins pairs, and its score is the sigmoid of its logit
+        (sentence-transformers' `CrossEncoder.predict` default); for an embedding model a score
+        is the cosine similarity of the two embeddings, as vLLM computes it."""
+
+        firsts, seconds = pair_texts(text_1, text_2)
+        pooler = self.llm_engine.pooler
+        if pooler is not None and pooler.task == "classify":
+            if pooler.hidden_size != 1:
+                raise ValueError(
+                    f"score needs a cross-encoder (a classifier of one label); this model has "
+                    f"{pooler.hidden_size} labels: use classify()"
+                )
+            tok = self.llm_engine.tokenizer
+            pairs: list[PromptType] = [pair_prompt(tok, a, b) for a, b in zip(firsts, seconds)]
+            return [
+                self._pooling_output(out, ScoringOutput(vector[0]))
+                for out, vector in self._pool(pairs, pooling_params, use_tqdm, "classify")
+            ]
+        embeds = self.embed([*firsts, *seconds], pooling_params, use_tqdm)
+        results = []
+        for a, b in zip(embeds[: len(firsts)], embeds[len(firsts) :]):
+            score = cosine(a.outputs.embedding, b.outputs.embedding)
+            ids = a.prompt_token_ids + b.prompt_token_ids
+            results.append(PoolingRequestOutput(a.request_id, ScoringOutput(score), ids))
+        return results
+
+    def _pool(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        use_tqdm: bool,
+        task: str,
+    ) -> list[tuple[RequestOutput, list[float]]]:
+        """Run pooling requests; each output with its finished vector. A failed one raises."""
         self.llm_engine.check_runner("pooling")
+        pooler = self.llm_engine.pooler
+        if pooler is not None and pooler.task != task:
+            raise ValueError(
+                f"{task} is not supported by this model, whose pooling task is {pooler.task!r}"
+            )
         prompt_list = self._prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompt_list)
@@ -188,43 +259,15 @@ class LLM:
         for out in self._run(prompt_list, params_list, use_tqdm):
             if out.error is not None or out.pooled is None:
                 raise ValueError(f"request {out.request_id} failed: {out.error}")
-            results.append(
-                PoolingRequestOutput(
-                    out.request_id,
-                    EmbeddingOutput(out.pooled),
-                    out.prompt_token_ids,
-                    out.finished,
-                    out.num_cached_tokens,
-                )
-            )
+            results.append((out, out.pooled))
         return results
 
-    def score(
-        self,
-        text_1: str | Sequence[str],
-        text_2: str | Sequence[str],
-        pooling_params: PoolingParams | None = None,
-        use_tqdm: bool = True,
-    ) -> list[ScoringRequestOutput]:
-        """Similarity scores of text pairs (vLLM's `LLM.score`): one `text_1` against each of
-        `text_2` (1:N), or pairwise (N:N). For an embedding model a score is the cosine
-        similarity of the two embeddings, as vLLM computes it."""
-        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
-        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        if not seconds or len(firsts) != len(seconds):
-            raise ValueError(
-                f"text_1 must be one text or as many as text_2 ({len(seconds)}), got {len(firsts)}"
-            )
-        embeds = self.embed([*firsts, *seconds], pooling_params, use_tqdm)
-        results = []
-        for a, b in zip(embeds[: len(firsts)], embeds[len(firsts) :]):
-            u, v = torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding)
-            cosine = torch.nn.functional.cosine_similarity(u, v, dim=0).item()
-            ids = a.prompt_token_ids + b.prompt_token_ids
-            results.append(PoolingRequestOutput(a.request_id, ScoringOutput(cosine), ids))
-        return results
+    @staticmethod
+    def _pooling_output(out: RequestOutput, result: T) -> PoolingRequestOutput[T]:
+
+        return PoolingRequestOutput(
+            out.request_id, result, out.prompt_token_ids, out.finished, out.num_cached_tokens
+        )
 
     # ------------------------------------------------------------------
     def beam_search(

@@ -310,7 +310,7 @@ DEFERRED = {
     ),
     **{
         ("minivllm.model.models.registry", f"minivllm.model.models.{family}"): _FAMILY
-        for family in ("qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3")
+        for family in ("qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "bert")
     },
     ("minivllm.platforms", "minivllm.platforms.cuda"): "plug-in: the one platform of this machine",
     ("minivllm.platforms", "minivllm.platforms.cpu"): "plug-in: the one platform of this machine",

@@ -272,6 +272,19 @@ def test_13_copy_prompts_keep_most_drafts_and_the_text_is_unchanged(tmp_path: Pa
     assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "13_acceptance.png")
 
 
+@pytest.mark.slow
+def test_15_embeddings_equal_sentence_transformers_and_the_query_ranks_first(
+    tmp_path: Path,
+) -> None:
+    out = run_tutorial("15_embeddings.py", tmp_path)  # it asserts the agreement and the ranking
+    assert number(r"cosine >= ([\d.]+)", out) >= 0.99999
+    assert "chunked prefill off" in out
+    free = number(r"KV blocks free after the batch: (\d+)", out)
+    assert free == number(r"KV blocks free after the batch: \d+ of (\d+)", out)  # all given back
+    assert re.search(r"^  1\. 1\.000  'where do cats sleep'", out, re.M)
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "15_ranking.png")
+
+
 def test_08_two_ranks_hold_half_the_model_each_and_give_the_same_tokens(tmp_path: Path) -> None:
     out = run_tutorial("08_tensor_parallel.py", tmp_path)
     ranks = re.findall(

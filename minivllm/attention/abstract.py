@@ -10,6 +10,11 @@ A backend does two things per layer: `write_kv` scatters the new tokens' K/V int
 slots, then `attend` computes causal attention of the new tokens over everything in the cache for
 their request. One interface serves prefill, chunked prefill, prefix-cache hits and decode, because
 a step is just a set of (request, new tokens) pairs; a layer's window and score cap are arguments.
+So does an encoder (BERT, minivllm/model/models/bert.py): with `causal=False` every new token sees
+every token of its request. That is bidirectional attention only when the request's whole prompt
+is in the step, which the scheduler guarantees for a non-causal pooling model (it runs with
+`enable_chunked_prefill=False`, minivllm/pooling/config.py); the cache then holds one request's
+K/V for the length of one step, and a backend reads it as for any prefill.
 
 Backends: "reference" (gather + scaled-dot-product attention, the specification), "cpu" (every
 row through a compiled paged kernel, the CPU default) and "triton" (fused kernels, the CUDA
@@ -86,6 +91,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,  # the layer's: p sees j iff p - W < j <= p
         softcap: float = 0.0,  # > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
+        causal: bool = True,  # False: each new token sees all seq_len keys (an encoder's prompt)
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
 
 

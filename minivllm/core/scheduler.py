@@ -66,6 +66,7 @@ class ScheduledSequence:
     num_spec_tokens: int = 0  # the last this many new tokens are drafts to verify (lookahead)
     group_block_tables: tuple[list[int], ...] = ()  # a hybrid model's other KV cache groups'
     lora_request: LoRARequest | None = None  # the adapter its rows run under; None: the base model
+    token_type_ids: list[int] | None = None  # [num_new_tokens]  an encoder's (BERT pairs); None: 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -228,6 +229,7 @@ class Scheduler:
             num_spec_tokens=len(spec),
             group_block_tables=self.kv_cache_manager.get_group_block_tables(seq.seq_id),
             lora_request=seq.request.lora_request,
+            token_type_ids=_token_types(seq.request.token_type_ids, start, start + num_new),
         )
 
     # ------------------------------------------------------------------ LoRA slots
@@ -302,3 +304,7 @@ class Scheduler:
         """The step failed before its commit: withdraw the prefix-cache names it gave (the engine
         then fails the requests it carried, which frees their blocks)."""
         self.kv_cache_manager.rollback_step()
+
+
+def _token_types(types: list[int] | None, start: int, end: int) -> list[int] | None:
+    return None if types is None else types[start:end]

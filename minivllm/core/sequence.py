@@ -153,6 +153,10 @@ class Request:
         q/k/v deltas change every layer's K/V, so that two adapters never share a cached block."""
         return (("lora", self.lora_int_id),) if self.lora_request is not None else None
 
+    # An encoder's segment of each prompt token (BERT's token types: 0, then 1 for the second
+    # text of a pair), as the tokenizer gave them; None: all 0.
+    token_type_ids: list[int] | None = None
+
     def __post_init__(self) -> None:
         self.max_num_seqs = self.max_num_seqs or self.params.n
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -328,6 +328,7 @@ class EngineArgs:
             resolved.hf_config.architecture,
             resolved.hf_config.hidden_size,
             causal=getattr(resolved.hf_config, "is_causal", True),
+            num_labels=getattr(resolved.hf_config, "num_labels", 0),
         )
         if pooler is None:
             return None

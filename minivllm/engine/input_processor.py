@@ -87,9 +87,11 @@ class InputProcessor:
         and its parameters must suit the model's pooler."""
         params.verify(pooler)
         text, ids = process_prompt(prompt, self.tokenizer, self.vocab_size)
+        types = token_type_ids(prompt, len(ids), pooler.causal)
         kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(kept) < len(ids):
             text, ids = None, kept
+            types = None if types is None else types[len(types) - len(kept) :]
         if len(ids) > self.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
@@ -98,6 +100,7 @@ class InputProcessor:
         # The placeholder sampling parameters of a request that samples nothing.
         request = Request(request_id, text, ids, SamplingParams(max_tokens=1))
         request.pooling_params = params
+        request.token_type_ids = types
         if arrival_time is not None:
             request.arrival_time = arrival_time
         return request
@@ -131,3 +134,20 @@ class InputProcessor:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         return request
+
+
+def token_type_ids(prompt: PromptType, num_tokens: int, causal: bool) -> list[int] | None:
+    """A tokenized pair's token types (vLLM's `TokensPrompt.token_type_ids`): one 0 or 1 per
+    prompt token, for an encoder only (a decoder has no token type embedding)."""
+    types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+    if types is None:
+        return None
+    if causal:
+        raise ValueError("token_type_ids are for an encoder (BERT); this model is a decoder")
+    if (
+        not isinstance(types, list | tuple)
+        or len(types) != num_tokens
+        or any(not isinstance(t, int) or isinstance(t, bool) or t not in (0, 1) for t in types)
+    ):
+        raise ValueError(f"token_type_ids must be {num_tokens} values, each 0 or 1 (one a token)")
+    return list(types)

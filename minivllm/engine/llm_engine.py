@@ -48,7 +48,7 @@ from minivllm.lora.errors import LoRADisabledError, LoRAError
 from minivllm.lora.request import LoRARequest
 from minivllm.model.loader import load_tokenizer
 from minivllm.platforms import resolve_obj_by_qualname
-from minivllm.pooling.pooler import finish_embedding
+from minivllm.pooling.pooler import finish_pooled
 from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
@@ -442,7 +442,7 @@ class LLMEngine:
             seq = self.scheduler.seqs[seq_id]
             request = seq.request
             assert request.pooling_params is not None and self.pooler is not None
-            request.pooled = finish_embedding(vector, request.pooling_params, self.pooler).tolist()
+            request.pooled = finish_pooled(vector, request.pooling_params, self.pooler).tolist()
             self._finish(seq, SequenceStatus.FINISHED_STOPPED)
             outputs.append(make_request_output(request))
             self._forget(request.request_id)

@@ -62,8 +62,8 @@ from minivllm.entrypoints.routes import (
 from minivllm.entrypoints.serving import error_response
 from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
-from minivllm.entrypoints.serving_embedding import OpenAIServingEmbedding
 from minivllm.entrypoints.serving_responses import OpenAIServingResponses
+from minivllm.entrypoints.serving_score import OpenAIServingScore
 from minivllm.entrypoints.serving_tokenization import OpenAIServingTokenization
 from minivllm.entrypoints.tool_parsers import get_tool_parser
 
@@ -139,7 +139,7 @@ def make_handlers(
     responses_api = OpenAIServingResponses(chat, client, *limits)
     embedding = None
     if client.config.pooler is not None:  # a pooling model: embeddings instead of generation
-        embedding = OpenAIServingEmbedding(client, *limits)
+        embedding = OpenAIServingScore(client, *limits)  # /v1/embeddings, /score, /rerank, /pooling
     return Handlers(completion, chat, responses_api, OpenAIServingTokenization(chat), embedding)
 
 

@@ -24,7 +24,12 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 from minivllm.entrypoints import protocol as p
 from minivllm.entrypoints import protocol_responses as pr
 from minivllm.entrypoints import response_schemas as rs
-from minivllm.entrypoints.protocol_pooling import EmbeddingRequest
+from minivllm.entrypoints.protocol_pooling import (
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 
 _REQUEST_MODELS: list[type[BaseModel]] = [
     p.CompletionRequest,
@@ -33,6 +38,9 @@ _REQUEST_MODELS: list[type[BaseModel]] = [
     p.DetokenizeRequest,
     pr.ResponsesRequest,
     EmbeddingRequest,
+    ScoreRequest,
+    RerankRequest,
+    PoolingRequest,
 ]
 _RESPONSE_MODELS: list[type[BaseModel]] = [
     rs.ErrorResponse,
@@ -47,6 +55,9 @@ _RESPONSE_MODELS: list[type[BaseModel]] = [
     rs.LoadResponse,
     rs.TokenizerInfoResponse,
     rs.EmbeddingResponse,
+    rs.ScoreResponse,
+    rs.RerankResponse,
+    rs.PoolingResponse,
     pr.ResponsesResponse,
     pr.ResponsesStreamEvent,
 ]

@@ -233,3 +233,50 @@ class EmbeddingResponse(_Response):
     model: str
     data: list[EmbeddingData]
     usage: EmbeddingUsage
+
+
+class ScoreData(_Response):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(_Response):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankDocument(_Response):
+    text: str
+
+
+class RerankResult(_Response):
+    index: int = Field(description="The document's place in the request's `documents`.")
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankResponse(_Response):
+    id: str
+    model: str
+    usage: EmbeddingUsage
+    results: list[RerankResult] = Field(description="Best first, at most top_n.")
+
+
+class PoolingData(_Response):
+    index: int
+    object: Literal["pooling"]
+    data: list[float] | str = Field(description="Numbers, or base64 float32 bytes.")
+
+
+class PoolingResponse(_Response):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: EmbeddingUsage

@@ -25,7 +25,12 @@ from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.middleware import ServerLoad
 from minivllm.entrypoints.openapi import json_body, responses
 from minivllm.entrypoints.protocol import OpenAIError
-from minivllm.entrypoints.protocol_pooling import EmbeddingRequest
+from minivllm.entrypoints.protocol_pooling import (
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from minivllm.entrypoints.protocol_responses import (
     ResponsesRequest,
     ResponsesResponse,
@@ -36,6 +41,7 @@ from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.serving_embedding import OpenAIServingEmbedding, refuse_generation
 from minivllm.entrypoints.serving_responses import OpenAIServingResponses
+from minivllm.entrypoints.serving_score import OpenAIServingScore
 from minivllm.entrypoints.serving_tokenization import OpenAIServingTokenization, tokenizer_info
 
 
@@ -78,7 +84,8 @@ class Handlers:
     chat: OpenAIServingChat
     responses: OpenAIServingResponses
     tokenization: OpenAIServingTokenization
-    embedding: OpenAIServingEmbedding | None = None  # a pooling model's /v1/embeddings
+    # A pooling model's /v1/embeddings (and, an `OpenAIServingScore`, /score, /rerank, /pooling)
+    embedding: OpenAIServingEmbedding | None = None
 
 
 def disconnect_watcher(request: Request) -> Any:
@@ -245,7 +252,8 @@ def add_pooling_routes(
     model: str,
     v1_errors: tuple[int, ...],
 ) -> None:
-    """A pooling model's routes (minivllm/pooling/): /v1/embeddings, and the generation routes
+    """A pooling model's routes (minivllm/pooling/): /v1/embeddings; /score, /rerank and
+    /v1/rerank (minivllm/entrypoints/serving_score.py) and /pooling; and the generation routes
     answering a 400 that names the model's task."""
 
     @app.post(
@@ -258,11 +266,54 @@ def add_pooling_routes(
         req = await parse_body(request, EmbeddingRequest)
         return await embedding.create_embedding(req, disconnect_watcher(request))
 
+    if isinstance(embedding, OpenAIServingScore):
+        add_score_routes(app, embedding, model, v1_errors)
+
     async def refuse() -> Any:
         raise refuse_generation(task)
 
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations"):
         app.post(path, response_model=None, responses=responses(None, (400,)))(refuse)
+
+
+def add_score_routes(
+    app: FastAPI, scoring: OpenAIServingScore, model: str, v1_errors: tuple[int, ...]
+) -> None:
+    """vLLM's score API: /score (pairs), /rerank and /v1/rerank (a query against documents,
+    Jina's and Cohere's shape), /pooling (the pooler's raw output)."""
+
+    @app.post(
+        "/score",
+        response_model=None,
+        openapi_extra=json_body(ScoreRequest, {"model": model, "text_1": "a", "text_2": ["b"]}),
+        responses=responses(rs.ScoreResponse, v1_errors, "One score per pair"),
+    )
+    async def score(request: Request) -> Any:
+        req = await parse_body(request, ScoreRequest)
+        return await scoring.create_score(req, disconnect_watcher(request))
+
+    async def rerank(request: Request) -> Any:
+        req = await parse_body(request, RerankRequest)
+        return await scoring.create_rerank(req, disconnect_watcher(request))
+
+    example = {"model": model, "query": "a", "documents": ["b", "c"]}
+    for path in ("/rerank", "/v1/rerank"):
+        app.post(
+            path,
+            response_model=None,
+            openapi_extra=json_body(RerankRequest, example),
+            responses=responses(rs.RerankResponse, v1_errors, "The documents, best first"),
+        )(rerank)
+
+    @app.post(
+        "/pooling",
+        response_model=None,
+        openapi_extra=json_body(PoolingRequest, {"model": model, "input": "Hello, world"}),
+        responses=responses(rs.PoolingResponse, v1_errors, "The pooler's output per input"),
+    )
+    async def pooling(request: Request) -> Any:
+        req = await parse_body(request, PoolingRequest)
+        return await scoring.create_pooling(req, disconnect_watcher(request))
 
 
 def add_invocations_route(app: FastAPI, handlers: Handlers, v1_errors: tuple[int, ...]) -> None:

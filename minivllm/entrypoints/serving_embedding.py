@@ -20,7 +20,7 @@ import uuid
 from typing import Any
 
 from minivllm.entrypoints.protocol import OpenAIError
-from minivllm.entrypoints.protocol_pooling import EmbeddingInput, EmbeddingRequest
+from minivllm.entrypoints.protocol_pooling import EmbeddingInput, EmbeddingRequest, PoolingRequest
 from minivllm.entrypoints.serving import OpenAIServing, invalid_param
 from minivllm.inputs import PromptType, truncate_prompt
 from minivllm.pooling.pooling_params import PoolingParams
@@ -93,7 +93,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         return {"prompt_token_ids": ids}
 
 
-def encode(embedding: list[float], req: EmbeddingRequest) -> list[float] | str:
+def encode(embedding: list[float], req: EmbeddingRequest | PoolingRequest) -> list[float] | str:
     """OpenAI's two encodings: the numbers, or their float32 little-endian bytes in base64."""
     if req.encoding_format == "float":
         return embedding

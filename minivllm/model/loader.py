@@ -85,9 +85,11 @@ def build_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     load(model)
     # The RoPE table is a non-persistent buffer, never loaded: build it for real (in float32).
-    model.model.rotary_emb = RotaryEmbedding(
-        config, max_positions or config.max_position_embeddings
-    ).to(device)
+    # (An encoder with absolute positions, BERT, has none.)
+    if hasattr(model.model, "rotary_emb"):
+        model.model.rotary_emb = RotaryEmbedding(
+            config, max_positions or config.max_position_embeddings
+        ).to(device)
     platform = platform_for(device)
     dispatch_custom_ops(model, platform, platform.resolve_custom_ops(custom_ops, backend.name))
     return model.eval()

@@ -11,7 +11,9 @@ one vector and the request finishes, its KV blocks freed. Nothing is sampled.
                        dimensions), read from sentence-transformers' `modules.json` and
                        `1_Pooling/config.json`, or from `runner` / `convert` / `pooler_config`
 - `pooler.py`          the math: hidden states [L, H] -> one vector [H], then per-request finishing
-- `outputs.py`         vLLM's `EmbeddingRequestOutput` and `ScoringRequestOutput`
+- `outputs.py`         vLLM's `EmbeddingRequestOutput`, `ClassificationRequestOutput` and
+                       `ScoringRequestOutput`
+- `scoring.py`         pair scores: a cross-encoder's pair prompt, an embedding model's cosine
 
 This room imports torch only in `pooler.py`; the core reads `PoolingParams` without it.
 """

@@ -49,7 +49,7 @@ class PoolerConfig:
     pooling_type: str  # one of POOLING_TYPES: the last token, the mean of all, the first ([CLS])
     normalize: bool  # embeddings of unit length unless a request says otherwise
     task: str  # "embed" (a vector) or "classify" (a classifier's logits)
-    hidden_size: int  # the pooled vector's width before `dimensions`
+    hidden_size: int  # the pooled vector's width before `dimensions` (a classifier's: num_labels)
     causal: bool = True  # the model's attention; False: an encoder, whose prompt runs whole
     is_matryoshka: bool = False  # trained so that a prefix of the vector is an embedding too
     matryoshka_dimensions: tuple[int, ...] = ()  # the prefixes it was trained for; (): any
@@ -107,6 +107,7 @@ def resolve_pooler_config(
     architecture: str,
     hidden_size: int,
     causal: bool = True,
+    num_labels: int = 0,  # a `*ForSequenceClassification` checkpoint's head; 0: none
 ) -> PoolerConfig | None:
     """The model's pooler, or None for a generating model (see the module's docstring)."""
     runner, convert = resolve_runner(runner, convert, task)
@@ -120,6 +121,13 @@ def resolve_pooler_config(
         return None
     if convert not in ("embed", "classify"):
         convert = "classify" if architecture.endswith("ForSequenceClassification") else "embed"
+    if convert == "classify":
+        if not num_labels:  # vLLM would add an untrained head; a reference must be a checkpoint
+            raise ValueError(
+                f"convert='classify' needs a classifier checkpoint (*ForSequenceClassification, "
+                f"with its head); {architecture} has none"
+            )
+        hidden_size = num_labels
     values: dict[str, Any] = {
         "pooling_type": "LAST" if causal else "CLS",
         "normalize": convert == "embed",

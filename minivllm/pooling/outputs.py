@@ -1,8 +1,9 @@
 """What a pooling request gives back: vLLM's `PoolingRequestOutput` family (vllm/outputs.py),
 field for field where minivllm has the field.
 
-`LLM.embed` returns `EmbeddingRequestOutput`s (`.outputs.embedding`, a list of floats), and
-`LLM.score` `ScoringRequestOutput`s (`.outputs.score`).
+`LLM.embed` returns `EmbeddingRequestOutput`s (`.outputs.embedding`, a list of floats),
+`LLM.classify` `ClassificationRequestOutput`s (`.outputs.probs`), and `LLM.score`
+`ScoringRequestOutput`s (`.outputs.score`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]  # [num_labels]  softmax over the labels (sigmoid for one)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
 class ScoringOutput:
     score: float  # an embedding model's cosine similarity, or a cross-encoder's output
 
@@ -37,4 +47,5 @@ class PoolingRequestOutput(Generic[T]):
 
 
 EmbeddingRequestOutput = PoolingRequestOutput[EmbeddingOutput]
+ClassificationRequestOutput = PoolingRequestOutput[ClassificationOutput]
 ScoringRequestOutput = PoolingRequestOutput[ScoringOutput]

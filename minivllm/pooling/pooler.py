@@ -12,6 +12,8 @@ Two halves, on either side of the step message:
 
 - `finish_embedding` runs in the engine, per request: matryoshka truncation to `dimensions`,
   then L2 normalization (in that order, as sentence-transformers' `truncate_dim` does).
+  A classifier's logits (the model's head, `classify`, runs on the runner after CLS pooling)
+  are finished by `finish_classification` instead: sigmoid for one label, softmax over several.
 
 Pooling is done in float32 whatever the model's dtype, as vLLM does.
 """
@@ -33,6 +35,24 @@ def pool(hidden: torch.Tensor, pooling_type: str) -> torch.Tensor:
     if pooling_type == "CLS":
         return hidden[0].float()
     raise ValueError(f"unknown pooling_type {pooling_type!r}")
+
+
+def finish_pooled(
+    pooled: torch.Tensor, params: PoolingParams, config: PoolerConfig
+) -> torch.Tensor:
+    """A request's vector as its task finishes it: an embedding, or a classifier's outputs."""
+    if config.task == "classify":
+        return finish_classification(pooled, params)
+    return finish_embedding(pooled, params, config)
+
+
+def finish_classification(logits: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+    """float32 [num_labels] logits -> probabilities (vLLM's `ClassificationOutput.probs`): a
+    sigmoid for one label (sentence-transformers' CrossEncoder default), a softmax over several;
+    the logits themselves with `activation=False`."""
+    if params.activation is False:
+        return logits
+    return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
 
 
 def finish_embedding(

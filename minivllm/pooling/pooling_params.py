@@ -26,6 +26,9 @@ class PoolingParams:
     normalize: bool | None = None  # unit length (cosine-ready); None: the model's default
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: max_model_len
     task: str | None = None  # "embed" or "classify"; None: the model's own task
+    # A classifier's logits through its activation: sigmoid for one label (a cross-encoder's
+    # score, as sentence-transformers' CrossEncoder), softmax over several; None: on.
+    activation: bool | None = None
 
     def __post_init__(self) -> None:
         d = self.dimensions
@@ -34,6 +37,10 @@ class PoolingParams:
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise InvalidParamError(
                 f"normalize must be a boolean, got {self.normalize!r}", "normalize"
+            )
+        if self.activation is not None and not isinstance(self.activation, bool):
+            raise InvalidParamError(
+                f"activation must be a boolean, got {self.activation!r}", "activation"
             )
         verify_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.task not in (None, "embed", "classify"):

@@ -7,6 +7,13 @@ runner keeps each chunk's hidden states until the prompt's last chunk has run (`
 it), then pools the whole prompt into one float32 vector (minivllm/pooling/pooler.py) and forgets
 it. No logits are computed.
 
+An encoder (BERT: `pooler.causal` False) attends bidirectionally, which is exact only over a
+whole prompt: the scheduler runs its prompts unchunked, and this runner refuses a step that
+would split one rather than return a wrong vector. Its pair inputs carry token types
+(`ScheduledSequence.token_type_ids`), handed to the model beside the token ids. A classifier's
+head (`classify`: BERT's pooler and classifier) runs here on the pooled [CLS] rows, so the engine
+receives logits.
+
 Per-sequence state across steps is what the step message tells it to drop: a sequence that was
 finished or aborted meanwhile (`SchedulerOutput.finished_seq_ids`), or one whose chunk does not
 continue where the kept rows end (preempted and recomputed from 0, or a prefix-cache hit that
@@ -23,7 +30,7 @@ import torch
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.pooling.config import PoolerConfig
 from minivllm.pooling.pooler import pool
-from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from minivllm.worker.model_runner import ModelInput, ModelRunner, ModelRunnerOutput
 
 
 @dataclass
@@ -47,7 +54,10 @@ class PoolingModelRunner(ModelRunner):
             self.prompt_rows.pop(seq_id, None)
         self.copy_blocks(sched.block_copies)
         inp = self.prepare_inputs(sched)
-        hidden = self.run_model(inp)  # [T, hidden_size]
+        if self.pooler.causal:
+            hidden = self.run_model(inp)  # [T, hidden_size]
+        else:
+            hidden = self.run_encoder(sched, inp)
         starts = inp.meta.query_start_loc.tolist()
         pooled: dict[int, torch.Tensor] = {}
         for i, item in enumerate(sched.scheduled):
@@ -63,4 +73,28 @@ class PoolingModelRunner(ModelRunner):
                 kept.chunks.append(keep.clone())
                 kept.next_position = item.seq_len
                 self.prompt_rows[item.seq_id] = kept
+        if self.pooler.task == "classify" and pooled:  # the head over every pooled row at once
+            ids = list(pooled)
+            logits = self.model.classify(torch.stack([pooled[i] for i in ids]))  # type: ignore[operator]
+            pooled = dict(zip(ids, logits))  # seq_id -> float32 [num_labels]
         return ModelRunnerOutput(None, {}, pooled)
+
+    def run_encoder(self, sched: SchedulerOutput, inp: ModelInput) -> torch.Tensor:
+        """The encoder's forward over whole prompts, with their token types."""
+        for item in sched.scheduled:
+            if item.num_computed_tokens != 0 or not item.sample:
+                raise RuntimeError(
+                    f"sequence {item.seq_id}: an encoder's prompt must run whole in one step "
+                    "(enable_chunked_prefill=False), got a chunk of it"
+                )
+        types = None
+        if any(item.token_type_ids is not None for item in sched.scheduled):
+            flat = [
+                t
+                for item in sched.scheduled
+                for t in (item.token_type_ids or [0] * item.num_new_tokens)
+            ]
+            types = torch.tensor(flat, dtype=torch.int64, device=self.device)  # [T]
+        return self.model(
+            inp.input_ids, inp.positions, self.kv_cache, inp.meta, token_type_ids=types
+        )

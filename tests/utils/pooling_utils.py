@@ -77,3 +77,44 @@ def st_encode(path: Path, texts: list[str]) -> torch.Tensor:
 
     model = SentenceTransformer(str(path), device="cpu")
     return model.encode(texts, convert_to_tensor=True).float()
+
+
+# A WordPiece vocabulary small enough to write out here: BERT's special tokens, the letters and
+# digits (alone and as "##" continuations) and a few whole words, so that any lower-case English
+# text tokenizes (most words letter by letter), as a real checkpoint's tokenizer would.
+_WORDS = [
+    "the", "a", "is", "of", "and", "to", "in", "paris", "france", "capital", "city", "rome",
+    "italy", "cat", "dog", "sat", "on", "mat", "what", "how", "many", "people", "live", "where",
+    "who", "hello", "world", "embeddings", "map", "text", "vectors", "query", "document",
+]  # fmt: skip
+BERT_VOCAB = [
+    "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
+    *".,!?'-:;()",
+    *"abcdefghijklmnopqrstuvwxyz0123456789",
+    *(f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz0123456789"),
+    *_WORDS,
+]  # fmt: skip
+
+
+def save_tiny_bert(out: Path, num_labels: int | None = None, seed: int = 0) -> Path:
+    """A random 2-layer BERT with a WordPiece tokenizer: a bare `BertModel` (an embedding model's
+    encoder), or with `num_labels` a `BertForSequenceClassification` (a cross-encoder)."""
+    from transformers import BertConfig, BertForSequenceClassification, BertModel, BertTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = BertConfig(
+        vocab_size=len(BERT_VOCAB),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        **({} if num_labels is None else {"num_labels": num_labels}),
+    )
+    torch.manual_seed(seed)
+    model = BertModel(config) if num_labels is None else BertForSequenceClassification(config)
+    model.save_pretrained(out)
+    (out / "vocab.txt").write_text("\n".join(BERT_VOCAB) + "\n")
+    BertTokenizer(str(out / "vocab.txt"), do_lower_case=True).save_pretrained(out)
+    return out

@@ -17,6 +17,9 @@ scores and reads the context where it lies (on AVX-512 with float32 loops of its
 `cpu_attention_avx512.cpp`). vLLM's CPU backend uses SDPA for prompts; this backend needs one
 kernel, one plan and one call per layer for a whole step.
 
+An encoder's rows (`causal=False`, a whole prompt in the step) are the same walk over all of
+their request's keys: the plan keeps each row's request length beside its causal prefix.
+
 The cache write is a C++ op too, vLLM's `reshape_and_cache`: one call writes K and V and skips
 slots of -1 without the reference's host-side check.
 
@@ -61,6 +64,7 @@ class CpuPlan:
     rows: torch.Tensor  # int64 [T]  the rows of the flat batch, in order
     block_tables: torch.Tensor  # int32 [T, max_blocks]  each row's request's block table
     seq_lens: torch.Tensor  # int32 [T]  how many cached tokens each row sees (causal)
+    request_seq_lens: torch.Tensor  # int32 [T]  its request's tokens: what it sees non-causally
 
 
 def make_cpu_plan(meta: AttentionMetadata) -> CpuPlan:
@@ -77,6 +81,7 @@ def make_cpu_plan(meta: AttentionMetadata) -> CpuPlan:
         rows=rows,
         block_tables=meta.block_tables.index_select(0, request),
         seq_lens=seq_lens.int(),
+        request_seq_lens=meta.seq_lens[request].int(),
     )
 
 
@@ -115,13 +120,15 @@ class CpuBackend(ReferenceBackend):
         scale: float,
         sliding_window: int | None = None,  # the layer's: key j seen from p iff p - W < j <= p
         softcap: float = 0.0,  # > 0: each score becomes softcap * tanh(score / softcap)
+        causal: bool = True,  # False: every key of the request is visible (an encoder)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         plan = meta.plan
         if not isinstance(plan, CpuPlan):  # called without the runner: build it for this call
             plan = make_cpu_plan(meta)
         out = torch.empty(query.shape, dtype=torch.float32)  # the kernel accumulates in float32
+        seq_lens = plan.seq_lens if causal else plan.request_seq_lens
         paged_decode(
-            query, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.rows, scale, out,
+            query, k_cache, v_cache, plan.block_tables, seq_lens, plan.rows, scale, out,
             sliding_window, softcap,
         )  # fmt: skip
         return out.to(query.dtype)

@@ -9,7 +9,9 @@ earlier prefill chunk precedes the new tokens.) A layer's sliding window W narro
 last W keys of each query (HF transformers' `sliding_window_overlay`), and a prompt chunk then
 gathers only from the block of its first visible key on. A layer's soft-cap (Gemma 2) bounds each
 score to `cap * tanh(score / cap)` before the mask and softmax; SDPA has no such step, so capped
-layers run transformers' eager attention instead (`softcapped_attention`).
+layers run transformers' eager attention instead (`softcapped_attention`). An encoder's attention
+(`causal=False`) is the same gather with every key of the request visible: its whole prompt is
+in the step, so the new tokens are all of the request's tokens.
 
 Decode requests (one new token each) are batched into a few padded calls, grouped by length, which
 is what makes this backend fast enough to be the CPU default; prompt chunks are attended one
@@ -20,7 +22,7 @@ layer of the step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -267,6 +269,7 @@ class ReferenceBackend:
         scale: float,
         sliding_window: int | None = None,  # the layer's: key j seen from p iff p - W < j <= p
         softcap: float = 0.0,  # > 0: each score becomes softcap * tanh(score / softcap)
+        causal: bool = True,  # False: every key of the request is visible (an encoder)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         block_size = k_cache.shape[1]
         plan = meta.plan if isinstance(meta.plan, AttentionPlan) else make_plan(meta, block_size)
@@ -290,5 +293,7 @@ class ReferenceBackend:
             )  # [G, num_heads, 1, head_dim]
             out[group.token_idx] = o[:, :, 0]
         for chunk in plan.prompt_chunks:
+            if not causal:  # a whole prompt: no key lies ahead of the last row, so none is hidden
+                chunk = replace(chunk, mask=torch.ones_like(chunk.mask))
             attend_prompt_chunk(query, k_cache, v_cache, chunk, scale, out, softcap)
         return out

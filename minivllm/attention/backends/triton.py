@@ -188,6 +188,12 @@ def attend_launches(
 # ===================================================================================== backend
 
 
+NON_CAUSAL_REFUSAL = (
+    "the triton attention backend has no non-causal (encoder) attention; run an encoder such as "
+    "BERT with attention_backend='reference'"
+)
+
+
 class TritonBackend:
     """PagedAttention with Triton kernels: cache write, paged prefill/extend, split-KV decode."""
 
@@ -243,7 +249,10 @@ class TritonBackend:
         scale: float,
         sliding_window: int | None = None,  # the layer's: key j seen from p iff p - W < j <= p
         softcap: float = 0.0,  # > 0: each score becomes softcap * tanh(score / softcap)
+        causal: bool = True,  # False (an encoder's) is not implemented by these kernels
     ) -> torch.Tensor:  # [T, num_heads, head_dim], query.dtype
+        if not causal:
+            raise NotImplementedError(NON_CAUSAL_REFUSAL)
         _check_inputs(k_cache, v_cache, query, meta=meta)
         query = _last_dim_contiguous(query)
         # The interpreter's float32 -> bfloat16 cast truncates (a GPU rounds to nearest), which

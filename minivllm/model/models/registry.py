@@ -41,6 +41,9 @@ MODELS: dict[str, str] = {
     "MistralModel": "minivllm.model.models.llama:LlamaForCausalLM",
     "Qwen2Model": "minivllm.model.models.qwen2:Qwen2ForCausalLM",
     "Qwen3Model": "minivllm.model.models.qwen3:Qwen3ForCausalLM",
+    # Encoders (bidirectional attention), pooling only: embeddings, and a cross-encoder's scores.
+    "BertModel": "minivllm.model.models.bert:BertEmbeddingModel",
+    "BertForSequenceClassification": "minivllm.model.models.bert:BertForSequenceClassification",
 }
 # The families whose config has fields of its own (experts, Gemma's); the others: LlamaConfig.
 CONFIGS: dict[str, str] = {
@@ -48,6 +51,8 @@ CONFIGS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "minivllm.model.models.qwen3_moe:Qwen3MoeConfig",
     "Gemma2ForCausalLM": "minivllm.model.models.gemma2:Gemma2Config",
     "Gemma3ForCausalLM": "minivllm.model.models.gemma3:Gemma3Config",
+    "BertModel": "minivllm.model.models.bert:BertConfig",
+    "BertForSequenceClassification": "minivllm.model.models.bert:BertConfig",
 }
 
 

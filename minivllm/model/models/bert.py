@@ -1,0 +1,308 @@
+"""BERT (Devlin et al., 2019): the encoder behind sentence-transformers' embedding models
+(all-MiniLM, bge) and their cross-encoders (ms-marco-MiniLM), in transformers' `modeling_bert.py`.
+
+Against Llama (llama.py) nearly everything differs, so this file is its own math over the shared
+linear layers:
+
+- **Embeddings**: word + token type (0 for the first text of a pair, 1 for the second) + absolute
+  position, then a LayerNorm. No RoPE.
+- **Post-LayerNorm**: each sublayer's output is added to its input, then normalised
+  (`LayerNorm(x + attn(x))`), where a decoder normalises before the sublayer.
+- **GELU MLP** (`intermediate` then `output`): one up and one down projection, no gate.
+- **Bidirectional attention**: every token sees every token of its text. Through the paged
+  backend with `causal=False` (minivllm/attention/abstract.py): the layer writes the prompt's K/V
+  to the cache and attends over all of it, as a decoder's prefill does without the mask. That is
+  exact because a non-causal pooling model's prompt runs whole in one step (the scheduler's
+  `enable_chunked_prefill=False`), and the request's blocks are freed when it is pooled: the cache
+  holds an encoder's K/V for the one step that computes them and is never read again. (A separate
+  cache-less attention call would save the write, but every other room, the scheduler's block
+  accounting, the runner's slot mapping and the backends' plans, would then need an encoder path.)
+
+Two heads over the encoder: `BertModel`, the bare encoder (embedding models pool its last hidden
+states: mean, or [CLS]), and `BertForSequenceClassification`, whose [CLS] state goes through the
+pooler (dense + tanh) and the classifier to `num_labels` logits (`classify`; a cross-encoder
+scores a pair with one logit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.attention.abstract import AttentionBackend, AttentionMetadata
+from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
+from minivllm.model.config import LlamaConfig, UnsupportedModelError
+from minivllm.model.errors import CorruptCheckpointError
+from minivllm.model.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    Sliceable,
+    VocabParallelEmbedding,
+)
+from minivllm.model.models.llama import LlamaForCausalLM
+
+# transformers' names for GELU -> F.gelu's `approximate`
+GELU_KINDS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+
+@dataclass
+class BertConfig(LlamaConfig):
+    """Llama's shape fields (every head is a KV head: the cache sizes itself from them) and BERT's."""
+
+    type_vocab_size: int = 2  # token types: 0 and 1 (the two texts of a pair)
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"  # one of GELU_KINDS
+    num_labels: int = 0  # a classifier's logits (BertForSequenceClassification); 0: none
+    is_causal: bool = False  # read by the pooler config: an encoder's prompt runs whole
+    architecture: str = "BertModel"
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> BertConfig:
+        arch = str((cfg.get("architectures") or ["BertModel"])[0])
+        act = cfg.get("hidden_act", "gelu")
+        if act not in GELU_KINDS:
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported ({list(GELU_KINDS)})")
+        kind = cfg.get("position_embedding_type", "absolute")
+        if kind != "absolute":
+            raise UnsupportedModelError(f"position_embedding_type {kind!r} is not supported")
+        heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+        labels = cfg.get("id2label") or {}
+        num_labels = int(cfg.get("num_labels") or len(labels) or 2)
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=hidden // heads,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 512)),
+            type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+            layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+            hidden_act=act,
+            num_labels=num_labels if arch.endswith("ForSequenceClassification") else 0,
+            architecture=arch,
+        )
+
+
+# ===================================================================================== layers
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: BertConfig, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, h, tp)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
+        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]  0.. within each prompt
+        token_type_ids: torch.Tensor,  # int64 [T]
+    ) -> torch.Tensor:  # [T, hidden_size]
+        # transformers' order of adds: (words + types) + positions.
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        return self.LayerNorm(x + self.position_embeddings(positions))
+
+
+class BertAttention(nn.Module):
+    """Self-attention over the whole prompt, then `output.dense` and the post-LayerNorm."""
+
+    def __init__(
+        self, config: BertConfig, backend: AttentionBackend, tp: TensorParallelGroup
+    ) -> None:
+        super().__init__()
+        h, d, heads = config.hidden_size, config.head_dim, config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(h, d, heads, heads, True, tp)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's heads (all of them KV heads too)
+        self.head_dim, self.q_size = d, self.num_heads * d
+        self.scale = d**-0.5
+        self.dense = RowParallelLinear(heads * d, h, True, tp)
+        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.backend = backend
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden_size]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]
+        t, d = hidden.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([self.q_size] * 3, dim=-1)
+        q, k, v = (x.reshape(t, self.num_heads, d) for x in (q, k, v))  # [T, H, D] each
+        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, causal=False)
+        return self.LayerNorm(self.dense(out.reshape(t, self.q_size)) + hidden)
+
+
+class BertLayer(nn.Module):
+    def __init__(
+        self, config: BertConfig, backend: AttentionBackend, tp: TensorParallelGroup
+    ) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.attention = BertAttention(config, backend, tp)
+        self.intermediate = ColumnParallelLinear(h, [i], True, tp)
+        self.output = RowParallelLinear(i, h, True, tp)
+        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.approximate = GELU_KINDS[config.hidden_act]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]
+        hidden = self.attention(hidden, kv_cache[0], kv_cache[1], meta)
+        mlp = self.output(F.gelu(self.intermediate(hidden), approximate=self.approximate))
+        return self.LayerNorm(mlp + hidden)
+
+
+class BertModel(nn.Module):
+    """The encoder: embeddings, then N post-LayerNorm layers; its output is the last hidden state."""
+
+    def __init__(
+        self, config: BertConfig, backend: AttentionBackend, tp: TensorParallelGroup
+    ) -> None:
+        super().__init__()
+        self.embeddings = BertEmbeddings(config, tp)
+        self.layers = nn.ModuleList(
+            BertLayer(config, backend, tp) for _ in range(config.num_hidden_layers)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_heads, head_dim]
+        meta: AttentionMetadata,
+        token_type_ids: torch.Tensor | None = None,  # int64 [T]; None: every token's is 0
+    ) -> torch.Tensor:  # [T, hidden_size]
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        hidden = self.embeddings(input_ids, positions, token_type_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, kv_cache, meta)
+        return hidden
+
+
+# ===================================================================================== heads
+
+
+class BertEmbeddingModel(LlamaForCausalLM):
+    """A bare BERT (`BertModel` checkpoints): the pooling runner pools its hidden states. It has
+    no LM head; it subclasses the decoder's class for the interface the runner reads (`config`,
+    `num_kv_heads`, `model`), as Gemma 2 does."""
+
+    def __init__(
+        self,
+        config: BertConfig,
+        backend: AttentionBackend,
+        max_positions: int | None = None,
+        tp: TensorParallelGroup = SINGLE_DEVICE,
+    ) -> None:
+        nn.Module.__init__(self)  # not Llama's: no decoder layers, no LM head
+        self.config, self.tp = config, tp
+        self.model = BertModel(config, backend, tp)  # type: ignore[assignment]
+        self.num_kv_heads = config.num_attention_heads // tp.world_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+        token_type_ids: torch.Tensor | None = None,  # int64 [T]
+    ) -> torch.Tensor:  # [T, hidden_size]
+        return self.model(input_ids, positions, kv_caches, meta, token_type_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError("BERT has no LM head: it runs with runner='pooling' only")
+
+    def load_weights(self, weights: Mapping[str, Sliceable]) -> None:
+        """transformers' names (`bert.` prefixed in a classifier's checkpoint) onto this model's:
+        query/key/value into the fused qkv_proj, everything else by its name."""
+        params = dict(self.named_parameters())
+        fed: set[str] = set()
+        for name, tensor in weights.items():
+            target, shard = checkpoint_target(name.removeprefix("bert."))
+            if target is None or (target.startswith("pooler.") and target not in params):
+                continue  # position_ids; a bare encoder's unused pooler
+            if target not in params:
+                raise CorruptCheckpointError(f"checkpoint has an unexpected tensor {name}")
+            module = self.get_submodule(target.rpartition(".")[0])
+            loader = getattr(module, "weight_loader", None)
+            if loader is not None:
+                loader(params[target], tensor, *shard)
+            else:
+                data = tensor[:]
+                if tuple(data.shape) != tuple(params[target].shape):
+                    raise CorruptCheckpointError(
+                        f"tensor {name} has shape {tuple(data.shape)}, the model "
+                        f"{tuple(params[target].shape)}"
+                    )
+                params[target].data.copy_(data)
+            fed.add(target)
+        missing = sorted(params.keys() - fed)
+        if missing:
+            raise CorruptCheckpointError(
+                f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}"
+            )
+
+
+def checkpoint_target(name: str) -> tuple[str | None, tuple[str, ...]]:
+    """transformers' name of a BERT tensor -> (this model's parameter, the qkv shard), or None for
+    a buffer that is not a weight."""
+    if name.endswith("position_ids"):
+        return None, ()
+    if name.startswith(("embeddings.", "encoder.")):
+        name = "model." + name.replace("encoder.layer.", "layers.")
+        name = name.replace("attention.output.", "attention.")
+        name = name.replace("intermediate.dense.", "intermediate.")
+        name = name.replace("output.dense.", "output.")
+        name = name.replace("output.LayerNorm.", "LayerNorm.")  # the layer's own, after the MLP
+        for part in ("query", "key", "value"):
+            if f"attention.self.{part}." in name:
+                shard = {"query": "q", "key": "k", "value": "v"}[part]
+                return name.replace(f"self.{part}.", "qkv_proj."), (shard,)
+    return name, ()
+
+
+class BertForSequenceClassification(BertEmbeddingModel):
+    """A classifier (a cross-encoder): [CLS] -> pooler (dense, tanh) -> classifier -> logits."""
+
+    def __init__(
+        self,
+        config: BertConfig,
+        backend: AttentionBackend,
+        max_positions: int | None = None,
+        tp: TensorParallelGroup = SINGLE_DEVICE,
+    ) -> None:
+        super().__init__(config, backend, max_positions, tp)
+        h = config.hidden_size
+        self.pooler = nn.ModuleDict({"dense": nn.Linear(h, h)})
+        self.classifier = nn.Linear(h, config.num_labels)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:  # [N, H] -> float32 [N, num_labels]
+        """The head over the pooled [CLS] states (BertPooler, then the classifier)."""
+        x = pooled.to(self.classifier.weight.dtype)
+        return self.classifier(torch.tanh(self.pooler["dense"](x))).float()
+
+
+__all__ = [
+    "BertConfig",
+    "BertEmbeddingModel",
+    "BertForSequenceClassification",
+    "BertModel",
+    "checkpoint_target",
+]
