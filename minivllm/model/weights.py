@@ -151,8 +151,13 @@ def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> N
 
         weights = unpack_checkpoint(weights, model.config)
     expected = check_checkpoint(model.config, {k: _shape(v) for k, v in weights.items()})
+    from minivllm.model.pipeline import stage_target
+
     for name in expected:
-        target, shard = target_of(name)
+        fused, shard = target_of(name)
+        target = stage_target(model, fused)
+        if target is None:  # another pipeline stage holds it
+            continue
         module_name, _, param_name = target.rpartition(".")
         module = model.get_submodule(module_name)
         param = getattr(module, param_name)

@@ -48,6 +48,7 @@ class PoolingModelRunner(ModelRunner):
         self.copy_blocks(sched.block_copies)
         inp = self.prepare_inputs(sched)
         hidden = self.run_model(inp)  # [T, hidden_size]
+        assert isinstance(hidden, torch.Tensor)  # one pipeline stage: pooling refuses more
         starts = inp.meta.query_start_loc.tolist()
         pooled: dict[int, torch.Tensor] = {}
         for i, item in enumerate(sched.scheduled):
