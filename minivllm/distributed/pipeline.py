@@ -127,7 +127,7 @@ class PipelineParallelGroup:
         hidden = one()
         return IntermediateTensors(hidden, one() if with_residual else None)
 
-    # ------------------------------------------------------------------ the last stage to the driver
+    # ------------------------------------------------------------------ last stage to driver
     def send_output(self, output: object, control: dist.ProcessGroup | None) -> None:
         """The step's runner output (logits, prompt logprobs) to the driver, on the control group;
         `torch.save` so that the driver can put CUDA tensors on its own device."""

@@ -1,10 +1,12 @@
-"""Rank 0 of a tensor-parallel group: send each step to every rank, run its own share, collect.
+"""Rank 0 of the ranks: send each step to every rank, run its own share, collect.
 
 The scheduler stays centralized (paper §4.6): only the driver schedules, owns the block manager
 and samples. Each step `execute_model` broadcasts the step's plain `SchedulerOutput` on the
 control group, runs rank 0's own runner on it, and returns the logits that rank 0 gathered in the
 LM head; the workers learn nothing else and need no scheduler state at all. vLLM's executors do
-the same with their own message queue (vllm/v1/executor/multiproc_executor.py). See
+the same with their own message queue (vllm/v1/executor/multiproc_executor.py). With pipeline
+parallelism rank 0 runs stage 0 only, and the logits come back from the last stage's rank 0
+(`PipelineParallelGroup.recv_output`) before the step returns: one batch in flight. See
 "Distributed execution" in the docs (docs/distributed.md) and the architecture page
 (docs/architecture.md).
 

@@ -11,7 +11,9 @@ engine step" on the docs' architecture page):
 It reads nothing but that message, so the same runner serves a worker in another process: with
 tensor parallelism every rank runs this runner on the same message, over its own shard of the
 model and its own KV cache (the same blocks, its own KV heads); rank 0's runner returns the
-logits, the others None (paper §4.6; `minivllm/distributed/`). The attention backend's per-step
+logits, the others None (paper §4.6; `minivllm/distributed/`). With pipeline parallelism a stage
+runs its own layers over its own KV cache, between a receive and a send of the hidden states
+(`pp`). The attention backend's per-step
 plan is built here, once, and handed to every layer in the metadata.
 
 Like vLLM's runner, which captures CUDA graphs of the decode step and replays them, this runner

@@ -7,7 +7,9 @@ its own `ModelRunner` on it: the same block tables, the same token ids, its own 
 all-reduces keep the ranks in step inside the forward pass; the worker's logits slice goes to
 rank 0 in the LM head's gather, and the worker waits for the next message. No scheduling, no
 sampling, no tokenizer: a worker is a model runner and a loop (vLLM's `Worker` and its
-`worker_busy_loop`).
+`worker_busy_loop`). With pipeline parallelism a worker runs its stage's layers: it receives
+the previous stage's hidden states, sends its own to the next one, and the last stage's rank 0
+sends the step's logits to the driver (minivllm/distributed/pipeline.py).
 
 A rank is started one of two ways (see "Distributed execution" in the docs, docs/distributed.md,
 and the architecture page, docs/architecture.md):

@@ -225,7 +225,8 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # int64 [T]
         positions: torch.Tensor,  # int64 [T]
-        kv_caches: torch.Tensor,  # [stage_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        # [stage_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_caches: torch.Tensor,
         meta: AttentionMetadata,
         intermediate: IntermediateTensors | None = None,  # the previous pipeline stage's output
     ) -> torch.Tensor | IntermediateTensors:  # [T, hidden_size]; what a stage hands on
