@@ -16,6 +16,11 @@ prompts but gives those rows other float sums than smaller steps (no longer batc
 default: the best this CPU has), `reference`, `generic`, `avx2`, `avx512` or `avx512_bf16`; read
 by minivllm/cpu/isa.py, which refuses a level the CPU lacks.
 
+`VLLM_PP_LAYER_PARTITION` (vLLM's name): how many decoder layers each pipeline stage holds, as a
+comma-separated list ("4,4" or "3,5"), one positive count per stage, summing to the model's
+layers; unset: the even split (minivllm/distributed/pipeline.py). Read on the driver only, before
+any process starts, and sent to every rank.
+
 This module imports nothing of minivllm, so any module may import it without creating a cycle
 (tests/test_package_layout.py holds the package's import graph acyclic).
 """
@@ -56,3 +61,19 @@ def cpu_gguf_gemm_rows() -> int | None:
             f"MINIVLLM_CPU_GGUF_GEMM_ROWS must be a whole number of token rows (0: off), got {value!r}"
         )
     return int(value) or None
+
+
+def pp_layer_partition() -> list[int] | None:
+    """`$VLLM_PP_LAYER_PARTITION` as layer counts per stage ("4,4" -> [4, 4]); None when unset.
+    A count that is not a positive whole number is refused here; that the counts fit the model
+    is checked against its config (`pipeline.stage_layers`)."""
+    value = os.environ.get("VLLM_PP_LAYER_PARTITION", "").strip()
+    if not value:
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(
+            "VLLM_PP_LAYER_PARTITION must be comma-separated positive layer counts, one per "
+            f"pipeline stage (e.g. '4,4'), got {value!r}"
+        )
+    return [int(p) for p in parts]

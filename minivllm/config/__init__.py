@@ -168,9 +168,14 @@ class ParallelConfig:
     # model's heads split this way is checked when the model's config is read
     # (`check_tensor_parallel_size`), before any process starts.
     tensor_parallel_size: int
+    # Stages the decoder layers are cut into (pipeline parallelism), each stage on
+    # tensor_parallel_size ranks of its own: tensor_parallel_size x pipeline_parallel_size ranks.
+    # Whether the model has a layer for each stage is checked when its config is read.
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,12 @@ import torch.distributed as dist
 class TensorParallelGroup:
     """A rank's place in the tensor-parallel group, and the collectives of the model's layers."""
 
-    rank: int = 0
+    rank: int = 0  # within the group: 0 .. world_size - 1
     world_size: int = 1
+    # With pipeline parallelism each stage is a tensor-parallel group of its own: its process
+    # group, and the global rank of its rank 0 (where `gather` collects). None: the whole world.
+    group: dist.ProcessGroup | None = None
+    first_rank: int = 0
     # Payload bytes this rank put into collectives (what the tutorial and the bench report as the
     # communication per token). Counted only when world_size > 1.
     all_reduce_bytes: int = 0
@@ -56,20 +60,21 @@ class TensorParallelGroup:
         if x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous():
             # A CPU `linear` returns a transposed view of a contiguous tensor. A sum does not
             # care how the elements lie, so reduce that tensor in place instead of copying rows.
-            dist.all_reduce(x.t())
+            dist.all_reduce(x.t(), group=self.group)
         else:
             x = x.contiguous()  # collectives need one contiguous run
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         self.all_reduce_bytes += x.numel() * x.element_size()
         return x
 
     def gather(self, x: torch.Tensor) -> torch.Tensor | None:  # [N, n] -> [N, n * world_size]
-        """Every rank's `x`, side by side along the last axis, on rank 0; None on the others."""
+        """Every rank's `x`, side by side along the last axis, on the group's rank 0; None on the
+        others."""
         if self.world_size == 1:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_driver else None
-        dist.gather(x, parts, dst=0)
+        dist.gather(x, parts, dst=self.first_rank, group=self.group)
         self.gather_bytes += x.numel() * x.element_size()
         return torch.cat(parts, dim=-1) if parts is not None else None
 

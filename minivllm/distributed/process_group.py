@@ -1,4 +1,4 @@
-"""Starting, joining and leaving the process groups of tensor parallelism.
+"""Starting, joining and leaving the process groups of tensor and pipeline parallelism.
 
 The two groups of parallel_state.py's docstring: the *device group* (torch's default group, for
 the model's collectives: NCCL on CUDA, gloo on CPU) and the *control group* (gloo, for the
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from minivllm.distributed.parallel_state import TensorParallelGroup
+from minivllm.distributed.pipeline import PipelineParallelGroup
 from minivllm.platforms import platform_for
 
 # How long a rank waits for the others in one collective before giving up with an error. A dead
@@ -52,23 +53,34 @@ def check_no_process_group() -> None:
 
 
 def init_distributed(
-    rank: int, world_size: int, init_method: str, device: torch.device
-) -> tuple[TensorParallelGroup, dist.ProcessGroup]:
-    """Join the group: the device group (torch's default) and the control group. Every rank calls
-    this; it returns when all `world_size` ranks have met at `init_method`."""
+    rank: int, tp_size: int, init_method: str, device: torch.device, pp_size: int = 1
+) -> tuple[TensorParallelGroup, PipelineParallelGroup, dist.ProcessGroup]:
+    """Join the group: the device group (torch's default) and the control group, and with
+    pipeline parallelism one tensor-parallel group per stage. Every rank calls this; it returns
+    when all `tp_size * pp_size` ranks have met at `init_method`. Rank r is tensor-parallel rank
+    r % tp_size of stage r // tp_size (vLLM's layout)."""
     check_no_process_group()
     dist.init_process_group(
         device_backend(device),
         init_method=init_method,
         rank=rank,
-        world_size=world_size,
+        world_size=tp_size * pp_size,
         timeout=COLLECTIVE_TIMEOUT,
     )
     # The timeout is each process's own: the driver never waits long, a worker waits for work.
     control = dist.new_group(
         backend="gloo", timeout=COLLECTIVE_TIMEOUT if rank == 0 else IDLE_TIMEOUT
     )
-    return TensorParallelGroup(rank, world_size), control
+    stage, tp_rank = divmod(rank, tp_size)
+    group = None  # one stage: the tensor-parallel group is the whole world
+    if pp_size > 1 and tp_size > 1:
+        for s in range(pp_size):  # every rank creates every group, in the same order
+            ranks = list(range(s * tp_size, (s + 1) * tp_size))
+            created = dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT)
+            if s == stage:
+                group = created
+    tp = TensorParallelGroup(tp_rank, tp_size, group=group, first_rank=stage * tp_size)
+    return tp, PipelineParallelGroup(stage, pp_size, tp_size, rank), control
 
 
 def destroy_distributed() -> None:

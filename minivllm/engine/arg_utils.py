@@ -159,6 +159,16 @@ class EngineArgs:
         "devices (ranks) each layer is split across, Megatron-style; above 1 the engine spawns "
         "the other ranks itself (gloo on CPU, NCCL on CUDA, rank r on cuda:r), or joins the "
         "ranks torchrun started; it must divide the model's attention heads",
+        short="-tp",
+    )
+    pipeline_parallel_size: int = _arg(
+        1,
+        "stages the decoder layers are cut into, each on tensor_parallel_size ranks of its own "
+        "(tensor_parallel_size x pipeline_parallel_size ranks in all, started as above): the "
+        "first stage embeds, the last normalises and computes the logits, and each hands the "
+        "next one hidden state per token; layers per stage: the even split, or "
+        "VLLM_PP_LAYER_PARTITION ('4,4')",
+        short="-pp",
     )
     # ---------------------------------------------------------------------- structured outputs
     structured_outputs_config: str | None = _arg(
@@ -242,12 +252,16 @@ class EngineArgs:
         group = parser.add_argument_group(ENGINE_GROUP)
         hints = _field_types()
         for f in fields(cls):
-            how: dict[str, Any] = {k: v for k, v in f.metadata.items() if k != "help"}
+            how: dict[str, Any] = {
+                k: v for k, v in f.metadata.items() if k not in ("help", "short")
+            }
             if hints[f.name] is bool:  # --enable-prefix-caching / --no-enable-prefix-caching
                 how["action"] = argparse.BooleanOptionalAction
             else:
                 how["type"] = _scalar(hints[f.name])
+            short = [f.metadata["short"]] if "short" in f.metadata else []  # vLLM's -tp, -pp
             group.add_argument(
+                *short,
                 "--" + f.name.replace("_", "-"),
                 default=getattr(defaults, f.name) if defaults is not None else f.default,
                 help=f.metadata["help"],
@@ -281,6 +295,12 @@ class EngineArgs:
         speculative = SpeculativeConfig.parse(self.speculative_config)
         resolve_runner(self.runner, self.convert, self.task)  # checked before a file is read
         parse_pooler_config(self.pooler_config)
+        if speculative is not None and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "speculative_config is not supported with pipeline_parallel_size > 1 (the draft "
+                "model and the rejection sampler run on the driver, which holds the first "
+                f"pipeline stage only), got pipeline_parallel_size={self.pipeline_parallel_size}"
+            )
         if speculative is not None and self.kv_allocation != "paged":
             raise ValueError(
                 "speculative_config needs kv_allocation='paged' (drafts take lookahead slots "
@@ -304,7 +324,10 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+            ),
             resolved=_resolve(model),
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
             speculative=speculative,
@@ -332,6 +355,11 @@ class EngineArgs:
         )
         if pooler is None:
             return None
+        if config.parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "runner='pooling' is not supported with pipeline_parallel_size > 1, got "
+                f"pipeline_parallel_size={config.parallel.pipeline_parallel_size}"
+            )
         if config.speculative is not None:
             raise ValueError("speculative_config is not supported with runner='pooling'")
         if not pooler.supports_prefix_caching and config.cache.enable_prefix_caching:
@@ -352,6 +380,11 @@ class EngineArgs:
             raise ValueError(
                 "enable_lora is not supported with tensor_parallel_size > 1, got "
                 f"tensor_parallel_size={self.tensor_parallel_size}"
+            )
+        if self.pipeline_parallel_size > 1:  # the stages would each need their layers' slots
+            raise ValueError(
+                "enable_lora is not supported with pipeline_parallel_size > 1, got "
+                f"pipeline_parallel_size={self.pipeline_parallel_size}"
             )
         cpu = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)
@@ -382,6 +415,7 @@ class EngineKwargs(TypedDict, total=False):
     max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int
+    pipeline_parallel_size: int
     structured_outputs_config: str | None
     enable_lora: bool
     max_loras: int

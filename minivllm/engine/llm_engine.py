@@ -86,7 +86,7 @@ class LLMEngine:
         # each hold 1/N of the model and get every step (paper §4.6; minivllm/distributed/).
         self.executor = executor or make_executor(config, backend)
         self.runner = self.executor.driver_runner
-        self.model = self.runner.model  # rank 0's shard when tensor_parallel_size > 1
+        self.model = self.runner.model  # rank 0's shard (of pipeline stage 0) with several ranks
         self.kv_cache_dtype = kv_cache_torch_dtype(cc.cache_dtype, self.dtype)  # "auto": dtype
         num_blocks = self.executor.num_blocks  # the same on every rank: the smallest any can hold
         # The windows name the KV cache manager (`CacheConfig.kv_cache_manager_cls`).
@@ -153,7 +153,7 @@ class LLMEngine:
     def _log_start(self, num_blocks: int) -> None:
         logger.info(
             "minivllm engine: model=%s dtype=%s device=%s backend=%s kv_blocks=%d (block_size=%d, "
-            "kv_cache_dtype=%s) max_model_len=%d tensor_parallel_size=%d",
+            "kv_cache_dtype=%s) max_model_len=%d tensor_parallel_size=%d pipeline_parallel_size=%d",
             self.source.name,
             str(self.dtype).removeprefix("torch."),
             self.device,
@@ -163,6 +163,7 @@ class LLMEngine:
             str(self.kv_cache_dtype).removeprefix("torch."),
             self.max_model_len,
             self.config.parallel.tensor_parallel_size,
+            self.config.parallel.pipeline_parallel_size,
         )
 
     def _fit_max_model_len(self, num_blocks: int, capacity: int) -> None:

@@ -1,8 +1,8 @@
 """Who runs the model: one runner in this process, or N ranks in lockstep (vLLM's executors).
 
-- `UniProcExecutor` (tensor_parallel_size = 1): the single-device engine: one `ModelRunner` in
-  this process; no other process, no collective, no cost.
-- With N > 1 ranks, `make_executor` hands over to minivllm/distributed/ (imported only then): the
+- `UniProcExecutor` (tensor_parallel_size = pipeline_parallel_size = 1): the single-device
+  engine: one `ModelRunner` in this process; no other process, no collective, no cost.
+- With N = tensor_parallel_size x pipeline_parallel_size > 1 ranks, `make_executor` hands over to minivllm/distributed/ (imported only then): the
   engine spawns ranks 1..N-1 itself (`MultiprocExecutor`), or, under `torchrun`, the ranks exist
   already and rank 0 drives (`ExecutorWithExternalLauncher`).
 
@@ -26,6 +26,8 @@ from minivllm.attention.abstract import AttentionBackend
 from minivllm.config import EngineConfig
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.parallel_state import SINGLE_DEVICE
+from minivllm.distributed.pipeline import stage_sizes
+from minivllm.envs import pp_layer_partition
 from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 from minivllm.worker.worker import WorkerConfig, build_runner
 
@@ -62,10 +64,18 @@ class UniProcExecutor:
         pass
 
 
+def pipeline_layer_sizes(num_layers: int, pp_size: int) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage: VLLM_PP_LAYER_PARTITION, or the even split; checked
+    against the model here, on the driver, before any process starts. () with one stage."""
+    if pp_size == 1:
+        return ()
+    return tuple(stage_sizes(num_layers, pp_size, pp_layer_partition()))
+
+
 def make_executor(config: EngineConfig, backend: AttentionBackend) -> Executor:
-    """The executor for `config.parallel.tensor_parallel_size`. A size that does not split the
-    model is refused here, before any process starts."""
-    n = config.parallel.tensor_parallel_size
+    """The executor for `config.parallel`'s sizes. A size that does not split the model is
+    refused here, before any process starts."""
+    n, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     resolved = config.resolved
     source, model_config, device = resolved.source, resolved.hf_config, resolved.device
     wc = WorkerConfig(
@@ -80,11 +90,13 @@ def make_executor(config: EngineConfig, backend: AttentionBackend) -> Executor:
         max_model_len=resolved.max_model_len,
         cache=config.cache,
         tensor_parallel_size=n,
-        num_threads=max(1, torch.get_num_threads() // n),
+        num_threads=max(1, torch.get_num_threads() // (n * pp)),
         pooler=config.pooler,
         lora=config.lora,
+        pipeline_parallel_size=pp,
+        pp_layer_sizes=pipeline_layer_sizes(model_config.num_hidden_layers, pp),
     )
-    if n == 1:
+    if n * pp == 1:
         return UniProcExecutor(build_runner(wc, SINGLE_DEVICE, None, device, backend))
     from minivllm.executor.tensor_parallel import make_distributed_executor
 

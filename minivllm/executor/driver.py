@@ -1,10 +1,12 @@
-"""Rank 0 of a tensor-parallel group: send each step to every rank, run its own share, collect.
+"""Rank 0 of the ranks: send each step to every rank, run its own share, collect.
 
 The scheduler stays centralized (paper §4.6): only the driver schedules, owns the block manager
 and samples. Each step `execute_model` broadcasts the step's plain `SchedulerOutput` on the
 control group, runs rank 0's own runner on it, and returns the logits that rank 0 gathered in the
 LM head; the workers learn nothing else and need no scheduler state at all. vLLM's executors do
-the same with their own message queue (vllm/v1/executor/multiproc_executor.py). See
+the same with their own message queue (vllm/v1/executor/multiproc_executor.py). With pipeline
+parallelism rank 0 runs stage 0 only, and the logits come back from the last stage's rank 0
+(`PipelineParallelGroup.recv_output`) before the step returns: one batch in flight. See
 "Distributed execution" in the docs (docs/distributed.md) and the architecture page
 (docs/architecture.md).
 
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from minivllm.attention.abstract import AttentionBackend
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.parallel_state import TensorParallelGroup
+from minivllm.distributed.pipeline import PipelineParallelGroup
 from minivllm.distributed.process_group import destroy_distributed, init_distributed
 from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 from minivllm.worker.worker_proc import (
@@ -71,6 +74,8 @@ class DistributedExecutor:
     def __init__(self, wc: WorkerConfig, backend: AttentionBackend) -> None:
         self.control: dist.ProcessGroup | None = None
         self.tp = TensorParallelGroup()
+        self.pp = PipelineParallelGroup()
+        self.world_size = wc.world_size  # tensor_parallel_size x pipeline_parallel_size
         self.dead: str | None = None  # why the group cannot run another step
         self.closed = False
         # The server steps in its engine thread while `shutdown` may come from the main thread
@@ -79,12 +84,14 @@ class DistributedExecutor:
         atexit.register(self.shutdown)
         try:
             self.start_workers(wc)
-            device = rank_device(wc.device_type, 0)
-            self.tp, self.control = init_distributed(
-                0, wc.tensor_parallel_size, self.init_method, device
+            self.device = device = rank_device(wc.device_type, 0)
+            self.tp, self.pp, self.control = init_distributed(
+                0, wc.tensor_parallel_size, self.init_method, device, wc.pipeline_parallel_size
             )
             self.send_worker_config(wc)
-            self.driver_runner = build_runner(wc, self.tp, self.control, device, backend)
+            self.driver_runner = build_runner(
+                wc, self.tp, self.control, device, backend, pp=self.pp
+            )
         except BaseException as exc:
             known = isinstance(exc, KeyboardInterrupt | WorkerStartError)
             reason = None if known else self.worker_failure()
@@ -121,7 +128,10 @@ class DistributedExecutor:
             self.check_alive()
             try:
                 self.broadcast(ExecuteModel(sched))
-                return self.driver_runner.execute_model(sched)
+                output = self.driver_runner.execute_model(sched)  # stage 0's share
+                if self.pp.world_size > 1:  # one batch in flight: wait for the last stage
+                    output = self.pp.recv_output(self.control, self.device)
+                return output
             except BaseException as exc:
                 raise self.fail(exc) from exc
 
@@ -131,7 +141,7 @@ class DistributedExecutor:
             self.check_alive()
             try:
                 self.broadcast(CollectiveRPC(fn))
-                results: list[Any] = [None] * self.tp.world_size
+                results: list[Any] = [None] * self.world_size
                 dist.gather_object(fn(self.driver_runner), results, dst=0, group=self.control)
                 return results
             except BaseException as exc:

@@ -69,7 +69,7 @@ class MultiprocExecutor(DistributedExecutor):
         self.workers: list[WorkerProcess] = []
         self.init_method = f"tcp://127.0.0.1:{free_loopback_port()}"
         ctx = mp.get_context("spawn")
-        for rank in range(1, wc.tensor_parallel_size):
+        for rank in range(1, wc.world_size):
             report_read, report_write = ctx.Pipe(duplex=False)
             lifeline_read, lifeline_write = ctx.Pipe(duplex=False)
             process = ctx.Process(

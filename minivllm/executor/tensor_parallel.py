@@ -36,27 +36,28 @@ __all__ = ["EngineDeadError", "WorkerStartError", "make_distributed_executor"]
 def make_distributed_executor(
     wc: WorkerConfig, model_config: LlamaConfig, device: torch.device, backend: AttentionBackend
 ) -> DistributedExecutor:
-    """The executor of `wc.tensor_parallel_size` ranks. A size that does not split the model is
-    refused here, before any process starts."""
-    n = wc.tensor_parallel_size
-    check_tensor_parallel_size(model_config, n)
+    """The executor of `wc.tensor_parallel_size` x `wc.pipeline_parallel_size` ranks. A size that
+    does not split the model is refused here, before any process starts."""
+    check_tensor_parallel_size(model_config, wc.tensor_parallel_size)
+    n = wc.world_size
     check_no_process_group()  # before any worker starts
     if device.type == "cuda":
         if device.index not in (None, 0):
             raise ValueError(
-                f"device must be 'cuda' with tensor_parallel_size > 1 (rank r uses cuda:r), got "
-                f"{device}"
+                "device must be 'cuda' with more than one rank (tensor_parallel_size x "
+                f"pipeline_parallel_size > 1; rank r uses cuda:r), got {device}"
             )
         if not launched_by_torchrun() and torch.cuda.device_count() < n:
             raise ValueError(
-                f"tensor_parallel_size {n} needs {n} CUDA devices, found "
-                f"{torch.cuda.device_count()}"
+                f"tensor_parallel_size x pipeline_parallel_size = {n} ranks need {n} CUDA "
+                f"devices, found {torch.cuda.device_count()}"
             )
     if launched_by_torchrun():
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world_size != n:
             raise ValueError(
-                f"tensor_parallel_size ({n}) must equal torchrun's number of ranks ({world_size})"
+                f"tensor_parallel_size x pipeline_parallel_size ({n}) must equal torchrun's "
+                f"number of ranks ({world_size})"
             )
         if rank != 0:
             # Every rank runs the same program; this one serves rank 0's steps, then leaves.

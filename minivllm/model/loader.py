@@ -37,6 +37,7 @@ from minivllm.model.errors import (
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.model.models.registry import config_from_hf_dict, model_class
+from minivllm.model.pipeline import keep_stage
 from minivllm.model.source import ModelSource
 from minivllm.model.tokenizer_class import generic_tokenizer_class
 from minivllm.model.weights import load_weights, open_checkpoint
@@ -65,15 +66,20 @@ def build_model(
     max_positions: int | None = None,
     tp: TensorParallelGroup = SINGLE_DEVICE,
     custom_ops: str = "auto",
+    stage: tuple[list[int], int] | None = None,
 ) -> LlamaForCausalLM:
     """Create rank `tp.rank`'s shard on `meta`, allocate it on `device` (nothing is initialised:
-    every value comes from the checkpoint) and `load` the checkpoint's tensors into it. Then the
+    every value comes from the checkpoint) and `load` the checkpoint's tensors into it. With
+    `stage` (layers per pipeline stage, this rank's stage) only that stage's parts are kept
+    before anything is allocated (model/pipeline.py). Then the
     device's platform chooses each custom op's forward: its own kernels under `custom_ops="all"`,
     plain PyTorch under "none"; "auto" is settled by `Platform.resolve_custom_ops` ("none" with
     the reference attention backend)."""
     model_cls = model_class(config)
     with torch.device("meta"):
         model = model_cls(config, backend, max_positions, tp).to(dtype)
+    if stage is not None:
+        keep_stage(model, *stage)
     # `to_empty`, with `torch.empty` for its `empty_like`: on meta tensors `empty_like` runs
     # torch's Python reference ops, whose first use imports sympy, a start-up cost. Parameters
     # only: the one buffer (the RoPE table) is rebuilt below.
@@ -81,8 +87,8 @@ def build_model(
         for name, param in list(module.named_parameters(recurse=False)):
             empty = torch.empty(param.shape, dtype=param.dtype, device=device)
             setattr(module, name, nn.Parameter(empty, requires_grad=False))
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if config.tie_word_embeddings and getattr(model.lm_head, "tied", False):
+        model.lm_head.weight = model.model.embed_tokens.weight  # (both on this stage)
     load(model)
     # The RoPE table is a non-persistent buffer, never loaded: build it for real (in float32).
     # (An encoder with absolute positions, BERT, has none.)
@@ -104,9 +110,11 @@ def load_model(
     tp: TensorParallelGroup = SINGLE_DEVICE,
     custom_ops: str = "auto",
     quantization: str = "none",
+    stage: tuple[list[int], int] | None = None,
 ) -> LlamaForCausalLM:
-    """The model, or with `tp` one rank's shard of it, read slice by slice from safetensors; or,
-    with `quantization="gguf"`, from the GGUF file itself, its blocks kept as stored."""
+    """The model, or with `tp` one rank's shard of it (with `stage`, of one pipeline stage's
+    parts), read slice by slice from safetensors; or, with `quantization="gguf"`, from the GGUF
+    file itself, its blocks kept as stored."""
     config = load_config(source)
     build = functools.partial(
         build_model,
@@ -116,16 +124,18 @@ def load_model(
         max_positions=max_positions,
         tp=tp,
         custom_ops=custom_ops,
+        stage=stage,
     )
     if quantization == "gguf":
         from minivllm.model.quantization.gguf.loader import load_gguf_weights, read_tensors
 
         if source.gguf_file is None:
             raise ModelLoadError(f"quantization='gguf' needs a .gguf model; {source.name} is not")
-        if tp.world_size > 1:
+        if tp.world_size > 1 or stage is not None:
             raise ModelLoadError(
-                "a GGUF model's blocks run on one device; for tensor_parallel_size > 1 pass "
-                "quantization='none' (--quantization none) to dequantize it at load"
+                "a GGUF model's blocks run on one device; for tensor_parallel_size > 1 or "
+                "pipeline_parallel_size > 1 pass quantization='none' (--quantization none) to "
+                "dequantize it at load"
             )
         tensors, quant = read_tensors(source.gguf_file, config)
         return build(config, lambda model: load_gguf_weights(model, tensors, quant))

@@ -24,6 +24,7 @@ from minivllm.model.errors import CorruptCheckpointError, ModelNotFoundError
 from minivllm.model.layers.linear import Sliceable
 from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.model.packed_weights import unpack_checkpoint
+from minivllm.model.pipeline import stage_target
 
 # A checkpoint tensor stored separately -> (the fused parameter it feeds, which part of it).
 # vLLM calls this `stacked_params_mapping`; the fused layer's weight loader puts
@@ -151,7 +152,10 @@ def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> N
         weights = unpack_checkpoint(weights, model.config)
     expected = check_checkpoint(model.config, {k: _shape(v) for k, v in weights.items()})
     for name in expected:
-        target, shard = target_of(name)
+        fused, shard = target_of(name)
+        target = stage_target(model, fused)
+        if target is None:  # another pipeline stage holds it
+            continue
         module_name, _, param_name = target.rpartition(".")
         module = model.get_submodule(module_name)
         param = getattr(module, param_name)

@@ -5,7 +5,9 @@ vLLM's GPU model runner builds one attention metadata per KV cache group and han
 group's (vllm/v1/worker/gpu_model_runner.py); this runner does the same around the plain one:
 
     kv_cache                  [group_size, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    layer i                   slot j = i's place in its group: kv_cache[j] ([2, num_blocks, ...])
+    layer i                   slot j = i's place in its group: kv_cache[j] ([2, num_blocks, ...]);
+                              with pipeline parallelism, its place among the group's layers that
+                              this stage holds
     AttentionMetadata of g    the step's, with group g's block tables and slot mapping
 
 A block belongs to one group at a time (the coordinator's one pool hands it out), so the layers
@@ -28,15 +30,16 @@ from dataclasses import dataclass, replace
 import torch
 
 from minivllm.attention.abstract import AttentionBackend, AttentionMetadata
-from minivllm.core.kv_cache_groups import KVCacheGroupSpec, num_cache_slots
+from minivllm.core.kv_cache_groups import KVCacheGroupSpec
 from minivllm.core.scheduler import SchedulerOutput
+from minivllm.distributed.pipeline import IntermediateTensors
 from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.worker.model_runner import ModelInput, ModelRunner
 
 
 @dataclass
 class HybridModelInput(ModelInput):
-    layer_meta: list[AttentionMetadata]  # [num_layers]  each layer's group's metadata
+    layer_meta: list[AttentionMetadata]  # [stage_layers]  each of this stage's layers' group's
 
 
 class HybridModelRunner(ModelRunner):
@@ -54,20 +57,25 @@ class HybridModelRunner(ModelRunner):
         *,
         kv_cache_groups: Sequence[KVCacheGroupSpec],
     ) -> None:
-        slots = num_cache_slots(kv_cache_groups)
+        # A pipeline stage holds its own layers only (all of them on one stage): each group's
+        # layers on this stage fill its slots, so a stage's block is its layers' K/V only.
+        first, end = model.model.start_layer, model.model.end_layer
+        stage_groups = [[i for i in g.layer_ids if first <= i < end] for g in kv_cache_groups]
+        slots = max(len(layers) for layers in stage_groups)
         # Always eager: the C++ decode loop runs no sliding window, and this model has one.
         super().__init__(model, backend, num_blocks, block_size, dtype, device, True, slots)
         self.kv_cache_groups = list(kv_cache_groups)
         group_of: dict[int, int] = {}
         slot_of: dict[int, int] = {}
-        for g, group in enumerate(kv_cache_groups):
-            for slot, layer in enumerate(group.layer_ids):
+        for g, layers in enumerate(stage_groups):
+            for slot, layer in enumerate(layers):
                 group_of[layer], slot_of[layer] = g, slot
-        num_layers = model.config.num_hidden_layers
-        if sorted(group_of) != list(range(num_layers)):
-            raise ValueError(f"the KV cache groups must place each of the {num_layers} layers once")
-        self.layer_group = [group_of[i] for i in range(num_layers)]  # [num_layers]
-        self.layer_caches = [self.kv_cache[slot_of[i]] for i in range(num_layers)]  # views
+        if sorted(group_of) != list(range(first, end)):
+            raise ValueError(
+                f"the KV cache groups must place each of layers {first}..{end - 1} once"
+            )
+        self.layer_group = [group_of[i] for i in range(first, end)]  # [stage_layers]
+        self.layer_caches = [self.kv_cache[slot_of[i]] for i in range(first, end)]  # views
 
     def prepare_inputs(self, sched: SchedulerOutput) -> HybridModelInput:
         inp = super().prepare_inputs(sched)  # group 0's metadata: `ScheduledSequence.block_table`
@@ -99,6 +107,9 @@ class HybridModelRunner(ModelRunner):
         group_meta.plan = self.backend.plan(group_meta, bs)  # its tables: a plan of its own
         return group_meta
 
-    def run_model(self, inp: ModelInput) -> torch.Tensor:  # [T, hidden_size]
+    def run_model(
+        self, inp: ModelInput, intermediate: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:  # [T, hidden_size]; a stage before the last's
         assert isinstance(inp, HybridModelInput)
-        return self.model(inp.input_ids, inp.positions, self.layer_caches, inp.layer_meta)
+        caches, metas = self.layer_caches, inp.layer_meta
+        return self.model(inp.input_ids, inp.positions, caches, metas, intermediate)

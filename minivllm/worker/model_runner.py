@@ -11,7 +11,9 @@ engine step" on the docs' architecture page):
 It reads nothing but that message, so the same runner serves a worker in another process: with
 tensor parallelism every rank runs this runner on the same message, over its own shard of the
 model and its own KV cache (the same blocks, its own KV heads); rank 0's runner returns the
-logits, the others None (paper §4.6; `minivllm/distributed/`). The attention backend's per-step
+logits, the others None (paper §4.6; `minivllm/distributed/`). With pipeline parallelism a stage
+runs its own layers over its own KV cache, between a receive and a send of the hidden states
+(`pp`). The attention backend's per-step
 plan is built here, once, and handed to every layer in the metadata.
 
 Like vLLM's runner, which captures CUDA graphs of the decode step and replays them, this runner
@@ -35,6 +37,7 @@ import torch
 from minivllm.attention.abstract import AttentionBackend, AttentionMetadata
 from minivllm.config import CacheConfig
 from minivllm.core.scheduler import SchedulerOutput
+from minivllm.distributed.pipeline import SINGLE_STAGE, IntermediateTensors, PipelineParallelGroup
 from minivllm.lora.manager import LoRAModelManager
 from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.platforms import DecodeLoop, platform_for, resolve_obj_by_qualname
@@ -108,6 +111,10 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
+    # This rank's pipeline stage (build_runner sets it): a stage before the last sends its hidden
+    # states on instead of computing logits, a later one receives them instead of embedding.
+    pp: PipelineParallelGroup = SINGLE_STAGE
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -117,7 +124,8 @@ class ModelRunner:
         dtype: torch.dtype,  # the KV cache's (kv_cache_dtype resolved), not necessarily the model's
         device: torch.device,
         enforce_eager: bool = False,
-        num_cache_layers: int | None = None,  # layer slots: a hybrid model's group size
+        num_cache_layers: int
+        | None = None,  # layer slots: a hybrid model's group size, or a stage's layers
     ) -> None:
         self.model = model
         self.backend = backend
@@ -236,7 +244,18 @@ class ModelRunner:
         inp = self.prepare_inputs(sched)
         if self.lora_manager is not None and inp.token_lora_slots is not None:
             self.lora_manager.set_mapping(inp.token_lora_slots)  # read by every LoRA wrapper
-        hidden = self.run_model(inp)  # [T, hidden_size]
+        received = None
+        if not self.pp.is_first:  # the previous stage's hidden states of the same T tokens
+            cfg = self.model.config
+            with_residual = self.model.model.carries_residual
+            num_tokens = inp.input_ids.shape[0]
+            received = self.pp.recv(
+                num_tokens, cfg.hidden_size, self.dtype_of_hidden(), self.device, with_residual
+            )
+        hidden = self.run_model(inp, received)  # [T, hidden_size]
+        if isinstance(hidden, IntermediateTensors):  # a stage before the last: hand them on
+            self.pp.send(hidden)
+            return ModelRunnerOutput(None, {})
         logits = None
         if inp.logits_indices.numel():
             logits = self.model.compute_logits(hidden[inp.logits_indices])
@@ -245,9 +264,16 @@ class ModelRunner:
             prompt_logprobs = score_prompt_logprobs(self.model, hidden, inp.prompt_rows)
         return ModelRunnerOutput(logits, prompt_logprobs)
 
-    def run_model(self, inp: ModelInput) -> torch.Tensor:  # [T, hidden_size]
-        """The model's forward over the step, or the decode loop where it applies."""
+    def dtype_of_hidden(self) -> torch.dtype:
+        """The activations' dtype: the model's weights' (the loader cast them all to it)."""
+        return next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+
+    def run_model(
+        self, inp: ModelInput, intermediate: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:  # [T, hidden_size]; a stage before the last's
+        """The model's forward over the step (with pipeline parallelism: this stage's layers),
+        or the decode loop where it applies."""
         loop = self.decode_loop
         if loop is not None and loop.applies(inp.input_ids.shape[0], inp.meta):
             return loop(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
-        return self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
+        return self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, intermediate)

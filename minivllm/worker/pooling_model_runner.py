@@ -58,6 +58,7 @@ class PoolingModelRunner(ModelRunner):
             hidden = self.run_model(inp)  # [T, hidden_size]
         else:
             hidden = self.run_encoder(sched, inp)
+        assert isinstance(hidden, torch.Tensor)  # one pipeline stage: pooling refuses more
         starts = inp.meta.query_start_loc.tolist()
         pooled: dict[int, torch.Tensor] = {}
         for i, item in enumerate(sched.scheduled):

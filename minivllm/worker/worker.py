@@ -25,6 +25,7 @@ from minivllm.config import CacheConfig
 from minivllm.config.lora import LoRAConfig
 from minivllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from minivllm.distributed.parallel_state import TensorParallelGroup
+from minivllm.distributed.pipeline import SINGLE_STAGE, PipelineParallelGroup
 from minivllm.lora.manager import LoRAModelManager
 from minivllm.model.loader import load_model
 from minivllm.model.source import ModelSource
@@ -55,6 +56,14 @@ class WorkerConfig:
     num_threads: int  # torch's intra-op threads per worker on a CPU (the cores, shared out)
     pooler: PoolerConfig | None = None  # a pooling model's: its runner pools instead of logits
     lora: LoRAConfig | None = None  # LoRA adapters' slots (minivllm/lora/); None: off
+    pipeline_parallel_size: int = 1
+    # Decoder layers per pipeline stage (the even split or VLLM_PP_LAYER_PARTITION, resolved on
+    # the driver so that every rank cuts the model the same way); () with one stage.
+    pp_layer_sizes: tuple[int, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:
@@ -71,14 +80,25 @@ def build_runner(
     control: dist.ProcessGroup | None,
     device: torch.device,
     backend: AttentionBackend | None = None,
+    pp: PipelineParallelGroup = SINGLE_STAGE,
 ) -> ModelRunner:
-    """Load this rank's shard and size its KV cache: as many blocks as the *smallest* rank can
-    hold, so that one block table means the same blocks on every rank."""
+    """Load this rank's shard (of its pipeline stage's layers) and size its KV cache, for those
+    layers only: as many blocks as the *smallest* rank can hold, so that one block table means
+    the same blocks on every rank."""
     backend = backend or get_attention_backend(wc.attention_backend, device)
     gguf_file = Path(wc.gguf_file) if wc.gguf_file is not None else None
     source = ModelSource(Path(wc.model_path), wc.model_name, gguf_file)
+    sizes = list(wc.pp_layer_sizes)
+    stage = (sizes, pp.rank) if pp.world_size > 1 else None
     model = load_model(
-        source, backend, wc.dtype, device, wc.max_model_len, tp, quantization=wc.quantization
+        source,
+        backend,
+        wc.dtype,
+        device,
+        wc.max_model_len,
+        tp,
+        quantization=wc.quantization,
+        stage=stage,
     )
     lora_manager = None
     if wc.lora is not None:  # wrap the linears before the runner checks what its decode loop runs
@@ -86,13 +106,18 @@ def build_runner(
     kv_dtype = kv_cache_torch_dtype(wc.cache.cache_dtype, wc.dtype)
     # Windowed and global layers mixed (Gemma 2/3): block tables per group of layers, or None.
     groups = hybrid_kv_cache_groups(model, wc.cache.kv_allocation)
-    num_layers = None if groups is None else max(len(g.layer_ids) for g in groups)
-    num_blocks = determine_num_blocks(model, wc.cache, kv_dtype, device, num_layers)
+    first, end = model.model.start_layer, model.model.end_layer  # this stage's layers
+    stage_layers = None if stage is None else end - first
+    if groups is not None:  # the slots: each group's layers on this stage
+        stage_layers = max(sum(first <= i < end for i in g.layer_ids) for g in groups)
+    num_blocks = determine_num_blocks(model, wc.cache, kv_dtype, device, stage_layers)
     if control is not None:  # tensor parallelism: every rank the same blocks
         from minivllm.distributed.process_group import min_over_ranks
 
         num_blocks = min_over_ranks(num_blocks, control)
-    args = (model, backend, num_blocks, wc.cache.block_size, kv_dtype, device, wc.enforce_eager)
+    # The C++ decode loop runs a whole model, from the embedding to the norm: not a stage.
+    eager = wc.enforce_eager or stage is not None
+    args = (model, backend, num_blocks, wc.cache.block_size, kv_dtype, device, eager)
     if wc.pooler is not None:
         if lora_manager is not None:
             raise ValueError("enable_lora is not supported with runner='pooling'")
@@ -104,9 +129,11 @@ def build_runner(
                 "encoder with attention_backend='reference'"
             )
         return PoolingModelRunner(*args, pooler=wc.pooler)
+    runner: ModelRunner
     if groups is not None:
-        runner: ModelRunner = HybridModelRunner(*args, kv_cache_groups=groups)
+        runner = HybridModelRunner(*args, kv_cache_groups=groups)
     else:
-        runner = ModelRunner(*args)
+        runner = ModelRunner(*args, num_cache_layers=None if stage is None else stage_layers)
     runner.lora_manager = lora_manager
+    runner.pp = pp
     return runner

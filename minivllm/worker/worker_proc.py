@@ -7,7 +7,9 @@ its own `ModelRunner` on it: the same block tables, the same token ids, its own 
 all-reduces keep the ranks in step inside the forward pass; the worker's logits slice goes to
 rank 0 in the LM head's gather, and the worker waits for the next message. No scheduling, no
 sampling, no tokenizer: a worker is a model runner and a loop (vLLM's `Worker` and its
-`worker_busy_loop`).
+`worker_busy_loop`). With pipeline parallelism a worker runs its stage's layers: it receives
+the previous stage's hidden states, sends its own to the next one, and the last stage's rank 0
+sends the step's logits to the driver (minivllm/distributed/pipeline.py).
 
 A rank is started one of two ways (see "Distributed execution" in the docs, docs/distributed.md,
 and the architecture page, docs/architecture.md):
@@ -105,7 +107,11 @@ def worker_loop(runner: ModelRunner, control: dist.ProcessGroup) -> None:
         if isinstance(message, Shutdown):
             return
         if isinstance(message, ExecuteModel):
-            runner.execute_model(message.sched)  # logits go to rank 0 inside, in the gather
+            # With one stage the logits reach rank 0 inside, in the LM head's gather; with a
+            # pipeline they are gathered on the last stage's first rank, which sends them on.
+            output = runner.execute_model(message.sched)
+            if runner.pp.sends_output:
+                runner.pp.send_output(output, control)
         elif isinstance(message, CollectiveRPC):
             dist.gather_object(message.fn(runner), None, dst=0, group=control)
         else:
@@ -138,8 +144,10 @@ def spawned_worker_main(
             torch.set_num_threads(wc.num_threads)
         device = rank_device(wc.device_type, rank)
         report.send("started")  # imports done: the driver may now meet us at the rendezvous
-        tp, control = init_distributed(rank, wc.tensor_parallel_size, init_method, device)
-        runner = build_runner(wc, tp, control, device)
+        tp, pp, control = init_distributed(
+            rank, wc.tensor_parallel_size, init_method, device, wc.pipeline_parallel_size
+        )
+        runner = build_runner(wc, tp, control, device, pp=pp)
         worker_loop(runner, control)
     except BaseException:
         report.send(traceback.format_exc())
@@ -154,10 +162,12 @@ def run_torchrun_worker(local: WorkerConfig) -> None:
     builds the same model whatever it was given), and serve rank 0's steps until it shuts down."""
     rank = int(os.environ["RANK"])
     device = rank_device(local.device_type, int(os.environ.get("LOCAL_RANK", rank)))
-    tp, control = init_distributed(rank, local.tensor_parallel_size, "env://", device)
+    tp, pp, control = init_distributed(
+        rank, local.tensor_parallel_size, "env://", device, local.pipeline_parallel_size
+    )
     wc = receive(control)
     try:
-        runner = build_runner(wc, tp, control, device)
+        runner = build_runner(wc, tp, control, device, pp=pp)
         worker_loop(runner, control)
     finally:
         destroy_distributed()

@@ -133,6 +133,7 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         max_num_seqs=3,
         max_num_batched_tokens=50,
         tensor_parallel_size=1,
+        pipeline_parallel_size=1,
         structured_outputs_config='{"backend": "xgrammar", "disable_any_whitespace": true}',
         enable_lora=True,
         max_loras=2,
@@ -213,6 +214,7 @@ INVALID = [
     ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer, got 0"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be a positive integer, got 0"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
+    ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be a positive integer, got 0"),
     ({"runner": "draft"}, "runner must be one of ('auto', 'generate', 'pooling'), got 'draft'"),
     ({"convert": "reward"}, "convert must be one of ('auto', 'none', 'embed', 'classify')"),
     ({"task": "transcribe"}, "task must be one of ('auto', 'generate', 'embed', "),
@@ -251,6 +253,14 @@ def test_tensor_parallel_size_defaults_to_one_and_any_positive_size_reaches_the_
     assert (
         EngineArgs(tensor_parallel_size=3).create_engine_config().parallel.tensor_parallel_size == 3
     )
+
+
+def test_parallel_sizes_take_vllms_short_flags_tp_and_pp() -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["-tp", "2", "-pp", "3"]))
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (2, 3)
+    long = parser.parse_args(["--pipeline-parallel-size", "2"])
+    assert EngineArgs.from_cli_args(long).pipeline_parallel_size == 2
 
 
 def test_scheduler_refuses_a_token_budget_below_max_num_seqs_with_vllms_message() -> None:

@@ -36,6 +36,7 @@ from torch import nn
 
 from minivllm.attention.abstract import AttentionBackend, AttentionMetadata
 from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
+from minivllm.distributed.pipeline import IntermediateTensors
 from minivllm.model.config import LlamaConfig, UnsupportedModelError
 from minivllm.model.errors import CorruptCheckpointError
 from minivllm.model.layers.linear import (
@@ -179,6 +180,8 @@ class BertModel(nn.Module):
         self.layers = nn.ModuleList(
             BertLayer(config, backend, tp) for _ in range(config.num_hidden_layers)
         )
+        # One pipeline stage holds them all (pooling refuses pipeline parallelism).
+        self.start_layer, self.end_layer = 0, config.num_hidden_layers
 
     def forward(
         self,
@@ -222,8 +225,11 @@ class BertEmbeddingModel(LlamaForCausalLM):
         positions: torch.Tensor,  # int64 [T]
         kv_caches: torch.Tensor,
         meta: AttentionMetadata,
+        intermediate: IntermediateTensors | None = None,  # one stage only: pooling refuses PP
+        *,
         token_type_ids: torch.Tensor | None = None,  # int64 [T]
     ) -> torch.Tensor:  # [T, hidden_size]
+        assert intermediate is None, "an encoder runs on one pipeline stage"
         return self.model(input_ids, positions, kv_caches, meta, token_type_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

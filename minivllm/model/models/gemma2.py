@@ -41,6 +41,7 @@ from torch import nn
 
 from minivllm.attention.abstract import AttentionBackend, AttentionMetadata
 from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
+from minivllm.distributed.pipeline import IntermediateTensors
 from minivllm.model.config import LlamaConfig, UnsupportedModelError
 from minivllm.model.custom_op import CustomOp
 from minivllm.model.layers.linear import (
@@ -276,6 +277,8 @@ class Gemma2DecoderLayer(nn.Module):
 
 
 class Gemma2Model(nn.Module):
+    carries_residual: ClassVar[bool] = False  # each layer adds its own: one tensor between stages
+
     def __init__(
         self,
         config: Gemma2Config,
@@ -295,26 +298,35 @@ class Gemma2Model(nn.Module):
         self.rotary_emb_local: RotaryEmbedding | None = None
         self.embed_scale = math.sqrt(config.hidden_size)
         self.sliding_layers = config.sliding_layers  # which layers rotate with the local table
+        # The layers this pipeline stage runs (all of them on one stage; model/pipeline.py).
+        self.start_layer, self.end_layer = 0, config.num_hidden_layers
 
     def forward(
         self,
         input_ids: torch.Tensor,  # int64 [T]
         positions: torch.Tensor,  # int64 [T]
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], or with the layers in
-        # KV cache groups (minivllm/worker/hybrid_model_runner.py) each layer's [2, ...] view
+        # [stage_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], or with the layers in
+        # KV cache groups (minivllm/worker/hybrid_model_runner.py) each stage layer's [2, ...] view
         kv_caches: torch.Tensor | Sequence[torch.Tensor],
         meta: AttentionMetadata | Sequence[AttentionMetadata],  # all layers', or each layer's
-    ) -> torch.Tensor:  # [T, hidden_size]
-        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
-        # sqrt(hidden_size) as a float32 constant rounded to the dtype, as transformers has it.
-        hidden = hidden * torch.tensor(self.embed_scale).to(hidden.dtype)
+        intermediate: IntermediateTensors | None = None,  # the previous pipeline stage's output
+    ) -> torch.Tensor | IntermediateTensors:  # [T, hidden_size]; a stage before the last's
+        if intermediate is None:
+            hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+            # sqrt(hidden_size) as a float32 constant rounded to the dtype, as transformers has it.
+            hidden = hidden * torch.tensor(self.embed_scale).to(hidden.dtype)
+        else:
+            hidden = intermediate.hidden
+        stage = slice(self.start_layer, self.end_layer)
         metas = [meta] * len(self.layers) if isinstance(meta, AttentionMetadata) else meta
         for layer, kv_cache, layer_meta, sliding in zip(
-            self.layers, kv_caches, metas, self.sliding_layers
+            self.layers[stage], kv_caches, metas, self.sliding_layers[stage]
         ):
             local = sliding and self.rotary_emb_local is not None
             rope = self.rotary_emb_local if local else self.rotary_emb
             hidden = layer(hidden, positions, rope, kv_cache, layer_meta)
+        if self.end_layer < len(self.layers):  # the next stage goes on from here
+            return IntermediateTensors(hidden, None)
         return self.norm(hidden)
 
 

@@ -104,7 +104,9 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         # rebuilds the global one after loading, and this one is rebuilt here, where the
         # weights' device is known.
         config: Gemma3Config = self.config  # type: ignore[assignment]
-        device = self.model.norm.weight.device  # a float weight even where a GGUF file's are blocks
+        # A float weight even where a GGUF file's are blocks (the layer's first: its input norm),
+        # of a layer this pipeline stage holds.
+        device = next(self.model.layers[self.model.start_layer].parameters()).device
         self.model.rotary_emb_local = RotaryEmbedding(
             config.local_rope_config(), self.max_positions
         ).to(device)

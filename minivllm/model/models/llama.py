@@ -32,6 +32,7 @@ from torch import nn
 
 from minivllm.attention.abstract import AttentionBackend, AttentionMetadata
 from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
+from minivllm.distributed.pipeline import IntermediateTensors
 from minivllm.model.config import LlamaConfig
 from minivllm.model.layers.layernorm import RMSNorm, SiluAndMul
 from minivllm.model.layers.linear import (
@@ -146,6 +147,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # Between pipeline stages the residual stream travels beside the hidden state (each norm adds
+    # them, so a stage ends with the two apart).
+    carries_residual: ClassVar[bool] = True
+
     def __init__(
         self,
         config: LlamaConfig,
@@ -161,18 +166,27 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, max_positions)
+        # The layers this pipeline stage runs (all of them on one stage; model/pipeline.py).
+        self.start_layer, self.end_layer = 0, config.num_hidden_layers
 
     def forward(
         self,
         input_ids: torch.Tensor,  # int64 [T]
         positions: torch.Tensor,  # int64 [T]
-        kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        # [stage_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: this stage's layers
+        kv_caches: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden_size]
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        intermediate: IntermediateTensors | None = None,  # the previous pipeline stage's output
+    ) -> torch.Tensor | IntermediateTensors:  # [T, hidden_size]; a stage before the last's
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
+        layers = self.layers[self.start_layer : self.end_layer]
+        for layer, kv_cache in zip(layers, kv_caches):
             hidden, residual = layer(hidden, residual, positions, self.rotary_emb, kv_cache, meta)
+        if self.end_layer < len(self.layers):  # the next stage goes on from here
+            return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -211,10 +225,12 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # int64 [T]
         positions: torch.Tensor,  # int64 [T]
-        kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        # [stage_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_caches: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden_size]
-        return self.model(input_ids, positions, kv_caches, meta)
+        intermediate: IntermediateTensors | None = None,  # the previous pipeline stage's output
+    ) -> torch.Tensor | IntermediateTensors:  # [T, hidden_size]; what a stage hands on
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 [S, vocab] for hidden [S, hidden_size]; with N ranks, on rank 0 only (None on

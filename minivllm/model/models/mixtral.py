@@ -39,6 +39,7 @@ from minivllm.model.models.llama import (
     LlamaModel,
     RMSNorm,
 )
+from minivllm.model.pipeline import stage_target
 from minivllm.model.weights import target_of
 
 
@@ -100,6 +101,7 @@ def build_causal_lm(
     body.layers = nn.ModuleList(layers)
     body.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
     body.rotary_emb = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
+    body.start_layer, body.end_layer = 0, len(layers)  # every layer: one pipeline stage
     model.model = body
     model.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
     if config.tie_word_embeddings:
@@ -143,7 +145,10 @@ def load_moe_weights(
         for old, new in renames.items():
             name = name.replace(old, new)
         found = expert_target_of(name)
-        target, shard = found if found is not None else target_of(name)
+        fused, shard = found if found is not None else target_of(name)
+        target = stage_target(model, fused)
+        if target is None:  # another pipeline stage holds it
+            continue
         if target not in params:
             raise CorruptCheckpointError(f"checkpoint has an unexpected tensor {name}")
         module_name, _, _ = target.rpartition(".")

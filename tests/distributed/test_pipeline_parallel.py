@@ -1,0 +1,246 @@
+"""Pipeline parallelism gives the single-process engine's tokens, and fails and stops cleanly.
+
+The decoder layers are cut into stages (vLLM's even split, or VLLM_PP_LAYER_PARTITION), each
+stage on its own ranks; stage i sends each token's hidden state (and Llama's residual) to stage
+i + 1 and the last stage's logits go back to the driver, which samples. Every test runs its ranks
+on this CPU over gloo, spawned by the engine (or by torchrun), on tiny random models whose stages
+are uneven (3 layers over 2 stages: 2 + 1), tied embeddings included (the last stage's LM head
+reads the embedding table that only the first stage otherwise holds). One workload exercises
+chunked prefill, preemption and prefix caching at once, and the test checks that they ran. A
+killed stage fails the engine naming its rank; a size that does not fit is refused by name
+before any process starts. No test may leave a process behind (`no_leftover_processes`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from minivllm import LLM
+from minivllm.core.scheduler import SchedulerOutput
+from minivllm.distributed.pipeline import stage_sizes
+from minivllm.envs import pp_layer_partition
+from minivllm.executor.tensor_parallel import EngineDeadError
+from minivllm.worker.model_runner import ModelRunnerOutput
+from tests.distributed.test_tensor_parallel import ENGINE, greedy, tp_llm, workload
+from tests.utils.engine_utils import save_tiny_llama
+from tests.utils.tp_utils import live_descendants, no_leftover_processes
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+# A hang guard (a broken send would otherwise wait COLLECTIVE_TIMEOUT); no timing.
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes() -> Iterator[None]:
+    yield from no_leftover_processes()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """A 3-layer tied Llama (4 heads, 2 KV heads) and one process's greedy tokens for
+    `workload()` under chunking, preemption and prefix hits."""
+    path = save_tiny_llama(tmp_path_factory.mktemp("llama3"), num_hidden_layers=3)
+    with tp_llm(path, 1, **ENGINE) as one:
+        return path, greedy(one, workload())
+
+
+# ---------------------------------------------------------------------------------- the split
+def test_layers_split_evenly_with_the_remainder_before_the_last_stage() -> None:
+    assert stage_sizes(4, 2) == [2, 2]
+    assert stage_sizes(3, 2) == [2, 1]
+    assert stage_sizes(10, 4) == [2, 3, 3, 2]  # vLLM's rule: the last stage holds the LM head
+    assert stage_sizes(4, 2, [1, 3]) == [1, 3]
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("4,x", "VLLM_PP_LAYER_PARTITION must be comma-separated positive layer counts"),
+        ("0,4", "VLLM_PP_LAYER_PARTITION must be comma-separated positive layer counts"),
+    ],
+)
+def test_a_malformed_layer_partition_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str, message: str
+) -> None:
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", value)
+    with pytest.raises(ValueError, match=message):
+        pp_layer_partition()
+
+
+@pytest.mark.parametrize(
+    "kwargs, partition, message",
+    [
+        (dict(pipeline_parallel_size=0), None, "pipeline_parallel_size must be a positive"),
+        (dict(pipeline_parallel_size=4), None, "pipeline_parallel_size 4 is larger than the "),
+        (dict(pipeline_parallel_size=2), "1,1", r"VLLM_PP_LAYER_PARTITION 1,1 must give each"),
+        (
+            dict(pipeline_parallel_size=2, speculative_config={"num_speculative_tokens": 2}),
+            None,
+            "speculative_config is not supported with pipeline_parallel_size > 1",
+        ),
+    ],
+)
+def test_sizes_that_do_not_fit_are_refused_by_name_before_any_process(
+    llama: tuple[Path, list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+    kwargs: dict[str, Any],
+    partition: str | None,
+    message: str,
+) -> None:
+    if partition is not None:
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
+    before = set(live_descendants())
+    with pytest.raises(ValueError, match=message):
+        LLM(str(llama[0]), **kwargs)
+    assert set(live_descendants()) == before  # no worker was started
+
+
+# ---------------------------------------------------------------------------------- tokens
+@pytest.mark.parametrize(
+    "tp, pp, partition",
+    [(1, 2, None), (2, 2, None), (1, 2, "1,2")],
+    ids=["2-stages", "2-ranks-x-2-stages", "uneven-partition-1-2"],
+)
+def test_stages_give_one_process_s_greedy_tokens_under_chunking_preemption_and_prefix_hits(
+    llama: tuple[Path, list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+    tp: int,
+    pp: int,
+    partition: str | None,
+) -> None:
+    path, expected = llama
+    if partition is not None:
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)
+    with tp_llm(path, tp, pipeline_parallel_size=pp, **ENGINE) as llm:
+        first_stage_layers = 1 if partition else 2
+        assert llm.llm_engine.runner.kv_cache.shape[0] == first_stage_layers  # its own layers
+        executor = llm.llm_engine.executor
+        execute = executor.execute_model
+        chunks: list[Any] = []
+
+        def recording(sched: SchedulerOutput) -> ModelRunnerOutput:
+            chunks.extend(item for item in sched.scheduled if not item.sample)
+            return execute(sched)
+
+        executor.execute_model = recording  # type: ignore[method-assign]
+        assert greedy(llm, workload()) == expected
+        stats = llm.get_stats()
+    assert chunks  # prompt chunks that did not reach the end of their prompt
+    assert stats.num_preemptions > 0
+    assert stats.num_prefix_cache_hit_tokens >= 32
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen3-moe"])
+def test_two_stages_of_gemma_2_and_a_moe_give_one_process_s_greedy_tokens(
+    tmp_path: Path, family: str
+) -> None:
+    """Gemma 2's windowed and global layers keep their KV cache groups across the stages (each
+    stage fills a group's slots with its own layers: global; window | window); Qwen3-MoE's
+    experts sit on the stage of their layer."""
+    from tests.model.test_model_families import greedy as family_greedy
+    from tests.model.test_model_families import prompts_and_oracle, save_family
+    from tests.model.test_model_gemma import engine_prompts, save_gemma
+
+    engine: dict[str, Any] = dict(
+        skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=40, max_model_len=64
+    )
+    if family == "gemma2":
+        hf, path = save_gemma(tmp_path, "gemma2")
+        prompts, max_tokens, _ = engine_prompts(hf)
+        engine |= dict(max_num_batched_tokens=16, max_num_seqs=6, num_gpu_blocks_override=30)
+    else:
+        hf, path = save_family(tmp_path, family)
+        prompts, max_tokens, _ = prompts_and_oracle(hf, count=3)
+    with tp_llm(path, 1, **engine) as one:
+        expected = family_greedy(one, prompts, max_tokens)
+    with tp_llm(path, 1, pipeline_parallel_size=2, **engine) as llm:
+        if family == "gemma2":
+            manager = llm.llm_engine.kv_cache_manager
+            assert type(manager).__name__ == "HybridKVCacheCoordinator"
+        assert family_greedy(llm, prompts, max_tokens) == expected
+
+
+# ---------------------------------------------------------------------------------- failures
+def test_a_killed_stage_fails_the_engine_naming_its_rank_and_leaves_no_process(
+    llama: tuple[Path, list[list[int]]],
+) -> None:
+    path, _ = llama
+    llm = LLM(str(path), pipeline_parallel_size=2, num_gpu_blocks_override=32)
+    try:
+        (stage1,) = [psutil.Process(w.process.pid) for w in llm.llm_engine.executor.workers]  # type: ignore[attr-defined]
+        executor = llm.llm_engine.executor
+        execute = executor.execute_model
+        steps: list[SchedulerOutput] = []
+
+        def kill_at_third_step(sched: SchedulerOutput) -> ModelRunnerOutput:
+            steps.append(sched)
+            if len(steps) == 3:
+                stage1.kill()
+            return execute(sched)
+
+        executor.execute_model = kill_at_third_step  # type: ignore[method-assign]
+        prompts = [{"prompt_token_ids": [11 + i, 300, 77]} for i in range(3)]
+        with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {stage1.pid}\) was killed"):
+            greedy(llm, [p["prompt_token_ids"] for p in prompts])
+        assert len(steps) == 3  # it failed in the step that lost the stage
+    finally:
+        llm.shutdown()
+
+
+# ---------------------------------------------------------------------------------- torchrun
+TORCHRUN_SCRIPT = """
+import os, sys
+from minivllm import LLM, SamplingParams
+
+# torchrun runs this on every rank; on rank 1 building the LLM serves rank 0's steps, then exits.
+llm = LLM(sys.argv[1], pipeline_parallel_size=2, num_gpu_blocks_override=32)
+assert os.environ["RANK"] == "0"
+params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+prompts = [{"prompt_token_ids": [11 + i, 300 + 7 * i, 77, 5000 + i]} for i in range(4)]
+for out in llm.generate(prompts, params, use_tqdm=False):
+    print("tokens", *out.outputs[0].token_ids, flush=True)
+"""
+
+
+def test_torchrun_with_two_stages_gives_one_process_s_tokens(
+    tmp_path: Path, llama: tuple[Path, list[list[int]]]
+) -> None:
+    path, _ = llama
+    script = tmp_path / "pp_torchrun.py"
+    script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(script), str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, stdout + stderr[-4000:]
+    got = [
+        [int(t) for t in line.split()[1:]]
+        for line in stdout.splitlines()
+        if line.startswith("tokens")
+    ]
+    prompts = [[11 + i, 300 + 7 * i, 77, 5000 + i] for i in range(4)]
+    with tp_llm(path, 1, num_gpu_blocks_override=32) as one:
+        assert got == greedy(one, prompts)  # 16 tokens each, as the script asks
