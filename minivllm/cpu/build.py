@@ -36,6 +36,7 @@ wrapper is in `ops.py`; docs/concepts/attention-kernels.md explains the build.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import hashlib
@@ -44,13 +45,23 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from minivllm.cpu.isa import ENV_VAR, Build, CpuIsaUnsupported, IsaLevel, selected_level
+from minivllm.cpu.isa import (
+    ENV_VAR,
+    Build,
+    CpuIsaUnsupported,
+    IsaLevel,
+    level_named,
+    lower_builds,
+    selected_level,
+)
 from minivllm.envs import cache_root
 from minivllm.exceptions import CpuKernelUnavailable
 
@@ -355,3 +366,26 @@ def loaded_level() -> IsaLevel:
             "library; the level is chosen once per process, before the first model loads"
         )
     return level
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m minivllm.cpu.build [LEVEL ...]`: compile the library of each level now (default:
+    the level this process would run and every lower one `make test` runs the kernel tests at),
+    each in a process of its own, since a process loads one library. `make test` runs it beside
+    mypy, so that no test waits for a compiler."""
+    parser = argparse.ArgumentParser(prog="python -m minivllm.cpu.build", description=main.__doc__)
+    parser.add_argument("levels", nargs="*", help="level names (minivllm/cpu/isa.py)")
+    args = parser.parse_args(argv)
+    levels = [level_named(n) for n in args.levels] or [selected_level(), *lower_builds()]
+    for level in levels:
+        if level.build is None:
+            continue
+        code = "from minivllm.cpu.build import load_cpu_kernels; load_cpu_kernels()"
+        env = {**os.environ, ENV_VAR: level.name}
+        done = subprocess.run([sys.executable, "-c", code], env=env, check=False)
+        if done.returncode != 0:  # the failure is remembered; the tests fall back and say why
+            print(f"the CPU kernels for {level.name} did not build; see the lines above")
+
+
+if __name__ == "__main__":
+    main()
