@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from minivllm.entrypoints.protocol import OpenAIError
@@ -42,14 +43,31 @@ class OpenAIServingEmbedding(OpenAIServing):
             params.verify(pooler)
         except ValueError as exc:
             raise invalid_param(exc) from None
+        return await self._pool_each(
+            req, params, model, is_disconnected, "embd", lambda i, vector: {
+                "object": "embedding", "index": i, "embedding": vector,
+            },
+        )  # fmt: skip
+
+    async def _pool_each(
+        self,
+        req: Any,  # an EmbeddingRequest or a PoolingRequest: `input`, `encoding_format`
+        params: PoolingParams,
+        model: str,
+        is_disconnected: Any,
+        id_prefix: str,
+        item: Callable[[int, Any], dict[str, Any]],  # (index, encoded vector) -> one `data` entry
+    ) -> dict[str, Any]:
+        """Pool every input of a request (/v1/embeddings, /pooling) and answer in OpenAI's list
+        shape, `usage` counting the prompts' tokens."""
         prompts = [self._tokenized(p, params) for p in self._inputs(req.input)]
         self.check_capacity()
-        rid = f"embd-{uuid.uuid4().hex}"
+        rid = f"{id_prefix}-{uuid.uuid4().hex}"
         outputs = await self._collect(rid, prompts, [params] * len(prompts), is_disconnected)
         data = []
         for i, out in enumerate(outputs):
             assert out.pooled is not None
-            data.append({"object": "embedding", "index": i, "embedding": encode(out.pooled, req)})
+            data.append(item(i, encode(out.pooled, req)))
         num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         return {
             "id": rid,

@@ -20,7 +20,7 @@ from typing import Any
 from minivllm.entrypoints.protocol import OpenAIError
 from minivllm.entrypoints.protocol_pooling import PoolingRequest, RerankRequest, ScoreRequest
 from minivllm.entrypoints.serving import invalid_param
-from minivllm.entrypoints.serving_embedding import MAX_INPUTS, OpenAIServingEmbedding, encode
+from minivllm.entrypoints.serving_embedding import MAX_INPUTS, OpenAIServingEmbedding
 from minivllm.inputs import PromptType, truncate_prompt
 from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.pooling.scoring import cosine, pair_prompt
@@ -85,23 +85,10 @@ class OpenAIServingScore(OpenAIServingEmbedding):
         """The pooler's output per input: an embedding model's vector, a classifier's probs."""
         model = self.check_model(req.model)
         params = self._params(req.truncate_prompt_tokens)
-        prompts = [self._tokenized(p, params) for p in self._inputs(req.input)]
-        self.check_capacity()
-        rid = f"pool-{uuid.uuid4().hex}"
-        outputs = await self._collect(rid, prompts, [params] * len(prompts), is_disconnected)
-        data = []
-        for i, out in enumerate(outputs):
-            assert out.pooled is not None
-            data.append({"index": i, "object": "pooling", "data": encode(out.pooled, req)})
-        num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-        return {
-            "id": rid,
-            "object": "list",
-            "created": int(time.time()),
-            "model": model,
-            "data": data,
-            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-        }
+        return await self._pool_each(
+            req, params, model, is_disconnected, "pool",
+            lambda i, vector: {"index": i, "object": "pooling", "data": vector},
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
     async def _scores(
