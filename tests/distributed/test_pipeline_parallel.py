@@ -13,10 +13,6 @@ before any process starts. No test may leave a process behind (`no_leftover_proc
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,10 +29,7 @@ from minivllm.executor.tensor_parallel import EngineDeadError
 from minivllm.worker.model_runner import ModelRunnerOutput
 from tests.distributed.test_tensor_parallel import ENGINE, greedy, tp_llm, workload
 from tests.utils.engine_utils import save_tiny_llama
-from tests.utils.tp_utils import live_descendants, no_leftover_processes
-
-ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = Path(sys.executable).parent / "torchrun"
+from tests.utils.tp_utils import live_descendants, no_leftover_processes, torchrun_tokens
 
 # A hang guard (a broken send would otherwise wait COLLECTIVE_TIMEOUT); no timing.
 pytestmark = pytest.mark.timeout(600)
@@ -220,27 +213,7 @@ def test_torchrun_with_two_stages_gives_one_process_s_tokens(
     path, _ = llama
     script = tmp_path / "pp_torchrun.py"
     script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(script), str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, stdout + stderr[-4000:]
-    got = [
-        [int(t) for t in line.split()[1:]]
-        for line in stdout.splitlines()
-        if line.startswith("tokens")
-    ]
+    got = torchrun_tokens(script, path)
     prompts = [[11 + i, 300 + 7 * i, 77, 5000 + i] for i in range(4)]
     with tp_llm(path, 1, num_gpu_blocks_override=32) as one:
         assert got == greedy(one, prompts)  # 16 tokens each, as the script asks

@@ -29,10 +29,10 @@ from tests.utils.tp_utils import (
     fail_on_rank_one,
     live_descendants,
     no_leftover_processes,
+    torchrun_tokens,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = Path(sys.executable).parent / "torchrun"
 PROMPTS = [{"prompt_token_ids": [11 + i, 300 + 7 * i, 77, 5000 + i]} for i in range(4)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -220,27 +220,6 @@ for out in llm.generate(prompts, params, use_tqdm=False):
 def test_torchrun_with_two_ranks_gives_one_rank_s_tokens(tmp_path: Path, tiny: Path) -> None:
     script = tmp_path / "tp_torchrun.py"
     script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    # Its own process group, so that a failure here can stop torchrun and its ranks together.
-    proc = subprocess.Popen(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(script), str(tiny)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, stdout + stderr[-4000:]
-    got = [
-        [int(t) for t in line.split()[1:]]
-        for line in stdout.splitlines()
-        if line.startswith("tokens")
-    ]
+    got = torchrun_tokens(script, tiny)
     llm = LLM(str(tiny), num_gpu_blocks_override=32)
     assert got == tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))

@@ -9,10 +9,18 @@ collect their pids while they run and check them with `assert_gone`.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 GRACE_S = 15.0  # how long a stopped worker may take to disappear (a loaded 2-core machine)
 
@@ -71,3 +79,30 @@ def fail_on_rank_one(runner) -> int:
     if runner.model.tp.rank == 1:
         raise ValueError("rank one is broken")
     return runner.model.tp.rank
+
+
+def torchrun_tokens(script: Path, model: Path) -> list[list[int]]:
+    """Run `script MODEL` under `torchrun --standalone --nproc-per-node 2` in its own process group
+    (so that a failure stops torchrun and its ranks together) and return the token ids of each
+    line it prints as `tokens ID ID ...`."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(script), str(model)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, stdout + stderr[-4000:]
+    return [
+        [int(t) for t in line.split()[1:]]
+        for line in stdout.splitlines()
+        if line.startswith("tokens")
+    ]
