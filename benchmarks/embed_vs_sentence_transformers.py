@@ -1,0 +1,176 @@
+"""`LLM.embed` against sentence-transformers' `encode` on one embedding model (issue 48).
+
+A pooling request is a prefill with no decode (minivllm/pooling/). sentence-transformers pads each
+batch of 32 sentences to its longest (after sorting them by length) and runs transformers' BERT on
+the padded rectangle; minivllm packs the batch's tokens back to back under one token budget, so it
+computes no padding, and attends within each sentence through the attention backend's
+variable-length path.
+
+The model has all-MiniLM-L6-v2's shape (a 6-layer BERT, hidden 384, 12 heads, FFN 1536, mean
+pooling, normalized) with random weights and a small WordPiece vocabulary (speed does not depend on
+the weights or on the vocabulary's size). The sentences are 256 random word sequences of 16-128
+tokens each. Each engine runs in a process of its own with the same threads; the two alternate for
+`--rounds` rounds, and the medians and their ratio are printed with the CPU model and the load.
+
+    python -m benchmarks.embed_vs_sentence_transformers --rounds 3 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+CACHE = Path.home() / ".cache" / "minivllm-bench" / "minilm-l6-random"
+# all-MiniLM-L6-v2's BertConfig
+MINILM_SHAPE: dict[str, Any] = {
+    "hidden_size": 384,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 12,
+    "max_position_embeddings": 512,
+}
+
+
+def build_model(out: Path) -> Path:
+    """The random MiniLM-shaped sentence-transformers folder (built once, then reused)."""
+    if (out / "modules.json").exists():
+        return out
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    from tests.utils.pooling_utils import BERT_VOCAB, save_st_model
+
+    base = out.parent / (out.name + "-base")
+    base.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(BERT_VOCAB), initializer_range=0.05, **MINILM_SHAPE)
+    BertModel(config).save_pretrained(base)
+    (base / "vocab.txt").write_text("\n".join(BERT_VOCAB) + "\n")
+    BertTokenizer(str(base / "vocab.txt"), do_lower_case=True).save_pretrained(base)
+    return save_st_model(out, base, "mean", normalize=True)
+
+
+def make_sentences(model: Path, count: int, seed: int) -> list[str]:
+    """`count` sentences of 16-128 tokens (with [CLS] and [SEP]), lengths uniform at random."""
+    from transformers import AutoTokenizer
+
+    from tests.utils.pooling_utils import BERT_VOCAB
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    words = [w for w in BERT_VOCAB[5:] if w.isalpha() and not w.startswith("#")]
+    rng = random.Random(seed)
+    sentences = []
+    for _ in range(count):
+        target = rng.randint(16, 128)
+        text = ""
+        while True:
+            longer = (text + " " + rng.choice(words)).strip()
+            if len(tokenizer(longer)["input_ids"]) > target:
+                break
+            text = longer
+        sentences.append(text)
+    return sentences
+
+
+def run_one(engine: str, model: Path, sentences: list[str], threads: int) -> dict[str, float]:
+    """Embed `sentences` once to warm up, then once timed; seconds and tokens."""
+    import torch
+
+    torch.set_num_threads(threads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if engine == "sentence-transformers":
+            from sentence_transformers import SentenceTransformer
+
+            st = SentenceTransformer(str(model), device="cpu")
+
+            def embed() -> int:
+                return len(st.encode(sentences, batch_size=32))
+
+        else:
+            from minivllm import LLM
+
+            llm = LLM(str(model), cpu_kv_cache_space=1)
+
+            def embed() -> int:
+                return len(llm.embed(sentences, use_tqdm=False))
+
+    embed()
+    start = time.perf_counter()
+    done = embed()
+    seconds = time.perf_counter() - start
+    assert done == len(sentences)
+    return {"seconds": seconds}
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--num-sentences", type=int, default=256)
+    parser.add_argument(
+        "--one", choices=["minivllm", "sentence-transformers"], help=argparse.SUPPRESS
+    )
+    args = parser.parse_args()
+
+    model = build_model(CACHE)
+    sentences_file = CACHE.parent / f"minilm-sentences-{args.num_sentences}.json"
+    if not sentences_file.exists():
+        sentences_file.write_text(json.dumps(make_sentences(model, args.num_sentences, seed=0)))
+    sentences = json.loads(sentences_file.read_text())
+
+    if args.one:  # the child process: one engine, one timed pass, JSON on stdout
+        print(json.dumps(run_one(args.one, model, sentences, args.threads)))
+        return
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tokens = sum(len(tokenizer(s)["input_ids"]) for s in sentences)
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load before: {os.getloadavg()[:3]}")
+    print(
+        f"{len(sentences)} sentences, {tokens} tokens; {args.threads} threads; {args.rounds} rounds"
+    )
+    seconds: dict[str, list[float]] = {"minivllm": [], "sentence-transformers": []}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    for round_ in range(args.rounds):
+        for engine in seconds:
+            out = subprocess.run(
+                [sys.executable, "-m", "benchmarks.embed_vs_sentence_transformers", "--one", engine,
+                 "--threads", str(args.threads), "--num-sentences", str(args.num_sentences)],
+                check=True, capture_output=True, text=True, env=env,
+            )  # fmt: skip
+            took = json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+            seconds[engine].append(took)
+            print(
+                f"round {round_ + 1} {engine:>22}: {took:.2f} s ({len(sentences) / took:.1f} sentences/s)"
+            )
+    medians = {engine: statistics.median(values) for engine, values in seconds.items()}
+    ratio = medians["sentence-transformers"] / medians["minivllm"]
+    print(f"load after: {os.getloadavg()[:3]}")
+    for engine, median in medians.items():
+        print(
+            f"{engine:>22}: median {median:.2f} s, {len(sentences) / median:.1f} sentences/s, {tokens / median:.0f} tokens/s"
+        )
+    print(f"minivllm / sentence-transformers throughput: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
