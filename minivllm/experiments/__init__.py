@@ -7,5 +7,6 @@ the block files reads a parameter that only an experiment needs.
 
 `reservation.py`: the paper's Orca baselines (§6.2) as KV cache managers, chosen with
 `kv_allocation` (minivllm/config/__init__.py names their classes); `simulated_executor.py`: no model, a
-roofline clock. These modules import the engine and the core; nothing below imports them.
+roofline clock; `parallel_network.py`: tensor, pipeline and data parallelism's traffic and step
+time over a link between two nodes, on paper (docs/distributed.md's table). These modules import the engine and the core; nothing below imports them.
 """
