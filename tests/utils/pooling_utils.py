@@ -102,6 +102,7 @@ def save_tiny_bert(out: Path, num_labels: int | None = None, seed: int = 0) -> P
     from transformers import BertConfig, BertForSequenceClassification, BertModel, BertTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
+    labels: dict[str, Any] = {} if num_labels is None else {"num_labels": num_labels}
     config = BertConfig(
         vocab_size=len(BERT_VOCAB),
         hidden_size=64,
@@ -110,7 +111,7 @@ def save_tiny_bert(out: Path, num_labels: int | None = None, seed: int = 0) -> P
         num_attention_heads=4,
         max_position_embeddings=256,
         initializer_range=0.2,
-        **({} if num_labels is None else {"num_labels": num_labels}),
+        **labels,
     )
     torch.manual_seed(seed)
     model = BertModel(config) if num_labels is None else BertForSequenceClassification(config)
