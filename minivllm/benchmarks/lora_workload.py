@@ -65,10 +65,11 @@ def write_random_adapter(
     rank: int,
     folder: Path,
     seed: int = 0,
+    lora_alpha: float | None = None,
 ) -> Path:
     """A PEFT folder of a rank-`rank` adapter of every module of `targets`: A ~ N(0, 1/in) and B ~
-    N(0, 1/r) scaled by 1/16, so the delta is small next to the base weight, and
-    `lora_alpha = r` (scale 1)."""
+    N(0, 1/r) scaled by 1/16, so the delta is small next to the base weight at the default
+    `lora_alpha = r` (scale 1); a larger alpha makes it larger."""
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
@@ -83,7 +84,7 @@ def write_random_adapter(
     config = {
         "peft_type": "LORA",
         "r": rank,
-        "lora_alpha": rank,
+        "lora_alpha": rank if lora_alpha is None else lora_alpha,
         "target_modules": sorted({m.rpartition(".")[2] for m in targets}),
         "bias": "none",
     }
