@@ -54,8 +54,10 @@ SUFFIXES = (".lora_a", ".lora_b")
 def is_gguf_file(path: str) -> bool:
     """A GGUF file (by its name, or by its magic whatever its name) rather than a PEFT folder."""
     file = Path(path).expanduser()
+    if file.is_dir():
+        return False
     if file.suffix == ".gguf":
-        return True
+        return True  # a missing or truncated one is then refused as a GGUF file
     if not file.is_file():
         return False
     with file.open("rb") as f:
@@ -78,6 +80,11 @@ def _check_header(reader: Any, where: str, config: LlamaConfig, base_arch: str) 
     if adapter_type != "lora":
         raise UnsupportedLoRAError(
             f"{where}: adapter.type is {adapter_type!r}; only 'lora' adapters are supported"
+        )
+    if "adapter.alora.invocation_tokens" in reader.fields:
+        raise UnsupportedLoRAError(
+            f"{where}: adapter.alora.invocation_tokens is set (an activated LoRA, applied only "
+            "after its invocation tokens), which is not supported"
         )
     arch = _field(reader, "general.architecture")
     if arch != base_arch:

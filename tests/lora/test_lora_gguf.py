@@ -46,6 +46,13 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "adapter.gguf": convert_lora(config, peft, root / "adapter.gguf", "llama"),
         "qwen2-adapter.gguf": convert_lora(config, peft, root / "qwen2.gguf", "qwen2"),
         "wide-adapter.gguf": convert_lora(wide_config, wide_peft, root / "wide.gguf", "llama"),
+        "alora-adapter.gguf": convert_lora(
+            config,
+            peft,
+            root / "alora.gguf",
+            "llama",
+            extra_fields={"adapter.alora.invocation_tokens": [5, 6]},
+        ),
     }
 
 
@@ -81,6 +88,7 @@ def test_a_gguf_adapter_on_a_gguf_base_equals_its_peft_folder_and_peft_itself(
         ("qwen2-adapter.gguf", LoRAShapeError, "general.architecture is 'qwen2'"),
         ("wide-adapter.gguf", LoRAShapeError, r"blk\.0\.attn_k\.weight has lora_a \(8, 96\)"),
         ("base.gguf", LoRAFileError, "general.type is None, not 'adapter'"),
+        ("alora-adapter.gguf", UnsupportedLoRAError, "adapter.alora.invocation_tokens is set"),
         ("missing.gguf", LoRAFileError, "cannot read GGUF file"),
     ],
 )

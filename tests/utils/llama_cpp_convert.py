@@ -263,13 +263,19 @@ def qtypes_by_layer(table: dict[str, tuple[int, ...]]) -> Callable[[str], int]:
 
 
 def convert_lora(
-    config: Any, adapter: Path, path: Path, arch: str, alpha: float | None = None
+    config: Any,
+    adapter: Path,
+    path: Path,
+    arch: str,
+    alpha: float | None = None,
+    extra_fields: dict[str, object] | None = None,
 ) -> Path:
     """Write the PEFT adapter folder `adapter` (of a base with transformers config `config`) as
     llama.cpp's convert_lora_to_gguf.py does: `general.type = "adapter"`, `adapter.type =
     "lora"`, `adapter.lora.alpha`; each pair under its base tensor's name plus `.lora_a` [r, in]
     and `.lora_b` [out, r]; the base converter's q/k permutation applied to B's rows (it permutes
-    the product B·A, whose rows are B's). `alpha` overrides the folder's lora_alpha."""
+    the product B·A, whose rows are B's). `alpha` overrides the folder's lora_alpha;
+    `extra_fields` are added to the metadata."""
     import json
 
     lora_config = json.loads((adapter / "adapter_config.json").read_text())
@@ -287,5 +293,6 @@ def convert_lora(
         "general.type": "adapter",
         "adapter.type": "lora",
         "adapter.lora.alpha": float(lora_config["lora_alpha"] if alpha is None else alpha),
+        **(extra_fields or {}),
     }
     return write_gguf(path, fields, tensors, arch=arch)
