@@ -273,6 +273,23 @@ def test_13_copy_prompts_keep_most_drafts_and_the_text_is_unchanged(tmp_path: Pa
 
 
 @pytest.mark.slow
+def test_14_adapters_share_steps_by_slot_the_lru_evicts_and_each_answers_its_own(
+    tmp_path: Path,
+) -> None:
+    out = run_tutorial("14_lora_adapters.py", tmp_path)  # it asserts the merged-weight answers
+    one, two = (number(rf"max_loras={n}: (\d+) steps", out) for n in (1, 2))
+    assert two < one  # two slots: chat need not wait for sql's requests
+    assert re.search(
+        r"step 1: rows \(adapter@slot\) sql@0, sql@0, base@-1; slots \{'0': 'sql'\}", out
+    )
+    assert re.search(r"rows \(adapter@slot\) chat@0; slots \{'0': 'chat'\}", out)  # the LRU's turn
+    assert "sql@0, chat@1, sql@0, base@-1" in out  # one step, two adapters
+    assert "chat was evicted from slot 1" in out  # sql was touched since: chat is the LRU
+    assert len(re.findall(r"= transformers with it merged: True", out)) == 4
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "14_lora_slots.png")
+
+
+@pytest.mark.slow
 def test_15_embeddings_equal_sentence_transformers_and_the_query_ranks_first(
     tmp_path: Path,
 ) -> None:

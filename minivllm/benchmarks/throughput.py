@@ -15,12 +15,18 @@ roofline and the op profile are investigations, not a user's command: `python -m
 benchmarks.throughput_vs_peers` in a checkout (benchmarks/README.md), which builds on the
 functions here.
 
+With `--enable-lora --lora-path PATH --max-loras N` every request runs under one of N adapters
+drawn at random, as vLLM's throughput bench does (lora_workload.py; `--lora-path random:R` for a
+random rank-R adapter of every linear). The useful FLOPs stay the base model's: the adapters'
+shrink and expand are the cost being measured.
+
 It imports the offline API and the engine's arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +45,12 @@ from minivllm.benchmarks.engine_under_test import (
     workload_for,
 )
 from minivllm.benchmarks.isolated import current_rss_bytes, peak_rss_bytes, run_isolated
+from minivllm.benchmarks.lora_workload import (
+    adapter_path,
+    add_lora_arguments,
+    check_lora_arguments,
+    random_lora_requests,
+)
 from minivllm.benchmarks.machine import measure_matmul_flops, timed
 from minivllm.benchmarks.report import (
     SYSTEM_HEADERS,
@@ -51,6 +63,7 @@ from minivllm.benchmarks.report import (
 from minivllm.benchmarks.workload import BenchRequest, add_workload_arguments, fixed_params
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.llm import LLM
+from minivllm.lora.request import LoRARequest
 
 EPILOG = (
     "The workload of the Performance page (64 prompts, input and output 16-256):\n"
@@ -61,6 +74,9 @@ EPILOG = (
     "  minivllm bench throughput --num-prompts 4 --input-len 128 --output-len 128 \\\n"
     "      --max-num-seqs 1 --llama-server PATH\n"
     "  minivllm bench throughput --num-prompts 32 --llama-server PATH\n"
+    "Four rank-16 adapters of every linear, one drawn per request (vLLM's --lora-path):\n"
+    "  minivllm bench throughput --quick --enable-lora --max-loras 4 --max-lora-rank 16 \\\n"
+    "      --lora-path random:16\n"
     "Against transformers and vLLM's CPU build, in the same run (from a checkout):\n"
     "  python -m benchmarks.throughput_vs_peers --help\n\n"
     + GPU_EPILOG.format(name="throughput", extra=" \\\n      --num-prompts 1000")
@@ -75,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser, num_prompts=64, input_len="16-256", output_len="16-256")
     EngineArgs.add_cli_args(parser)
     add_run_arguments(parser)
+    add_lora_arguments(parser)
     g = parser.add_argument_group("limits")
     g.add_argument("--quick", action="store_true", help="16 prompts, input and output 16-128")
     g.add_argument(
@@ -85,12 +102,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------------- minivllm
-def run_minivllm(llm: LLM, requests: Sequence[BenchRequest]) -> dict[str, Any]:
+def run_minivllm(
+    llm: LLM, requests: Sequence[BenchRequest], loras: Sequence[LoRARequest] | None = None
+) -> dict[str, Any]:
     params = [fixed_params(r.output_len) for r in requests]
     before = llm.get_stats()
     t: dict[str, float] = {}
     with timed(llm.llm_engine.device, t):
-        outputs = llm.generate(prompts_of(requests), params)
+        outputs = llm.generate(prompts_of(requests), params, lora_request=loras)
     after = llm.get_stats()
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -128,7 +147,16 @@ def minivllm_process(args: argparse.Namespace, measure: Measure | None = None) -
     )
     warm_up(llm)
     before = rank_reports(llm)
-    row = run_minivllm(llm, requests)
+    with contextlib.ExitStack() as stack:
+        loras = None
+        if args.lora_path is not None:
+            path = stack.enter_context(adapter_path(llm, args.lora_path, args.seed))
+            loras = random_lora_requests(path, args.max_loras, len(requests), args.seed)
+            header += (
+                f", LoRA {args.lora_path} as {len({r.lora_int_id for r in loras})} of "
+                f"max_loras={args.max_loras} adapters"
+            )
+        row = run_minivllm(llm, requests, loras)
     row.update(peak_rss_bytes=peak_rss_bytes(), start_rss_bytes=start_rss)
     ranks = tensor_parallel_rows(before, rank_reports(llm), requests)
     peak_flops = measure_matmul_flops(dtype, device, size=args.matmul_size)
@@ -244,6 +272,9 @@ def print_ratios(rows: list[dict[str, Any]]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     apply_quick(args)
+    check_lora_arguments(args)
+    if args.lora_path is not None and args.llama_server is not None:
+        raise ValueError("--lora-path is not supported with --llama-server (minivllm only)")
     llama = llama_cpp.setup_from_flags(args.llama_server, args.model, args.llama_cpp_threads)
     if args.threads:
         torch.set_num_threads(args.threads)  # as the bench's process does: machine_load says so

@@ -8,6 +8,7 @@ and one expand over the whole batch add each row's delta.
 - `request.py`     `LoRARequest(lora_name, lora_int_id, lora_path)`
 - `errors.py`      the typed errors of a bad adapter, each naming what is wrong
 - `peft_loader.py` a PEFT folder (adapter_config.json + adapter_model.safetensors), checked
+- `gguf_loader.py` a llama.cpp GGUF adapter file (convert_lora_to_gguf.py's), on a GGUF base
 - `punica.py`      shrink / expand in plain PyTorch: the specification
 - `layers.py`      the wrappers that give a linear (and the slices of a fused one) its delta
 - `manager.py`     device slots and the host-memory LRU: add, activate, evict

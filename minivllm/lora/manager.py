@@ -3,7 +3,8 @@
 vLLM's `LRUCacheLoRAModelManager` and `LRUCacheWorkerLoRAManager` (vllm/lora/models.py,
 vllm/lora/worker_manager.py), folded into one object per model runner:
 
-- `add_lora(request)` reads and checks an adapter (peft_loader.py) into host memory, the most
+- `add_lora(request)` reads and checks an adapter (a PEFT folder: peft_loader.py; a llama.cpp
+  GGUF file on a GGUF base: gguf_loader.py) into host memory, the most
   recently used last; past `max_cpu_loras` the least recently used one is dropped (it is read
   from its folder again if a later request needs it). The engine calls it when a request is
   added, so a bad adapter is refused there, by name, before the request is queued.
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
 from minivllm.config.lora import LoRAConfig
+from minivllm.lora.gguf_loader import is_gguf_file, load_gguf_adapter
 from minivllm.lora.layers import BaseLinearLayerWithLoRA, LoRAMapping, wrap_linears
 from minivllm.lora.peft_loader import LoRAModel, load_peft_adapter
 from minivllm.lora.request import LoRARequest
@@ -32,9 +35,16 @@ from minivllm.model.models.llama import LlamaForCausalLM
 
 class LoRAModelManager:
     def __init__(
-        self, model: LlamaForCausalLM, config: LoRAConfig, dtype: torch.dtype, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        config: LoRAConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        base_gguf: Path | None = None,  # the .gguf file the model came from, if it did
     ) -> None:
         self.config = config
+        self.model_config = model.config
+        self.base_gguf = base_gguf
         self.dtype = dtype
         self.device = device
         self.mapping = LoRAMapping()
@@ -53,14 +63,21 @@ class LoRAModelManager:
         """The adapter in host memory (read and checked now if it is not), marked most recent."""
         lora = self.cpu_loras.get(request.lora_int_id)
         if lora is None:
-            lora = load_peft_adapter(
-                request, self.targets, self.config.max_lora_rank, self.dtype
-            )  # raises, changing nothing, on a bad adapter
+            lora = self._read(request)  # raises, changing nothing, on a bad adapter
             self.cpu_loras[request.lora_int_id] = lora
             while len(self.cpu_loras) > self.config.max_cpu_loras:
                 self.cpu_loras.popitem(last=False)
         self.cpu_loras.move_to_end(request.lora_int_id)
         return lora
+
+    def _read(self, request: LoRARequest) -> LoRAModel:
+        """A PEFT folder, or a llama.cpp GGUF adapter file (on a GGUF base only)."""
+        rank = self.config.max_lora_rank
+        if is_gguf_file(request.lora_path):
+            return load_gguf_adapter(
+                request, self.targets, rank, self.dtype, self.model_config, self.base_gguf
+            )
+        return load_peft_adapter(request, self.targets, rank, self.dtype)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter, from its slot and from host memory (vLLM's `remove_lora`)."""

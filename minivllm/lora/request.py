@@ -2,7 +2,7 @@
 
 Plain data, so it travels in the scheduler's message to the worker unchanged: the scheduler reads
 `lora_int_id` (slots are counted by it, and it keys the prefix cache), the worker reads
-`lora_path` (where the adapter's PEFT folder is, read again if it left host memory).
+`lora_path` (where the adapter's PEFT folder or GGUF file is, read again if it left host memory).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 class LoRARequest:
     lora_name: str  # what the user calls it (the server's model name for it)
     lora_int_id: int  # unique per adapter, >= 1 (vLLM's rule: 0 is the base model)
-    lora_path: str  # a PEFT folder: adapter_config.json + adapter_model.safetensors
+    lora_path: str  # a PEFT folder, or a llama.cpp GGUF adapter file (GGUF base models)
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int):

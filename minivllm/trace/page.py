@@ -86,7 +86,9 @@ TEMPLATE = """<!doctype html>
   <section id="batch-section">
     <h2>This step's batch <small id="batch-summary"></small></h2>
     <table id="batch"><thead><tr><th>seq</th><th>request</th><th>computed before</th>
-      <th>new tokens</th><th>kind</th></tr></thead><tbody></tbody></table>
+      <th>new tokens</th><th>kind</th><th id="lora-head" hidden>adapter (slot)</th></tr></thead>
+      <tbody></tbody></table>
+    <p id="lora-slots" hidden></p>
     <p id="waiting"></p>
     <h2>Events</h2>
     <ul id="events"></ul>

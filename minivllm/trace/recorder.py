@@ -19,18 +19,26 @@ A step's record, as `trace.json` stores it (docs/trace.md documents every field;
 keys are strings, so seq ids and block ids are strings as keys):
 
     {"step", "scheduled": [{"seq_id", "request_id", "num_computed_tokens", "num_new_tokens",
-     "block_table", "num_spec_tokens", "num_accepted_tokens"}], "num_batched_tokens", "block_tables": {seq_id: [block id | null]},
+     "block_table", "num_spec_tokens", "num_accepted_tokens"[, "lora_slot", "lora_name"]}],
+     "num_batched_tokens", "block_tables": {seq_id: [block id | null]},
      "num_computed_tokens": {seq_id: n}, "ref_counts": {block id: n > 0}, "cached_blocks",
      "copies": [[src, dst]], "preempted", "forked", "finished", "finish_reasons",
      "cache_hits": [{"seq_id", "num_cached_tokens", "blocks"}], "evicted", "num_free_blocks",
      "kv_slots": {"reserved", "filled", "future", "internal_fragmentation"}, "num_running",
-     "num_waiting", "waiting"}
+     "num_waiting", "waiting"[, "lora_slots": {slot: lora_name}]}
 
 A `null` in a block table is an entry a sliding window freed: no query of that sequence sees its
 tokens again, so the block went back to the pool (minivllm/core/sliding_window_manager.py). A
 model whose layers keep their KV in groups (Gemma 2/3: minivllm/core/kv_cache_coordinator.py) has
 a table per group: `block_tables` are the first (global) group's, a step's `group_block_tables`
 the others' in group order, and the trace's `kv_cache_groups` say which layers each one serves.
+
+With LoRA on (`enable_lora`), each scheduled row also names its adapter and the device slot its
+rows ran with (-1 and null: the base model), and a step has `lora_slots`, the adapters resident
+after it. The slots are the model runner's choice (minivllm/lora/manager.py: it activates the
+step's adapters before the forward), not the scheduler's, so they are read from the driver's LoRA
+manager after the step, as the pool is: nothing moves an adapter between a step and the next one's
+activation, so what is resident after the step is what its rows used.
 
 Thread safety (the live dashboard reads from the server's thread while the engine thread
 records): records are built outside the lock and never changed afterwards; the lock only guards
@@ -54,6 +62,8 @@ from minivllm.core.scheduler import ScheduledSequence, SchedulerOutput
 from minivllm.core.sequence import Sequence as EngineSequence
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.step_listener import StepOutputs
+from minivllm.lora.manager import LoRAModelManager
+from minivllm.lora.request import LoRARequest
 from minivllm.trace.page import write_page
 
 TRACE_FORMAT_VERSION = 1
@@ -93,6 +103,8 @@ class StepRecorder:
         self._following: dict[int, EngineSequence] = {}  # unfinished sequences seen so far
         self._prev_holders: set[int] = set()
         self._prev_cached: dict[int, BlockHash] = {}  # block id -> the name it carried
+        self._lora: LoRAModelManager | None = None  # the driver's, when LoRA is on
+        self._lora_requests: dict[int, LoRARequest] = {}  # the engine's: every adapter added
 
     # ------------------------------------------------------------------ attaching
     def attach(self, engine: LLMEngine) -> None:
@@ -116,6 +128,10 @@ class StepRecorder:
                 {"sliding_window": g.sliding_window, "layers": list(g.layer_ids)}
                 for g in manager.kv_cache_groups
             ]
+        self._lora = engine.runner.lora_manager
+        if self._lora is not None:
+            self.meta["max_loras"] = self._lora.config.max_loras
+            self._lora_requests = engine.lora_requests
         self._tokenizer = engine.tokenizer
         self._following = dict(engine.scheduler.seqs)
         self._prev_holders = {s for s in self._following if s in pool.block_tables}
@@ -191,6 +207,8 @@ class StepRecorder:
             "num_waiting": outputs.num_waiting,
             "waiting": list(outputs.waiting),  # queue order, front first
         }
+        if self._lora is not None:
+            self._add_lora_slots(record, sched)
         if others:  # a hybrid model's other KV cache groups
             record["group_block_tables"] = [{str(s): t for s, t in g.items()} for g in others]
         mentioned = scheduled_ids | set(holders) | set(finished) | set(sched.preempted_seq_ids)
@@ -207,6 +225,20 @@ class StepRecorder:
             del seqs[s]
         self._prev_holders = set(holders)
         self._prev_cached = cached
+
+    def _add_lora_slots(self, record: StepRecord, sched: SchedulerOutput) -> None:
+        """Each row's adapter and slot, and the slots' adapters (after the step: see above)."""
+        assert self._lora is not None
+        slots = dict(self._lora.slots)  # lora_int_id -> slot
+        for row, item in zip(record["scheduled"], sched.scheduled):
+            lora = item.lora_request
+            row["lora_slot"] = -1 if lora is None else slots[lora.lora_int_id]
+            row["lora_name"] = None if lora is None else lora.lora_name
+        record["lora_slots"] = {
+            str(slot): self._lora_requests[i].lora_name
+            for i, slot in sorted(slots.items(), key=lambda kv: kv[1])
+            if i in self._lora_requests  # a slot filled outside the engine's add_lora: unnamed
+        }
 
     def _update_seq(self, seq: EngineSequence, step_no: int) -> None:
         rec = self._seqs.get(seq.seq_id)

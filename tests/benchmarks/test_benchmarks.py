@@ -24,6 +24,7 @@ from minivllm.benchmarks.workload import (
     random_requests,
     token_pool,
 )
+from minivllm.llm import LLM
 from tests.utils.engine_utils import parse_bench_args as parse
 from tests.utils.engine_utils import save_tiny_llama
 
@@ -112,6 +113,38 @@ def test_throughput_reports_minivllm_alone_and_the_flops_fraction(
     assert flops["fraction_of_matmul_peak"] == pytest.approx(
         flops["minivllm_flops_per_s"] / flops["matmul_peak_flops_per_s"]
     )
+
+
+def test_throughput_with_lora_runs_each_request_under_one_of_max_loras_random_adapters(
+    tiny_llama: Path,
+) -> None:
+    """`--lora-path random:8`: minivllm's process (in this one: `main` only adds the spawn)
+    writes a rank-8 adapter of every linear, and the run loads it under max_loras ids."""
+    argv = ["--model", str(tiny_llama), "--num-prompts", "6", "--input-len", "8-16"]
+    argv += ["--output-len", "3", "--matmul-size", "64", "--num-gpu-blocks-override", "64"]
+    argv += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+    args = parse(throughput, [*argv, "--lora-path", "random:8"])
+    seen: dict[str, object] = {}
+
+    def measure(llm: LLM, *_: object) -> dict[str, object]:
+        manager = llm.llm_engine.runner.lora_manager
+        assert manager is not None
+        seen["ids"] = sorted(manager.cpu_loras)
+        seen["layers"] = {len(lora.layers) for lora in manager.cpu_loras.values()}
+        return {}
+
+    mini = throughput.minivllm_process(args, measure)
+    assert mini["row"]["output_tokens"] == 6 * 3
+    assert "LoRA random:8 as 2 of max_loras=2 adapters" in mini["header"]
+    assert seen == {"ids": [1, 2], "layers": {2 * 7}}  # 2 layers x q, k, v, o, gate, up, down
+    for bad, error in [
+        ([], "--enable-lora needs --lora-path"),
+        (["--lora-path", "random:x"], "R in random:R must be a positive integer"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            throughput.main(parse(throughput, [*argv, *bad]))
+    with pytest.raises(ValueError, match="--lora-path needs --enable-lora"):
+        throughput.main(parse(throughput, ["--lora-path", "random:8"]))
 
 
 def test_naive_allocator_never_exceeds_its_budget_and_wastes_the_over_reservation() -> None:

@@ -18,10 +18,12 @@ from typing import Any
 import pytest
 
 from minivllm import LLM, SamplingParams
+from minivllm.benchmarks.lora_workload import write_random_adapter
 from minivllm.entrypoints import cli
+from minivllm.lora.request import LoRARequest
 from minivllm.trace import StepRecorder, render_page
 from tests.utils.engine_utils import save_tiny_llama
-from tests.utils.trace_scenario import PROMPTS, make_llm, params, run_traced
+from tests.utils.trace_scenario import ENGINE_KWARGS, PROMPTS, make_llm, params, run_traced
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +208,37 @@ def test_minivllm_trace_cli_writes_the_trace_and_the_page(tiny_model: Path, tmp_
     assert len(trace["sequences"]) == 4  # two prompts, two samples each
     assert any(step["forked"] for step in trace["steps"])
     assert (out / "index.html").read_text().startswith("<!doctype html>")
+
+
+def test_with_lora_each_row_names_its_adapter_and_slot_and_the_slots_follow_the_lru(
+    tiny_model: Path, traced: dict[str, Any], tmp_path: Path
+) -> None:
+    """One slot, two adapters: "a" runs in slot 0 beside the base model, "b" waits for the slot
+    and takes it when "a" finishes. The trace's rows and `lora_slots` say so at every step; a
+    trace without LoRA has none of these fields."""
+    llm = LLM(str(tiny_model), enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE_KWARGS)
+    manager = llm.llm_engine.runner.lora_manager
+    assert manager is not None
+    a, b = (
+        LoRARequest(name, i + 1, str(write_random_adapter(manager.targets, 8, tmp_path / name, i)))
+        for i, name in enumerate("ab")
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with llm.trace() as trace:
+        llm.generate(PROMPTS, greedy, use_tqdm=False, lora_request=[a, None, b, a])
+    recorded = trace.to_dict()
+    assert recorded["max_loras"] == 1
+    names_by_step = []
+    for step in recorded["steps"]:
+        rows = step["scheduled"]
+        assert all((r["lora_slot"] == -1) == (r["lora_name"] is None) for r in rows)
+        used = {r["lora_name"]: r["lora_slot"] for r in rows if r["lora_name"] is not None}
+        assert len(used) <= 1 and all(slot == 0 for slot in used.values())
+        assert set(used) <= set(step["lora_slots"].values())
+        names_by_step.append(step["lora_slots"].get("0"))
+    assert names_by_step[0] == "a" and names_by_step[-1] == "b"
+    assert names_by_step.index("b") > max(i for i, n in enumerate(names_by_step) if n == "a")
+    assert 'id="lora-head"' in render_page(recorded)
+    plain = traced["trace"]
+    assert "max_loras" not in plain and all("lora_slots" not in s for s in plain["steps"])
+    assert all("lora_slot" not in r for s in plain["steps"] for r in s["scheduled"])

@@ -260,3 +260,39 @@ def qtypes_by_layer(table: dict[str, tuple[int, ...]]) -> Callable[[str], int]:
         return choices[int(parts[1]) % len(choices)]
 
     return qtype_of
+
+
+def convert_lora(
+    config: Any,
+    adapter: Path,
+    path: Path,
+    arch: str,
+    alpha: float | None = None,
+    extra_fields: dict[str, object] | None = None,
+) -> Path:
+    """Write the PEFT adapter folder `adapter` (of a base with transformers config `config`) as
+    llama.cpp's convert_lora_to_gguf.py does: `general.type = "adapter"`, `adapter.type =
+    "lora"`, `adapter.lora.alpha`; each pair under its base tensor's name plus `.lora_a` [r, in]
+    and `.lora_b` [out, r]; the base converter's q/k permutation applied to B's rows (it permutes
+    the product B·A, whose rows are B's). `alpha` overrides the folder's lora_alpha;
+    `extra_fields` are added to the metadata."""
+    import json
+
+    lora_config = json.loads((adapter / "adapter_config.json").read_text())
+    state = load_file(str(adapter / "adapter_model.safetensors"))
+    tensors: dict[str, tuple[np.ndarray, int]] = {}
+    for key, w in state.items():  # base_model.model.{module}.lora_A.weight
+        module, part = key.removeprefix("base_model.model.").rsplit(".", 2)[:2]
+        w = w.float()
+        if part == "lora_B" and arch == "llama" and module.endswith(("q_proj", "k_proj")):
+            heads = "num_attention_heads" if module.endswith("q_proj") else "num_key_value_heads"
+            w = permute(w, getattr(config, heads))
+        suffix = {"lora_A": ".lora_a", "lora_B": ".lora_b"}[part]
+        tensors[gguf_name(f"{module}.weight", arch) + suffix] = (w.numpy(), 0)
+    fields: dict[str, object] = {
+        "general.type": "adapter",
+        "adapter.type": "lora",
+        "adapter.lora.alpha": float(lora_config["lora_alpha"] if alpha is None else alpha),
+        **(extra_fields or {}),
+    }
+    return write_gguf(path, fields, tensors, arch=arch)

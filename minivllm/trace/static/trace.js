@@ -68,6 +68,7 @@
       `max_num_seqs ${trace.max_num_seqs}`,
       `prefix caching ${trace.enable_prefix_caching ? "on" : "off"}`,
     ];
+    if (trace.max_loras !== undefined) parts.push(`LoRA: max_loras ${trace.max_loras}`);
     if (live) parts.push(`live: the last ${trace.max_steps} steps`);
     $("meta").textContent = parts.join(" · ");
   }
@@ -184,17 +185,33 @@
     return (whole ? "prefill" : "prefill chunk") + ` tokens ${start}–${end - 1}${cachedNote}`;
   }
 
+  // With LoRA on, each row's adapter and the device slot its rows ran with (-1: the base model).
+  function adapterCell(item) {
+    const text = item.lora_slot < 0 ? "base model" : `${item.lora_name} (slot ${item.lora_slot})`;
+    return el("td", { "data-lora-slot": item.lora_slot, text });
+  }
+
   function renderBatch(step) {
     const body = $("batch").tBodies[0];
     body.replaceChildren();
+    const lora = step.lora_slots !== undefined;
+    $("lora-head").hidden = !lora;
     for (const item of step.scheduled) {
-      body.append(el("tr", { "data-seq": item.seq_id }, [
+      const cells = [
         el("td", {}, [dot(item.seq_id), String(item.seq_id)]),
         el("td", { text: item.request_id }),
         el("td", { class: "num", text: item.num_computed_tokens }),
         el("td", { class: "num", text: item.num_new_tokens }),
         el("td", { text: kindOf(item, step) }),
-      ]));
+      ];
+      if (lora) cells.push(adapterCell(item));
+      body.append(el("tr", { "data-seq": item.seq_id }, cells));
+    }
+    $("lora-slots").hidden = !lora;
+    if (lora) {
+      const resident = Object.entries(step.lora_slots).map(([slot, name]) => `${slot}: ${name}`);
+      $("lora-slots").textContent =
+        `LoRA slots after the step (of ${trace.max_loras}): ${resident.join(", ") || "none"}`;
     }
     $("batch-summary").textContent =
       `${step.scheduled.length} sequences, ${step.num_batched_tokens} of ` +
