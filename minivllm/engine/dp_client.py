@@ -172,7 +172,6 @@ class DPLBAsyncMPClient:
         self.prefix_affinity = client.config.cache.enable_prefix_caching
         self._engine_of: dict[str, int] = {}  # request id -> its core, until it finishes
         self._lock = threading.Lock()  # the event loop adds, the readers' sinks drop
-        self.num_requests_sent = [0] * len(self.clients)  # per core, since the start
 
     # ------------------------------------------------------------------ the model's facts
     @property
@@ -253,7 +252,6 @@ class DPLBAsyncMPClient:
         engine = choose_engine(self.loads(), home)
         with self._lock:
             self._engine_of[request_id] = engine
-        self.num_requests_sent[engine] += 1
         self.clients[engine].add_request(request_id, prompt, params, out)
 
     def abort(self, request_ids: list[str]) -> None:
