@@ -106,7 +106,22 @@ def test_a_dead_core_fails_requests_by_name_and_stopping_leaves_no_process(
     server: RemoteServer,
 ) -> None:
     pids = core_pids(server)
-    os.kill(pids[1], signal.SIGKILL)
+    # A long request homed on core 1, killed under it: it fails by name, it does not hang.
+    prefix = next(
+        p
+        for b in range(400, 600, BLOCK_SIZE)
+        if prefix_home(p := list(range(b, b + BLOCK_SIZE)), BLOCK_SIZE, 2) == 1
+    )
+    with ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(complete, server, [*prefix, 9], 120)
+        deadline = time.monotonic() + 30
+        while server.metric("vllm:num_requests_running", engine="1") < 1:
+            assert time.monotonic() < deadline and not in_flight.done(), "it never ran on core 1"
+            time.sleep(0.02)
+        os.kill(pids[1], signal.SIGKILL)
+        response = in_flight.result(timeout=30)
+    assert response.status_code == 500, response.text
+    assert f"engine core 1 (pid {pids[1]})" in response.json()["error"]["message"]
     assert wait_gone(pids[1])
     deadline = time.monotonic() + 10
     while httpx.get(server.url + "/health", timeout=5).status_code != 503:
