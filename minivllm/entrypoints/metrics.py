@@ -100,7 +100,7 @@ class ServerMetrics:
         data_parallel_size: int = 1,
     ) -> None:
         self.registry = CollectorRegistry()
-        self._LABELS = ("model_name", "engine") if data_parallel_size > 1 else ("model_name",)
+        self._label_names = ("model_name", "engine") if data_parallel_size > 1 else ("model_name",)
         self._add_scheduler_gauges()
         self._add_step_counters()
         self.hidden = self._add_hidden_series() if show_hidden_metrics else None
@@ -127,13 +127,15 @@ class ServerMetrics:
 
     # ------------------------------------------------------------------ the series
     def _gauge(self, name: str, doc: str) -> Gauge:
-        return Gauge(PREFIX + name, doc, self._LABELS, registry=self.registry)
+        return Gauge(PREFIX + name, doc, self._label_names, registry=self.registry)
 
     def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-        return Counter(PREFIX + name, doc, [*self._LABELS, *extra], registry=self.registry)
+        return Counter(PREFIX + name, doc, [*self._label_names, *extra], registry=self.registry)
 
     def _histogram(self, name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
-        return Histogram(PREFIX + name, doc, self._LABELS, buckets=buckets, registry=self.registry)
+        return Histogram(
+            PREFIX + name, doc, self._label_names, buckets=buckets, registry=self.registry
+        )
 
     def _add_scheduler_gauges(self) -> None:
         # Scheduler state, after every step (gauges).
