@@ -59,6 +59,14 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Unpack[EngineKwargs]) -> None:
         """Load `model` (None: the bundled SmolLM2-135M-Instruct) and size its KV cache."""
         config = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
+        if config.parallel.data_parallel_size > 1:
+            # vLLM runs offline DP as one process per rank, each its own LLM on a slice of the
+            # prompts; minivllm's data parallelism is the server's (one front, N engine cores).
+            raise ValueError(
+                "data_parallel_size > 1 is not supported by the offline LLM (it runs one engine); "
+                "serve the model with `minivllm serve MODEL -dp N` instead, got "
+                f"data_parallel_size={config.parallel.data_parallel_size}"
+            )
         self.llm_engine = LLMEngine(config)
         self._counter = 0
 

@@ -277,6 +277,7 @@ DEFERRED = {
         for target in (
             "minivllm.engine.arg_utils",
             "minivllm.engine.core_client",
+            "minivllm.engine.dp_client",
             "minivllm.engine.llm_engine",
             "minivllm.entrypoints.api_server",
             "minivllm.entrypoints.cli_args",

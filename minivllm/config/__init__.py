@@ -172,10 +172,46 @@ class ParallelConfig:
     # tensor_parallel_size ranks of its own: tensor_parallel_size x pipeline_parallel_size ranks.
     # Whether the model has a layer for each stage is checked when its config is read.
     pipeline_parallel_size: int = 1
+    # Engine cores behind one API server (vLLM's data parallelism): each a whole engine, with its
+    # own copy of the weights and its own KV cache; the server sends each request to one of them
+    # (minivllm/engine/dp_client.py). Only `minivllm serve` runs more than one.
+    data_parallel_size: int = 1
+    # Of those, how many run on this host; unset: all of them. minivllm's cores talk to the
+    # server over pipes, so every core is local: a smaller value (DP across hosts) is refused.
+    data_parallel_size_local: int | None = None
+    # vLLM's address and RPC port of the DP coordinator between hosts: refused when set, as above.
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size)
+        if self.data_parallel_size_local is None:
+            self.data_parallel_size_local = self.data_parallel_size
+        local = self.data_parallel_size_local
+        if (
+            isinstance(local, bool)
+            or not isinstance(local, int)
+            or not (1 <= local <= self.data_parallel_size)
+        ):
+            raise ValueError(
+                f"data_parallel_size_local must be in [1, data_parallel_size="
+                f"{self.data_parallel_size}], got {local!r}"
+            )
+        if local < self.data_parallel_size:
+            raise ValueError(
+                "data parallelism across hosts is not supported (every engine core runs on the "
+                f"server's host): data_parallel_size_local must equal data_parallel_size="
+                f"{self.data_parallel_size}, got {local}"
+            )
+        for name in ("data_parallel_address", "data_parallel_rpc_port"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name} is not supported: it names vLLM's DP coordinator between hosts, and "
+                    "minivllm's engine cores are all local, driven over pipes; unset it, got "
+                    f"{getattr(self, name)!r}"
+                )
 
 
 @dataclass(frozen=True)

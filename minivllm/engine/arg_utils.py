@@ -170,6 +170,24 @@ class EngineArgs:
         "VLLM_PP_LAYER_PARTITION ('4,4')",
         short="-pp",
     )
+    data_parallel_size: int = _arg(
+        1,
+        "engine cores behind one API server, each a whole engine with its own weights and KV "
+        "cache; the server sends each request to the least-loaded core, prompts that share their "
+        "first KV block to the same core (minivllm serve only; docs/distributed.md)",
+        short="-dp",
+    )
+    data_parallel_size_local: int | None = _arg(
+        None,
+        "of the data_parallel_size cores, how many run on this host; unset: all (the only "
+        "value supported: DP across hosts is not)",
+    )
+    data_parallel_address: str | None = _arg(
+        None, "vLLM's address of the DP coordinator between hosts: not supported (cores are local)"
+    )
+    data_parallel_rpc_port: int | None = _arg(
+        None, "vLLM's RPC port of the DP coordinator between hosts: not supported (cores are local)"
+    )
     # ---------------------------------------------------------------------- structured outputs
     structured_outputs_config: str | None = _arg(
         None,
@@ -327,6 +345,10 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                data_parallel_size_local=self.data_parallel_size_local,
+                data_parallel_address=self.data_parallel_address,
+                data_parallel_rpc_port=self.data_parallel_rpc_port,
             ),
             resolved=_resolve(model),
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
@@ -416,6 +438,10 @@ class EngineKwargs(TypedDict, total=False):
     max_num_batched_tokens: int
     tensor_parallel_size: int
     pipeline_parallel_size: int
+    data_parallel_size: int
+    data_parallel_size_local: int | None
+    data_parallel_address: str | None
+    data_parallel_rpc_port: int | None
     structured_outputs_config: str | None
     enable_lora: bool
     max_loras: int

@@ -70,7 +70,20 @@ class EngineCoreClient:
     """Owns the core process. Build it in the thread that lives as long as the server (the main
     thread): the core's parent-death signal is tied to the thread that started it."""
 
-    def __init__(self, config: EngineConfig, torch_threads: int | None = None) -> None:
+    max_model_len: int
+    vocab_size: int
+    structured_output_manager: StructuredOutputManager
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        torch_threads: int | None = None,
+        index: int | None = None,
+        wait_ready: bool = True,
+    ) -> None:
+        """`index`: the core's data-parallel rank (dp_client.py), named in its errors;
+        `wait_ready=False` returns once the process started (call `wait_ready()`), so that
+        several cores load their models at once."""
         self.config = config
         mc = config.model
         self.source = config.resolved.source
@@ -82,12 +95,21 @@ class EngineCoreClient:
         self.process = ctx.Process(
             target=run_engine_core,
             args=(child_conn, config, os.getpid(), torch_threads or default_core_threads()),
-            name="minivllm-engine-core",
+            name="minivllm-engine-core" if index is None else f"minivllm-engine-core-{index}",
         )
         self.process.start()
         child_conn.close()  # the core's end lives in the core now: its exit is our EOF
+        # What errors call the core (the frontend's 5xx say which core died).
+        self.name = "the engine core" if index is None else f"engine core {index}"
+        if index is not None:
+            self.name += f" (pid {self.process.pid})"
         self._send_lock = threading.Lock()
         atexit.register(self.shutdown)  # before multiprocessing's own atexit joins the child
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """The core's handshake: the facts only the built engine knows."""
         ready = self._handshake()
         self.pid = ready.pid
         self.max_model_len = ready.max_model_len
@@ -95,13 +117,13 @@ class EngineCoreClient:
         self._diff_sampling_param = ready.diff_sampling_param
         self.startup_stats = ready.stats
         self.structured_output_manager = StructuredOutputManager(
-            self.tokenizer, self.vocab_size, ready.stop_token_ids, config.structured_outputs
+            self.tokenizer, self.vocab_size, ready.stop_token_ids, self.config.structured_outputs
         )
 
     def _handshake(self) -> CoreReady:
         try:
             if not self.conn.poll(STARTUP_TIMEOUT_S):
-                raise RuntimeError(f"the engine core did not start in {STARTUP_TIMEOUT_S:.0f} s")
+                raise RuntimeError(f"{self.name} did not start in {STARTUP_TIMEOUT_S:.0f} s")
             message = self.conn.recv()
         except EOFError:
             self.process.join(5.0)
@@ -113,7 +135,7 @@ class EngineCoreClient:
             self.shutdown()
             if isinstance(message.error, ValueError):  # a configuration error: as in-process
                 raise message.error
-            raise RuntimeError(f"the engine core failed to start: {message.message}")
+            raise RuntimeError(f"{self.name} failed to start: {message.message}")
         assert isinstance(message, CoreReady), message
         return message
 
@@ -140,7 +162,7 @@ class EngineCoreClient:
         self.send(Shutdown())
         self.process.join(SHUTDOWN_TIMEOUT_S)
         if self.process.is_alive():
-            logger.warning("the engine core did not exit in time; killing it")
+            logger.warning("%s did not exit in time; killing it", self.name)
             self.process.kill()
             self.process.join()
 
@@ -205,11 +227,11 @@ class AsyncMPClient(EngineClientBase):
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                self._die("the engine core process exited")
+                self._die(f"{self.engine.name} process exited")
                 return
             if isinstance(message, CoreFailed):
-                logger.error("the engine core died:\n%s", message.message)
-                self._die(f"the engine core failed: {message.message.strip().splitlines()[-1]}")
+                logger.error("%s died:\n%s", self.engine.name, message.message)
+                self._die(f"{self.engine.name} failed: {message.message.strip().splitlines()[-1]}")
                 return
             assert isinstance(message, CoreOutputs), message
             self._dispatch(message)
@@ -237,7 +259,7 @@ class AsyncMPClient(EngineClientBase):
         if not self._stopping:
             process.join(1.0)  # for its exit code
             why = f"{why} (exit code {process.exitcode}); restart the server"
-            logger.error("engine core dead: %s", why)
+            logger.error("engine core dead: %s", why)  # `why` names the core
         error = EngineDeadError(why)
         with self._lock:
             self.dead_error = error

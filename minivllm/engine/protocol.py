@@ -91,8 +91,10 @@ class EngineClient(Protocol):
     def get_diff_sampling_param(self) -> dict[str, Any]: ...  # generation_config.json defaults
 
     # ---- live state
-    stats: EngineStats  # published after each step
-    dead_error: BaseException | None  # set once the engine died; every request then fails
+    @property
+    def stats(self) -> EngineStats: ...  # published after each step
+    @property
+    def dead_error(self) -> BaseException | None: ...  # set once the engine died: all then fail
 
     @property
     def is_running(self) -> bool: ...  # /health

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.engine.async_llm_engine import AsyncLLMEngine
 from minivllm.engine.core_client import AsyncMPClient, EngineCoreClient
+from minivllm.engine.dp_client import DPEngineCoreClient, DPLBAsyncMPClient
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.protocol import EngineClient, EngineFacts, RequestParamsType
 from minivllm.entrypoints.cli_args import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
@@ -81,13 +82,16 @@ def make_engine_client(
     engine: EngineFacts, metrics: ServerMetrics, log_requests: bool = False
 ) -> EngineClient:
     """The `EngineClient` for `engine`: the client of an engine-core process is driven over its
-    pipe (`AsyncMPClient`), an `LLMEngine` by a thread of this process (`AsyncLLMEngine`)."""
+    pipe (`AsyncMPClient`), N data-parallel cores over theirs with a load balancer in front
+    (`DPLBAsyncMPClient`), an `LLMEngine` by a thread of this process (`AsyncLLMEngine`)."""
 
-    def on_add(request_id: str, params: RequestParamsType) -> None:
-        metrics.on_add(request_id, params)
+    def on_add(request_id: str, params: RequestParamsType, engine: int = 0) -> None:
+        metrics.on_add(request_id, params, engine)
         if log_requests:  # vLLM's --enable-log-requests line
             logger.info("Received request %s: params: %s", request_id, params)
 
+    if isinstance(engine, DPEngineCoreClient):
+        return DPLBAsyncMPClient(engine, on_step=metrics.on_step, on_add=on_add)
     if isinstance(engine, EngineCoreClient):
         return AsyncMPClient(engine, on_step=metrics.on_step, on_add=on_add)
     assert isinstance(engine, LLMEngine), type(engine)
@@ -116,7 +120,12 @@ def make_metrics(
         "swap_space_bytes": 0,
     }
     return ServerMetrics(
-        model_name, log_stats_interval_s, engine.max_model_len, cache_info, show_hidden_metrics
+        model_name,
+        log_stats_interval_s,
+        engine.max_model_len,
+        cache_info,
+        show_hidden_metrics,
+        engine.config.parallel.data_parallel_size,
     )
 
 

@@ -149,6 +149,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from minivllm.engine.arg_utils import EngineArgs
     from minivllm.engine.core_client import EngineCoreClient
+    from minivllm.engine.dp_client import DPEngineCoreClient
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.entrypoints.api_server import build_app
     from minivllm.entrypoints.draining_server import ABORT_GRACE_S, DrainingServer
@@ -165,11 +166,19 @@ def serve(args: argparse.Namespace) -> int:
                 "--engine-core-process cannot serve --enable-dashboard or "
                 "--tensor-parallel-size > 1 (they need the engine in the server's process)"
             )
-        engine: LLMEngine | EngineCoreClient = (
-            EngineCoreClient(config, args.engine_core_threads)
-            if args.engine_core_process
-            else LLMEngine(config)
-        )
+        dp = config.parallel.data_parallel_size
+        if dp > 1 and args.enable_dashboard:
+            raise ValueError(
+                "--enable-dashboard is not supported with --data-parallel-size > 1 (it needs the "
+                f"engine in the server's process), got data_parallel_size={dp}"
+            )
+        engine: LLMEngine | EngineCoreClient | DPEngineCoreClient
+        if dp > 1:  # one engine-core process per rank
+            engine = DPEngineCoreClient(config, args.engine_core_threads)
+        elif args.engine_core_process:
+            engine = EngineCoreClient(config, args.engine_core_threads)
+        else:
+            engine = LLMEngine(config)
     names = args.served_model_name or [args.model or engine.source.name]
 
     def ready() -> None:  # logged once the engine thread runs, before uvicorn's own line

@@ -12,11 +12,18 @@ each step: the latencies come from the engine's own timestamps (`RequestOutput.m
 time.monotonic), and the intervals are vLLM's (docs/design/metrics.md there): queue = arrival to
 the latest scheduling, prefill = scheduling to first token, decode = first to last token,
 inference = scheduling to last token.
+
+With data parallelism (`minivllm serve -dp N`, minivllm/engine/dp_client.py) each engine core's
+steps arrive with its index: every series then also carries vLLM's `engine="<index>"` label, and
+the counters' differences and the log line are kept per core. With one engine the label is left
+out, so that single-engine series keep the names they have always had here (vLLM writes
+`engine="0"` there too).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, fields
 from typing import Any
@@ -90,37 +97,45 @@ class ServerMetrics:
         max_model_len: int = 2048,
         cache_config: dict[str, Any] | None = None,
         show_hidden_metrics: bool = False,
+        data_parallel_size: int = 1,
     ) -> None:
         self.registry = CollectorRegistry()
+        self._label_names = ("model_name", "engine") if data_parallel_size > 1 else ("model_name",)
         self._add_scheduler_gauges()
         self._add_step_counters()
         self.hidden = self._add_hidden_series() if show_hidden_metrics else None
         self._add_request_histograms(build_1_2_5_buckets(max_model_len))
         self._add_latency_histograms()
         self._add_cache_info(cache_config or {})
-        self._label = {"model_name": model_name}
-        for reason in FINISH_REASONS:  # present at 0 from the start, as vLLM does
-            self.success.labels(model_name=model_name, finished_reason=reason)
+        # Each engine's labels; one engine: no `engine` label (the module's docstring says why).
+        self._labels = [
+            {"model_name": model_name, **({"engine": str(i)} if data_parallel_size > 1 else {})}
+            for i in range(data_parallel_size)
+        ]
+        for lab in self._labels:
+            for reason in FINISH_REASONS:  # present at 0 from the start, as vLLM does
+                self.success.labels(**lab, finished_reason=reason)
         self._seen: dict[str, _Seen] = {}
-        self.spec_decode: tuple[Counter, Counter, Counter, list[Any]] | None = None
-        self._last: EngineStats | None = None
+        self.spec_decode: tuple[Counter, Counter, Counter, Counter] | None = None
+        self._spec_lock = threading.Lock()  # several cores' reader threads may register it
+        self._last: list[EngineStats | None] = [None] * data_parallel_size
         self.log_interval_s = log_interval_s
         # The first window counts from the server's start, so a burst shorter than two
         # intervals still gets its line.
-        self._log_last = _ZERO_STATS
-        self._log_time = time.monotonic()
+        self._log_last = [_ZERO_STATS] * data_parallel_size
+        self._log_time = [time.monotonic()] * data_parallel_size
 
     # ------------------------------------------------------------------ the series
-    _LABELS = ("model_name",)
-
     def _gauge(self, name: str, doc: str) -> Gauge:
-        return Gauge(PREFIX + name, doc, self._LABELS, registry=self.registry)
+        return Gauge(PREFIX + name, doc, self._label_names, registry=self.registry)
 
     def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-        return Counter(PREFIX + name, doc, [*self._LABELS, *extra], registry=self.registry)
+        return Counter(PREFIX + name, doc, [*self._label_names, *extra], registry=self.registry)
 
     def _histogram(self, name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
-        return Histogram(PREFIX + name, doc, self._LABELS, buckets=buckets, registry=self.registry)
+        return Histogram(
+            PREFIX + name, doc, self._label_names, buckets=buckets, registry=self.registry
+        )
 
     def _add_scheduler_gauges(self) -> None:
         # Scheduler state, after every step (gauges).
@@ -157,29 +172,30 @@ class ServerMetrics:
             [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
         )  # fmt: skip
 
-    def _add_spec_decode_counters(self, num_spec_tokens: int) -> None:
+    def _add_spec_decode_counters(self) -> tuple[Counter, Counter, Counter, Counter]:
         # Speculative decoding (vLLM's SpecDecodingProm), registered once an engine speculates.
-        per_pos = self._counter(
-            "spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position.",
-            ("position",),
-        )
-        self.spec_decode = (
-            self._counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
-            self._counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
-            self._counter("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
-            [per_pos.labels(**self._label, position=str(i)) for i in range(num_spec_tokens)],
-        )
+        with self._spec_lock:
+            if self.spec_decode is None:
+                self.spec_decode = (
+                    self._counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
+                    self._counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
+                    self._counter("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+                    self._counter(
+                        "spec_decode_num_accepted_tokens_per_pos",
+                        "Accepted tokens per draft position.",
+                        ("position",),
+                    ),
+                )
+            return self.spec_decode
 
-    def _observe_spec_decode(self, stats: EngineStats, last: EngineStats) -> None:
+    def _observe_spec_decode(self, stats: EngineStats, last: EngineStats, engine: int) -> None:
         per_pos = stats.spec_decode_num_accepted_tokens_per_pos
         if not per_pos:
             return
-        if self.spec_decode is None:
-            self._add_spec_decode_counters(len(per_pos))
-        assert self.spec_decode is not None
-        drafts, draft_tokens, accepted, by_pos = self.spec_decode
-        lab = self._label
+        drafts, draft_tokens, accepted, accepted_per_pos = (
+            self.spec_decode or self._add_spec_decode_counters()
+        )
+        lab = self._labels[engine]
         drafts.labels(**lab).inc(stats.spec_decode_num_drafts - last.spec_decode_num_drafts)
         draft_tokens.labels(**lab).inc(
             stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens
@@ -188,8 +204,8 @@ class ServerMetrics:
             stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens
         )
         before = last.spec_decode_num_accepted_tokens_per_pos or (0,) * len(per_pos)
-        for counter, now, then in zip(by_pos, per_pos, before):
-            counter.inc(now - then)
+        for i, (now, then) in enumerate(zip(per_pos, before)):
+            accepted_per_pos.labels(**lab, position=str(i)).inc(now - then)
 
     def _add_hidden_series(self) -> tuple[Gauge, Counter, Counter]:
         # vLLM's deprecated names, shown only with --show-hidden-metrics-for-version (vLLM's
@@ -274,22 +290,24 @@ class ServerMetrics:
             cache_info.set(1)
 
     # ------------------------------------------------------------------ the engine-thread hooks
-    def on_add(self, request_id: str, params: object) -> None:
-        """A request entered the engine: its parameters' histograms (a pooling request's
-        none: it samples nothing)."""
+    def on_add(self, request_id: str, params: object, engine: int = 0) -> None:
+        """A request entered engine core `engine`: its parameters' histograms (a pooling
+        request's none: it samples nothing)."""
         if not isinstance(params, SamplingParams | BeamSearchParams):
             return
+        lab = self._labels[engine]
         n = params.n if isinstance(params, SamplingParams) else params.beam_width
-        self.request_params_n.labels(**self._label).observe(n)
+        self.request_params_n.labels(**lab).observe(n)
         if params.max_tokens is not None:
-            self.request_params_max_tokens.labels(**self._label).observe(params.max_tokens)
+            self.request_params_max_tokens.labels(**lab).observe(params.max_tokens)
 
-    def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
-        lab = self._label
+    def on_step(self, stats: EngineStats, outputs: list[RequestOutput], engine: int = 0) -> None:
+        """Engine core `engine` published a step: its stats and outputs."""
+        lab = self._labels[engine]
         self.running.labels(**lab).set(stats.num_running)
         self.waiting.labels(**lab).set(stats.num_waiting)
         self.kv_usage.labels(**lab).set(stats.kv_cache_usage)
-        last = self._last or _ZERO_STATS
+        last = self._last[engine] or _ZERO_STATS
         prompt = stats.num_prompt_tokens_computed - last.num_prompt_tokens_computed
         generated = stats.num_generated_tokens - last.num_generated_tokens
         self.generation_tokens.labels(**lab).inc(generated)
@@ -305,14 +323,14 @@ class ServerMetrics:
             gpu_queries.labels(**lab).inc(queries)
             gpu_hits.labels(**lab).inc(hits)
         self.preemptions.labels(**lab).inc(stats.num_preemptions - last.num_preemptions)
-        self._observe_spec_decode(stats, last)
-        self._last = stats
+        self._observe_spec_decode(stats, last, engine)
+        self._last[engine] = stats
         for out in outputs:
-            self._observe(out)
-        self._maybe_log(stats)
+            self._observe(out, lab)
+        self._maybe_log(stats, engine)
 
-    def _observe(self, out: RequestOutput) -> None:
-        lab, m = self._label, out.metrics
+    def _observe(self, out: RequestOutput, lab: dict[str, str]) -> None:
+        m = out.metrics
         seen = self._seen.setdefault(out.request_id, _Seen())
         first, last = m.get("first_token_time"), m.get("last_token_time")
         num_tokens = max((len(o.token_ids) for o in out.outputs), default=0)
@@ -327,10 +345,10 @@ class ServerMetrics:
             seen.last_token_time, seen.num_tokens = last, num_tokens
         if out.finished:
             del self._seen[out.request_id]
-            self._observe_finished(out)
+            self._observe_finished(out, lab)
 
-    def _observe_finished(self, out: RequestOutput) -> None:
-        lab, m = self._label, out.metrics
+    def _observe_finished(self, out: RequestOutput, lab: dict[str, str]) -> None:
+        m = out.metrics
         reason = "error" if out.error else (out.outputs[0].finish_reason or "abort")
         self.success.labels(**lab, finished_reason=reason).inc()
         arrival, end = m["arrival_time"], m.get("finished_time", time.monotonic())
@@ -355,13 +373,13 @@ class ServerMetrics:
         if max(lengths, default=0) > 1:
             self.request_tpot.labels(**lab).observe((last - first) / (max(lengths) - 1))
 
-    def _maybe_log(self, stats: EngineStats) -> None:
+    def _maybe_log(self, stats: EngineStats, engine: int) -> None:
         now = time.monotonic()
-        elapsed = now - self._log_time
+        elapsed = now - self._log_time[engine]
         if elapsed < self.log_interval_s:
             return
-        prev = self._log_last
-        self._log_time, self._log_last = now, stats
+        prev = self._log_last[engine]
+        self._log_time[engine], self._log_last[engine] = now, stats
         prompt = stats.num_prompt_tokens_computed - prev.num_prompt_tokens_computed
         gen = stats.num_generated_tokens - prev.num_generated_tokens
         idle = prompt == gen == stats.num_running == stats.num_waiting == 0
@@ -370,9 +388,10 @@ class ServerMetrics:
         queries = stats.num_prefix_cache_queries
         hit_rate = stats.num_prefix_cache_hit_tokens / queries if queries else 0.0
         logger.info(
-            "Engine: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
+            "Engine%s: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f "
             "tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
             "Prefix cache hit rate: %.1f%%, Preemptions: %d",
+            f" {engine:03d}" if len(self._labels) > 1 else "",  # vLLM's "Engine 000:"
             prompt / elapsed,
             gen / elapsed,
             stats.num_running,

@@ -134,6 +134,10 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         max_num_batched_tokens=50,
         tensor_parallel_size=1,
         pipeline_parallel_size=1,
+        data_parallel_size=2,
+        data_parallel_size_local=2,
+        data_parallel_address=None,  # refused when set (tests/engine/test_engine_args.py INVALID)
+        data_parallel_rpc_port=None,
         structured_outputs_config='{"backend": "xgrammar", "disable_any_whitespace": true}',
         enable_lora=True,
         max_loras=2,
@@ -214,6 +218,17 @@ INVALID = [
     ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer, got 0"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be a positive integer, got 0"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
+    ({"data_parallel_size": 0}, "data_parallel_size must be a positive integer, got 0"),
+    (
+        {"data_parallel_size_local": 3, "data_parallel_size": 2},
+        "data_parallel_size_local must be in [1, data_parallel_size=2], got 3",
+    ),
+    (
+        {"data_parallel_size_local": 1, "data_parallel_size": 2},
+        "data parallelism across hosts is not supported",
+    ),
+    ({"data_parallel_address": "10.0.0.1"}, "data_parallel_address is not supported"),
+    ({"data_parallel_rpc_port": 13345}, "data_parallel_rpc_port is not supported"),
     ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be a positive integer, got 0"),
     ({"runner": "draft"}, "runner must be one of ('auto', 'generate', 'pooling'), got 'draft'"),
     ({"convert": "reward"}, "convert must be one of ('auto', 'none', 'embed', 'classify')"),
