@@ -9,6 +9,8 @@ and one expand over the whole batch add each row's delta.
 - `errors.py`      the typed errors of a bad adapter, each naming what is wrong
 - `peft_loader.py` a PEFT folder (adapter_config.json + adapter_model.safetensors), checked
 - `punica.py`      shrink / expand in plain PyTorch: the specification
+- `triton_punica.py` the same two ops as Triton kernels (the triton backend's)
+- `punica_selector.py` which implementation a backend runs (the cpu backend's: minivllm/cpu/)
 - `layers.py`      the wrappers that give a linear (and the slices of a fused one) its delta
 - `manager.py`     device slots and the host-memory LRU: add, activate, evict
 

@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from minivllm.lora.peft_loader import LoRALayerWeights
-from minivllm.lora.punica import NO_LORA, expand, shrink
+from minivllm.lora.punica import NO_LORA
+from minivllm.lora.punica_selector import REFERENCE_OPS, PunicaOps
 from minivllm.model.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -45,8 +46,10 @@ from minivllm.model.models.llama import LlamaForCausalLM
 
 @dataclass
 class LoRAMapping:
-    """The step's rows -> slots, shared by every wrapper of one model (set once per step)."""
+    """The step's rows -> slots, shared by every wrapper of one model (set once per step), and the
+    shrink / expand every wrapper runs on it (chosen once, with the attention backend)."""
 
+    ops: PunicaOps = REFERENCE_OPS
     token_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     has_lora: bool = False  # some row has an adapter: otherwise the wrappers skip both ops
 
@@ -113,11 +116,11 @@ class BaseLinearLayerWithLoRA(nn.Module):
         out = self.base_layer(x)
         if not self.mapping.has_lora:
             return out
-        slots = self.mapping.token_slots
+        slots, ops = self.mapping.token_slots, self.mapping.ops
         offset = 0
         for a, b in zip(self.lora_a_stacked, self.lora_b_stacked):
-            y = shrink(x, a, slots)  # [T, R]
-            expand(out, y, b, slots, self.scales, offset)
+            y = ops.shrink(x, a, slots)  # [T, R]
+            ops.expand(out, y, b, slots, self.scales, offset)
             offset += b.shape[1]
         return out
 

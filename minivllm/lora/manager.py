@@ -26,18 +26,24 @@ import torch
 from minivllm.config.lora import LoRAConfig
 from minivllm.lora.layers import BaseLinearLayerWithLoRA, LoRAMapping, wrap_linears
 from minivllm.lora.peft_loader import LoRAModel, load_peft_adapter
+from minivllm.lora.punica_selector import get_punica_ops
 from minivllm.lora.request import LoRARequest
 from minivllm.model.models.llama import LlamaForCausalLM
 
 
 class LoRAModelManager:
     def __init__(
-        self, model: LlamaForCausalLM, config: LoRAConfig, dtype: torch.dtype, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        config: LoRAConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention_backend: str = "reference",  # whose shrink / expand kernels run (punica_selector)
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.mapping = LoRAMapping()
+        self.mapping = LoRAMapping(ops=get_punica_ops(attention_backend))
         self.layers: dict[str, BaseLinearLayerWithLoRA] = wrap_linears(
             model, self.mapping, config.max_loras, config.max_lora_rank, dtype, device
         )
