@@ -18,7 +18,8 @@ the delta of the adapter's module i, each with its own A (its shrink reads the s
 Every wrapper reads the step's row -> slot map from one `LoRAMapping` that the manager owns and
 the model runner fills before each forward (vLLM's `PunicaWrapper` plays this part): the model's
 forward signature stays the attention metadata's, and the map is an explicit object every wrapper
-was handed, not a global.
+was handed, not a global. The mapping also carries the shrink and expand the wrappers run, chosen
+once with the attention backend (punica_selector.py: punica.py, the CPU library's, or Triton's).
 
 Tensor parallelism would shard A and B as vLLM does (a column-parallel layer's B by output rows, a
 row-parallel layer's A by input columns, its partial shrink all-reduced); minivllm refuses
