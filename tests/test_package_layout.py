@@ -336,6 +336,12 @@ DEFERRED = {
     ("minivllm.structured_output.manager", "minivllm.structured_output.xgrammar_backend"): (
         "optional dependency: xgrammar, heavy to import, loaded at the first constrained request"
     ),
+    **{
+        ("minivllm.lora.punica_selector", target): (
+            "optional dependency: Triton, imported when the triton backend runs LoRA adapters"
+        )
+        for target in ("minivllm.lora", "minivllm.lora.triton_punica")
+    },
 }
 
 

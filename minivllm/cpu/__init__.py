@@ -19,6 +19,7 @@ What lives here, and the test that holds each source to its plain-PyTorch refere
 | `cpu_activation_rope.cpp` | `silu_and_mul`, `rotary_embedding` | tests/cpu/test_kernels_cpu_activation_rope.py |
 | `cpu_skinny_gemm.cpp` | `skinny_gemm` | tests/cpu/test_kernels_cpu_skinny_gemm.py |
 | `cpu_gguf_gemm.cpp` | `gguf_linear`, `gguf_dequantize` | tests/cpu/test_kernels_cpu_gguf.py |
+| `cpu_lora_punica.cpp` | `lora_shrink`, `lora_expand` (Punica's batched LoRA ops, run by minivllm/lora/ on the `cpu` backend) | tests/cpu/test_kernels_cpu_lora_punica.py |
 | `cpu_decode_layers.cpp` | `decode_layers` (wrapped by minivllm/worker/cpu_decode_loop.py, which declares what it covers) | tests/worker/test_kernels_cpu_decode_loop.py, tests/worker/test_decode_loop_coverage.py |
 
 `build.py` compiles them into one library (tests/cpu/test_kernels_cpu_build.py). The model's own

@@ -10,6 +10,8 @@ and float16 CPU tensors and compute in float32:
   where plain PyTorch runs a chain of ops, each a full pass (RMSNorm alone is eight).
 - `skinny_gemm` (`cpu_skinny_gemm.cpp`): x · Wᵀ for decode's few rows, streaming W once.
 - `reshape_and_cache`, `paged_decode` (`cpu_attention.cpp`): the paged cache write and attention.
+- `lora_shrink`, `lora_expand` (`cpu_lora_punica.cpp`): Punica's batched LoRA ops, each row with
+  its own adapter (minivllm/lora/punica.py is their specification).
 - `gguf_linear`, `gguf_dequantize` (`cpu_gguf_gemm.cpp`): x · Wᵀ with W kept in GGUF's quantized
   blocks (unpacked in registers, llama.cpp's `ggml_vec_dot_*` idea; on AVX2 builds, llama.cpp's
   8-bit integer dots, `cpu_gguf_gemm_avx2.cpp`), and W's float32 rows.
@@ -49,6 +51,8 @@ __all__ = [
     "gguf_linear",
     "gguf_linear_dequantized",
     "is_feature_major",
+    "lora_expand",
+    "lora_shrink",
     "paged_decode",
     "paged_decode_loops",
     "reshape_and_cache",
@@ -297,3 +301,31 @@ def gguf_dequantize(
     out = torch.empty((qweight.shape[0], k), dtype=torch.float32)
     torch.ops.minivllm_cpu.gguf_dequantize(out, qweight, qtype)
     return out
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, in]  either layout
+    lora_a: torch.Tensor,  # [L, R, in]  contiguous, x's dtype
+    token_slots: torch.Tensor,  # int64 [T]  each row's slot, -1 for none
+) -> torch.Tensor:  # [T, R]  new, contiguous
+    """y = x · A[slot]ᵀ per row, zero for a row without an adapter (punica.shrink)."""
+    load_cpu_kernels()
+    if x.stride(-1) != 1:  # a linear's feature-major output: the kernel reads token rows
+        x = x.contiguous()
+    y = torch.empty((x.shape[0], lora_a.shape[1]), dtype=x.dtype)
+    torch.ops.minivllm_cpu.lora_shrink(y, x, lora_a, token_slots)
+    return y
+
+
+def lora_expand(
+    out: torch.Tensor,  # [T, out_total]  any strides, added to in place
+    y: torch.Tensor,  # [T, R]  contiguous: lora_shrink's result
+    lora_b: torch.Tensor,  # [L, out_i, R]  contiguous
+    token_slots: torch.Tensor,  # int64 [T]
+    scales: torch.Tensor,  # [L]
+    offset: int = 0,  # where this slice's out_i columns start in `out`
+) -> None:
+    """out[:, offset : offset + out_i] += (y · B[slot]ᵀ) · scale[slot] per row; rows of slot -1
+    untouched (punica.expand)."""
+    load_cpu_kernels()
+    torch.ops.minivllm_cpu.lora_expand(out, y, lora_b, token_slots, scales, offset)

@@ -10,6 +10,8 @@ and one expand over the whole batch add each row's delta.
 - `peft_loader.py` a PEFT folder (adapter_config.json + adapter_model.safetensors), checked
 - `gguf_loader.py` a llama.cpp GGUF adapter file (convert_lora_to_gguf.py's), on a GGUF base
 - `punica.py`      shrink / expand in plain PyTorch: the specification
+- `triton_punica.py` the same two ops as Triton kernels (the triton backend's)
+- `punica_selector.py` which implementation a backend runs (the cpu backend's: minivllm/cpu/)
 - `layers.py`      the wrappers that give a linear (and the slices of a fused one) its delta
 - `manager.py`     device slots and the host-memory LRU: add, activate, evict
 

@@ -18,7 +18,8 @@ the delta of the adapter's module i, each with its own A (its shrink reads the s
 Every wrapper reads the step's row -> slot map from one `LoRAMapping` that the manager owns and
 the model runner fills before each forward (vLLM's `PunicaWrapper` plays this part): the model's
 forward signature stays the attention metadata's, and the map is an explicit object every wrapper
-was handed, not a global.
+was handed, not a global. The mapping also carries the shrink and expand the wrappers run, chosen
+once with the attention backend (punica_selector.py: punica.py, the CPU library's, or Triton's).
 
 Tensor parallelism would shard A and B as vLLM does (a column-parallel layer's B by output rows, a
 row-parallel layer's A by input columns, its partial shrink all-reduced); minivllm refuses
@@ -33,7 +34,8 @@ import torch
 from torch import nn
 
 from minivllm.lora.peft_loader import LoRALayerWeights
-from minivllm.lora.punica import NO_LORA, expand, shrink
+from minivllm.lora.punica import NO_LORA
+from minivllm.lora.punica_selector import REFERENCE_OPS, PunicaOps
 from minivllm.model.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -45,8 +47,10 @@ from minivllm.model.models.llama import LlamaForCausalLM
 
 @dataclass
 class LoRAMapping:
-    """The step's rows -> slots, shared by every wrapper of one model (set once per step)."""
+    """The step's rows -> slots, shared by every wrapper of one model (set once per step), and the
+    shrink / expand every wrapper runs on it (chosen once, with the attention backend)."""
 
+    ops: PunicaOps = REFERENCE_OPS
     token_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     has_lora: bool = False  # some row has an adapter: otherwise the wrappers skip both ops
 
@@ -113,11 +117,11 @@ class BaseLinearLayerWithLoRA(nn.Module):
         out = self.base_layer(x)
         if not self.mapping.has_lora:
             return out
-        slots = self.mapping.token_slots
+        slots, ops = self.mapping.token_slots, self.mapping.ops
         offset = 0
         for a, b in zip(self.lora_a_stacked, self.lora_b_stacked):
-            y = shrink(x, a, slots)  # [T, R]
-            expand(out, y, b, slots, self.scales, offset)
+            y = ops.shrink(x, a, slots)  # [T, R]
+            ops.expand(out, y, b, slots, self.scales, offset)
             offset += b.shape[1]
         return out
 

@@ -29,6 +29,7 @@ from minivllm.config.lora import LoRAConfig
 from minivllm.lora.gguf_loader import is_gguf_file, load_gguf_adapter
 from minivllm.lora.layers import BaseLinearLayerWithLoRA, LoRAMapping, wrap_linears
 from minivllm.lora.peft_loader import LoRAModel, load_peft_adapter
+from minivllm.lora.punica_selector import get_punica_ops
 from minivllm.lora.request import LoRARequest
 from minivllm.model.models.llama import LlamaForCausalLM
 
@@ -41,13 +42,14 @@ class LoRAModelManager:
         dtype: torch.dtype,
         device: torch.device,
         base_gguf: Path | None = None,  # the .gguf file the model came from, if it did
+        attention_backend: str = "reference",  # whose shrink / expand kernels run (punica_selector)
     ) -> None:
         self.config = config
         self.model_config = model.config
         self.base_gguf = base_gguf
         self.dtype = dtype
         self.device = device
-        self.mapping = LoRAMapping()
+        self.mapping = LoRAMapping(ops=get_punica_ops(attention_backend))
         self.layers: dict[str, BaseLinearLayerWithLoRA] = wrap_linears(
             model, self.mapping, config.max_loras, config.max_lora_rank, dtype, device
         )

@@ -102,7 +102,9 @@ def build_runner(
     )
     lora_manager = None
     if wc.lora is not None:  # wrap the linears before the runner checks what its decode loop runs
-        lora_manager = LoRAModelManager(model, wc.lora, wc.dtype, device, gguf_file)
+        lora_manager = LoRAModelManager(
+            model, wc.lora, wc.dtype, device, gguf_file, attention_backend=backend.name
+        )
     kv_dtype = kv_cache_torch_dtype(wc.cache.cache_dtype, wc.dtype)
     # Windowed and global layers mixed (Gemma 2/3): block tables per group of layers, or None.
     groups = hybrid_kv_cache_groups(model, wc.cache.kv_allocation)

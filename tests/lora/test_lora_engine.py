@@ -87,6 +87,8 @@ def test_a_mixed_batch_of_base_and_three_adapters_equals_peft_under_preemption_a
     ]
     watcher = AdaptersPerStep()
     with lora_llm(base, attention_backend=backend, **SMALL_ENGINE) as llm:
+        # each backend's own shrink / expand: punica.py, or cpu_lora_punica.cpp
+        assert llm.llm_engine.runner.lora_manager.mapping.ops.name == backend
         llm.llm_engine.add_step_listener(watcher)
         assert greedy(llm, prompts, max_tokens, order) == expected
         stats = llm.get_stats()
