@@ -364,6 +364,11 @@ class EngineArgs:
             use_pad_token=getattr(resolved.hf_config, "use_pad_token", True),
         )
         if pooler is None:
+            if resolved.source.hf_overrides is not None:  # its LM head is gone: nothing to sample
+                raise ValueError(
+                    "hf_overrides makes a classifier of the model, which needs runner='pooling', "
+                    f"got runner={self.runner!r}"
+                )
             return None
         if config.parallel.pipeline_parallel_size > 1:
             raise ValueError(

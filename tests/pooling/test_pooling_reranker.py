@@ -142,6 +142,9 @@ def test_overrides_that_do_not_fit_the_checkpoint_are_refused_before_loading(
     unknown_token = {**QWEN3_RERANKER, "classifier_from_token": ["no", "not-a-token-xyz"]}
     with pytest.raises(ValueError, match=r"\['not-a-token-xyz'\] not in the tokenizer"):
         EngineArgs(model=str(reranker), hf_overrides=unknown_token).create_engine_config()
+    with pytest.raises(ValueError, match="needs runner='pooling', got runner='generate'"):
+        args = EngineArgs(model=str(reranker), hf_overrides=QWEN3_RERANKER, runner="generate")
+        args.create_engine_config()
     overrides = parse_hf_overrides(QWEN3_RERANKER)
     assert overrides is not None
     with pytest.raises(ValueError, match="built from a Qwen3ForCausalLM checkpoint, got Llama"):
