@@ -7,6 +7,7 @@ not support are refused by name."""
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,9 @@ import torch
 
 from minivllm import LLM
 from minivllm.engine.arg_utils import EngineArgs
+from minivllm.model.config import UnsupportedModelError
 from minivllm.model.hf_overrides import parse_hf_overrides
+from minivllm.model.models.registry import config_from_hf_dict
 from tests.utils.engine_utils import assert_no_blocks_held
 from tests.utils.pooling_utils import save_tiny_decoder
 from tests.utils.tp_utils import no_leftover_processes
@@ -34,8 +37,9 @@ DOCS = [
     f"<Document>: {d}{SUFFIX}"
     for d in ("The capital of China is Beijing.", "Gravity is a force.", "a", "yes or no")
 ]
+ARCH = "Qwen3ForSequenceClassification"
 QWEN3_RERANKER = {
-    "architectures": ["Qwen3ForSequenceClassification"],
+    "architectures": [ARCH],
     "classifier_from_token": ["no", "yes"],
     "is_original_qwen3_reranker": True,
 }
@@ -149,3 +153,7 @@ def test_overrides_that_do_not_fit_the_checkpoint_are_refused_before_loading(
     assert overrides is not None
     with pytest.raises(ValueError, match="built from a Qwen3ForCausalLM checkpoint, got Llama"):
         overrides.apply({"architectures": ["LlamaForCausalLM"]})
+    # A converted checkpoint with a trained `score` of its own is not this model: refused.
+    own_head = {**json.loads((reranker / "config.json").read_text()), "architectures": [ARCH]}
+    with pytest.raises(UnsupportedModelError, match="own score head is not supported"):
+        config_from_hf_dict(own_head)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from minivllm.model.config import LlamaConfig
+from minivllm.model.config import LlamaConfig, UnsupportedModelError
 from minivllm.model.layers.linear import Sliceable
 from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.model.models.qwen2 import Qwen2ForCausalLM
@@ -50,7 +50,7 @@ class SeqClsConfig(LlamaConfig):
         base = LlamaConfig.from_hf_dict(cfg)
         ids = tuple(int(i) for i in cfg.get("classifier_token_ids") or ())
         if not ids:  # a *ForSequenceClassification checkpoint with a trained `score` of its own
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"{base.architecture} is run only as a causal LM converted by hf_overrides "
                 "(classifier_from_token and method); a checkpoint with its own score head is not "
                 "supported"
