@@ -226,7 +226,9 @@ class LLM:
                     f"{pooler.hidden_size} labels: use classify()"
                 )
             tok = self.llm_engine.tokenizer
-            pairs: list[PromptType] = [pair_prompt(tok, a, b) for a, b in zip(firsts, seconds)]
+            pairs: list[PromptType] = [
+                pair_prompt(tok, a, b, pooler.use_pad_token) for a, b in zip(firsts, seconds)
+            ]
             return [
                 self._pooling_output(out, ScoringOutput(vector[0]))
                 for out, vector in self._pool(pairs, pooling_params, use_tqdm, "classify")

@@ -313,6 +313,9 @@ DEFERRED = {
         ("minivllm.model.models.registry", f"minivllm.model.models.{family}"): _FAMILY
         for family in ("qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "bert")
     },
+    ("minivllm.model.models.registry", "minivllm.model.models.adapters"): (
+        _FAMILY + ": a causal LM read as a classifier, which only hf_overrides asks for"
+    ),
     ("minivllm.platforms", "minivllm.platforms.cuda"): "plug-in: the one platform of this machine",
     ("minivllm.platforms", "minivllm.platforms.cpu"): "plug-in: the one platform of this machine",
     ("minivllm.platforms.cpu", "minivllm.worker.cpu_decode_loop"): (

@@ -45,7 +45,8 @@ from minivllm.config import (
 )
 from minivllm.config.lora import LoRAConfig
 from minivllm.config.speculative import SpeculativeConfig
-from minivllm.model.loader import load_config
+from minivllm.model.hf_overrides import HfOverrides, parse_hf_overrides
+from minivllm.model.loader import load_config, load_tokenizer
 from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
 from minivllm.model.source import ModelSource
 from minivllm.pooling.config import (
@@ -243,6 +244,13 @@ class EngineArgs:
         '"matryoshka_dimensions": [int, ...]}; unset: sentence-transformers\' files, else the '
         "model's default",
     )
+    hf_overrides: str | Mapping[str, Any] | None = _arg(
+        None,
+        "JSON object (vLLM's flag), for a causal LM served as a classifier from its LM head's "
+        'rows (Qwen3-Reranker): {"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}, or '
+        '"method": "no_post_processing" with any tokens; other keys are refused',
+    )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -313,6 +321,7 @@ class EngineArgs:
         speculative = SpeculativeConfig.parse(self.speculative_config)
         resolve_runner(self.runner, self.convert, self.task)  # checked before a file is read
         parse_pooler_config(self.pooler_config)
+        hf_overrides = parse_hf_overrides(self.hf_overrides)
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError(
                 "speculative_config is not supported with pipeline_parallel_size > 1 (the draft "
@@ -350,7 +359,7 @@ class EngineArgs:
                 data_parallel_address=self.data_parallel_address,
                 data_parallel_rpc_port=self.data_parallel_rpc_port,
             ),
-            resolved=_resolve(model),
+            resolved=_resolve(model, hf_overrides),
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
             speculative=speculative,
             lora=lora,
@@ -374,8 +383,14 @@ class EngineArgs:
             resolved.hf_config.hidden_size,
             causal=getattr(resolved.hf_config, "is_causal", True),
             num_labels=getattr(resolved.hf_config, "num_labels", 0),
+            use_pad_token=getattr(resolved.hf_config, "use_pad_token", True),
         )
         if pooler is None:
+            if resolved.source.hf_overrides is not None:  # its LM head is gone: nothing to sample
+                raise ValueError(
+                    "hf_overrides makes a classifier of the model, which needs runner='pooling', "
+                    f"got runner={self.runner!r}"
+                )
             return None
         if config.parallel.pipeline_parallel_size > 1:
             raise ValueError(
@@ -452,6 +467,7 @@ class EngineKwargs(TypedDict, total=False):
     convert: str
     task: str | None
     pooler_config: str | Mapping[str, Any] | None
+    hf_overrides: str | Mapping[str, Any] | None
 
 
 InitT = TypeVar("InitT", bound=Callable[..., None])
@@ -489,12 +505,18 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _resolve(mc: ModelConfig) -> ResolvedConfig:
-    """Read the model's config files and decide for the machine (see `create_engine_config`)."""
+def _resolve(mc: ModelConfig, hf_overrides: HfOverrides | None = None) -> ResolvedConfig:
+    """Read the model's config files and decide for the machine (see `create_engine_config`).
+    `hf_overrides`' tokens become ids here, with the tokenizer, and travel with the source."""
     device = resolve_device(mc.device)
     dtype = resolve_dtype(mc.dtype, device)
     resolve_backend_name(mc.attention_backend, device)  # a bad name fails before loading
     source = resolve_model(mc.model)
+    if hf_overrides is not None:
+        if source.gguf_file is not None:
+            raise ValueError("hf_overrides is not supported for a GGUF model")
+        tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(source, mc.tokenizer)
+        source = dataclasses.replace(source, hf_overrides=hf_overrides.with_token_ids(tokenizer))
     hf_config = load_config(source)
     model_max = hf_config.max_position_embeddings
     max_model_len = mc.max_model_len or model_max

@@ -52,6 +52,7 @@ from minivllm.entrypoints.openapi import install_openapi
 from minivllm.entrypoints.protocol import OpenAIError
 from minivllm.entrypoints.routes import (
     Handlers,
+    add_classify_route,
     add_generation_routes,
     add_invocations_route,
     add_model_routes,
@@ -210,6 +211,8 @@ def build_app(
     else:
         add_generation_routes(app, handlers, names[0], v1_errors)
         add_invocations_route(app, handlers, v1_errors)
+    scoring = handlers.embedding if isinstance(handlers.embedding, OpenAIServingScore) else None
+    add_classify_route(app, scoring, names[0], v1_errors)
     add_tokenization_routes(app, handlers.tokenization)
     return app
 

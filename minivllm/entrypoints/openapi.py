@@ -25,6 +25,7 @@ from minivllm.entrypoints import protocol as p
 from minivllm.entrypoints import protocol_responses as pr
 from minivllm.entrypoints import response_schemas as rs
 from minivllm.entrypoints.protocol_pooling import (
+    ClassificationRequest,
     EmbeddingRequest,
     PoolingRequest,
     RerankRequest,
@@ -41,6 +42,7 @@ _REQUEST_MODELS: list[type[BaseModel]] = [
     ScoreRequest,
     RerankRequest,
     PoolingRequest,
+    ClassificationRequest,
 ]
 _RESPONSE_MODELS: list[type[BaseModel]] = [
     rs.ErrorResponse,
@@ -58,6 +60,7 @@ _RESPONSE_MODELS: list[type[BaseModel]] = [
     rs.ScoreResponse,
     rs.RerankResponse,
     rs.PoolingResponse,
+    rs.ClassificationResponse,
     pr.ResponsesResponse,
     pr.ResponsesStreamEvent,
 ]

@@ -55,3 +55,11 @@ class PoolingRequest(_Request):
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
     truncate_prompt_tokens: int | None = Field(None, description="Keep the last k tokens; -1: all.")
+
+
+class ClassificationRequest(_Request):
+    """vLLM's `/classify`: a classifier's probabilities and most probable label per input."""
+
+    model: str | None = None
+    input: EmbeddingInput
+    truncate_prompt_tokens: int | None = Field(None, description="Keep the last k tokens; -1: all.")

@@ -280,3 +280,19 @@ class PoolingResponse(_Response):
     model: str
     data: list[PoolingData]
     usage: EmbeddingUsage
+
+
+class ClassificationData(_Response):
+    index: int
+    label: str | None = Field(description="id2label of the most probable class.")
+    probs: list[float] = Field(description="Softmax over the classes (a sigmoid for one).")
+    num_classes: int
+
+
+class ClassificationResponse(_Response):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: EmbeddingUsage

@@ -26,6 +26,7 @@ from minivllm.entrypoints.middleware import ServerLoad
 from minivllm.entrypoints.openapi import json_body, responses
 from minivllm.entrypoints.protocol import OpenAIError
 from minivllm.entrypoints.protocol_pooling import (
+    ClassificationRequest,
     EmbeddingRequest,
     PoolingRequest,
     RerankRequest,
@@ -41,7 +42,7 @@ from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.serving_embedding import OpenAIServingEmbedding, refuse_generation
 from minivllm.entrypoints.serving_responses import OpenAIServingResponses
-from minivllm.entrypoints.serving_score import OpenAIServingScore
+from minivllm.entrypoints.serving_score import OpenAIServingScore, refuse_classification
 from minivllm.entrypoints.serving_tokenization import OpenAIServingTokenization, tokenizer_info
 
 
@@ -280,7 +281,8 @@ def add_score_routes(
     app: FastAPI, scoring: OpenAIServingScore, model: str, v1_errors: tuple[int, ...]
 ) -> None:
     """vLLM's score API: /score (pairs), /rerank and /v1/rerank (a query against documents,
-    Jina's and Cohere's shape), /pooling (the pooler's raw output)."""
+    Jina's and Cohere's shape), /pooling (the pooler's raw output); /classify is
+    `add_classify_route`'s."""
 
     @app.post(
         "/score",
@@ -314,6 +316,27 @@ def add_score_routes(
     async def pooling(request: Request) -> Any:
         req = await parse_body(request, PoolingRequest)
         return await scoring.create_pooling(req, disconnect_watcher(request))
+
+
+def add_classify_route(
+    app: FastAPI, scoring: OpenAIServingScore | None, model: str, v1_errors: tuple[int, ...]
+) -> None:
+    """vLLM's `/classify`, on every server: a classifier answers it; any other model (a
+    generator: `scoring` None; an embedding model) with a 400 that names its task. A generator's
+    schema leaves it out, as it leaves out the pooling routes."""
+
+    @app.post(
+        "/classify",
+        include_in_schema=scoring is not None,
+        response_model=None,
+        openapi_extra=json_body(ClassificationRequest, {"model": model, "input": "Hello, world"}),
+        responses=responses(rs.ClassificationResponse, v1_errors, "Class probabilities per input"),
+    )
+    async def classify(request: Request) -> Any:
+        req = await parse_body(request, ClassificationRequest)
+        if scoring is None:
+            raise refuse_classification("generate")
+        return await scoring.create_classify(req, disconnect_watcher(request))
 
 
 def add_invocations_route(app: FastAPI, handlers: Handlers, v1_errors: tuple[int, ...]) -> None:

@@ -1,5 +1,7 @@
 """`/score`, `/rerank` and `/v1/rerank` over a pooling model (vLLM's `ServingScores`,
-vllm/entrypoints/openai/serving_score.py), and `/pooling`, the pooler's raw output.
+vllm/entrypoints/openai/serving_score.py), `/pooling`, the pooler's raw output, and `/classify`
+(vLLM's `ServingClassification`): a classifier's probabilities per input, with the label of the
+most probable class from the checkpoint's `id2label`.
 
 A score is what `LLM.score` computes (minivllm/pooling/scoring.py): a cross-encoder reads each
 (text_1, text_2) pair as its tokenizer joins pairs and gives the sigmoid of its one logit; an
@@ -18,10 +20,16 @@ import uuid
 from typing import Any
 
 from minivllm.entrypoints.protocol import OpenAIError
-from minivllm.entrypoints.protocol_pooling import PoolingRequest, RerankRequest, ScoreRequest
+from minivllm.entrypoints.protocol_pooling import (
+    ClassificationRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from minivllm.entrypoints.serving import invalid_param
 from minivllm.entrypoints.serving_embedding import MAX_INPUTS, OpenAIServingEmbedding
 from minivllm.inputs import PromptType, truncate_prompt
+from minivllm.pooling.config import class_labels
 from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.pooling.scoring import cosine, pair_prompt
 
@@ -90,6 +98,37 @@ class OpenAIServingScore(OpenAIServingEmbedding):
             lambda i, vector: {"index": i, "object": "pooling", "data": vector},
         )  # fmt: skip
 
+    async def create_classify(self, req: ClassificationRequest, is_disconnected: Any) -> Any:
+        """Each input's class probabilities (softmax; a sigmoid for one class) and label."""
+        model = self.check_model(req.model)
+        pooler = self.engine_client.config.pooler
+        assert pooler is not None, "the classify route is added for pooling models only"
+        if pooler.task != "classify":
+            raise refuse_classification(pooler.task)
+        params = self._params(req.truncate_prompt_tokens)
+        prompts = [self._tokenized(p, params) for p in self._inputs(req.input)]
+        self.check_capacity()
+        rid = f"classify-{uuid.uuid4().hex}"
+        outputs = await self._collect(rid, prompts, [params] * len(prompts), is_disconnected)
+        labels = class_labels(self.engine_client.config.resolved.source.path, pooler.hidden_size)
+        data = []
+        for i, out in enumerate(outputs):
+            probs = out.pooled
+            assert probs is not None
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append(
+                {"index": i, "label": labels[best], "probs": probs, "num_classes": len(probs)}
+            )
+        num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        return {
+            "id": rid,
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        }
+
     # ------------------------------------------------------------------ helpers
     async def _scores(
         self,
@@ -116,7 +155,7 @@ class OpenAIServingScore(OpenAIServingEmbedding):
             if tok is None:
                 raise OpenAIError("scores of texts need a tokenizer (skip_tokenizer_init is set)")
             pairs = [
-                self._checked(pair_prompt(tok, a, b), params, fields[1])
+                self._checked(pair_prompt(tok, a, b, pooler.use_pad_token), params, fields[1])
                 for a, b in zip(firsts, seconds)
             ]
             self.check_capacity()
@@ -173,3 +212,13 @@ class OpenAIServingScore(OpenAIServingEmbedding):
         if any(not t.strip() for t in texts):
             raise OpenAIError(f"{field} must not contain an empty text", param=field)
         return texts
+
+
+def refuse_classification(task: str) -> OpenAIError:
+    """What /classify answers on a model that is not a classifier (vLLM: "The model does not
+    support Classification API")."""
+    return OpenAIError(
+        f"this model (task {task!r}) is not a classifier: /classify needs one (a "
+        "*ForSequenceClassification checkpoint, or runner='pooling' with convert='classify')",
+        param="model",
+    )

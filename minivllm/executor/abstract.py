@@ -87,6 +87,7 @@ def make_executor(config: EngineConfig, backend: AttentionBackend) -> Executor:
         enforce_eager=config.model.enforce_eager,
         quantization=resolved.quantization,
         gguf_file=None if source.gguf_file is None else str(source.gguf_file),
+        hf_overrides=source.hf_overrides,
         max_model_len=resolved.max_model_len,
         cache=config.cache,
         tensor_parallel_size=n,

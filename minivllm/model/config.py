@@ -19,6 +19,8 @@ ARCHITECTURE_FACTS: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": {"qk_norm": True},  # each head's q and k are RMS-normalised before RoPE
     "Qwen2Model": {"qkv_bias": True},  # the bare decoders (pooling models): the same facts
     "Qwen3Model": {"qk_norm": True},
+    "Qwen2ForSequenceClassification": {"qkv_bias": True},  # a causal LM read as a classifier
+    "Qwen3ForSequenceClassification": {"qk_norm": True},
 }
 # A bare decoder's checkpoint (`Qwen3Model`) has no LM head: it is tied to the embedding, so that
 # the model's shapes stay a causal LM's at no cost (the pooling runner never computes logits).

@@ -45,9 +45,13 @@ from minivllm.platforms import platform_for
 
 
 def load_config(source: ModelSource) -> LlamaConfig:
-    """The model's config, after the registry has said its architecture runs."""
+    """The model's config (with the source's `hf_overrides` applied), after the registry has
+    said its architecture runs."""
     try:
-        config = config_from_hf_dict(json.loads((source.path / "config.json").read_text()))
+        cfg = json.loads((source.path / "config.json").read_text())
+        if source.hf_overrides is not None:
+            cfg = source.hf_overrides.apply(cfg)
+        config = config_from_hf_dict(cfg)
     except UnsupportedModelError as exc:
         raise UnsupportedArchitectureError(f"{source.name}: {exc}") from exc
     except (json.JSONDecodeError, KeyError) as exc:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minivllm.model.hf_overrides import HfOverrides
+
 
 @dataclass
 class ModelSource:
@@ -18,6 +20,7 @@ class ModelSource:
     path: Path  # the folder; for a GGUF model, its converted copy in the cache
     name: str  # what to call the model (served model name, logs)
     gguf_file: Path | None = None  # the original file when the model came as GGUF
+    hf_overrides: HfOverrides | None = None  # changes to config.json made at load (hf_overrides.py)
 
 
 @dataclass(frozen=True)

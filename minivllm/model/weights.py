@@ -141,9 +141,15 @@ def check_checkpoint(
 def load_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> None:
     """Check the checkpoint's names and shapes against the config, then hand each tensor to the
     weight loader of the layer that holds it (`parallel_layers.py`), which copies this rank's
-    slice. Replicated parameters (the norms) are copied whole. A family with experts loads its own."""
+    slice. Replicated parameters (the norms) are copied whole. A family with experts loads its
+    own, and so does a causal LM served as a classifier (models/adapters.py)."""
     if hasattr(model, "load_weights"):
         return model.load_weights(weights)  # type: ignore[operator]
+    load_llama_weights(model, weights)
+
+
+def load_llama_weights(model: LlamaForCausalLM, weights: Mapping[str, Sliceable]) -> None:
+    """`load_weights` for a Llama-layout checkpoint (every family but those that load their own)."""
     from safetensors import SafetensorError
 
     if "embed_tokens.weight" in weights:  # a bare decoder's (`Qwen3Model`): no "model." prefix

@@ -53,6 +53,9 @@ class PoolerConfig:
     causal: bool = True  # the model's attention; False: an encoder, whose prompt runs whole
     is_matryoshka: bool = False  # trained so that a prefix of the vector is an embedding too
     matryoshka_dimensions: tuple[int, ...] = ()  # the prefixes it was trained for; (): any
+    # How a classifier reads a scored pair: the tokenizer's pair encoding ([CLS] a [SEP] b [SEP],
+    # a cross-encoder's), or False: the two texts joined as one (an LLM as reranker; vLLM's name).
+    use_pad_token: bool = True
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -108,6 +111,7 @@ def resolve_pooler_config(
     hidden_size: int,
     causal: bool = True,
     num_labels: int = 0,  # a `*ForSequenceClassification` checkpoint's head; 0: none
+    use_pad_token: bool = True,  # PoolerConfig's
 ) -> PoolerConfig | None:
     """The model's pooler, or None for a generating model (see the module's docstring)."""
     runner, convert = resolve_runner(runner, convert, task)
@@ -139,7 +143,20 @@ def resolve_pooler_config(
         values["is_matryoshka"] = True
         values["matryoshka_dimensions"] = tuple(hf.get("matryoshka_dimensions") or ())
     values.update(overrides)
-    return PoolerConfig(task=convert, hidden_size=hidden_size, causal=causal, **values)
+    return PoolerConfig(
+        task=convert,
+        hidden_size=hidden_size,
+        causal=causal,
+        use_pad_token=use_pad_token,
+        **values,
+    )
+
+
+def class_labels(model_path: Path, num_labels: int) -> list[str]:
+    """A classifier's label per class: config.json's `id2label`, else transformers' default
+    names (`LABEL_0`, ...), which is what a checkpoint saved without labels means."""
+    labels = (_read_json(model_path / "config.json") or {}).get("id2label") or {}
+    return [str(labels.get(str(i), f"LABEL_{i}")) for i in range(num_labels)]
 
 
 def _read_json(path: Path) -> Any:

@@ -27,6 +27,7 @@ from minivllm.core.kv_cache_groups import hybrid_kv_cache_groups
 from minivllm.distributed.parallel_state import TensorParallelGroup
 from minivllm.distributed.pipeline import SINGLE_STAGE, PipelineParallelGroup
 from minivllm.lora.manager import LoRAModelManager
+from minivllm.model.hf_overrides import HfOverrides
 from minivllm.model.loader import load_model
 from minivllm.model.source import ModelSource
 from minivllm.pooling.config import PoolerConfig
@@ -60,6 +61,7 @@ class WorkerConfig:
     # Decoder layers per pipeline stage (the even split or VLLM_PP_LAYER_PARTITION, resolved on
     # the driver so that every rank cuts the model the same way); () with one stage.
     pp_layer_sizes: tuple[int, ...] = ()
+    hf_overrides: HfOverrides | None = None  # config.json's changes at load (ModelSource's)
 
     @property
     def world_size(self) -> int:
@@ -87,7 +89,7 @@ def build_runner(
     the same blocks on every rank."""
     backend = backend or get_attention_backend(wc.attention_backend, device)
     gguf_file = Path(wc.gguf_file) if wc.gguf_file is not None else None
-    source = ModelSource(Path(wc.model_path), wc.model_name, gguf_file)
+    source = ModelSource(Path(wc.model_path), wc.model_name, gguf_file, wc.hf_overrides)
     sizes = list(wc.pp_layer_sizes)
     stage = (sizes, pp.rank) if pp.world_size > 1 else None
     model = load_model(

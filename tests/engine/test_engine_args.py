@@ -148,6 +148,7 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         convert="none",
         task=None,
         pooler_config=None,
+        hf_overrides=None,  # carried by the model's source (tests/pooling/test_pooling_reranker.py)
     )
     assert set(values) == set(FIELDS)
     config = EngineArgs(**values).create_engine_config()
@@ -169,7 +170,7 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
     assert carried.pop("layer_sliding_windows") == ()
     assert carried.pop("enable_chunked_prefill") is True  # False only for an encoder's pooler
     json_flags = ("structured_outputs_config", "speculative_config")
-    json_flags += ("runner", "convert", "task", "pooler_config")
+    json_flags += ("runner", "convert", "task", "pooler_config", "hf_overrides")
     assert config.pooler is None
     assert carried == {k: v for k, v in values.items() if k not in json_flags}
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
@@ -234,6 +235,7 @@ INVALID = [
     ({"convert": "reward"}, "convert must be one of ('auto', 'none', 'embed', 'classify')"),
     ({"task": "transcribe"}, "task must be one of ('auto', 'generate', 'embed', "),
     ({"pooler_config": '{"pooling_type": "MAX"}'}, "pooler_config.pooling_type must be one of"),
+    ({"hf_overrides": '{"num_labels": 2}'}, "hf_overrides keys ['num_labels'] are not supported"),
     ({"max_loras": 0, "enable_lora": True}, "max_loras must be in [1, 64], got 0"),
     ({"max_lora_rank": 12, "enable_lora": True}, "max_lora_rank must be one of (1, 8, 16, "),
     (

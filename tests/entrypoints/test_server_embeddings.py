@@ -118,3 +118,6 @@ def test_models_tell_a_pooling_model_from_a_generator(
         )
         resp = httpx.post(gen.base_url + "/embeddings", json={"input": "hi"}, timeout=10)
         assert resp.status_code == 404  # a generator's server has no embeddings route
+        resp = httpx.post(gen.url + "/classify", json={"input": "hi"}, timeout=10)
+        assert resp.status_code == 400  # vLLM's /classify is on every server: it names the task
+        assert "task 'generate'" in resp.json()["error"]["message"]

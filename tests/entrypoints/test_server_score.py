@@ -1,7 +1,9 @@
-"""`/score`, `/rerank`, `/v1/rerank` and `/pooling` on a BERT cross-encoder and a BERT embedding
-model: the same numbers as `LLM.score` and sentence-transformers, vLLM's (Jina's, Cohere's)
-shape, and the 4xx of hostile bodies in OpenAI's error shape
-(minivllm/entrypoints/serving_score.py)."""
+"""`/score`, `/rerank`, `/v1/rerank`, `/pooling` and `/classify` on a BERT cross-encoder and a
+BERT embedding model: the same numbers as `LLM.score`, sentence-transformers and transformers,
+vLLM's (Jina's, Cohere's) shape, and the 4xx of hostile bodies in OpenAI's error shape
+(minivllm/entrypoints/serving_score.py). The embedding model's server runs its engine in an
+engine-core process of its own (minivllm/engine/core_client.py), as `minivllm serve
+--engine-core-process` does: pooling requests and their outputs cross that pipe too."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def ce_server(cross_encoder: Path) -> Iterator[InProcessServer]:
 
 @pytest.fixture(scope="module")
 def embed_server(minilm: Path) -> Iterator[InProcessServer]:
-    with serve_tiny_model(minilm, ARGS, served_model_names=["embedder"]) as s:
+    with serve_tiny_model(minilm, ARGS, True, served_model_names=["embedder"]) as s:
         yield s
 
 
@@ -99,6 +101,38 @@ def test_rerank_on_an_embedding_model_is_the_cosine_of_sentence_transformers(
     torch.testing.assert_close(torch.tensor([got[i] for i in range(len(DOCS))]), cosines)
     scores = post(embed_server, "/score", {"text_1": [QUERY] * 4, "text_2": DOCS}).json()
     torch.testing.assert_close(torch.tensor([d["score"] for d in scores["data"]]), cosines)
+    embeddings = post(embed_server, "/v1/embeddings", {"input": [QUERY, *DOCS]}).json()
+    torch.testing.assert_close(torch.tensor([d["embedding"] for d in embeddings["data"]]), ref)
+    stats = embed_server.wait_idle()  # the core's, after its last step
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    resp = post(embed_server, "/classify", {"input": QUERY})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "model"
+    assert "task 'embed'" in resp.json()["error"]["message"]
+
+
+def test_classify_gives_transformers_probabilities_and_labels(
+    ce_server: InProcessServer, cross_encoder: Path
+) -> None:
+    """vLLM's /classify shape; one label: the sigmoid of transformers' logit of each input."""
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    texts = [QUERY, *DOCS]
+    resp = post(ce_server, "/classify", {"model": "reranker", "input": texts})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["id"].startswith("classify-") and body["object"] == "list"
+    assert body["model"] == "reranker" and isinstance(body["created"], int)
+    tok = AutoTokenizer.from_pretrained(cross_encoder)
+    hf = BertForSequenceClassification.from_pretrained(cross_encoder).eval()
+    with torch.no_grad():
+        logits = hf(**tok(texts, padding=True, return_tensors="pt")).logits  # [5, 1]
+    assert [d["index"] for d in body["data"]] == list(range(len(texts)))
+    assert {(d["label"], d["num_classes"]) for d in body["data"]} == {("LABEL_0", 1)}
+    probs = torch.tensor([d["probs"] for d in body["data"]])
+    torch.testing.assert_close(probs, torch.sigmoid(logits), atol=1e-5, rtol=0)
+    num_tokens = sum(len(ids) for ids in tok(texts)["input_ids"])
+    assert body["usage"] == {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
 
 
 @pytest.mark.parametrize(
@@ -119,6 +153,10 @@ def test_rerank_on_an_embedding_model_is_the_cosine_of_sentence_transformers(
         ("/score", {"text_1": "a", "text_2": "b", "model": "other"}, "model", "does not exist"),
         ("/score", {"text_1": "a", "text_2": "b", "n": 2}, "n", "Unrecognized"),
         ("/pooling", {"input": []}, "input", "must not be empty"),
+        ("/classify", {"input": []}, "input", "must not be empty"),
+        ("/classify", {"input": "word " * 300}, "input", "maximum context length"),
+        ("/classify", {"input": "a", "top_n": 1}, "top_n", "Unrecognized"),
+        ("/classify", {"input": "a", "model": "other"}, "model", "does not exist"),
     ],
 )
 def test_hostile_score_and_rerank_bodies_are_4xx_in_openai_shape(

@@ -110,7 +110,7 @@ def run_server(
 @dataclass
 class InProcessServer:
     url: str  # http://127.0.0.1:PORT
-    engine: Any  # the LLMEngine the app serves, stepped by the app's engine thread
+    engine: Any  # the LLMEngine the app serves (stepped by the app's engine thread), or its core's client
     app: Any
 
     @property
@@ -122,7 +122,8 @@ class InProcessServer:
         deadline = time.monotonic() + timeout
         while True:
             stats = self.app.state.engine_client.stats
-            if stats.num_running == 0 and stats.num_waiting == 0 and not self.engine.requests:
+            busy = getattr(self.engine, "requests", None)  # an engine-core client has none here
+            if stats.num_running == 0 and stats.num_waiting == 0 and not busy:
                 return stats
             assert time.monotonic() < deadline, f"the engine did not go idle: {stats}"
             time.sleep(0.05)
@@ -155,11 +156,16 @@ def serve_in_process(engine: Any, **app_kwargs: Any) -> Iterator[InProcessServer
 
 @contextmanager
 def serve_tiny_model(
-    model: Any, engine_args: dict[str, Any] | None = None, **app_kwargs: Any
+    model: Any,
+    engine_args: dict[str, Any] | None = None,
+    engine_core_process: bool = False,
+    **app_kwargs: Any,
 ) -> Iterator[InProcessServer]:
     """The in-process server on a tiny model folder: 256 positions, 256 blocks of 4 tokens;
-    `engine_args`: more engine options (EngineArgs fields)."""
+    `engine_args`: more engine options (EngineArgs fields); `engine_core_process`: the engine in
+    a process of its own (`minivllm serve --engine-core-process`), killed on exit if still alive."""
     from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.engine.core_client import EngineCoreClient
     from minivllm.engine.llm_engine import LLMEngine
 
     config = EngineArgs(
@@ -169,8 +175,13 @@ def serve_tiny_model(
         num_gpu_blocks_override=256,
         **(engine_args or {}),
     ).create_engine_config()
-    with serve_in_process(LLMEngine(config), **app_kwargs) as s:
-        yield s
+    engine = EngineCoreClient(config, torch_threads=1) if engine_core_process else LLMEngine(config)
+    try:
+        with serve_in_process(engine, **app_kwargs) as s:
+            yield s
+    finally:
+        if isinstance(engine, EngineCoreClient) and engine.process.is_alive():
+            engine.process.kill()
 
 
 # ---------------------------------------------------------------------------------- processes

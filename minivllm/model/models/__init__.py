@@ -3,6 +3,7 @@
 
 `llama.py` is the base: the others differ from it by a module or two and subclass or compose it
 (Qwen2's q/k/v bias, Qwen3's q/k norms, Phi-3's fused checkpoint tensors, Mixtral's and Qwen3-MoE's
-experts, Gemma 2/3's sandwich norms, soft caps and windows). `registry.py` maps a checkpoint's
-`architectures` to the class that runs it.
+experts, Gemma 2/3's sandwich norms, soft caps and windows). `adapters.py` reads a causal LM as a
+classifier through some of its LM head's rows (vLLM's `as_seq_cls_model`: Qwen3-Reranker).
+`registry.py` maps a checkpoint's `architectures` to the class that runs it.
 """

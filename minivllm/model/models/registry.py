@@ -44,6 +44,11 @@ MODELS: dict[str, str] = {
     # Encoders (bidirectional attention), pooling only: embeddings, and a cross-encoder's scores.
     "BertModel": "minivllm.model.models.bert:BertEmbeddingModel",
     "BertForSequenceClassification": "minivllm.model.models.bert:BertForSequenceClassification",
+    # A causal LM read as a classifier through some of its LM head's rows: only as hf_overrides
+    # (minivllm/model/hf_overrides.py) builds it from a *ForCausalLM checkpoint (Qwen3-Reranker).
+    "Qwen3ForSequenceClassification": "minivllm.model.models.adapters:Qwen3ForSequenceClassification",
+    "Qwen2ForSequenceClassification": "minivllm.model.models.adapters:Qwen2ForSequenceClassification",
+    "LlamaForSequenceClassification": "minivllm.model.models.adapters:LlamaForSequenceClassification",
 }
 # The families whose config has fields of its own (experts, Gemma's); the others: LlamaConfig.
 CONFIGS: dict[str, str] = {
@@ -53,6 +58,9 @@ CONFIGS: dict[str, str] = {
     "Gemma3ForCausalLM": "minivllm.model.models.gemma3:Gemma3Config",
     "BertModel": "minivllm.model.models.bert:BertConfig",
     "BertForSequenceClassification": "minivllm.model.models.bert:BertConfig",
+    "Qwen3ForSequenceClassification": "minivllm.model.models.adapters:SeqClsConfig",
+    "Qwen2ForSequenceClassification": "minivllm.model.models.adapters:SeqClsConfig",
+    "LlamaForSequenceClassification": "minivllm.model.models.adapters:SeqClsConfig",
 }
 
 
