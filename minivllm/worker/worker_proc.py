@@ -11,7 +11,7 @@ sampling, no tokenizer: a worker is a model runner and a loop (vLLM's `Worker` a
 the previous stage's hidden states, sends its own to the next one, and the last stage's rank 0
 sends the step's logits to the driver (minivllm/distributed/pipeline.py).
 
-A rank is started one of two ways (see "Distributed execution" in the docs, docs/distributed.md,
+A rank is started one of three ways (see "Distributed execution" in the docs, docs/distributed.md,
 and the architecture page, docs/architecture.md):
 
 - spawned by the driver's `MultiprocExecutor` (`spawned_worker_main`), or on another node by
@@ -21,6 +21,8 @@ and the architecture page, docs/architecture.md):
   killed that process).
 - started by `torchrun`, which runs the same program on every rank: on ranks 1..N-1, building the
   engine ends in `run_torchrun_worker`, which serves rank 0's steps and then ends the process.
+- in a Ray actor (minivllm/executor/ray_distributed_executor.py), which runs `serve_rank` as a
+  Ray task that the driver holds: Ray tells the driver when the actor dies.
 """
 
 from __future__ import annotations
