@@ -133,15 +133,18 @@ def test_two_ranks_on_two_ray_nodes_give_one_process_s_tokens(cluster: str, tiny
     executor = llm.llm_engine.executor
     (worker,) = executor.workers  # type: ignore[attr-defined]
     pg = executor.pg  # type: ignore[attr-defined]
+    actor = psutil.Process(worker.pid)  # before shutdown: the pid may be gone right after
     try:
-        # rank 0 is this process, on the head (node0); rank 1 had to go to the other node
-        assert "node0" in resources_of(ray.get_runtime_context().get_node_id())
-        assert "node1" in resources_of(worker.node_id)
+        # rank 0 is this process, on the node this driver joined (either raylet: they share the
+        # machine's IP); no node has two CPUs, so rank 1 had to go to the other one
+        nodes = (ray.get_runtime_context().get_node_id(), worker.node_id)
+        names = {name for node in nodes for name in resources_of(node) if name.startswith("node")}
+        assert names >= {"node0", "node1"}
         assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
     finally:
         llm.shutdown()
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
-    assert_gone([psutil.Process(worker.pid)], "the actor after shutdown()")
+    assert_gone([actor], "the actor after shutdown()")
 
 
 def test_a_killed_actor_fails_the_engine_naming_its_rank(cluster: str, tiny: Path) -> None:
