@@ -140,6 +140,17 @@ def test_what_the_launch_cannot_serve_is_refused_by_name_before_any_process(
     assert set(live_descendants()) == before
 
 
+def test_under_torchrun_the_engine_s_own_node_flags_are_refused(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's --nnodes and --node-rank say where the ranks are; minivllm's would contradict
+    them. Refused on rank 0 before it joins the group (no process group is left either)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"under torchrun, torchrun starts every rank.*nnodes=2"):
+        LLM(str(tiny), pipeline_parallel_size=2, nnodes=2)
+
+
 def test_ray_backend_without_ray_is_refused_with_the_install_line(
     tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
