@@ -279,6 +279,8 @@ DEFERRED = {
             "minivllm.engine.core_client",
             "minivllm.engine.dp_client",
             "minivllm.engine.llm_engine",
+            "minivllm.executor.abstract",
+            "minivllm.executor.multiproc_executor",
             "minivllm.entrypoints.api_server",
             "minivllm.entrypoints.cli_args",
             "minivllm.entrypoints.draining_server",
@@ -299,6 +301,9 @@ DEFERRED = {
     ),
     ("minivllm.executor.abstract", "minivllm.executor.tensor_parallel"): (
         "plug-in: tensor parallelism, when its size is above 1"
+    ),
+    ("minivllm.executor.tensor_parallel", "minivllm.executor.ray_distributed_executor"): (
+        "optional dependency: Ray, when distributed_executor_backend is 'ray' (minivllm[ray])"
     ),
     ("minivllm.worker.worker", "minivllm.distributed.process_group"): (
         "plug-in: tensor parallelism's process group, when the worker is one rank of several"

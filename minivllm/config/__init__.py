@@ -13,6 +13,7 @@ max_model_len), so that the engine receives every decision made and makes none i
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,8 @@ DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 # How weights are held (vLLM's `quantization`): "gguf" keeps a GGUF file's blocks as stored
 # (minivllm/model/quantization/); "none" dequantizes them at load. Unset: the checkpoint's own.
 QUANTIZATIONS = ("gguf", "none")
+# Who starts the ranks of tensor / pipeline parallelism (vLLM's `distributed_executor_backend`).
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # How the KV cache is handed out: paged blocks, or the paper's Orca baselines, which reserve a
 # contiguous range per request at admission (§6.2). Each names the KV cache manager class the
 # engine builds, by qualified name (as vLLM's platforms name classes), so that no module imports
@@ -182,6 +185,17 @@ class ParallelConfig:
     # vLLM's address and RPC port of the DP coordinator between hosts: refused when set, as above.
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int | None = None
+    # Who starts ranks 1..N-1 (vLLM's names): "mp", processes the engine spawns on this machine
+    # (and, with nnodes > 1, on each other node a `--headless` invocation spawns its share);
+    # "ray", actors placed over a Ray cluster (minivllm/executor/ray_distributed_executor.py).
+    distributed_executor_backend: str = "mp"
+    # The "mp" backend over several machines (vLLM's flags): nnodes invocations of the same
+    # command, each spawning world_size / nnodes ranks; node 0 runs the engine and its rank 0
+    # hosts torch.distributed's rendezvous at master_addr:master_port.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -212,6 +226,39 @@ class ParallelConfig:
                     "minivllm's engine cores are all local, driven over pipes; unset it, got "
                     f"{getattr(self, name)!r}"
                 )
+        _positive("nnodes", self.nnodes)
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                "distributed_executor_backend must be one of "
+                f"{list(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank must be in [0, nnodes) = [0, {self.nnodes}), got {self.node_rank}"
+            )
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in (0, 65536), got {self.master_port}")
+        if self.world_size % self.nnodes != 0:
+            raise ValueError(
+                f"nnodes ({self.nnodes}) must divide tensor_parallel_size x "
+                f"pipeline_parallel_size ({self.world_size}): each node runs the same number of "
+                "ranks"
+            )
+        if self.distributed_executor_backend == "ray":
+            if self.nnodes > 1:
+                raise ValueError(
+                    "nnodes must be 1 with distributed_executor_backend='ray' (Ray places the "
+                    f"ranks over its cluster's nodes itself), got nnodes={self.nnodes}"
+                )
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError(
+                    "distributed_executor_backend='ray' needs Ray, which is not installed: "
+                    "pip install minivllm[ray]"
+                )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ import torch
 from minivllm.attention.abstract import BACKEND_NAMES
 from minivllm.attention.selector import resolve_backend_name
 from minivllm.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPES,
     KV_ALLOCATIONS,
     KV_CACHE_DTYPES,
@@ -189,6 +190,23 @@ class EngineArgs:
     data_parallel_rpc_port: int | None = _arg(
         None, "vLLM's RPC port of the DP coordinator between hosts: not supported (cores are local)"
     )
+    distributed_executor_backend: str = _arg(
+        "mp",
+        "who starts the other ranks: mp, processes the engine spawns (on this machine, or on "
+        "each node of nnodes); ray, Ray actors placed over a Ray cluster's nodes (RAY_ADDRESS, "
+        "or the cluster `ray start` started here; pip install minivllm[ray])",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+    )
+    nnodes: int = _arg(
+        1,
+        "machines the mp backend's ranks span: run the same command on each, with its "
+        "--node-rank; node 0 runs the engine, the others run `minivllm serve --headless`",
+    )
+    node_rank: int = _arg(0, "this machine's place among nnodes (0: the one that runs the engine)")
+    master_addr: str = _arg(
+        "127.0.0.1", "with nnodes > 1: node 0's address, where every rank meets rank 0"
+    )
+    master_port: int = _arg(29501, "with nnodes > 1: the port of that meeting (torch's TCPStore)")
     # ---------------------------------------------------------------------- structured outputs
     structured_outputs_config: str | None = _arg(
         None,
@@ -358,6 +376,11 @@ class EngineArgs:
                 data_parallel_size_local=self.data_parallel_size_local,
                 data_parallel_address=self.data_parallel_address,
                 data_parallel_rpc_port=self.data_parallel_rpc_port,
+                distributed_executor_backend=self.distributed_executor_backend,
+                nnodes=self.nnodes,
+                node_rank=self.node_rank,
+                master_addr=self.master_addr,
+                master_port=self.master_port,
             ),
             resolved=_resolve(model, hf_overrides),
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
@@ -457,6 +480,11 @@ class EngineKwargs(TypedDict, total=False):
     data_parallel_size_local: int | None
     data_parallel_address: str | None
     data_parallel_rpc_port: int | None
+    distributed_executor_backend: str
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
     structured_outputs_config: str | None
     enable_lora: bool
     max_loras: int

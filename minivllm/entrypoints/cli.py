@@ -144,7 +144,34 @@ def parse_serve_args(
     return args
 
 
+def serve_headless(args: argparse.Namespace) -> int:
+    """`minivllm serve ... --headless` on node i > 0 of --nnodes (vLLM's `run_headless`): spawn
+    this node's ranks and wait for them; they take the model's config from node 0's engine."""
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.executor.abstract import worker_config
+    from minivllm.executor.multiproc_executor import run_headless
+
+    with usage_errors(args.parser):
+        config = EngineArgs.from_cli_args(args).create_engine_config()
+        parallel = config.parallel
+        if parallel.nnodes == 1 or parallel.node_rank == 0:
+            raise ValueError(
+                "--headless runs the ranks of one node of several: it needs --nnodes > 1 and "
+                f"--node-rank > 0 (node 0 runs the engine), got nnodes={parallel.nnodes}, "
+                f"node_rank={parallel.node_rank}"
+            )
+        if parallel.distributed_executor_backend != "mp":
+            raise ValueError(
+                "--headless needs distributed_executor_backend='mp' (Ray starts its own "
+                f"workers), got {parallel.distributed_executor_backend!r}"
+            )
+    # The attention backend is node 0's: its WorkerConfig replaces this one at the rendezvous.
+    return run_headless(worker_config(config, config.model.attention_backend), parallel)
+
+
 def serve(args: argparse.Namespace) -> int:
+    if args.headless:
+        return serve_headless(args)
     import uvicorn
 
     from minivllm.engine.arg_utils import EngineArgs

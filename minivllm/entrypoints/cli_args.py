@@ -121,6 +121,11 @@ SERVER_FLAGS_AFTER_LOGS: dict[str, dict[str, Any]] = {
         "help": "torch's intra-op threads in the engine-core process (unset: all cores but one, "
         "which the server's own work keeps)",
     },
+    "--headless": {
+        "action": "store_true",
+        "help": "run only this node's ranks, no engine and no server (vLLM's flag): node "
+        "--node-rank > 0 of --nnodes, meeting node 0 at --master-addr:--master-port",
+    },
     "--enable-auto-tool-choice": {
         "action": "store_true",
         "help": 'let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser',

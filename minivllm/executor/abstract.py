@@ -72,18 +72,17 @@ def pipeline_layer_sizes(num_layers: int, pp_size: int) -> tuple[int, ...]:
     return tuple(stage_sizes(num_layers, pp_size, pp_layer_partition()))
 
 
-def make_executor(config: EngineConfig, backend: AttentionBackend) -> Executor:
-    """The executor for `config.parallel`'s sizes. A size that does not split the model is
-    refused here, before any process starts."""
-    n, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
-    resolved = config.resolved
-    source, model_config, device = resolved.source, resolved.hf_config, resolved.device
-    wc = WorkerConfig(
+def worker_config(config: EngineConfig, backend_name: str) -> WorkerConfig:
+    """What every rank builds its shard from, resolved once from the engine's config."""
+    parallel, resolved = config.parallel, config.resolved
+    n, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    source = resolved.source
+    return WorkerConfig(
         model_path=str(source.path),
         model_name=source.name,
         dtype=resolved.dtype,
-        device_type=device.type,
-        attention_backend=backend.name,
+        device_type=resolved.device.type,
+        attention_backend=backend_name,
         enforce_eager=config.model.enforce_eager,
         quantization=resolved.quantization,
         gguf_file=None if source.gguf_file is None else str(source.gguf_file),
@@ -91,14 +90,29 @@ def make_executor(config: EngineConfig, backend: AttentionBackend) -> Executor:
         max_model_len=resolved.max_model_len,
         cache=config.cache,
         tensor_parallel_size=n,
-        num_threads=max(1, torch.get_num_threads() // (n * pp)),
+        # the cores of one machine, shared by the ranks that run on it
+        num_threads=max(1, torch.get_num_threads() * parallel.nnodes // (n * pp)),
         pooler=config.pooler,
         lora=config.lora,
         pipeline_parallel_size=pp,
-        pp_layer_sizes=pipeline_layer_sizes(model_config.num_hidden_layers, pp),
+        pp_layer_sizes=pipeline_layer_sizes(resolved.hf_config.num_hidden_layers, pp),
+        nnodes=parallel.nnodes,
     )
-    if n * pp == 1:
+
+
+def make_executor(config: EngineConfig, backend: AttentionBackend) -> Executor:
+    """The executor for `config.parallel`'s sizes. A size that does not split the model is
+    refused here, before any process starts."""
+    parallel = config.parallel
+    if parallel.node_rank > 0:
+        raise ValueError(
+            f"node_rank {parallel.node_rank} runs only its ranks, no engine: start it with "
+            "`minivllm serve MODEL ... --headless` (node 0 runs the engine)"
+        )
+    wc = worker_config(config, backend.name)
+    device = config.resolved.device
+    if wc.world_size == 1:
         return UniProcExecutor(build_runner(wc, SINGLE_DEVICE, None, device, backend))
     from minivllm.executor.tensor_parallel import make_distributed_executor
 
-    return make_distributed_executor(wc, model_config, device, backend)
+    return make_distributed_executor(wc, config.resolved.hf_config, device, backend, parallel)

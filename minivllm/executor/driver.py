@@ -122,6 +122,11 @@ class DistributedExecutor:
     def workers_alive(self) -> bool:
         return True
 
+    def elsewhere(self) -> str | None:
+        """The ranks that no process of this node watches (other nodes' ranks), named for a
+        failure that no rank here explains; None when every rank is watched."""
+        return None
+
     # ------------------------------------------------------------------ the step
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         with self.lock:
@@ -164,6 +169,11 @@ class DistributedExecutor:
         stays a KeyboardInterrupt; anything else becomes EngineDeadError."""
         reason = None if isinstance(exc, KeyboardInterrupt) else self.worker_failure()
         self.dead = reason or f"a step failed ({type(exc).__name__}: {exc})"
+        if reason is None and not isinstance(exc, KeyboardInterrupt) and self.elsewhere():
+            self.dead += (
+                "; no rank on this node failed, so suspect the ranks it cannot watch, on the "
+                f"other nodes: {self.elsewhere()} (see that node's log)"
+            )
         logger.error("tensor-parallel step failed, stopping every rank: %s", self.dead)
         self.stop_workers(graceful=False)
         if isinstance(exc, KeyboardInterrupt):

@@ -62,10 +62,17 @@ class WorkerConfig:
     # the driver so that every rank cuts the model the same way); () with one stage.
     pp_layer_sizes: tuple[int, ...] = ()
     hf_overrides: HfOverrides | None = None  # config.json's changes at load (ModelSource's)
+    # Machines the ranks span (the "mp" backend's nnodes): each runs world_size / nnodes of them,
+    # rank r as local rank r % (world_size / nnodes), on that machine's device of that index.
+    nnodes: int = 1
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:

@@ -11,14 +11,18 @@ sampling, no tokenizer: a worker is a model runner and a loop (vLLM's `Worker` a
 the previous stage's hidden states, sends its own to the next one, and the last stage's rank 0
 sends the step's logits to the driver (minivllm/distributed/pipeline.py).
 
-A rank is started one of two ways (see "Distributed execution" in the docs, docs/distributed.md,
+A rank is started one of three ways (see "Distributed execution" in the docs, docs/distributed.md,
 and the architecture page, docs/architecture.md):
 
-- spawned by the driver's `MultiprocExecutor` (`spawned_worker_main`): it rendezvouses on a
-  loopback port, reports a failure's traceback through a pipe before it exits, and exits at once
-  when the driver goes away (its *lifeline* pipe closes, whatever killed the driver).
+- spawned by the driver's `MultiprocExecutor` (`spawned_worker_main`), or on another node by
+  `minivllm serve --headless`: it rendezvouses on a loopback port (or node 0's
+  master_addr:master_port), reports a failure's traceback through a pipe before it exits, and
+  exits at once when the process that spawned it goes away (its *lifeline* pipe closes, whatever
+  killed that process).
 - started by `torchrun`, which runs the same program on every rank: on ranks 1..N-1, building the
   engine ends in `run_torchrun_worker`, which serves rank 0's steps and then ends the process.
+- in a Ray actor (minivllm/executor/ray_distributed_executor.py), which runs `serve_rank` as a
+  Ray task that the driver holds: Ray tells the driver when the actor dies.
 """
 
 from __future__ import annotations
@@ -142,19 +146,32 @@ def spawned_worker_main(
     try:
         if wc.device_type == "cpu":
             torch.set_num_threads(wc.num_threads)
-        device = rank_device(wc.device_type, rank)
         report.send("started")  # imports done: the driver may now meet us at the rendezvous
-        tp, pp, control = init_distributed(
-            rank, wc.tensor_parallel_size, init_method, device, wc.pipeline_parallel_size
-        )
-        runner = build_runner(wc, tp, control, device, pp=pp)
-        worker_loop(runner, control)
+        serve_rank(rank, wc, init_method)
     except BaseException:
         report.send(traceback.format_exc())
         # Not a normal exit: the process group may be in the middle of a collective, and its
         # teardown could wait for peers. Closing our sockets now is what tells the driver.
         os._exit(1)
     destroy_distributed()
+
+
+def serve_rank(
+    rank: int, wc: WorkerConfig, init_method: str, local_rank: int | None = None
+) -> None:
+    """Meet rank 0 at `init_method`, build this rank's shard and serve the driver's messages
+    until it says Shutdown. Across nodes, take node 0's WorkerConfig first: each node resolved
+    the model itself, and every rank must build what node 0 did. `local_rank` picks the device
+    (unset: the rank's place among its node's ranks)."""
+    local = rank % wc.ranks_per_node if local_rank is None else local_rank
+    device = rank_device(wc.device_type, local)
+    tp, pp, control = init_distributed(
+        rank, wc.tensor_parallel_size, init_method, device, wc.pipeline_parallel_size
+    )
+    if wc.nnodes > 1:
+        wc = receive(control)
+    runner = build_runner(wc, tp, control, device, pp=pp)
+    worker_loop(runner, control)
 
 
 def run_torchrun_worker(local: WorkerConfig) -> None:

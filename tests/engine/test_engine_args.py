@@ -138,6 +138,11 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         data_parallel_size_local=2,
         data_parallel_address=None,  # refused when set (tests/engine/test_engine_args.py INVALID)
         data_parallel_rpc_port=None,
+        distributed_executor_backend="mp",
+        nnodes=1,
+        node_rank=0,
+        master_addr="10.0.0.7",
+        master_port=1234,
         structured_outputs_config='{"backend": "xgrammar", "disable_any_whitespace": true}',
         enable_lora=True,
         max_loras=2,
@@ -231,6 +236,13 @@ INVALID = [
     ({"data_parallel_address": "10.0.0.1"}, "data_parallel_address is not supported"),
     ({"data_parallel_rpc_port": 13345}, "data_parallel_rpc_port is not supported"),
     ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be a positive integer, got 0"),
+    (
+        {"distributed_executor_backend": "slurm"},
+        "distributed_executor_backend must be one of ['mp', 'ray'], got 'slurm'",
+    ),
+    ({"nnodes": 0}, "nnodes must be a positive integer, got 0"),
+    ({"node_rank": 1}, "node_rank must be in [0, nnodes) = [0, 1), got 1"),
+    ({"master_port": 70000}, "master_port must be in (0, 65536), got 70000"),
     ({"runner": "draft"}, "runner must be one of ('auto', 'generate', 'pooling'), got 'draft'"),
     ({"convert": "reward"}, "convert must be one of ('auto', 'none', 'embed', 'classify')"),
     ({"task": "transcribe"}, "task must be one of ('auto', 'generate', 'embed', "),
@@ -248,7 +260,9 @@ INVALID = [
     ),
 ]
 # Checked where they are used: a path or hub id is resolved when the model loads; flags are bools.
+# An address is checked when rank 0 listens on it.
 UNCHECKED = {"model", "tokenizer", "skip_tokenizer_init", "enable_prefix_caching", "enforce_eager"}
+UNCHECKED |= {"master_addr"}
 
 
 @pytest.mark.parametrize(("kwargs", "message"), INVALID, ids=[next(iter(k)) for k, _ in INVALID])

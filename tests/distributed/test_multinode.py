@@ -1,0 +1,173 @@
+"""Ranks over several nodes with the engine's own launcher: vLLM's `--nnodes`, `--node-rank`,
+`--master-addr`, `--master-port` and `serve --headless`, played on loopback by two invocations.
+
+Node 0 is this test's process (the engine, rank 0), node 1 a `minivllm serve --headless` process
+(rank 1); they meet at torch.distributed's TCPStore on 127.0.0.1. Two pipeline stages across them
+must give one process's greedy tokens; killing node 1 must fail node 0 with an error that names
+node 1's rank, and leave no process. The combinations this launch cannot serve are refused by
+name before any process starts. No test here may leave a process behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.distributed.process_group import free_loopback_port
+from minivllm.entrypoints import cli
+from minivllm.executor.tensor_parallel import EngineDeadError
+from tests.utils.engine_utils import save_tiny_llama
+from tests.utils.tp_utils import live_descendants, no_leftover_processes
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [{"prompt_token_ids": [11 + i, 300 + 7 * i, 77, 5000 + i]} for i in range(2)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+NODE_WAIT_S = 120.0  # the headless node's exit after node 0 shut down (a loaded machine)
+
+pytestmark = pytest.mark.timeout(600)  # a hang guard, no timing
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes() -> Iterator[None]:
+    yield from no_leftover_processes()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), tie_word_embeddings=False)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def start_node_one(model: Path, port: int) -> subprocess.Popen[str]:
+    """`minivllm serve MODEL -pp 2 --nnodes 2 --node-rank 1 ... --headless`: rank 1, no server."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen(
+        [
+            *(sys.executable, "-m", "minivllm.entrypoints.cli", "serve", str(model), "-pp", "2"),
+            *("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1"),
+            *("--master-port", str(port), "--headless", "--num-gpu-blocks-override", "32"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+
+
+def node_zero(model: Path, port: int) -> LLM:
+    return LLM(
+        str(model),
+        pipeline_parallel_size=2,
+        nnodes=2,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=port,
+        num_gpu_blocks_override=32,
+    )
+
+
+def test_two_nodes_over_loopback_give_one_process_s_tokens_and_both_end(tiny: Path) -> None:
+    expected = tokens(LLM(str(tiny), num_gpu_blocks_override=32).generate(PROMPTS, GREEDY))
+    port = free_loopback_port()
+    node_one = start_node_one(tiny, port)
+    try:
+        llm = node_zero(tiny, port)
+        assert llm.llm_engine.executor.workers == []  # node 0 runs rank 0 only
+        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+        llm.shutdown()
+        output, _ = node_one.communicate(timeout=NODE_WAIT_S)
+        assert node_one.returncode == 0, output  # node 0's Shutdown reached node 1's rank
+        assert "headless node 1 of 2: ranks 1, meeting rank 0 at tcp://127.0.0.1" in output
+    finally:
+        node_one.kill()
+        node_one.wait()
+
+
+def test_killing_node_one_fails_node_zero_naming_its_rank(tiny: Path) -> None:
+    port = free_loopback_port()
+    node_one = start_node_one(tiny, port)
+    try:
+        llm = node_zero(tiny, port)
+        executor = llm.llm_engine.executor
+        execute, steps = executor.execute_model, []
+
+        def kill_node_one_at_third_step(sched):
+            steps.append(sched)
+            if len(steps) == 3:
+                node_one.kill()
+                node_one.wait()
+            return execute(sched)
+
+        executor.execute_model = kill_node_one_at_third_step  # type: ignore[method-assign]
+        with pytest.raises(EngineDeadError, match=r"other nodes: node 1 \(rank 1\)"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert len(steps) == 3  # it failed in the step that lost the node, not later
+        with pytest.raises(EngineDeadError, match="node 1"):  # and every later call at once
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        llm.shutdown()
+    finally:
+        node_one.kill()
+        node_one.wait()
+
+
+# ---------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nnodes": 2, "node_rank": 2}, r"node_rank must be in \[0, nnodes\) = \[0, 2\), got 2"),
+        ({"nnodes": 3}, r"nnodes \(3\) must divide tensor_parallel_size x pipeline_parallel_"),
+        ({"nnodes": 2, "node_rank": 1}, "node_rank 1 runs only its ranks.*--headless"),
+        ({"nnodes": 0}, "nnodes must be"),
+        ({"distributed_executor_backend": "slurm"}, "distributed_executor_backend must be one"),
+    ],
+)
+def test_what_the_launch_cannot_serve_is_refused_by_name_before_any_process(
+    tiny: Path, kwargs: dict, message: str
+) -> None:
+    before = set(live_descendants())
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny), pipeline_parallel_size=2, **kwargs)
+    assert set(live_descendants()) == before
+
+
+def test_under_torchrun_the_engine_s_own_node_flags_are_refused(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's --nnodes and --node-rank say where the ranks are; minivllm's would contradict
+    them. Refused on rank 0 before it joins the group (no process group is left either)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"under torchrun, torchrun starts every rank.*nnodes=2"):
+        LLM(str(tiny), pipeline_parallel_size=2, nnodes=2)
+
+
+def test_ray_backend_without_ray_is_refused_with_the_install_line(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a)
+    )
+    with pytest.raises(ValueError, match=r"needs Ray, which is not installed: pip install min"):
+        LLM(str(tiny), tensor_parallel_size=2, distributed_executor_backend="ray")
+
+
+def test_headless_without_a_node_to_serve_is_a_usage_error(
+    tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", str(tiny), "-pp", "2", "--headless"])
+    assert info.value.code == 2
+    assert "--headless runs the ranks of one node of several: it needs --nnodes > 1" in (
+        capsys.readouterr().err
+    )
