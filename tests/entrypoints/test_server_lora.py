@@ -15,6 +15,7 @@ import asyncio
 import json
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -180,8 +181,12 @@ def test_an_adapter_unloaded_while_a_stream_runs_under_it_finishes_it_and_leaves
     body["max_tokens"] = max_tokens
     stream = threading.Thread(target=stream_token_ids, args=(url, body, tokens))
     unload: list[httpx.Response] = []
-    unloader = threading.Thread(target=lambda: unload.append(
-        httpx.post(url + "/unload_lora_adapter", json={"lora_name": "all"}, timeout=60)))  # fmt: skip
+
+    def unload_all() -> None:
+        body = {"lora_name": "all"}  # answered once the engine thread is released
+        unload.append(httpx.post(url + "/unload_lora_adapter", json=body, timeout=60))
+
+    unloader = threading.Thread(target=unload_all)
     try:
         stream.start()
         assert gate.held.wait(timeout=60)
@@ -189,10 +194,10 @@ def test_an_adapter_unloaded_while_a_stream_runs_under_it_finishes_it_and_leaves
         assert 'vllm:lora_requests_info{max_lora="2",' in metrics
         assert 'running_lora_adapters="all"' in metrics
         unloader.start()  # its engine call waits for the held engine thread
-        for _ in range(200):  # the name goes at once, before the engine hears of it
-            if "all" not in [m["id"] for m in httpx.get(url + "/models").json()["data"]]:
-                break
-            threading.Event().wait(0.05)
+        deadline = time.monotonic() + 60
+        while "all" in [m["id"] for m in httpx.get(url + "/models").json()["data"]]:
+            assert time.monotonic() < deadline, "the unload never took the name away"
+            time.sleep(0.05)  # the name goes at once, before the engine hears of it
         late = httpx.post(url + "/completions", json={**body, "stream": False})
         assert late.status_code == 404 and late.json()["error"]["param"] == "model"
     finally:
