@@ -21,6 +21,10 @@ comma-separated list ("4,4" or "3,5"), one positive count per stage, summing to 
 layers; unset: the even split (minivllm/distributed/pipeline.py). Read on the driver only, before
 any process starts, and sent to every rank.
 
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING` (vLLM's name): "1" or "true" adds the server's
+/v1/load_lora_adapter and /v1/unload_lora_adapter routes (minivllm/entrypoints/serving_models.py);
+unset, they do not exist (404), as in vLLM, which allows it for local development only.
+
 This module imports nothing of minivllm, so any module may import it without creating a cycle
 (tests/test_package_layout.py holds the package's import graph acyclic).
 """
@@ -77,3 +81,9 @@ def pp_layer_partition() -> list[int] | None:
             f"pipeline stage (e.g. '4,4'), got {value!r}"
         )
     return [int(p) for p in parts]
+
+
+def allow_runtime_lora_updating() -> bool:
+    """`$VLLM_ALLOW_RUNTIME_LORA_UPDATING` as vLLM reads it: "1" or "true" (any case) is on."""
+    value = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower()
+    return value in ("1", "true")

@@ -6,7 +6,8 @@ and talks to it over ZeroMQ; here a thread is enough by default, because `LLMEng
 its time in PyTorch ops, which release the GIL. The design keeps the engine single-threaded all the
 same:
 
-- Handlers never touch the engine. `add_request` / `abort` put a command on a thread-safe queue;
+- Handlers never touch the engine. `add_request` / `abort` (and utility calls such as
+  `add_lora`, whose future the engine thread resolves) put a command on a thread-safe queue;
   the engine thread applies the commands *between* steps, so no step ever sees a half-added request
   or a block table freed under it.
 - The engine thread hands each `RequestOutput` to the request's `asyncio.Queue` with
@@ -18,11 +19,12 @@ same:
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from minivllm.core.outputs import RequestOutput
 from minivllm.engine.llm_engine import LLMEngine
@@ -34,6 +36,7 @@ from minivllm.engine.protocol import (
     StreamItem,
 )
 from minivllm.inputs import PromptType
+from minivllm.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     import asyncio
@@ -47,11 +50,22 @@ class _Add:
     prompt: PromptType
     params: RequestParamsType
     sink: Callable[[StreamItem], None]
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass
+class _Utility:
+    method: str  # an LLMEngine method: add_lora, remove_lora
+    args: tuple[Any, ...]
+    future: concurrent.futures.Future[Any]
+
+
+Command = _Add | _Abort | _Utility
 
 
 class AsyncLLMEngine(EngineClientBase):
@@ -69,7 +83,7 @@ class AsyncLLMEngine(EngineClientBase):
         super().__init__(engine, on_step, on_add)
         self.engine: LLMEngine = engine
         self.idle_wakeup_s = idle_wakeup_s  # how often an idle thread wakes to call on_step
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         # Counted as applied only when the stats that include them are published, so that
         # `num_waiting` never misses a request that is in neither.
         self._num_adds_unpublished = 0  # engine thread only
@@ -89,6 +103,7 @@ class AsyncLLMEngine(EngineClientBase):
         prompt: PromptType,
         params: RequestParamsType,
         out: asyncio.Queue[StreamItem],
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; its outputs (and a failure, as an exception) arrive on `out`.
 
@@ -97,7 +112,12 @@ class AsyncLLMEngine(EngineClientBase):
         """
         sink = self._sink_for(out)
         self._num_adds_queued += 1
-        self._commands.put(_Add(request_id, prompt, params, sink))
+        self._commands.put(_Add(request_id, prompt, params, sink, lora_request))
+
+    def _call_utility(self, method: str, *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put(_Utility(method, args, future))
+        return future
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests (e.g. the client went away); their KV blocks are freed at the next step."""
@@ -112,7 +132,7 @@ class AsyncLLMEngine(EngineClientBase):
                 busy = engine.has_unfinished_requests()
                 # Idle: sleep until a command comes (waking now and then to log stats). Busy:
                 # take the commands that have arrived, without waiting, and step.
-                commands: list[_Add | _Abort | None] = []
+                commands: list[Command | None] = []
                 try:
                     commands.append(self._commands.get(block=not busy, timeout=self.idle_wakeup_s))
                     while True:
@@ -139,13 +159,21 @@ class AsyncLLMEngine(EngineClientBase):
                 sink(RuntimeError(f"the engine failed: {exc}"))
             self._sinks.clear()
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: Command) -> None:
         if isinstance(cmd, _Abort):
             self.engine.abort_request(cmd.request_ids)
             return
+        if isinstance(cmd, _Utility):
+            try:
+                cmd.future.set_result(getattr(self.engine, cmd.method)(*cmd.args))
+            except Exception as exc:  # the caller's error (a bad adapter), not the engine's
+                cmd.future.set_exception(exc)
+            return
         self._num_adds_unpublished += 1
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+            self.engine.add_request(
+                cmd.request_id, cmd.prompt, cmd.params, lora_request=cmd.lora_request
+            )
         except Exception as exc:  # validated by the handler already; report, don't die
             cmd.sink(exc)
             return

@@ -7,7 +7,9 @@ takes the interpreter (and its GIL) from the model's steps. Here the same split,
 
     frontend (client.py)                        core (this file, a spawned process)
       add / abort / shutdown commands  ------->   applied between steps
-      per-step outputs + stats         <-------   after every step (and on an idle tick)
+      utility calls (add_lora, ...)    ------->   run between steps
+      per-step outputs + stats         <-------   after every step (and on an idle tick),
+        + the utility calls' results                with each call's result or exception
 
 The loop is `AsyncLLMEngine`'s (async_engine.py) with the pipe in place of
 the thread-safe queue: busy -> take the commands that have arrived, then step; idle -> block on
@@ -39,6 +41,7 @@ from minivllm.engine.beam_search import BeamSearchParams
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptType
+from minivllm.lora.request import LoRARequest
 from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
 
@@ -53,11 +56,26 @@ class AddRequest:  # frontend -> core
     request_id: str
     prompt: PromptType
     params: SamplingParams | BeamSearchParams | PoolingParams
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
 class AbortRequests:  # frontend -> core
     request_ids: list[str]
+
+
+@dataclass
+class UtilityRequest:  # frontend -> core: run `engine.<method>(*args)` between steps
+    call_id: int
+    method: str  # an LLMEngine method: add_lora, remove_lora
+    args: tuple[Any, ...]
+
+
+@dataclass
+class UtilityResult:  # core -> frontend, in the next `CoreOutputs`
+    call_id: int
+    result: Any = None
+    error: Exception | None = None  # what the method raised (a LoRAError, say)
 
 
 @dataclass
@@ -82,6 +100,7 @@ class CoreOutputs:  # core -> frontend, after each step (empty `outputs`: an idl
     added: list[str] = field(default_factory=list)  # requests the engine took since the last one
     # Requests the engine refused (bad parameters found in the core): request id -> message.
     errors: dict[str, str] = field(default_factory=dict)
+    utility_results: list[UtilityResult] = field(default_factory=list)
     final: bool = False  # the answer to `Shutdown`: the core exits after it
 
 
@@ -93,13 +112,18 @@ class CoreFailed:  # core -> frontend: the engine could not be built, or the loo
     )
 
 
-def failure(exc: BaseException) -> CoreFailed:
+def picklable(exc: BaseException) -> Exception | None:
+    """`exc` if it can cross the pipe as itself, else None."""
     error = exc if isinstance(exc, Exception) else None
     try:
         pickle.dumps(error)
     except Exception:
         error = None
-    return CoreFailed(traceback.format_exc(), error)
+    return error
+
+
+def failure(exc: BaseException) -> CoreFailed:
+    return CoreFailed(traceback.format_exc(), picklable(exc))
 
 
 # ---------------------------------------------------------------------- the process
@@ -150,6 +174,7 @@ class EngineCoreProc:
         self.idle_wakeup_s = idle_wakeup_s  # an idle core still sends stats this often
         self._added: list[str] = []
         self._errors: dict[str, str] = {}
+        self._utility_results: list[UtilityResult] = []
         e = self.engine
         conn.send(
             CoreReady(
@@ -184,18 +209,35 @@ class EngineCoreProc:
                 continue
             self._send(engine.step())  # also the outputs of the requests aborted above
 
-    def _apply(self, cmd: AddRequest | AbortRequests) -> None:
+    def _apply(self, cmd: AddRequest | AbortRequests | UtilityRequest) -> None:
         if isinstance(cmd, AbortRequests):
             self.engine.abort_request(cmd.request_ids)  # frees their blocks now
             return
+        if isinstance(cmd, UtilityRequest):
+            try:
+                result = UtilityResult(cmd.call_id, getattr(self.engine, cmd.method)(*cmd.args))
+            except Exception as exc:  # the caller's error; it crosses as itself if it pickles
+                error = picklable(exc) or RuntimeError(f"{type(exc).__name__}: {exc}")
+                result = UtilityResult(cmd.call_id, error=error)
+            self._utility_results.append(result)
+            return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+            self.engine.add_request(
+                cmd.request_id, cmd.prompt, cmd.params, lora_request=cmd.lora_request
+            )
         except Exception as exc:  # a bad request fails alone; the core goes on
             self._errors[cmd.request_id] = str(exc)
             return
         self._added.append(cmd.request_id)
 
     def _send(self, outputs: list[RequestOutput], final: bool = False) -> None:
-        message = CoreOutputs(outputs, self.engine.get_stats(), self._added, self._errors, final)
-        self._added, self._errors = [], {}
+        message = CoreOutputs(
+            outputs,
+            self.engine.get_stats(),
+            self._added,
+            self._errors,
+            self._utility_results,
+            final,
+        )
+        self._added, self._errors, self._utility_results = [], {}, []
         self.conn.send(message)

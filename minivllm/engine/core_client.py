@@ -8,9 +8,10 @@
   validates grammars before a request is queued (the core compiles them again for its matchers).
 - `AsyncMPClient` is an `EngineClient` (protocol.py) over the pipe, as `AsyncLLMEngine` is one
   over a thread (the server's handlers cannot tell them apart):
-  `add_request` / `abort` send commands; a reader thread receives each step's outputs and hands
-  them to the requests' asyncio queues with `call_soon_threadsafe`, and runs the metrics hooks
-  (`on_add`, `on_step`) from the stats the core sends.
+  `add_request` / `abort` / utility calls (`add_lora`) send commands; a reader thread receives
+  each step's outputs and hands them to the requests' asyncio queues with `call_soon_threadsafe`,
+  resolves the utility calls' futures, and runs the metrics hooks (`on_add`, `on_step`) from the
+  stats the core sends.
 
 If the core dies, the reader sees the pipe's EOF: every open request fails with `EngineDeadError`,
 so does every later one, and `is_running` turns false (the server's /health says 503).
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -35,6 +38,7 @@ from minivllm.engine.core import (
     CoreOutputs,
     CoreReady,
     Shutdown,
+    UtilityRequest,
     run_engine_core,
 )
 from minivllm.engine.protocol import (
@@ -47,6 +51,7 @@ from minivllm.engine.protocol import (
 from minivllm.engine.stats import EngineStats
 from minivllm.exceptions import EngineDeadError
 from minivllm.inputs import PromptType, process_prompt
+from minivllm.lora.request import LoRARequest
 from minivllm.model.loader import load_tokenizer
 from minivllm.structured_output.manager import StructuredOutputManager
 
@@ -150,7 +155,7 @@ class EngineCoreClient:
         return self.startup_stats  # the live ones are `AsyncMPClient.stats`
 
     # ------------------------------------------------------------------ the pipe
-    def send(self, message: AddRequest | AbortRequests | Shutdown) -> None:
+    def send(self, message: AddRequest | AbortRequests | UtilityRequest | Shutdown) -> None:
         """Send, or nothing when the core is gone (the reader then fails every open request)."""
         with self._send_lock, contextlib.suppress(OSError):  # loop thread vs. shutdown's
             self.conn.send(message)
@@ -184,6 +189,8 @@ class AsyncMPClient(EngineClientBase):
         self._params: dict[str, RequestParamsType] = {}  # sent, not yet taken
         self._lock = threading.Lock()  # sinks vs. the reader failing them all at once
         self._stopping = False
+        self._calls: dict[int, concurrent.futures.Future[Any]] = {}  # utility calls sent
+        self._call_ids = itertools.count()
 
     # ------------------------------------------------------------------ the event-loop side
     def shutdown(self) -> None:
@@ -204,6 +211,7 @@ class AsyncMPClient(EngineClientBase):
         prompt: PromptType,
         params: RequestParamsType,
         out: asyncio.Queue[StreamItem],
+        lora_request: LoRARequest | None = None,
     ) -> None:
         sink = self._sink_for(out)
         with self._lock:
@@ -213,7 +221,18 @@ class AsyncMPClient(EngineClientBase):
             self._sinks[request_id] = sink
             self._params[request_id] = params
         self._num_adds_queued += 1
-        self.engine.send(AddRequest(request_id, prompt, params))
+        self.engine.send(AddRequest(request_id, prompt, params, lora_request))
+
+    def _call_utility(self, method: str, *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self.dead_error is not None:  # no reader left to answer it
+                future.set_exception(self.dead_error)
+                return future
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+        self.engine.send(UtilityRequest(call_id, method, args))
+        return future
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests (a client went away); the core frees their KV blocks at once."""
@@ -249,6 +268,13 @@ class AsyncMPClient(EngineClientBase):
             params = self._params.pop(rid, None)
             if params is not None:
                 self._call_hook(self.on_add, rid, params)
+        for answer in message.utility_results:
+            with self._lock:
+                future = self._calls.pop(answer.call_id, None)
+            if future is not None and answer.error is not None:
+                future.set_exception(answer.error)
+            elif future is not None:
+                future.set_result(answer.result)
         self.stats = message.stats
         self._num_adds_applied += len(message.added) + len(message.errors)
         self._call_hook(self.on_step, message.stats, message.outputs)
@@ -264,5 +290,8 @@ class AsyncMPClient(EngineClientBase):
         with self._lock:
             self.dead_error = error
             sinks, self._sinks = self._sinks, {}
+            calls, self._calls = self._calls, {}
         for sink in sinks.values():
             sink(error)
+        for future in calls.values():
+            future.set_exception(error)

@@ -35,6 +35,7 @@ import asyncio
 import hashlib
 import logging
 import threading
+from collections import Counter
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ from minivllm.engine.core_client import AsyncMPClient, EngineCoreClient
 from minivllm.engine.protocol import AddHook, RequestParamsType, StepHook, StreamItem
 from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptType
+from minivllm.lora.request import LoRARequest
 from minivllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("minivllm")
@@ -80,7 +82,9 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
     fields: dict[str, Any] = {}
     for name, value in vars(first).items():
         values = [getattr(s, name) for s in stats]
-        if isinstance(value, tuple):
+        if isinstance(value, dict):  # requests per LoRA adapter
+            fields[name] = dict(sum((Counter(v) for v in values), Counter()))
+        elif isinstance(value, tuple):
             width = max(len(v) for v in values)
             fields[name] = tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
         elif isinstance(value, float):
@@ -241,6 +245,7 @@ class DPLBAsyncMPClient:
         prompt: PromptType,
         params: RequestParamsType,
         out: asyncio.Queue[StreamItem],
+        lora_request: LoRARequest | None = None,
     ) -> None:
         dead = self.dead_error
         if dead is not None:  # one dead core fails the server (module docstring)
@@ -252,7 +257,7 @@ class DPLBAsyncMPClient:
         engine = choose_engine(self.loads(), home)
         with self._lock:
             self._engine_of[request_id] = engine
-        self.clients[engine].add_request(request_id, prompt, params, out)
+        self.clients[engine].add_request(request_id, prompt, params, out, lora_request)
 
     def abort(self, request_ids: list[str]) -> None:
         by_engine: dict[int, list[str]] = {}
@@ -266,6 +271,16 @@ class DPLBAsyncMPClient:
 
     def abort_all(self) -> int:
         return sum(c.abort_all() for c in self.clients)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    # Every core holds every adapter: a request under one may be sent to any core.
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        results = await asyncio.gather(*(c.add_lora(lora_request) for c in self.clients))
+        return all(results)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        results = await asyncio.gather(*(c.remove_lora(lora_int_id) for c in self.clients))
+        return all(results)
 
     def _step_hook(self, engine: int) -> StepHook:
         """Core `engine`'s step, in its reader thread: the finished requests leave the map of

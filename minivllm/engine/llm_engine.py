@@ -128,6 +128,8 @@ class LLMEngine:
         self.parallel_sampling = ParallelSampling(self.request_context)
         self.requests: dict[str, Request] = {}
         self.lora_requests: dict[int, LoRARequest] = {}  # every adapter added, by lora_int_id
+        # Adapters removed while requests still ran under them: dropped once the last one ends.
+        self._loras_to_remove: set[int] = set()
         self.after_sampling: dict[str, AfterSampling] = {}  # request_id -> its hook
         self._next_seq_id = 0
         self._aborted_outputs: list[RequestOutput] = []
@@ -300,10 +302,37 @@ class LLMEngine:
 
         self.executor.collective_rpc(add)
         self.lora_requests[lora_request.lora_int_id] = lora_request
+        self._loras_to_remove.discard(lora_request.lora_int_id)  # added again: it stays
         return True
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (vLLM's `remove_lora`); False if it was never added. A request
+        already queued or running under it finishes on it: its slot and host copy go when the
+        last such request ends (`_remove_unused_loras`), never under a running request."""
+        if self.lora_requests.pop(lora_int_id, None) is None:
+            return False
+        self._loras_to_remove.add(lora_int_id)
+        self._remove_unused_loras()
+        return True
+
+    def _remove_unused_loras(self) -> None:
+        """Drop every removed adapter that no unfinished request runs under from every rank's
+        slots and host memory."""
+        in_use = {r.lora_int_id for r in self.requests.values() if r.lora_request is not None}
+        unused = self._loras_to_remove - in_use
+        if not unused:
+            return
+        self._loras_to_remove -= unused
+
+        def remove(runner: ModelRunner) -> None:
+            assert runner.lora_manager is not None
+            for lora_id in unused:
+                runner.lora_manager.remove_lora(lora_id)
+
+        self.executor.collective_rpc(remove)
+
     def list_loras(self) -> list[LoRARequest]:
-        """The adapters added so far (vLLM's `list_loras`)."""
+        """The adapters added and not removed (vLLM's `list_loras`)."""
         return list(self.lora_requests.values())
 
     def _new_seq(self, request: Request, index: int) -> Sequence:
@@ -347,7 +376,10 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> Request | None:
         self.after_sampling.pop(request_id, None)
-        return self.requests.pop(request_id, None)
+        request = self.requests.pop(request_id, None)
+        if request is not None and request.lora_int_id in self._loras_to_remove:
+            self._remove_unused_loras()  # it may have been the adapter's last request
+        return request
 
     def take_aborted_outputs(self) -> list[RequestOutput]:
         """The final outputs of requests aborted since the last step (which would return them)."""

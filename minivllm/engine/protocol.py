@@ -10,11 +10,17 @@ Both share `EngineClientBase` below: the model's facts (read from the engine, or
 handshake), the per-request sinks, the waiting count, and the metrics hooks that must never take
 the server down. Each adds only its transport: a command queue and a thread, or a pipe and a
 reader thread.
+
+Besides requests, a client makes *utility calls* (vLLM's `call_utility_async`): an engine method
+run between two steps, in the engine's thread or process, whose result or exception comes back to
+the awaiting handler. `add_lora` / `remove_lora` are two: the server's /v1/load_lora_adapter reads
+and checks an adapter where the model is, and answers with what the engine found wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
@@ -25,6 +31,7 @@ from minivllm.core.outputs import RequestOutput
 from minivllm.engine.beam_search import BeamSearchParams
 from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptType
+from minivllm.lora.request import LoRARequest
 from minivllm.model.source import ModelSource
 from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sampling_params import SamplingParams
@@ -111,9 +118,14 @@ class EngineClient(Protocol):
         prompt: PromptType,
         params: RequestParamsType,
         out: asyncio.Queue[StreamItem],
+        lora_request: LoRARequest | None = None,  # the adapter it runs under; None: the base
     ) -> None: ...
     def abort(self, request_ids: list[str]) -> None: ...
     def abort_all(self) -> int: ...  # the shutdown drain ran out
+
+    # ---- LoRA adapters (utility calls: run between steps, where the model is)
+    async def add_lora(self, lora_request: LoRARequest) -> bool: ...  # raises a LoRAError
+    async def remove_lora(self, lora_int_id: int) -> bool: ...
 
 
 class EngineClientBase:
@@ -203,6 +215,26 @@ class EngineClientBase:
 
     def _run(self) -> None:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ utility calls
+    def _call_utility(self, method: str, *args: Any) -> concurrent.futures.Future[Any]:
+        """Have the engine run `method(*args)` between two steps; the future holds its result
+        or its exception. A subclass sends it through its transport."""
+        raise NotImplementedError
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        if self.dead_error is not None:
+            raise self.dead_error
+        return await asyncio.wrap_future(self._call_utility(method, *args))
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter into the engine (`LLMEngine.add_lora`): a `LoRAError`
+        names what is wrong."""
+        return bool(await self.call_utility("add_lora", lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests running under it finish on it (`LLMEngine.remove_lora`)."""
+        return bool(await self.call_utility("remove_lora", lora_int_id))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Each output to its request's queue; a finished request's sink is dropped."""

@@ -11,11 +11,14 @@ core/kv_cache_utils.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import BlockPoolSnapshot
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
+from minivllm.core.sequence import Sequence
 from minivllm.engine.step_listener import StepOutputs
 from minivllm.spec_decode.metrics import SpecDecodingStats
 
@@ -46,6 +49,10 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [k] kept at draft position i
+    # LoRA adapter name -> requests running / waiting under it (vLLM's SchedulerStats fields,
+    # behind its vllm:lora_requests_info gauge); empty without adapters.
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 class StatsCollector:
@@ -85,5 +92,13 @@ class StatsCollector:
             num_reserved_kv_slots=bm.num_reserved_slots,
             num_filled_kv_slots=bm.num_filled_slots,
             kv_internal_fragmentation_slots=bm.internal_fragmentation_slots,
+            running_lora_adapters=requests_per_lora(scheduler.running),
+            waiting_lora_adapters=requests_per_lora(scheduler.waiting),
             **(self.spec_decoding.engine_stats_fields() if self.spec_decoding else {}),
         )
+
+
+def requests_per_lora(seqs: Iterable[Sequence]) -> dict[str, int]:
+    """Adapter name -> how many requests (not sequences: n > 1 forks count once) of `seqs`."""
+    requests = {s.request.request_id: s.request.lora_request for s in seqs}
+    return dict(Counter(lora.lora_name for lora in requests.values() if lora is not None))

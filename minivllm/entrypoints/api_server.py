@@ -34,12 +34,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minivllm import envs
 from minivllm.engine.async_llm_engine import AsyncLLMEngine
 from minivllm.engine.core_client import AsyncMPClient, EngineCoreClient
 from minivllm.engine.dp_client import DPEngineCoreClient, DPLBAsyncMPClient
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.protocol import EngineClient, EngineFacts, RequestParamsType
-from minivllm.entrypoints.cli_args import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
+from minivllm.entrypoints.cli_args import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    LoRAModulePath,
+)
 from minivllm.entrypoints.dashboard import add_dashboard
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.entrypoints.middleware import (
@@ -55,6 +60,7 @@ from minivllm.entrypoints.routes import (
     add_classify_route,
     add_generation_routes,
     add_invocations_route,
+    add_lora_routes,
     add_model_routes,
     add_operations_routes,
     add_pooling_routes,
@@ -64,6 +70,7 @@ from minivllm.entrypoints.routes import (
 from minivllm.entrypoints.serving import error_response
 from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
+from minivllm.entrypoints.serving_models import BaseModelPath, OpenAIServingModels
 from minivllm.entrypoints.serving_responses import OpenAIServingResponses
 from minivllm.entrypoints.serving_score import OpenAIServingScore
 from minivllm.entrypoints.serving_tokenization import OpenAIServingTokenization
@@ -120,6 +127,7 @@ def make_metrics(
         "sliding_window": None,
         "swap_space_bytes": 0,
     }
+    lora = engine.config.lora
     return ServerMetrics(
         model_name,
         log_stats_interval_s,
@@ -127,18 +135,19 @@ def make_metrics(
         cache_info,
         show_hidden_metrics,
         engine.config.parallel.data_parallel_size,
+        lora.max_loras if lora is not None else None,
     )
 
 
 def make_handlers(
     client: EngineClient,
-    names: list[str],
+    models: OpenAIServingModels,
     max_waiting_requests: int,
     return_tokens_as_token_ids: bool = False,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
 ) -> Handlers:
-    limits = (names, max_waiting_requests, client.config.scheduler.max_num_seqs)
+    limits = (models, max_waiting_requests, client.config.scheduler.max_num_seqs)
     completion = OpenAIServingCompletion(client, *limits, return_tokens_as_token_ids)
     chat = OpenAIServingChat(client, *limits, return_tokens_as_token_ids)
     if enable_auto_tool_choice and tool_call_parser is None:
@@ -172,17 +181,22 @@ def build_app(
     tool_call_parser: str | None = None,
     show_hidden_metrics: bool = False,
     model_path: str | None = None,
+    lora_modules: list[LoRAModulePath] | None = None,
 ) -> FastAPI:
     """An app serving `engine`: an `LLMEngine` stepped by a thread of this process, or the client
     of an engine-core process (minivllm/engine/core_client.py); either starts and stops with the
     app's lifespan. `model_path`: the model as the user named it (`/v1/models`' `root`, vLLM's
-    `BaseModelPath.model_path`); unset, the checkpoint's name."""
+    `BaseModelPath.model_path`); unset, the checkpoint's name. `lora_modules`: LoRA adapters
+    served under their own names (`--lora-modules`, with `enable_lora`), loaded as the app
+    starts; with `VLLM_ALLOW_RUNTIME_LORA_UPDATING`, /v1/load_lora_adapter adds more."""
     names = served_model_names or [engine.source.name]
     metrics = make_metrics(engine, names[0], log_stats_interval_s, show_hidden_metrics)
     client = make_engine_client(engine, metrics, log_requests)
+    root = model_path or engine.source.name
+    models = OpenAIServingModels(client, [BaseModelPath(n, root) for n in names], lora_modules)
     handlers = make_handlers(
         client,
-        names,
+        models,
         max_waiting_requests,
         return_tokens_as_token_ids,
         enable_auto_tool_choice,
@@ -192,7 +206,7 @@ def build_app(
         title="minivllm",
         version=server_version(),
         description=API_DESCRIPTION,
-        lifespan=engine_lifespan(client, on_ready),
+        lifespan=engine_lifespan(client, models, on_ready),
     )
     app.state.engine_client = client
     app.state.metrics = metrics
@@ -203,7 +217,13 @@ def build_app(
     install_openapi(app, bearer_auth=api_key is not None)
     add_error_handlers(app)
     add_operations_routes(app, client, metrics, server_load, enable_tokenizer_info_endpoint)
-    add_model_routes(app, client, names, api_key, model_path or engine.source.name)
+    add_model_routes(app, client, models, api_key)
+    if envs.allow_runtime_lora_updating():  # vLLM: the routes exist only then
+        logger.warning(
+            "LoRA dynamic loading & unloading is enabled in the API server. This should ONLY "
+            "be used for local development!"
+        )
+        add_lora_routes(app, models)
     v1_errors = (400, 401, 404, 413, 500, 503) if api_key else (400, 404, 413, 500, 503)
     pooler = client.config.pooler
     if handlers.embedding is not None and pooler is not None:
@@ -218,13 +238,19 @@ def build_app(
 
 
 def engine_lifespan(
-    client: EngineClient, on_ready: Callable[[], None] | None
+    client: EngineClient, models: OpenAIServingModels, on_ready: Callable[[], None] | None
 ) -> Callable[[FastAPI], Any]:
-    """The engine starts with the app and stops with it (tensor-parallel workers, the core)."""
+    """The engine starts with the app and stops with it (tensor-parallel workers, the core);
+    the `--lora-modules` adapters are loaded in between, and a bad one stops the start."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         client.start()
+        try:
+            await models.init_static_loras()
+        except BaseException:
+            await asyncio.to_thread(client.shutdown)
+            raise
         if on_ready is not None:
             on_ready()
         yield

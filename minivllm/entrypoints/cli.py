@@ -185,6 +185,10 @@ def serve(args: argparse.Namespace) -> int:
     with usage_errors(args.parser):
         if args.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be at least 0, got {args.shutdown_timeout}")
+        if args.lora_modules and not args.enable_lora:  # refused before the model loads
+            raise ValueError(
+                "lora_modules needs enable_lora: the engine serves no adapter without it"
+            )
         config = EngineArgs.from_cli_args(args).create_engine_config()
         if args.engine_core_process and (
             args.enable_dashboard or config.parallel.tensor_parallel_size > 1
@@ -234,6 +238,7 @@ def serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         show_hidden_metrics=show_hidden_metrics(args.show_hidden_metrics_for_version),
         model_path=args.model,
+        lora_modules=args.lora_modules,
     )
     server_config = uvicorn.Config(
         app,

@@ -8,6 +8,9 @@ its defaults from the constants here, so a default is written in one place.
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from minivllm.entrypoints.tool_parsers import TOOL_PARSER_NAMES
@@ -15,6 +18,45 @@ from minivllm.entrypoints.tool_parsers import TOOL_PARSER_NAMES
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: ~1M tokens of text, far past any context
 DEFAULT_MAX_WAITING_REQUESTS = 1024  # beyond this, new requests get 503 + Retry-After
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # a few seconds for short requests to finish; a long one is cut
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    name: str  # the model name requests use for the adapter
+    path: str  # its PEFT folder
+    base_model_name: str | None = None  # its card's `parent`; unset: the first served name
+
+
+class LoRAParserAction(argparse.Action):
+    """`--lora-modules` as vLLM parses it: each value `name=path`, or a JSON object
+    `{"name": ..., "path": ..., "base_model_name": ...}`."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        modules: list[LoRAModulePath] = []
+        for item in values or []:
+            if not item:
+                continue
+            if "=" in item and "," not in item and not item.lstrip().startswith("{"):
+                name, _, path = item.partition("=")
+                if not name or not path:
+                    parser.error(f"--lora-modules wants name=path, got {item!r}")
+                modules.append(LoRAModulePath(name, path))
+                continue
+            try:
+                fields = json.loads(item)
+                modules.append(LoRAModulePath(**fields))
+            except json.JSONDecodeError:
+                parser.error(f"Invalid JSON format for --lora-modules: {item}")
+            except TypeError as exc:
+                parser.error(f"Invalid fields for --lora-modules: {item} - {exc}")
+        setattr(namespace, self.dest, modules)
+
 
 # flag -> argparse's keywords, in the order `--help` lists them.
 SERVER_FLAGS: dict[str, dict[str, Any]] = {
@@ -78,6 +120,15 @@ SERVER_FLAGS: dict[str, dict[str, Any]] = {
         "help": "on SIGTERM or SIGINT, seconds the requests in flight may run on (no new ones are "
         "accepted); then the engine aborts them and the server exits (vLLM's flag; 0: abort at "
         "once, vLLM's default)",
+    },
+    "--lora-modules": {
+        "nargs": "+",
+        "default": None,
+        "action": LoRAParserAction,
+        "metavar": "NAME=PATH",
+        "help": "LoRA adapters served under their own model names, loaded at start (needs "
+        "--enable-lora): name=path, or vLLM's JSON form "
+        '\'{"name": "...", "path": "...", "base_model_name": "..."}\'',
     },
     "--return-tokens-as-token-ids": {
         "action": "store_true",

@@ -74,7 +74,11 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 
 _ZERO_STATS = EngineStats(
-    **{f.name: () if f.name.endswith("_per_pos") else 0 for f in fields(EngineStats)}  # type: ignore[arg-type]
+    **{
+        f.name: () if f.name.endswith("_per_pos") else 0
+        for f in fields(EngineStats)
+        if not f.name.endswith("_lora_adapters")  # their defaults: no adapter
+    }  # type: ignore[arg-type]
 )
 
 
@@ -98,7 +102,10 @@ class ServerMetrics:
         cache_config: dict[str, Any] | None = None,
         show_hidden_metrics: bool = False,
         data_parallel_size: int = 1,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: the engine's LoRA slots, with `enable_lora` (None: LoRA is off, and
+        there is no vllm:lora_requests_info, as in vLLM)."""
         self.registry = CollectorRegistry()
         self._label_names = ("model_name", "engine") if data_parallel_size > 1 else ("model_name",)
         self._add_scheduler_gauges()
@@ -107,6 +114,8 @@ class ServerMetrics:
         self._add_request_histograms(build_1_2_5_buckets(max_model_len))
         self._add_latency_histograms()
         self._add_cache_info(cache_config or {})
+        self.max_loras = max_loras
+        self.lora_info = self._add_lora_info() if max_loras is not None else None
         # Each engine's labels; one engine: no `engine` label (the module's docstring says why).
         self._labels = [
             {"model_name": model_name, **({"engine": str(i)} if data_parallel_size > 1 else {})}
@@ -289,6 +298,24 @@ class ServerMetrics:
         else:
             cache_info.set(1)
 
+    def _add_lora_info(self) -> Gauge:
+        # vLLM's LoRA gauge: which adapters run and wait, as labels (comma-joined names); its
+        # value is the time of the step that set them. No model_name label, as in vLLM.
+        return Gauge(
+            PREFIX + "lora_requests_info", "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )  # fmt: skip
+
+    def _observe_loras(self, stats: EngineStats) -> None:
+        if self.lora_info is None:
+            return
+        self.lora_info.labels(
+            max_lora=str(self.max_loras),
+            waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
+            running_lora_adapters=",".join(stats.running_lora_adapters),
+        ).set_to_current_time()
+
     # ------------------------------------------------------------------ the engine-thread hooks
     def on_add(self, request_id: str, params: object, engine: int = 0) -> None:
         """A request entered engine core `engine`: its parameters' histograms (a pooling
@@ -324,6 +351,7 @@ class ServerMetrics:
             gpu_hits.labels(**lab).inc(hits)
         self.preemptions.labels(**lab).inc(stats.num_preemptions - last.num_preemptions)
         self._observe_spec_decode(stats, last, engine)
+        self._observe_loras(stats)
         self._last[engine] = stats
         for out in outputs:
             self._observe(out, lab)

@@ -37,6 +37,8 @@ _REQUEST_MODELS: list[type[BaseModel]] = [
     p.ChatCompletionRequest,
     p.TokenizeRequest,
     p.DetokenizeRequest,
+    p.LoadLoRAAdapterRequest,
+    p.UnloadLoRAAdapterRequest,
     pr.ResponsesRequest,
     EmbeddingRequest,
     ScoreRequest,
@@ -74,7 +76,7 @@ _REFS, _DEFS = models_json_schema(_KEYS, ref_template="#/components/schemas/{mod
 ERROR_DESCRIPTIONS = {
     400: "Invalid JSON or field, an unsupported field, or a prompt too long for max_model_len",
     401: "--api-key is set and the bearer token is missing or wrong",
-    404: "`model` is not a served model name",
+    404: "`model` is neither a served model name nor a loaded LoRA adapter",
     413: "The body is larger than --max-request-body-bytes",
     500: "The engine failed the step that carried the request; other requests are unaffected",
     503: "Too many requests wait (retry after `Retry-After` seconds), or the engine is down",

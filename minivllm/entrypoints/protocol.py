@@ -308,6 +308,16 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(_Request):  # POST /v1/load_lora_adapter (vLLM's body)
+    lora_name: str = Field(description="The model name requests will use for the adapter.")
+    lora_path: str = Field(description="The adapter's PEFT folder, on the server.")
+
+
+class UnloadLoRAAdapterRequest(_Request):  # POST /v1/unload_lora_adapter (vLLM's body)
+    lora_name: str
+    lora_int_id: int | None = Field(None, description="vLLM's field; the name decides.")
+
+
 # Fields that shape sampling, meaningless for beam search (which ranks whole beams): refused there.
 BEAM_SEARCH_REFUSED = (
     "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens", "presence_penalty",

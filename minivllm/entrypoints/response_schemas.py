@@ -201,7 +201,8 @@ class ModelCard(_Response):
     object: Literal["model"]
     created: int
     owned_by: str
-    root: str = Field(description="The model the name serves.")
+    root: str = Field(description="The model the name serves (an adapter: its folder).")
+    parent: str | None = Field(description="A LoRA adapter's base model name; null otherwise.")
     max_model_len: int
     task: str = Field(description="generate, or a pooling model's task: embed or classify.")
 

@@ -41,6 +41,7 @@ from minivllm.entrypoints.serving import error_response
 from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.serving_embedding import OpenAIServingEmbedding, refuse_generation
+from minivllm.entrypoints.serving_models import OpenAIServingModels
 from minivllm.entrypoints.serving_responses import OpenAIServingResponses
 from minivllm.entrypoints.serving_score import OpenAIServingScore, refuse_classification
 from minivllm.entrypoints.serving_tokenization import OpenAIServingTokenization, tokenizer_info
@@ -147,26 +148,43 @@ def add_operations_routes(
 
 
 def add_model_routes(
-    app: FastAPI, client: EngineClient, names: list[str], api_key: str | None, root: str
+    app: FastAPI, client: EngineClient, models: OpenAIServingModels, api_key: str | None
 ) -> None:
     models_errors = (401,) if api_key else ()
 
     @app.get("/v1/models", response_model=None, responses=responses(rs.ModelList, models_errors))
-    async def models() -> dict[str, Any]:
-        cards = [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "minivllm",
-                "root": root,  # the model as the server was told it (vLLM's model_path)
-                "max_model_len": client.max_model_len,
-                # generate, or a pooling model's task (embed, classify): what its routes serve
-                "task": "generate" if client.config.pooler is None else client.config.pooler.task,
-            }
-            for name in names
-        ]
-        return {"object": "list", "data": cards}
+    async def list_models() -> dict[str, Any]:
+        pooler = client.config.pooler
+        # generate, or a pooling model's task (embed, classify): what its routes serve
+        task = "generate" if pooler is None else pooler.task
+        return models.show_available_models(client.max_model_len, task)
+
+
+def add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
+    """vLLM's runtime adapter routes (only with VLLM_ALLOW_RUNTIME_LORA_UPDATING): the answer is
+    plain text on success, OpenAI's error object otherwise."""
+
+    @app.post(
+        "/v1/load_lora_adapter",
+        response_class=PlainTextResponse,
+        openapi_extra=json_body(
+            p.LoadLoRAAdapterRequest, {"lora_name": "sql", "lora_path": "/adapters/sql"}
+        ),
+        responses={200: {"description": "Loaded"}, **responses(None, (400, 413))},
+    )
+    async def load_lora_adapter(request: Request) -> Response:
+        req = await parse_body(request, p.LoadLoRAAdapterRequest)
+        return PlainTextResponse(await models.load_lora_adapter(req))
+
+    @app.post(
+        "/v1/unload_lora_adapter",
+        response_class=PlainTextResponse,
+        openapi_extra=json_body(p.UnloadLoRAAdapterRequest, {"lora_name": "sql"}),
+        responses={200: {"description": "Unloaded"}, **responses(None, (400, 404, 413))},
+    )
+    async def unload_lora_adapter(request: Request) -> Response:
+        req = await parse_body(request, p.UnloadLoRAAdapterRequest)
+        return PlainTextResponse(await models.unload_lora_adapter(req))
 
 
 def add_generation_routes(

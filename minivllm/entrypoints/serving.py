@@ -25,8 +25,10 @@ from minivllm.engine.input_processor import verify_n
 from minivllm.engine.logprobs_limit import resolve_logprobs
 from minivllm.engine.protocol import EngineClient, RequestParamsType, StreamItem
 from minivllm.entrypoints.protocol import OpenAIError, StreamOptions, check_stream_options
+from minivllm.entrypoints.serving_models import OpenAIServingModels
 from minivllm.entrypoints.structured_requests import compile_or_400, request_structured_outputs
 from minivllm.inputs import PromptType, process_token_params, truncate_prompt
+from minivllm.lora.request import LoRARequest
 from minivllm.sampling_params import SamplingParams, verify_truncate_prompt_tokens
 from minivllm.structured_output.params import StructuredOutputsParams
 
@@ -41,7 +43,7 @@ class OpenAIServing:
     def __init__(
         self,
         engine_client: EngineClient,
-        served_model_names: list[str],
+        models: OpenAIServingModels,
         max_waiting_requests: int,
         max_num_seqs: int,
         return_tokens_as_token_ids: bool = False,
@@ -49,7 +51,7 @@ class OpenAIServing:
         self.engine_client = engine_client
         # vLLM's --return-tokens-as-token-ids: logprobs name tokens as "token_id:N" (logprobs.py)
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
-        self.served_model_names = served_model_names
+        self.models = models  # the served names and the LoRA adapters (serving_models.py)
         self.max_waiting_requests = max_waiting_requests
         self.max_num_seqs = max_num_seqs
         self.max_logprobs = engine_client.config.model.max_logprobs  # --max-logprobs
@@ -60,11 +62,12 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> str:
-        if model is None:
-            return self.served_model_names[0]
-        if model not in self.served_model_names:
-            raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model")
-        return model
+        """The name to answer with; 404 for a model the server does not serve."""
+        return self.models.resolve(model)[0]
+
+    def check_model_lora(self, model: str | None) -> tuple[str, LoRARequest | None]:
+        """The name to answer with and the LoRA adapter it names (None: the base model)."""
+        return self.models.resolve(model)
 
     def check_capacity(self) -> None:
         if self.engine_client.num_waiting >= self.max_waiting_requests:
@@ -228,11 +231,13 @@ class OpenAIServing:
         rid: str,
         prompts: list[PromptType],
         params: Sequence[RequestParamsType],
+        lora_request: LoRARequest | None = None,
     ) -> tuple[asyncio.Queue[StreamItem], list[str]]:
+        self.models.check_still_loaded(lora_request)  # not unloaded while the handler prepared
         out: asyncio.Queue[StreamItem] = asyncio.Queue()
         rids = [f"{rid}-{i}" for i in range(len(prompts))]
         for sub, prompt, p in zip(rids, prompts, params):
-            self.engine_client.add_request(sub, prompt, p, out)
+            self.engine_client.add_request(sub, prompt, p, out, lora_request)
         return out, rids
 
     async def _results(
@@ -263,11 +268,12 @@ class OpenAIServing:
         prompts: list[PromptType],
         params: Sequence[RequestParamsType],
         is_disconnected: Any,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)
         # Submitted now, not at the first iteration: the waiting bound must count this request
         # before the next handler checks it.
-        results = self._results(self._submit(rid, prompts, params))
+        results = self._results(self._submit(rid, prompts, params, lora_request))
 
         async def consume() -> None:
             async for i, o in results:
@@ -296,13 +302,14 @@ class OpenAIServing:
         options: StreamOptions | None,
         role_chunk: Callable[[int], dict[str, Any]] | None = None,
         emit_first: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> StreamingResponse:
         p0 = params[0]
         n = p0.beam_width if isinstance(p0, BeamSearchParams) else p0.n
         include_usage = options is not None and options.include_usage
         continuous_usage = include_usage and options is not None and options.continuous_usage_stats
         num_prompt = [len(prompt_ids(p)) for p in prompts]
-        submitted = self._submit(rid, prompts, params)  # now, as in _collect
+        submitted = self._submit(rid, prompts, params, lora_request)  # now, as in _collect
 
         async def events() -> AsyncIterator[str]:
             # (prompt, sample) -> (characters, tokens) sent so far

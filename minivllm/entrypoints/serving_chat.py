@@ -32,6 +32,7 @@ from minivllm.entrypoints.tool_parsers.abstract_tool_parser import (
 )
 from minivllm.entrypoints.tool_parsers.forced import named_schema, parse_required, required_schema
 from minivllm.inputs import PromptType
+from minivllm.lora.request import LoRARequest
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output.params import StructuredOutputsParams
 
@@ -49,6 +50,7 @@ class ChatPlan:
     params: list[SamplingParams | BeamSearchParams]
     header: dict[str, Any]  # id, object, created, model
     as_ids: bool  # --return-tokens-as-token-ids
+    lora_request: LoRARequest | None = None  # the adapter `model` named; None: the base model
 
     @property
     def prompts(self) -> list[PromptType]:
@@ -83,12 +85,14 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:
             return self.stream_chat(plan)
         rid = plan.header["id"]
-        finals = await self._collect(rid, plan.prompts, plan.params, is_disconnected)
+        finals = await self._collect(
+            rid, plan.prompts, plan.params, is_disconnected, plan.lora_request
+        )
         return self.chat_response(plan, finals)
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> ChatPlan:
         """Check the request, render its prompt, and make its sampling parameters."""
-        model = self.check_model(req.model)
+        model, lora_request = self.check_model_lora(req.model)
         unsupported_fields(req)
         self.check_stream_options(req.stream, req.stream_options)
         if req.top_logprobs is not None and not req.logprobs:
@@ -122,7 +126,7 @@ class OpenAIServingChat(OpenAIServing):
         }
         named = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
         as_ids = self.tokens_as_ids(req)
-        return ChatPlan(req, mode, named, ids, echo, k, params, header, as_ids)
+        return ChatPlan(req, mode, named, ids, echo, k, params, header, as_ids, lora_request)
 
     def stream_chat(self, plan: ChatPlan) -> StreamingResponse:
         """One role delta per choice, then content (or tool-call) deltas as the text grows."""
@@ -167,7 +171,14 @@ class OpenAIServingChat(OpenAIServing):
 
         rid = plan.header["id"]
         return self._stream(
-            rid, plan.prompts, plan.params, chunk_header, chunk, req.stream_options, role_chunk
+            rid,
+            plan.prompts,
+            plan.params,
+            chunk_header,
+            chunk,
+            req.stream_options,
+            role_chunk,
+            lora_request=plan.lora_request,
         )
 
     def chat_response(self, plan: ChatPlan, finals: list[RequestOutput]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from minivllm.entrypoints.logprobs import (
 from minivllm.entrypoints.protocol import CompletionRequest, OpenAIError, unsupported_fields
 from minivllm.entrypoints.serving import OpenAIServing, finish_reason, usage
 from minivllm.inputs import PromptType
+from minivllm.lora.request import LoRARequest
 from minivllm.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class CompletionPlan:
     echo_texts: list[str]  # each prompt's text, when `echo` asks for it; else ""
     params: list[SamplingParams | BeamSearchParams]  # one per prompt
     header: dict[str, Any]  # id, object, created, model
+    lora_request: LoRARequest | None = None  # the adapter `model` named; None: the base model
 
     @property
     def prompts(self) -> list[PromptType]:
@@ -54,8 +56,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 functools.partial(self.stream_chunk, plan),
                 req.stream_options,
                 emit_first=req.echo or req.return_token_ids or req.prompt_logprobs is not None,
+                lora_request=plan.lora_request,
             )
-        finals = await self._collect(rid, plan.prompts, plan.params, is_disconnected)
+        finals = await self._collect(
+            rid, plan.prompts, plan.params, is_disconnected, plan.lora_request
+        )
         n, echo_texts = req.n, plan.echo_texts
         choices = [
             self.choice(
@@ -68,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def prepare_completion(self, req: CompletionRequest) -> CompletionPlan:
         """Check the request, tokenize its prompts, and make one sampling parameters each."""
-        model = self.check_model(req.model)
+        model, lora_request = self.check_model_lora(req.model)
         unsupported_fields(req)
         self.check_stream_options(req.stream, req.stream_options)
         req, from_model = self.with_model_defaults(req)
@@ -107,7 +112,8 @@ class OpenAIServingCompletion(OpenAIServing):
             "model": model,
             "system_fingerprint": None,  # OpenAI's field, which vLLM also sends as null
         }
-        return CompletionPlan(req, [ids for _, ids in tokenized], echo_texts, params, header)
+        prompt_ids = [ids for _, ids in tokenized]
+        return CompletionPlan(req, prompt_ids, echo_texts, params, header, lora_request)
 
     def stream_chunk(
         self,

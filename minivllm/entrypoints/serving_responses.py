@@ -30,6 +30,7 @@ from minivllm.entrypoints.serving import OpenAIServing, invalid_param
 from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.structured_requests import compile_or_400
 from minivllm.inputs import PromptType
+from minivllm.lora.request import LoRARequest
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output.params import StructuredOutputsParams
 
@@ -45,7 +46,7 @@ class OpenAIServingResponses(OpenAIServing):
         self.store = store if store is not None else ResponsesStore()
 
     async def create_response(self, req: ResponsesRequest, is_disconnected: Any) -> Any:
-        model = self.check_model(req.model)
+        model, lora_request = self.check_model_lora(req.model)
         refuse_unsupported(req)
         if req.background and not req.store:  # vLLM's wording
             raise OpenAIError("background can only be used when `store` is true", param="store")
@@ -86,13 +87,14 @@ class OpenAIServingResponses(OpenAIServing):
             "reasoning": None,
             "error": None,
         }
-        run = _Run(rid, f"msg_{uuid.uuid4().hex}", [{"prompt_token_ids": ids}], params, base)
+        prompts: list[PromptType] = [{"prompt_token_ids": ids}]
+        run = _Run(rid, f"msg_{uuid.uuid4().hex}", prompts, params, base, lora_request)
         keep = messages if req.store else None
         if req.stream:
             return self._stream_events(run, keep)
         if req.background:
             return self._start_background(run, messages)
-        finals = await self._collect(rid, run.prompts, [params], is_disconnected)
+        finals = await self._collect(rid, run.prompts, [params], is_disconnected, lora_request)
         done = _response(base, run.item_id, finals[0], params.logprobs)
         if keep is not None:
             self.store.put(rid, done, keep)
@@ -132,7 +134,9 @@ class OpenAIServingResponses(OpenAIServing):
 
         async def background() -> None:
             try:
-                finals = await self._collect(run.rid, run.prompts, [run.params], _never)
+                finals = await self._collect(
+                    run.rid, run.prompts, [run.params], _never, run.lora_request
+                )
                 done = _response(run.base, run.item_id, finals[0], run.params.logprobs)
             except OpenAIError as exc:
                 done = {**queued, "status": "failed", "error": _error(exc)}
@@ -172,7 +176,8 @@ class OpenAIServingResponses(OpenAIServing):
     def _stream_events(self, run: _Run, keep: list[ChatMessage] | None) -> StreamingResponse:
         """`keep`: the conversation to store the finished response with (None: not stored)."""
         rid, item_id, base, params = run.rid, run.item_id, run.base, run.params
-        submitted = self._submit(rid, run.prompts, [params])  # now: the waiting bound counts it
+        # Now: the waiting bound counts it.
+        submitted = self._submit(rid, run.prompts, [params], run.lora_request)
 
         async def events() -> AsyncIterator[str]:
             seq = 0
@@ -281,6 +286,7 @@ class _Run:
     prompts: list[PromptType]
     params: SamplingParams
     base: dict[str, Any]
+    lora_request: LoRARequest | None = None  # the adapter `model` named; None: the base model
 
 
 async def _never() -> bool:

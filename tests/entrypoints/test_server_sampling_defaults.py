@@ -18,6 +18,7 @@ from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from minivllm.entrypoints.serving import OpenAIServing
+from minivllm.entrypoints.serving_models import BaseModelPath, OpenAIServingModels
 from minivllm.sampling_params import SamplingParams
 from tests.utils.engine_utils import save_tiny_llama
 from tests.utils.server_utils import serve_in_process
@@ -33,7 +34,8 @@ def serving(defaults: dict[str, Any], max_model_len: int = 64) -> OpenAIServing:
         get_diff_sampling_param=lambda: defaults,
         config=SimpleNamespace(model=SimpleNamespace(max_logprobs=20)),  # vLLM's default
     )
-    return OpenAIServing(client, ["m"], 8, 8)  # type: ignore[arg-type]
+    models = OpenAIServingModels(client, [BaseModelPath("m", "m")])  # type: ignore[arg-type]
+    return OpenAIServing(client, models, 8, 8)  # type: ignore[arg-type]
 
 
 def params_for(s: OpenAIServing, body: str, num_prompt: int = 10) -> SamplingParams:
@@ -99,9 +101,9 @@ def test_the_server_hands_the_engine_the_models_defaults(
         engine_client = server.app.state.engine_client
         add_request = engine_client.add_request
 
-        def spy(request_id: str, prompt: Any, params: SamplingParams, out: Any) -> None:
+        def spy(request_id: str, prompt: Any, params: SamplingParams, *rest: Any) -> None:
             sent.append(params)
-            add_request(request_id, prompt, params, out)
+            add_request(request_id, prompt, params, *rest)
 
         monkeypatch.setattr(engine_client, "add_request", spy)
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_p": 0.5}
