@@ -17,18 +17,11 @@ import torch.nn.functional as F
 from minivllm import LLM
 from minivllm.model.config import UnsupportedModelError
 from minivllm.model.quantization.gguf.blocks import Q8_0
+from tests.pooling.test_pooling_bert import SMALL, TEXTS
 from tests.utils.llama_cpp_convert import use_own_cache
 from tests.utils.llama_cpp_embed import convert_bert, convert_decoder_embedding
 from tests.utils.pooling_utils import save_st_model, save_tiny_bert, save_tiny_decoder, st_encode
 
-TEXTS = [
-    "hello world",
-    "The capital of France is Paris, and the capital of Italy is Rome.",
-    "a",
-    " ".join(f"word{i}" for i in range(12)),  # ~60 tokens, letter by letter
-    "Embeddings map text to vectors.",
-]
-SMALL = {"num_gpu_blocks_override": 64, "enforce_eager": True}
 F16 = 1
 
 
@@ -63,7 +56,7 @@ def bert_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def embed(path: Path, texts: list, **kwargs: object) -> tuple[torch.Tensor, LLM]:
-    llm = LLM(str(path), **SMALL, **kwargs)  # type: ignore[arg-type]
+    llm = LLM(str(path), **SMALL, **kwargs)
     vectors = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
     llm.shutdown()
     return vectors, llm
@@ -97,7 +90,7 @@ def test_f16_and_q8_0_bert_files_run_through_the_gguf_linears(
     embedding and every linear (position and token-type embeddings, norms and biases are F32).
     Q8_0 rounds each weight to 8 bits, hence the looser cosine."""
     path = convert_bert(bert_models["mean"], tmp_path / "bert.gguf", qtype=qtype)
-    llm = LLM(str(path), **SMALL)  # type: ignore[arg-type]
+    llm = LLM(str(path), **SMALL)
     model = llm.llm_engine.runner.model
     layer = model.model.layers[1]
     linears = [layer.attention.qkv_proj, layer.attention.dense, layer.intermediate, layer.output]
@@ -120,7 +113,7 @@ def test_the_wordpiece_tokenizer_gives_the_hf_tokenizer_s_ids(
     from transformers import AutoTokenizer
 
     path = convert_bert(bert_models["mean"], tmp_path / "bert.gguf")
-    llm = LLM(str(path), **SMALL)  # type: ignore[arg-type]
+    llm = LLM(str(path), **SMALL)
     ours = llm.get_tokenizer()
     llm.shutdown()
     hf = AutoTokenizer.from_pretrained(str(bert_models["mean"]))
@@ -159,7 +152,7 @@ def test_a_pooling_type_no_pooler_runs_is_refused_by_name(
     refusal = rf"bert.pooling_type = {value} \({name}\) is not supported"
     allowed = r"pooling_type 1 \(mean\), 2 \(cls\), 3 \(lasttoken\)"
     with pytest.raises(UnsupportedModelError, match=f"{refusal}.*{allowed}"):
-        LLM(str(path), **SMALL)  # type: ignore[arg-type]
+        LLM(str(path), **SMALL)
 
 
 def test_a_bert_variant_s_extra_tensor_is_refused_not_skipped(
@@ -169,4 +162,4 @@ def test_a_bert_variant_s_extra_tensor_is_refused_not_skipped(
     dense = {"dense_2.weight": np.zeros((16, 64), np.float32)}
     path = convert_bert(bert_models["mean"], tmp_path / "colbert.gguf", extra=dense)
     with pytest.raises(UnsupportedModelError, match=r"bert tensors \['dense_2.weight'\]"):
-        LLM(str(path), **SMALL)  # type: ignore[arg-type]
+        LLM(str(path), **SMALL)
