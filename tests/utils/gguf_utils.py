@@ -7,7 +7,9 @@ dequantization is checked on every bit pattern of the integer fields.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,12 +61,17 @@ def write_gguf(
     fields: dict[str, object],
     tensors: dict[str, tuple[np.ndarray, int]],
     arch: str = "llama",
+    add_more: Callable[[Any], None] | None = None,
 ) -> Path:
     """A GGUF file of llama.cpp architecture `arch` with `fields` and `tensors` (name -> (data,
-    qtype)): data is float32 for F32 tensors, or the uint8 blocks of a quantized one."""
+    qtype)): data is float32 for F32 tensors (float16 for F16), or the uint8 blocks of a
+    quantized one. `add_more(writer)` adds what a gguf writer call of the converter's would
+    (`SpecialVocab.add_to_gguf`)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
+    if add_more is not None:
+        add_more(writer)
     for key, value in fields.items():
         if isinstance(value, bool):
             writer.add_bool(key, value)

@@ -211,11 +211,12 @@ def llama3_divisors(config: Any, rope: dict[str, Any]) -> torch.Tensor:  # float
 def encode(
     name: str, w: torch.Tensor, qtype_of: Callable[[str], int] | None
 ) -> tuple[np.ndarray, int]:
-    """The tensor as the file stores it: float32, or the blocks of its type (row by row)."""
+    """The tensor as the file stores it: float32, float16, or the blocks of its type (row by
+    row)."""
     qtype = qtype_of(name) if qtype_of is not None and w.dim() >= 2 else 0
     array = w.numpy().astype(np.float32)
-    if qtype == 0:
-        return array, 0
+    if qtype in (0, 1):  # F32, F16
+        return array.astype(np.float16 if qtype else np.float32), qtype
     rows = array.reshape(-1, array.shape[-1])  # quantization runs along rows only
     blocks = quantized(qtype, rows, seed=zlib.crc32(name.encode()))
     if qtype not in QUANTIZABLE:  # random K-quant blocks, scaled to the weight's size

@@ -235,6 +235,11 @@ class BertEmbeddingModel(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         raise NotImplementedError("BERT has no LM head: it runs with runner='pooling' only")
 
+    @staticmethod
+    def checkpoint_names(module_name: str) -> list[str]:
+        """The checkpoint weights that feed a module (the GGUF loader asks): see below."""
+        return checkpoint_names(module_name)
+
     def load_weights(self, weights: Mapping[str, Sliceable]) -> None:
         """transformers' names (`bert.` prefixed in a classifier's checkpoint) onto this model's:
         query/key/value into the fused qkv_proj, everything else by its name."""
@@ -284,6 +289,24 @@ def checkpoint_target(name: str) -> tuple[str | None, tuple[str, ...]]:
     return name, ()
 
 
+def checkpoint_names(module_name: str) -> list[str]:
+    """The transformers weights that feed one of this model's linear layers or its word
+    embedding, in the layer's row order (query, key, value): `checkpoint_target` inverted, for
+    the GGUF loader, which hands a layer its checkpoint tensors' blocks."""
+    name = module_name.removeprefix("model.").replace("layers.", "encoder.layer.", 1)
+    if name.endswith(".attention.qkv_proj"):
+        base = name.removesuffix("qkv_proj")
+        return [f"{base}self.{part}.weight" for part in ("query", "key", "value")]
+    for ours, theirs in (
+        (".attention.dense", ".attention.output.dense"),
+        (".intermediate", ".intermediate.dense"),
+        (".output", ".output.dense"),
+    ):
+        if name.endswith(ours):
+            return [f"{name.removesuffix(ours)}{theirs}.weight"]
+    return [f"{name}.weight"]
+
+
 class BertForSequenceClassification(BertEmbeddingModel):
     """A classifier (a cross-encoder): [CLS] -> pooler (dense, tanh) -> classifier -> logits."""
 
@@ -310,5 +333,6 @@ __all__ = [
     "BertEmbeddingModel",
     "BertForSequenceClassification",
     "BertModel",
+    "checkpoint_names",
     "checkpoint_target",
 ]

@@ -21,6 +21,20 @@ each architecture's graph), and minivllm assumes the same:
   hidden / heads (gemma_pytorch's configs, which llama.cpp cites).
 
 GGUF does not record tied embeddings either: they are tied when the file has no `output.weight`.
+
+**Embedding files** (llama.cpp's `--embedding` models):
+
+- **bert** is transformers' `BertModel` (minivllm/model/models/bert.py): LayerNorm epsilon
+  `attention.layer_norm_epsilon`, `tokenizer.ggml.token_type_count` token types, absolute
+  positions; `attention.causal` is false (a causal file is refused). Its GELU is the exact one
+  that transformers' BERT runs (llama.cpp's graph runs ggml's tanh approximation of it).
+- **`{arch}.pooling_type`** (llama.cpp's `enum llama_pooling_type`) is what llama.cpp's converter
+  read from sentence-transformers' Pooling module (`_try_set_pooling_type`), and
+  `sentence_transformers_files` writes it back as those module files, so that the converted
+  folder pools as the folder it came from did (minivllm/pooling/config.py reads them). The file
+  does not say whether a Normalize module followed: embeddings are normalized, vLLM's default
+  for `embed` (and llama.cpp's server's). Types 0 (none: a vector per token) and 4 (rank: a
+  reranker's logits) are refused by name.
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ GGUF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "bert": "BertModel",
 }
 # The architecture's `model_type` in transformers (AutoConfig reads it from config.json).
 _MODEL_TYPES = {
@@ -51,7 +66,12 @@ _MODEL_TYPES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "BertModel": "bert",
 }
+# llama.cpp's `enum llama_pooling_type` (`{arch}.pooling_type`) -> the `pooling_mode` of
+# sentence-transformers' Pooling module; and the types no pooler here runs.
+GGUF_POOLING_TYPES = {1: "mean", 2: "cls", 3: "lasttoken"}
+_UNSUPPORTED_POOLING_TYPES = {0: "none", 4: "rank"}
 # gemma2 / gemma3: every n-th layer is global (llama.cpp's `set_swa_pattern`), and the layer
 # count of the 27B model, the one whose query_pre_attn_scalar is hidden / heads.
 _GEMMA = {"gemma2": {"pattern": 2, "layers_27b": 46}, "gemma3": {"pattern": 6, "layers_27b": 62}}
@@ -74,6 +94,8 @@ def hf_config(
     def get(key: str, default: Any = None) -> Any:
         value = fields.get(f"{arch}.{key}")
         return default if value is None else value
+
+    pooling_mode(fields)  # a pooling type no pooler here runs is refused before anything else
 
     heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
     scaling: dict[str, Any] | None = None
@@ -109,6 +131,8 @@ def hf_config(
         cfg.update(_qwen3_moe(get, tensor_names, cfg))
     elif arch in _GEMMA:
         cfg.update(_gemma(arch, get, cfg))
+    elif arch == "bert":
+        cfg.update(_bert(get, fields))
     cfg["model_type"] = _MODEL_TYPES[cfg["architectures"][0]]
     return cfg
 
@@ -165,3 +189,51 @@ def _gemma(arch: str, get: Callable[..., Any], cfg: dict[str, Any]) -> dict[str,
         ],
         "rope_local_base_freq": None if gemma2 else 10000.0,
     }
+
+
+def _bert(get: Callable[..., Any], fields: dict[str, Any]) -> dict[str, Any]:
+    if get("attention.causal", False):
+        raise UnsupportedModelError(
+            "a bert GGUF file with attention.causal = true is not supported (BERT attends both "
+            "ways)"
+        )
+    return {
+        "hidden_act": "gelu",
+        "layer_norm_eps": float(get("attention.layer_norm_epsilon", 1e-12)),
+        "type_vocab_size": int(fields.get("tokenizer.ggml.token_type_count") or 2),
+        "position_embedding_type": "absolute",
+        "tie_word_embeddings": False,
+    }
+
+
+def pooling_mode(fields: dict[str, Any]) -> str | None:
+    """sentence-transformers' pooling mode for the file's `{arch}.pooling_type`; None where it
+    has none. A type no pooler here runs is refused by name, with the allowed values."""
+    arch = fields.get("general.architecture")
+    value = fields.get(f"{arch}.pooling_type")
+    if value is None:
+        return None
+    if int(value) not in GGUF_POOLING_TYPES:
+        name = _UNSUPPORTED_POOLING_TYPES.get(int(value), "unknown")
+        allowed = ", ".join(f"{k} ({v})" for k, v in GGUF_POOLING_TYPES.items())
+        raise UnsupportedModelError(
+            f"{arch}.pooling_type = {value} ({name}) is not supported; minivllm pools with "
+            f"pooling_type {allowed}"
+        )
+    return GGUF_POOLING_TYPES[int(value)]
+
+
+def sentence_transformers_files(fields: dict[str, Any], hidden_size: int) -> dict[str, Any]:
+    """The sentence-transformers module files (relative path -> JSON) that stand for the file's
+    `pooling_type`: Transformer, Pooling and Normalize; none for a file without one."""
+    mode = pooling_mode(fields)
+    if mode is None:
+        return {}
+    kinds = ("Transformer", "Pooling", "Normalize")
+    paths = ("", "1_Pooling", "2_Normalize")
+    modules = [
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (kind, path) in enumerate(zip(kinds, paths))
+    ]
+    pooling = {"word_embedding_dimension": hidden_size, "pooling_mode": mode}
+    return {"modules.json": modules, "1_Pooling/config.json": pooling}

@@ -36,6 +36,7 @@ from torch import nn
 from minivllm.model.config import LlamaConfig
 from minivllm.model.errors import CorruptCheckpointError, UnsupportedQuantizationError
 from minivllm.model.layers.fused_moe import FusedMoE
+from minivllm.model.layers.linear import VocabParallelEmbedding
 from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.model.quantization.gguf.blocks import (
     BLOCK_LAYOUTS,
@@ -103,8 +104,12 @@ def logical_shape(name: str, tensor: torch.Tensor, quant: GGUFConfig) -> tuple[i
     return (tensor.shape[0], tensor.shape[1] // size * block)
 
 
-def _checkpoint_names(module_name: str) -> list[str]:
-    """The checkpoint tensors that feed a module, in its rows' order (q, k, v; gate, up)."""
+def _checkpoint_names(model: nn.Module, module_name: str) -> list[str]:
+    """The checkpoint tensors that feed a module, in its rows' order (q, k, v; gate, up): the
+    model's own answer where its checkpoint names are not its modules' (BERT's)."""
+    own = getattr(model, "checkpoint_names", None)
+    if own is not None:
+        return list(own(module_name))
     prefix, _, leaf = module_name.rpartition(".")
     fused = _FUSED_PARTS.get(f"{prefix.rpartition('.')[2]}.{leaf}")
     if fused is None:
@@ -226,11 +231,11 @@ def load_gguf_weights(
         tied_head = module_name == "lm_head" and config.tie_word_embeddings
         if not hasattr(module, "weight_loader") or tied_head:
             continue
-        names = _checkpoint_names(module_name)
+        names = _checkpoint_names(model, module_name)
         if all(quant.is_quantized(n) for n in names):
             _quantize_layer(module_name, module, names, tensors, quant)
             blocks.update(names)
-            if module_name == "model.embed_tokens":
+            if type(module) is VocabParallelEmbedding:  # the input embedding (not a head)
                 module.embedding_method = GGUFEmbeddingMethod(config_dtype(model))
     if config.tie_word_embeddings and hasattr(model.model.embed_tokens, "qtypes"):
         _tie_quantized_head(model)

@@ -1,8 +1,8 @@
 """Reading llama.cpp's GGUF format: metadata into a config, tensor names into HuggingFace's.
 
-Seven of llama.cpp's architectures load (`config.GGUF_ARCHITECTURES`, gguf/config.py): llama (Llama,
+Eight of llama.cpp's architectures load (`config.GGUF_ARCHITECTURES`, gguf/config.py): llama (Llama,
 Mistral, and Mixtral where the file has experts), qwen2, qwen3, qwen3moe, phi3, gemma2 and gemma3
-(text).
+(text), and the encoder bert (embeddings only, under transformers' `BertModel` names).
 
 GGUF stores one file with key/value metadata and (often quantized) tensors under llama.cpp's
 names. The `gguf` library (maintained with llama.cpp) parses the file and dequantizes every
@@ -36,7 +36,8 @@ from einops import rearrange
 from minivllm.envs import cache_root
 from minivllm.model.config import LlamaConfig, UnsupportedModelError
 from minivllm.model.models.registry import config_from_hf_dict
-from minivllm.model.quantization.gguf.config import hf_config
+from minivllm.model.quantization.gguf.config import hf_config, sentence_transformers_files
+from minivllm.model.quantization.gguf.tokenizer import gguf_tokenizer
 
 # llama.cpp's per-layer tensor names -> HuggingFace names under model.layers.{i}.
 _LAYER_NAMES = {
@@ -67,6 +68,24 @@ _GEMMA_LAYER_NAMES = _LAYER_NAMES | {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# llama.cpp's bert tensors -> transformers' `BertModel` names (no "bert." prefix), which
+# minivllm/model/models/bert.py loads; per layer under encoder.layer.{i}.
+_BERT_GLOBAL_NAMES = {
+    "token_embd": "embeddings.word_embeddings",
+    "token_types": "embeddings.token_type_embeddings",
+    "position_embd": "embeddings.position_embeddings",
+    "token_embd_norm": "embeddings.LayerNorm",
+}
+_BERT_LAYER_NAMES = {
+    "attn_q": "attention.self.query",
+    "attn_k": "attention.self.key",
+    "attn_v": "attention.self.value",
+    "attn_output": "attention.output.dense",
+    "attn_output_norm": "attention.output.LayerNorm",
+    "ffn_up": "intermediate.dense",
+    "ffn_down": "output.dense",
+    "layer_output_norm": "output.LayerNorm",
+}
 # llama.cpp's older Mixtral files store each expert's weight on its own: blk.{i}.ffn_gate.{e}.
 _OLD_EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 _GLOBAL_NAMES = {
@@ -123,6 +142,8 @@ def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | Non
     (e.g. rope_freqs of llama3 scaling). Phi-3's `ffn_up` holds gate and up fused, as its
     HuggingFace checkpoint's `gate_up_proj` does; an expert stack's name has no expert number."""
     parts = gguf_name.split(".")  # e.g. ["blk", "3", "attn_q", "weight"]
+    if architecture == "BertModel":
+        return _bert_name(parts)
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     names = _GEMMA_LAYER_NAMES if architecture in _GEMMA else _LAYER_NAMES
@@ -135,6 +156,14 @@ def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str | Non
         return (
             f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{_OLD_EXPERT_NAMES[parts[2]]}.weight"
         )
+    return None
+
+
+def _bert_name(parts: list[str]) -> str | None:
+    if len(parts) == 2 and parts[0] in _BERT_GLOBAL_NAMES:
+        return f"{_BERT_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _BERT_LAYER_NAMES:
+        return f"encoder.layer.{parts[1]}.{_BERT_LAYER_NAMES[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -185,13 +214,27 @@ def to_hf_layout(name: str, rows: torch.Tensor, config: LlamaConfig) -> torch.Te
     return rows
 
 
+def metadata(reader: Any) -> dict[str, Any]:
+    """The file's key/value metadata, vocabulary arrays left out."""
+    return {k: f.contents() for k, f in reader.fields.items() if k not in _SKIP_FIELDS}
+
+
 def gguf_hf_config(reader: Any) -> dict[str, Any]:
     """The file's config.json, from its metadata and tensor names (`config.hf_config`)."""
-    fields = {k: f.contents() for k, f in reader.fields.items() if k not in _SKIP_FIELDS}
+    fields = metadata(reader)
     names = {t.name for t in reader.tensors}
     if "rope_factors_long.weight" in names:  # Phi-3's long-context variants
         raise UnsupportedModelError("rope_type 'longrope' (rope_factors_long) is not supported")
     cfg = hf_config(fields, names, n_vocab=_token_count(reader))
+    if cfg["architectures"] == ["BertModel"]:
+        # A variant's tensors (ColBERT's dense_2 projection, a classifier's cls.output) would
+        # change the vector: refused, not skipped.
+        unknown = sorted(n for n in names if _bert_name(n.split(".")) is None)
+        if unknown:
+            raise UnsupportedModelError(
+                f"bert tensors {unknown[:4]} are not supported (minivllm runs transformers' "
+                "BertModel: embeddings, attention, MLP and their LayerNorms)"
+            )
     if "rope_freqs.weight" in names:
         # Llama 3.1+: llama.cpp's converter writes the llama3 scaling as one divisor per rotated
         # pair (the tensor), not as parameters; RoPE divides its frequencies by them.
@@ -218,31 +261,37 @@ def config_from_reader(reader: Any) -> LlamaConfig:
 
 
 # What the converted folder holds changes with this module (Llama 3.1's rope_freqs joined its
-# config.json in version 2): a folder converted by an older minivllm is not reused.
-CONVERTED_FORMAT = 2
+# config.json in version 2, an embedding file's sentence-transformers module files in 3): a
+# folder converted by an older minivllm is not reused.
+CONVERTED_FORMAT = 3
 
 
 def convert_gguf(path: Path) -> Path:
-    """A cached HuggingFace-style folder holding the GGUF file's config and tokenizer. The
-    float32 weights are added to it only when asked for (`dequantized_weights`)."""
+    """A cached HuggingFace-style folder holding the GGUF file's config and tokenizer (and, for
+    a file with `{arch}.pooling_type`, the sentence-transformers module files it stands for:
+    `config.sentence_transformers_files`). The float32 weights are added to it only when asked
+    for (`dequantized_weights`)."""
     st = path.stat()
     stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CONVERTED_FORMAT}"
     key = hashlib.sha256(stamp.encode()).hexdigest()
     target = cache_root() / "gguf" / f"{path.stem}-{key[:16]}"
     if (target / "complete").is_file():
         return target
-    from transformers import AutoTokenizer
-
     reader = open_gguf(path)
     cfg = gguf_hf_config(reader)
     config_from_hf_dict(cfg)  # refuses, by name, a model no class here runs exactly
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    files = {
+        "config.json": cfg,
+        **sentence_transformers_files(metadata(reader), cfg["hidden_size"]),
+    }
+    for name, content in files.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_text(json.dumps(content, indent=2))
     if "tokenizer.ggml.model" in reader.fields:  # a file may carry no tokenizer (token ids only)
-        tokenizer: Any = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tokenizer.save_pretrained(str(tmp))
+        gguf_tokenizer(path, reader, tmp).save_pretrained(str(tmp))
     (tmp / "source.txt").write_text(f"converted from {path.resolve()}\n")
     (tmp / "complete").write_text("")
     shutil.rmtree(target, ignore_errors=True)
