@@ -23,10 +23,12 @@
 // AVX512-VNNI's dots (`vpdpbusd`: 32 byte products into 8 int32 lanes, one instruction where AVX2
 // takes two; cpu_gguf_gemm_avx2.cpp) and runs it on CPUs that have them: the same int32 lanes and
 // float steps, so a row's output is AVX2's and does not depend on the batch around it. It is not
-// the default there: with 32-weight blocks each block's int32 sums still need, per token, a
-// conversion and a scale FMA, and the float32 and bf16 tiles' 16 lanes already stream the weights
-// at decode's single row near memory speed; benchmarks/gguf_small_m.py times the three dots side
-// by side, and MINIVLLM_CPU_GGUF_DOT=int8 picks it.
+// the default there, for two reasons. The 32-weight types unpack each group of weight rows into a
+// buffer first, which decode's few token rows do not repay, and the float32 tiles, unpacking in
+// registers, cost less per call there; the K-quants, dotted in registers, cost less as int8. And
+// the C++ decode loop (cpu_decode_layers.cpp) calls the float32 and bf16 ops only.
+// benchmarks/gguf_small_m.py times the three dots side by side; MINIVLLM_CPU_GGUF_DOT=int8 picks
+// it.
 //
 // The block formats (their layouts, dequantization and unpacking) are in cpu_gguf_blocks.h.
 //
