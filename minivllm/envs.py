@@ -5,8 +5,10 @@ converted to safetensors, the compiled CPU kernels). Like `VLLM_CACHE_ROOT`, it 
 `minivllm` folder under `$XDG_CACHE_HOME`, else `~/.cache`.
 
 `MINIVLLM_CPU_GGUF_DOT`: how the CPU multiplies a GGUF model's quantized weights: `auto` (the
-default: bf16 dot products where the CPU has AVX512-BF16, else float32), `bf16` or `float32`
-(products exact in float32, half as many a cycle). docs/concepts/quantization.md says what each costs.
+default: bf16 dot products where the CPU has AVX512-BF16, else float32), `bf16`, `float32`
+(products exact in float32, half as many a cycle) or `int8` (x rounded to 8-bit blocks and 8-bit
+integer dots, as llama.cpp's CPU backend: the AVX2 build's own product, and on AVX-512 builds
+AVX512-VNNI's). docs/concepts/quantization.md says what each costs.
 
 `MINIVLLM_CPU_GGUF_GEMM_ROWS`: off by default; a number N makes a CPU step of N or more token rows
 (a long prompt's chunk) dequantize each GGUF weight and run a dense GEMM, which is faster for long
@@ -44,7 +46,7 @@ def cache_root() -> Path:
     return Path(xdg).expanduser() / "minivllm"
 
 
-CPU_GGUF_DOTS = ("auto", "bf16", "float32")
+CPU_GGUF_DOTS = ("auto", "bf16", "float32", "int8")
 
 
 def cpu_gguf_dot() -> str:

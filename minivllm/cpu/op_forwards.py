@@ -129,14 +129,20 @@ def op_linear(
 
 @functools.cache
 def gguf_dot() -> str:
-    """The quantized GEMM's products, "bf16" or "float32": MINIVLLM_CPU_GGUF_DOT, where auto
-    means bf16 on a CPU with AVX512-BF16 (twice the products a cycle; within 2^-8 of float32's
-    each, as llama.cpp's 8-bit activations are within theirs). Read once per process. "float32"
-    is the library's own product: float32 on AVX-512 and generic builds, 8-bit integer dots on
-    the AVX2 build (`cpu_ops.gguf_dot_kind()`)."""
+    """The quantized GEMM's products, "bf16", "float32" or "int8": MINIVLLM_CPU_GGUF_DOT, where
+    auto means bf16 on a CPU with AVX512-BF16 (twice the products a cycle; within 2^-8 of
+    float32's each, as llama.cpp's 8-bit activations are within theirs). Read once per process.
+    "float32" is the library's own product: float32 on AVX-512 and generic builds, 8-bit integer
+    dots on the AVX2 build (`cpu_ops.gguf_dot_kind()`). "int8" (opt-in) takes those integer dots
+    on AVX-512 builds too, with AVX512-VNNI's instructions (cpu_gguf_gemm_avx2.cpp)."""
     choice = cpu_gguf_dot()
     if choice == "bf16" and not cpu_ops.gguf_has_bf16_dot():
         raise ValueError("MINIVLLM_CPU_GGUF_DOT=bf16, but this CPU has no AVX512-BF16")
+    if choice == "int8" and not cpu_ops.gguf_has_int8_dot():
+        raise ValueError(
+            "MINIVLLM_CPU_GGUF_DOT=int8, but this build has no 8-bit dots (AVX2, or AVX-512 "
+            "on a CPU with AVX512-VNNI)"
+        )
     if choice == "auto":
         return "bf16" if cpu_ops.gguf_has_bf16_dot() else "float32"
     return choice
@@ -167,6 +173,8 @@ def gguf_linear_cpu(
         if rows is not None and x.shape[0] >= rows
         else cpu_ops.gguf_linear
     )
+    if linear is cpu_ops.gguf_linear_dequantized and dot == "int8":
+        dot = "float32"  # the dense GEMM multiplies float32 rows
     outs = [linear(x.float(), q, qtype, dot) for qtype, q in gguf_parts(op)]
     y = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(x.dtype)
     return y if bias is None else y + bias

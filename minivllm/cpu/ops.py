@@ -48,6 +48,7 @@ __all__ = [
     "gguf_dequantize",
     "gguf_dot_kind",
     "gguf_has_bf16_dot",
+    "gguf_has_int8_dot",
     "gguf_linear",
     "gguf_linear_dequantized",
     "is_feature_major",
@@ -235,12 +236,14 @@ def gguf_linear(
     x: torch.Tensor,  # [M, K]  float32, either layout
     qweight: torch.Tensor,  # uint8 [N, row_bytes]  GGUF's blocks of N rows of K weights, contiguous
     qtype: int,  # the GGML type number, one of GGUF_KERNEL_TYPES
-    dot: str = "float32",  # "float32" products, or "bf16" ones (gguf_has_bf16_dot() CPUs only)
+    dot: str = "float32",  # "float32" products, "bf16" or "int8" ones (gguf_has_*_dot() only)
 ) -> torch.Tensor:  # [M, N]  float32, new, token-major
     """x · dequantize(qweight)ᵀ without a float32 copy of the weight: each block is unpacked where
     it is used, and at decode's few rows the weight's bytes stream from memory once. With
     dot="bf16" the unpacked weights and x are rounded to bf16 and multiplied 32 pairs an
-    instruction (cpu_gguf_gemm_bf16.cpp): twice the products a cycle, within 2^-8 · (|x| · |W|ᵀ)."""
+    instruction (cpu_gguf_gemm_bf16.cpp): twice the products a cycle, within 2^-8 · (|x| · |W|ᵀ).
+    With dot="int8" x is rounded to 8-bit blocks and multiplied by 8-bit integer dots, as the AVX2
+    build's own product (cpu_gguf_gemm_avx2.cpp; on AVX-512 builds with AVX512-VNNI's dots)."""
     load_cpu_kernels()
     if x.stride(-1) != 1:  # a linear's feature-major output: the kernel reads token rows
         x = x.contiguous()
@@ -249,8 +252,10 @@ def gguf_linear(
         torch.ops.minivllm_cpu.gguf_linear_bf16(out, x, qweight, qtype)
     elif dot == "float32":
         torch.ops.minivllm_cpu.gguf_linear(out, x, qweight, qtype)
+    elif dot == "int8":
+        torch.ops.minivllm_cpu.gguf_linear_int8(out, x, qweight, qtype)
     else:
-        raise ValueError(f"gguf_linear: dot must be 'float32' or 'bf16', got {dot!r}")
+        raise ValueError(f"gguf_linear: dot must be 'float32', 'bf16' or 'int8', got {dot!r}")
     return out
 
 
@@ -288,6 +293,13 @@ def gguf_has_bf16_dot() -> bool:
     """Whether gguf_linear's bf16 dot may run: this CPU has AVX512-BF16, the library was built
     with it, and the process's instruction-set level allows it (`MINIVLLM_CPU_ISA`)."""
     return loaded_level().bf16_dot and bool(torch.ops.minivllm_cpu.gguf_has_bf16_dot())
+
+
+def gguf_has_int8_dot() -> bool:
+    """Whether gguf_linear's int8 dot may run: an AVX2 build (where it is also the "float32"
+    product), or an AVX-512 build on a CPU with AVX512-VNNI."""
+    load_cpu_kernels()
+    return bool(torch.ops.minivllm_cpu.gguf_has_int8_dot())
 
 
 def gguf_dequantize(

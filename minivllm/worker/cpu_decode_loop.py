@@ -71,7 +71,7 @@ from minivllm.cpu.op_forwards import (
     row_parallel_linear_forward_cpu,
     silu_and_mul_forward_cpu,
 )
-from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
+from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, gguf_dot_kind, skinny_gemm_fast
 from minivllm.model.layers.layernorm import RMSNorm, SiluAndMul
 from minivllm.model.layers.linear import (
     ColumnParallelLinear,
@@ -284,6 +284,11 @@ def check_linear(op: nn.Module, where: str) -> str | None:
     if op.quant_method is not None:
         if type(op.quant_method) is not GGUFLinearMethod:
             return f"{where} is quantized by {type(op.quant_method).__qualname__}"
+        if gguf_dot() == "int8" and gguf_dot_kind() != "int8":
+            return (
+                f"{where} takes 8-bit dots (MINIVLLM_CPU_GGUF_DOT=int8), which the C++ loop "
+                "calls on AVX2 builds only (as their gguf_linear)"
+            )
         return None
     weight = op.weight
     if weight.is_mkldnn:

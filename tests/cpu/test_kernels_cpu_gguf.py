@@ -266,9 +266,10 @@ def test_int8_dots_are_the_8bit_block_scheme() -> None:
     # The int8 path's own specification, apart from the float bound: rows of x whose blocks round
     # in the corner cases (all zeros: scale 0, no division by zero; one spike: the rest round to
     # 0; exact half-way points, x * 127 / max = k + 1/2: rint's halving to even) give the numpy
-    # model of the scheme.
-    if gguf_dot_kind() != "int8":
-        pytest.skip(f"this build's gguf_linear takes {gguf_dot_kind()} products, not int8 dots")
+    # model of the scheme. dot="int8": the AVX2 build's own product, or AVX512-VNNI's dots on an
+    # AVX-512 build.
+    if not cpu_ops.gguf_has_int8_dot():
+        pytest.skip("this build (or CPU) has no int8 dot")
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(11))
     x[0, :256] = 0.0
     x[1, 32:64] = 0.0
@@ -278,7 +279,7 @@ def test_int8_dots_are_the_8bit_block_scheme() -> None:
     for qtype in TYPES:
         q = random_blocks(qtype, N, 512, seed=int(qtype))
         w = dequantize(q, qtype)
-        out = gguf_linear(x, torch.from_numpy(q), int(qtype)).double()
+        out = gguf_linear(x, torch.from_numpy(q), int(qtype), "int8").double()
         xq, dx = x_blocks(x, 256 if qtype in K_QUANTS else 32)
         magnitude = (
             torch.from_numpy(np.abs(xq).astype(np.float64) * dx)
@@ -319,7 +320,7 @@ def test_bad_arguments_name_the_problem(
         torch.ops.minivllm_cpu.gguf_linear(torch.empty(x.shape[0], q.shape[0]), x, q, qtype)
 
 
-@pytest.mark.parametrize("dot", ["float32", "bf16"])
+@pytest.mark.parametrize("dot", ["float32", "bf16", "int8"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_row_s_output_does_not_depend_on_the_batch_around_it(qtype: T, dot: str) -> None:
     # Batch-invariance: a token row multiplied alone gives, bit for bit, what it gives inside a
@@ -327,6 +328,8 @@ def test_a_row_s_output_does_not_depend_on_the_batch_around_it(qtype: T, dot: st
     # many) each batch takes.
     if dot == "bf16" and not cpu_ops.gguf_has_bf16_dot():
         pytest.skip("this CPU (or build) has no AVX512-BF16")
+    if dot == "int8" and (gguf_dot_kind() == "int8" or not cpu_ops.gguf_has_int8_dot()):
+        pytest.skip("no int8 dot apart from this build's own product")
     q = torch.from_numpy(random_blocks(qtype, N, 512, seed=3))
     x = torch.randn(300, 512, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([gguf_linear(x[i : i + 1], q, int(qtype), dot) for i in range(9)])

@@ -85,8 +85,8 @@ def test_bf16_linear_reads_strided_token_rows() -> None:
 
 def test_an_unknown_dot_is_refused() -> None:
     q = torch.from_numpy(random_blocks(T.Q8_0, N, 256, seed=5))
-    with pytest.raises(ValueError, match="dot must be 'float32' or 'bf16', got 'int8'"):
-        gguf_linear(torch.zeros(1, 256), q, int(T.Q8_0), dot="int8")
+    with pytest.raises(ValueError, match="dot must be 'float32', 'bf16' or 'int8', got 'fp8'"):
+        gguf_linear(torch.zeros(1, 256), q, int(T.Q8_0), dot="fp8")
 
 
 def test_the_environment_variable_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,6 +94,6 @@ def test_the_environment_variable_is_checked(monkeypatch: pytest.MonkeyPatch) ->
     assert envs.cpu_gguf_dot() == "bf16"
     monkeypatch.setenv("MINIVLLM_CPU_GGUF_DOT", "fp8")
     with pytest.raises(
-        ValueError, match="MINIVLLM_CPU_GGUF_DOT must be one of auto, bf16, float32"
+        ValueError, match="MINIVLLM_CPU_GGUF_DOT must be one of auto, bf16, float32, int8"
     ):
         envs.cpu_gguf_dot()

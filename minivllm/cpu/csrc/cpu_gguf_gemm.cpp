@@ -17,18 +17,24 @@
 //   float32 rows as a block type of their own, `F32`). Not at::mm: an ATen op in a parallel
 //   region runs without the caller's InferenceMode (below), and the tiles outran it on a chunk.
 //
-// No int8 path on AVX-512. llama.cpp's CPU dots quantize x to int8 blocks and multiply with
-// integer dot products (AVX512-VNNI: 64 products per instruction). With 32-weight blocks each
-// block's int32 sums still need, per token, a conversion and a scale FMA, so 64 weights cost about
-// as many instructions as the float32 path's four 16-lane FMAs, and x would lose precision for it.
-// At decode's single row the float32 path already streams the weights at close to memory speed.
-// AVX2's float FMA has half the lanes while its byte dots still take 32 products, so there the
-// balance tips and the library takes llama.cpp's integer dots (cpu_gguf_gemm_avx2.cpp).
+// The int8 path on AVX-512 is an op of its own (`gguf_linear_int8`), not this op's default.
+// llama.cpp's CPU dots quantize x to int8 blocks and multiply with integer dot products. On AVX2
+// that is the build's product (below). An AVX-512 build compiles the same integer code with
+// AVX512-VNNI's dots (`vpdpbusd`: 32 byte products into 8 int32 lanes, one instruction where AVX2
+// takes two; cpu_gguf_gemm_avx2.cpp) and runs it on CPUs that have them: the same int32 lanes and
+// float steps, so a row's output is AVX2's and does not depend on the batch around it. It is not
+// the default there, for two reasons. The 32-weight types unpack each group of weight rows into a
+// buffer first, which decode's few token rows do not repay, and the float32 tiles, unpacking in
+// registers, cost less per call there; the K-quants, dotted in registers, cost less as int8. And
+// the C++ decode loop (cpu_decode_layers.cpp) calls the float32 and bf16 ops only.
+// benchmarks/gguf_small_m.py times the three dots side by side; MINIVLLM_CPU_GGUF_DOT=int8 picks
+// it.
 //
 // The block formats (their layouts, dequantization and unpacking) are in cpu_gguf_blocks.h.
 //
 // Which path a build has (`gguf_dot_kind`):
-// - AVX-512 builds (where PyTorch detected AVX-512, minivllm/cpu/build.py): the float32 tiles here.
+// - AVX-512 builds (where PyTorch detected AVX-512, minivllm/cpu/build.py): the float32 tiles here
+//   (and, as gguf_linear_int8 on AVX512-VNNI CPUs, the integer dots of the AVX2 file).
 // - AVX2 builds: 8-bit integer dots on x rounded to 8-bit blocks, as llama.cpp's CPU backend
 //   (cpu_gguf_gemm_avx2.cpp); with 8 float lanes the float32 tiles would do 8 products an
 //   instruction where the integer dots do 32.
@@ -44,12 +50,14 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-#define MINIVLLM_GGUF_INT8 1
+#if defined(__AVX2__)
 namespace minivllm_gguf_avx2 {  // cpu_gguf_gemm_avx2.cpp
 void gguf_linear_int8(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M,
                       int64_t N, int64_t K, int64_t qtype);
 }
+#if !defined(__AVX512F__)
+#define MINIVLLM_GGUF_INT8 1
+#endif
 #endif
 
 namespace {
@@ -278,6 +286,39 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
   });
 }
 
+// Whether gguf_linear_int8 runs: on every AVX2 build (the same code as gguf_linear there), and on
+// AVX-512 builds where the CPU has AVX512-VNNI (the code carries its target attribute).
+bool gguf_has_int8_dot() {
+#if defined(__AVX512F__)
+  static const bool has = __builtin_cpu_supports("avx512vnni");
+  return has;
+#elif defined(__AVX2__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void gguf_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                      int64_t qtype) {
+  const char* op = "minivllm_cpu::gguf_linear_int8";
+  TORCH_CHECK(gguf_has_int8_dot(), op, ": this CPU (or this build) has no int8 dot");
+#if defined(__AVX2__)
+  with_type(qtype, op, [&](auto q) {
+    using Q = decltype(q);
+    check_float(x, "x [M, K]", op, /*rows_strided=*/true);
+    check_float(out, "out [M, N]", op);
+    const int64_t M = x.size(0), K = x.size(1);
+    const int64_t N = check_weight(qweight, K, op, Q::kBlock, Q::kBytes);
+    TORCH_CHECK(out.size(0) == M && out.size(1) == N, op, ": out must be [", M, ", ", N,
+                "], got [", out.size(0), ", ", out.size(1), "]");
+    if (M == 0 || N == 0) return;
+    minivllm_gguf_avx2::gguf_linear_int8(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0),
+                                         qweight.data_ptr<uint8_t>(), M, N, K, Q::kType);
+  });
+#endif
+}
+
 void gguf_dequantize(at::Tensor& out, const at::Tensor& qweight, int64_t qtype) {
   const char* op = "minivllm_cpu::gguf_dequantize";
   with_type(qtype, op, [&](auto q) {
@@ -296,7 +337,8 @@ void gguf_dequantize(at::Tensor& out, const at::Tensor& qweight, int64_t qtype) 
 }
 
 // The products gguf_linear takes in this build: "int8" (AVX2: x rounded to 8-bit blocks) or
-// "float32" (AVX-512, portable). The bf16 op is separate (gguf_has_bf16_dot).
+// "float32" (AVX-512, portable). The bf16 and int8 ops are separate (gguf_has_bf16_dot,
+// gguf_has_int8_dot).
 std::string gguf_dot_kind() {
 #if defined(MINIVLLM_GGUF_INT8)
   return "int8";
@@ -310,5 +352,8 @@ std::string gguf_dot_kind() {
 TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def("gguf_dot_kind() -> str", &gguf_dot_kind);
   m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor qweight, int qtype) -> ()", &gguf_linear);
+  m.def("gguf_linear_int8(Tensor(a!) out, Tensor x, Tensor qweight, int qtype) -> ()",
+        &gguf_linear_int8);
+  m.def("gguf_has_int8_dot() -> bool", &gguf_has_int8_dot);
   m.def("gguf_dequantize(Tensor(a!) out, Tensor qweight, int qtype) -> ()", &gguf_dequantize);
 }

@@ -29,18 +29,29 @@
 //
 // Threads split the weight rows (at::parallel_for); inside the parallel regions only raw pointers
 // and std::vector are touched: ATen ops there would run without the caller's InferenceMode.
-// Compiled on AVX2 builds only (minivllm/cpu/build.py's flags); AVX-512 builds keep
-// cpu_gguf_gemm.cpp's float32 tiles. tests/cpu/test_kernels_cpu_gguf.py holds this to a numpy model of
-// the same integer scheme and to the float product within the bound above.
+// AVX2 builds run it as gguf_linear. AVX-512 builds compile it too, for gguf_linear_int8 on CPUs
+// with AVX512-VNNI (cpu_gguf_gemm.cpp checks the CPU): there everything from the kernel header on
+// carries the avx512vnni target (`#pragma GCC target`), and each 32-byte dot is one VNNI
+// instruction (`dot4`: vpdpbusd; `dot32`: maddubs then vpdpwssd) that gives the int32 lanes of
+// AVX2's maddubs/madd pair, exactly: maddubs's int16 pair sums cannot saturate for these quants,
+// so the outputs equal the AVX2 build's for the same x and weights. The register tiles stay 256
+// bits wide, which keeps those lanes and the float steps after them AVX2's.
+// tests/cpu/test_kernels_cpu_gguf.py holds this to a numpy model of the same integer scheme and
+// to the float product within the bound above.
 
 #include "cpu_gguf_blocks.h"
-#include "cpu_gguf_kquant_avx2.h"
-
-#if defined(__AVX2__) && !defined(__AVX512F__)
-#include <immintrin.h>
 
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#if defined(__AVX512F__)
+#define MINIVLLM_INT8_VNNI 1
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+#endif
+#include "cpu_gguf_kquant_avx2.h"
 
 namespace minivllm_gguf_avx2 {
 namespace {
@@ -206,13 +217,12 @@ void tile32(Rows32 w, int64_t rows, const Tokens& x, int64_t t0, float* out, int
   const int8_t* xq = x.xq.data() + t0 * ldq;
   const float* dx = x.dx.data() + t0 * pairs * 8;
   const float* sx = x.sx.data() + t0 * nbp;
-  const __m256i ones = _mm256_set1_epi16(1);
   // q · x over 32 bytes: |q| · (x with q's sign) for Q8_0, whose q is signed (maddubs' unsigned
   // side must not be), so every pair sum stays within int16.
   auto dot = [&](__m256i q, const int8_t* xp) {
     __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
     if (X::kSigned) xv = _mm256_sign_epi8(xv, q), q = _mm256_sign_epi8(q, q);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+    return dot4(q, xv);
   };
   __m256 acc[R][T];
   for (int r = 0; r < R; ++r)
@@ -273,8 +283,7 @@ void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64
         const __m256i scv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * c));
 #pragma GCC unroll 4
         for (int t = 0; t < T; ++t) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * K + 256 * s + 32 * c));
-          sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), scv));
+          sumi[t] = dot32(sumi[t], qv, xq + t * K + 256 * s + 32 * c, scv);
         }
       }
       const KScales k{load32(w.mn + rs * 16), w.d[rs], w.dmin[rs]};
@@ -464,4 +473,7 @@ void gguf_linear_int8(float* out, const float* x, int64_t ldx, const uint8_t* w,
 }
 
 }  // namespace minivllm_gguf_avx2
-#endif  // __AVX2__ && !__AVX512F__
+#if defined(__AVX512F__)
+#pragma GCC pop_options
+#endif
+#endif  // __AVX2__

@@ -18,13 +18,14 @@
 //   Σ_k w_k · dx · xq_k = dx · (d · Σ_c madd(q_c · xq_c, sc_c) - dmin · Σ_j mn_j · bsums_j)
 // with q the unsigned quants in weight order, sc_c the 16 int16 scales of chunk c's products, and
 // mn_j the coefficient of the j-th 16-sum (a sub-block's min, or Q6_K's 32 · scale).
-// Included by cpu_gguf_gemm_avx2.cpp only, and like it compiled for AVX2 builds only.
+// Included by cpu_gguf_gemm_avx2.cpp only, and like it compiled for AVX2 and AVX-512 builds (the
+// latter with AVX512-VNNI's dots, MINIVLLM_INT8_VNNI).
 
 #pragma once
 
 #include "cpu_gguf_blocks.h"
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 
 namespace minivllm_gguf_avx2 {
@@ -65,7 +66,20 @@ inline __m256 accumulate(__m256 acc, __m256i sumi, const KScales& k, const int16
 // sumi += madd(maddubs(q, x), sc): 32 products of unsigned q and signed x, weighted pairwise by
 // the int16 scales sc into 8 int32 lanes. q <= 63 and |x| <= 127 keep every pair within int16.
 inline __m256i dot32(__m256i sumi, __m256i q, const int8_t* x, __m256i sc) {
+#if defined(MINIVLLM_INT8_VNNI)
+  return _mm256_dpwssd_epi32(sumi, _mm256_maddubs_epi16(q, load32(x)), sc);
+#else
   return _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q, load32(x)), sc));
+#endif
+}
+// 8 int32 lanes, each the sum of 4 adjacent products of unsigned q and signed x (lane i: bytes
+// 4i..4i+3). Without VNNI, maddubs's int16 pair sums cannot saturate for the callers' ranges.
+inline __m256i dot4(__m256i q, __m256i x) {
+#if defined(MINIVLLM_INT8_VNNI)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+#endif
 }
 
 // Where `unpack` writes a super-block: q[256] (bytes 0..63, in weight order), sc[8][16] int16
@@ -231,4 +245,4 @@ struct Q6_Kx {
 
 }  // namespace
 }  // namespace minivllm_gguf_avx2
-#endif  // __AVX2__ && !__AVX512F__
+#endif  // __AVX2__
