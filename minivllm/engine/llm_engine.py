@@ -45,7 +45,7 @@ from minivllm.engine.step_listener import StepListener, StepOutputs
 from minivllm.executor.abstract import Executor, make_executor
 from minivllm.inputs import PromptType
 from minivllm.lora.errors import LoRADisabledError, LoRAError
-from minivllm.lora.manager import AddLoRA
+from minivllm.lora.manager import AddLoRA, RemoveLoRAs
 from minivllm.lora.request import LoRARequest
 from minivllm.model.loader import load_tokenizer
 from minivllm.platforms import resolve_obj_by_qualname
@@ -322,13 +322,7 @@ class LLMEngine:
         if not unused:
             return
         self._loras_to_remove -= unused
-
-        def remove(runner: ModelRunner) -> None:
-            assert runner.lora_manager is not None
-            for lora_id in unused:
-                runner.lora_manager.remove_lora(lora_id)
-
-        self.executor.collective_rpc(remove)
+        self.executor.collective_rpc(RemoveLoRAs(frozenset(unused)))
 
     def list_loras(self) -> list[LoRARequest]:
         """The adapters added and not removed (vLLM's `list_loras`)."""

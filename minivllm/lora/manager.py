@@ -21,7 +21,8 @@ the same file into host memory; a slot holds the rank's shard only, cut as the b
 cut when `activate` copies the adapter in (the wrappers' `slice_lora_a` / `slice_lora_b`,
 layers.py). The ranks need no message of their own for this: each step's `SchedulerOutput`
 carries every scheduled request's `LoRARequest`, and `activate` is deterministic, so every rank
-puts each adapter in the same slot; `add_lora` reaches every rank as one `AddLoRA` call.
+puts each adapter in the same slot; `add_lora` and `remove_lora` reach every rank as one
+`AddLoRA` / `RemoveLoRAs` call.
 """
 
 from __future__ import annotations
@@ -154,3 +155,15 @@ class AddLoRA:
         except LoRAError as exc:
             return exc
         return None
+
+
+@dataclass(frozen=True)
+class RemoveLoRAs:
+    """`remove_lora` of each id as a `collective_rpc` function, sent by value to every rank."""
+
+    lora_int_ids: frozenset[int]
+
+    def __call__(self, runner: Any) -> None:  # runner: the rank's ModelRunner
+        manager: LoRAModelManager = runner.lora_manager
+        for lora_id in self.lora_int_ids:
+            manager.remove_lora(lora_id)

@@ -8,9 +8,9 @@ all-reduce. The base is a Qwen2 (q/k/v biases) with one KV head, so both ranks h
 replicated KV head and take the same rows of k_proj's and v_proj's B. One engine, two ranks
 spawned over gloo on this CPU, a mixed batch of the base model and two adapters (attention-only,
 and all linears with rsLoRA); a bad adapter is refused by name on every rank and the group serves
-on. In one process, with no collective, the shards of a slot are checked on four ranks against
-the one-device delta: rank by rank for q/k/v (separate modules, and fused as Phi-3 stores them),
-summed over ranks for o_proj.
+on, and an adapter removed is forgotten by every rank. In one process, with no collective, the
+shards of a slot are checked on four ranks against the one-device delta: rank by rank for q/k/v
+(separate modules, and fused as Phi-3 stores them), summed over ranks for o_proj.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from minivllm.lora.request import LoRARequest
 from minivllm.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from tests.lora.lora_utils import ADAPTERS, peft_greedy, save_adapter, save_base
 from tests.lora.test_lora_engine import greedy, prompts_for
-from tests.utils.tp_utils import no_leftover_processes
+from tests.utils.tp_utils import lora_ids, no_leftover_processes
 
 pytestmark = pytest.mark.timeout(600)  # a hang guard for a broken collective; no timing
 
@@ -76,6 +76,10 @@ def test_two_ranks_give_each_request_peft_s_greedy_tokens_for_its_adapter(tmp_pa
         with pytest.raises(LoRAFileError, match="no-such-adapter is not a folder"):
             llm.llm_engine.add_lora(missing)
         got = greedy(llm, prompts, max_tokens, order)
+        executor = llm.llm_engine.executor
+        assert executor.collective_rpc(lora_ids) == [[1, 2], [1, 2]]  # each rank read both
+        assert llm.llm_engine.remove_lora(attn.lora_int_id)
+        assert executor.collective_rpc(lora_ids) == [[2], [2]]  # and each rank forgot one
     finally:
         llm.shutdown()
     assert got == expected
