@@ -187,8 +187,8 @@ def column_parallel_linear_forward_cpu(op: ColumnParallelLinear, x: torch.Tensor
 
 @register_forward(RowParallelLinear, "cpu", process_weights_after_loading=prepack_linear)
 def row_parallel_linear_forward_cpu(op: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
-    y = op.tp.all_reduce(op_linear(op, x, None))
-    return y if op.bias is None else y + op.bias
+    partial = op_linear(op, x, None)
+    return op.reduce(partial) if op.reduce_results else partial
 
 
 # ---------------------------------------------------------------------------------- elementwise

@@ -435,12 +435,6 @@ class EngineArgs:
         """The adapters' limits, or None when `enable_lora` is off (vLLM's `LoRAConfig`)."""
         if not self.enable_lora:
             return None
-        if self.tensor_parallel_size > 1:
-            # vLLM shards A and B across ranks; minivllm's LoRA layers hold them whole.
-            raise ValueError(
-                "enable_lora is not supported with tensor_parallel_size > 1, got "
-                f"tensor_parallel_size={self.tensor_parallel_size}"
-            )
         if self.pipeline_parallel_size > 1:  # the stages would each need their layers' slots
             raise ValueError(
                 "enable_lora is not supported with pipeline_parallel_size > 1, got "

@@ -45,6 +45,7 @@ from minivllm.engine.step_listener import StepListener, StepOutputs
 from minivllm.executor.abstract import Executor, make_executor
 from minivllm.inputs import PromptType
 from minivllm.lora.errors import LoRADisabledError, LoRAError
+from minivllm.lora.manager import AddLoRA, RemoveLoRAs
 from minivllm.lora.request import LoRARequest
 from minivllm.model.loader import load_tokenizer
 from minivllm.platforms import resolve_obj_by_qualname
@@ -53,7 +54,7 @@ from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output.manager import StructuredOutputManager
-from minivllm.worker.model_runner import ModelRunner, kv_cache_torch_dtype
+from minivllm.worker.model_runner import kv_cache_torch_dtype
 
 if TYPE_CHECKING:
     from minivllm.engine.speculator import Speculator
@@ -296,11 +297,9 @@ class LLMEngine:
                 f"{known.lora_name!r} at {known.lora_path}; each adapter needs its own id"
             )
 
-        def add(runner: ModelRunner) -> None:
-            assert runner.lora_manager is not None
-            runner.lora_manager.add_lora(lora_request)
-
-        self.executor.collective_rpc(add)
+        errors = [e for e in self.executor.collective_rpc(AddLoRA(lora_request)) if e is not None]
+        if errors:  # every rank read the same file: one refusal stands for all
+            raise errors[0]
         self.lora_requests[lora_request.lora_int_id] = lora_request
         self._loras_to_remove.discard(lora_request.lora_int_id)  # added again: it stays
         return True
@@ -323,13 +322,7 @@ class LLMEngine:
         if not unused:
             return
         self._loras_to_remove -= unused
-
-        def remove(runner: ModelRunner) -> None:
-            assert runner.lora_manager is not None
-            for lora_id in unused:
-                runner.lora_manager.remove_lora(lora_id)
-
-        self.executor.collective_rpc(remove)
+        self.executor.collective_rpc(RemoveLoRAs(frozenset(unused)))
 
     def list_loras(self) -> list[LoRARequest]:
         """The adapters added and not removed (vLLM's `list_loras`)."""

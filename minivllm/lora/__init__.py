@@ -12,7 +12,8 @@ and one expand over the whole batch add each row's delta.
 - `punica.py`      shrink / expand in plain PyTorch: the specification
 - `triton_punica.py` the same two ops as Triton kernels (the triton backend's)
 - `punica_selector.py` which implementation a backend runs (the cpu backend's: minivllm/cpu/)
-- `layers.py`      the wrappers that give a linear (and the slices of a fused one) its delta
+- `layers.py`      the wrappers that give a linear (and the slices of a fused one) its delta, each
+                   holding its rank's shard of A/B under tensor parallelism, as vLLM's do
 - `manager.py`     device slots and the host-memory LRU: add, activate, evict
 
 The scheduler admits a request only when its adapter can get a slot, and the prefix cache keys a

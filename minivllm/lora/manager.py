@@ -15,17 +15,28 @@ vllm/lora/worker_manager.py), folded into one object per model runner:
 
 The scheduler guarantees a step never carries more than `max_loras` distinct adapters (it admits a
 request only when its adapter can get a slot), so `activate` always finds room.
+
+Under tensor parallelism every rank has a manager of its own and reads the whole adapter from
+the same file into host memory; a slot holds the rank's shard only, cut as the base weights are
+cut when `activate` copies the adapter in (the wrappers' `slice_lora_a` / `slice_lora_b`,
+layers.py). The ranks need no message of their own for this: each step's `SchedulerOutput`
+carries every scheduled request's `LoRARequest`, and `activate` is deterministic, so every rank
+puts each adapter in the same slot; `add_lora` and `remove_lora` reach every rank as one
+`AddLoRA` / `RemoveLoRAs` call.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from minivllm.config.lora import LoRAConfig
+from minivllm.lora.errors import LoRAError
 from minivllm.lora.gguf_loader import is_gguf_file, load_gguf_adapter
 from minivllm.lora.layers import BaseLinearLayerWithLoRA, LoRAMapping, wrap_linears
 from minivllm.lora.peft_loader import LoRAModel, load_peft_adapter
@@ -126,3 +137,33 @@ class LoRAModelManager:
     def set_mapping(self, token_slots: torch.Tensor) -> None:  # int64 [T]
         """The step's row -> slot map, read by every wrapper in the forward that follows."""
         self.mapping.set(token_slots)
+
+
+@dataclass(frozen=True)
+class AddLoRA:
+    """`add_lora` as a `collective_rpc` function, sent by value to every rank (a closure would
+    not pickle). A bad adapter's `LoRAError` is returned, not raised: every rank reads the same
+    file and refuses it alike, and a rank that raised inside an RPC would stop the whole group
+    for one bad request."""
+
+    request: LoRARequest
+
+    def __call__(self, runner: Any) -> LoRAError | None:  # runner: the rank's ModelRunner
+        manager: LoRAModelManager = runner.lora_manager
+        try:
+            manager.add_lora(self.request)
+        except LoRAError as exc:
+            return exc
+        return None
+
+
+@dataclass(frozen=True)
+class RemoveLoRAs:
+    """`remove_lora` of each id as a `collective_rpc` function, sent by value to every rank."""
+
+    lora_int_ids: frozenset[int]
+
+    def __call__(self, runner: Any) -> None:  # runner: the rank's ModelRunner
+        manager: LoRAModelManager = runner.lora_manager
+        for lora_id in self.lora_int_ids:
+            manager.remove_lora(lora_id)

@@ -255,8 +255,8 @@ INVALID = [
         "max_cpu_loras must be at least max_loras (2), got 1",
     ),
     (
-        {"enable_lora": True, "tensor_parallel_size": 2},
-        "enable_lora is not supported with tensor_parallel_size > 1",
+        {"enable_lora": True, "pipeline_parallel_size": 2},
+        "enable_lora is not supported with pipeline_parallel_size > 1",
     ),
 ]
 # Checked where they are used: a path or hub id is resolved when the model loads; flags are bools.

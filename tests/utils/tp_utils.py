@@ -74,6 +74,11 @@ def kv_blocks(runner, blocks: list[int]):  # -> [layers, 2, len(blocks), block_s
     return runner.kv_cache[:, :, blocks].clone()
 
 
+def lora_ids(runner) -> list[int]:
+    """The adapters this rank holds in host memory (its LoRA manager's LRU)."""
+    return runner.lora_manager.list_loras()
+
+
 def fail_on_rank_one(runner) -> int:
     """Raise on rank 1 only: a worker that raises while the driver waits for it."""
     if runner.model.tp.rank == 1:

@@ -123,15 +123,20 @@ class ColumnParallelLinear(LinearBase):
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.output_sizes = list(output_sizes)  # each part's rows in the checkpoint
         self.local_sizes = [size // tp.world_size for size in output_sizes]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size))
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes))) if bias else None
 
+    def shard_rows(self, part: int) -> slice:
+        """The rows of the checkpoint's part `part` that rank r holds (a LoRA B takes the same)."""
+        return _rows(self.tp.rank, self.local_sizes[part])
+
     def weight_loader(self, param: nn.Parameter, loaded: Sliceable, shard_id: Any = 0) -> None:
         """Part `shard_id`'s rank-r rows of the checkpoint tensor, into their place in `param`."""
-        size = self.local_sizes[shard_id]
         offset = sum(self.local_sizes[:shard_id])
-        param.data[offset : offset + size].copy_(loaded[_rows(self.tp.rank, size)])
+        size = self.local_sizes[shard_id]
+        param.data[offset : offset + size].copy_(loaded[self.shard_rows(shard_id)])
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(local_sizes)]
         return linear(self, x, self.bias)
@@ -157,23 +162,30 @@ class QKVParallelLinear(ColumnParallelLinear):
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
         sizes = [q * tp.world_size, kv * tp.world_size, kv * tp.world_size]
         super().__init__(hidden_size, sizes, bias, tp)
+        # The checkpoint's parts: all query heads, all KV heads (fewer than kv * N if replicated).
+        self.output_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+
+    def shard_rows(self, part: int) -> slice:
+        """Rank r's query heads of part 0 (q); of k and v, the KV heads its query heads read."""
+        if part == 0:
+            return _rows(self.tp.rank, self.local_sizes[0])
+        start = self.first_kv_head * self.head_dim
+        return slice(start, start + self.local_sizes[part])
 
     def weight_loader(self, param: nn.Parameter, loaded: Sliceable, shard_id: Any = "q") -> None:
-        d = self.head_dim
-        q, kv = self.num_heads * d, self.num_kv_heads * d
-        if shard_id == "q":
-            offset, rows = 0, _rows(self.tp.rank, q)
-        else:
-            offset = q if shard_id == "k" else q + kv
-            rows = slice(self.first_kv_head * d, self.first_kv_head * d + kv)
-        size = rows.stop - rows.start
-        param.data[offset : offset + size].copy_(loaded[rows])
+        super().weight_loader(param, loaded, "qkv".index(shard_id))
 
 
 class RowParallelLinear(LinearBase):
     """y = x Wᵀ (+ b) with W's input columns split: rank r multiplies its slice of x (the output
     of its column-parallel partner) by its columns, and one all-reduce adds the N partial sums.
-    The bias is added once, after the sum."""
+    The bias is added once, after the sum.
+
+    With `reduce_results` False (vLLM's flag of the same name) the forward returns rank r's
+    partial product alone, and whoever called it finishes it with `reduce`: the LoRA wrapper
+    (minivllm/lora/layers.py) adds its own partial delta first, so one all-reduce sums both."""
+
+    reduce_results = True
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup
@@ -184,15 +196,24 @@ class RowParallelLinear(LinearBase):
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
+    def shard_cols(self) -> slice:
+        """The checkpoint's input columns rank r holds (a LoRA A takes the same)."""
+        return _rows(self.tp.rank, self.input_size)
+
     def weight_loader(self, param: nn.Parameter, loaded: Sliceable, shard_id: Any = None) -> None:
         if param is self.bias:
             param.data.copy_(loaded[:])
         else:
-            param.data.copy_(loaded[:, _rows(self.tp.rank, self.input_size)])
+            param.data.copy_(loaded[:, self.shard_cols()])
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:  # [T, out] -> [T, out]
+        """The ranks' partial products summed by one all-reduce, then the bias, once."""
+        y = self.tp.all_reduce(partial)
+        return y if self.bias is None else y + self.bias
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / N] -> [T, out]
-        y = self.tp.all_reduce(linear(self, x))
-        return y if self.bias is None else y + self.bias
+        partial = linear(self, x)  # [T, out], rank r's share of the sum
+        return self.reduce(partial) if self.reduce_results else partial
 
 
 # ---------------------------------------------------------------------------------- vocabulary

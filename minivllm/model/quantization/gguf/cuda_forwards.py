@@ -38,8 +38,8 @@ def column_parallel_linear_forward_cuda(op: ColumnParallelLinear, x: torch.Tenso
 def row_parallel_linear_forward_cuda(op: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
     if op.quant_method is None:  # GGUF blocks run on one device: no all-reduce to do
         return op.forward_native(x)
-    y = gguf_linear_cuda(op, x)
-    return y if op.bias is None else y + op.bias
+    partial = gguf_linear_cuda(op, x)
+    return op.reduce(partial) if op.reduce_results else partial
 
 
 @register_forward(ParallelLMHead, "cuda")
