@@ -12,6 +12,10 @@ tensors, the sampler picks tokens, and each request's hook after sampling (`afte
 plain and `n > 1` sampling, or a beam search) turns them into outputs. Whoever wants to see the
 steps (the engine's counters, the step trace) listens (`step_listener.py`).
 
+With pipeline stages the run and the rest of a step come apart: the engine keeps
+`max_concurrent_batches` (one per stage) batches in flight, and a step commits the oldest one
+(vLLM v1's batch queue; "Pipeline parallelism" in docs/distributed.md).
+
 A step that raises (an exception, or Ctrl-C inside the model) fails the requests it carried and
 frees their blocks; the prefix-cache names it gave are withdrawn (final only when a step commits).
 """
@@ -376,7 +380,9 @@ class LLMEngine:
         return self.scheduler.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests to serve, or batches still in flight (vLLM's `has_work`): a batch whose
+        requests were all aborted still comes back, and is dropped, in a later step."""
+        return bool(self.requests or self.batch_queue)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -23,14 +23,20 @@ from typing import Any
 import psutil
 import pytest
 
-from minivllm import LLM
+from minivllm import LLM, SamplingParams
 from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.distributed.pipeline import stage_sizes
 from minivllm.envs import pp_layer_partition
 from minivllm.executor.tensor_parallel import EngineDeadError
-from tests.distributed.test_tensor_parallel import ENGINE, greedy, tp_llm, workload
+from tests.distributed.test_tensor_parallel import (
+    ENGINE,
+    MAX_TOKENS,
+    greedy,
+    tp_llm,
+    workload,
+)
 from tests.utils.engine_utils import save_tiny_llama
 from tests.utils.kv_helpers import make_seq
 from tests.utils.tp_utils import live_descendants, no_leftover_processes, torchrun_tokens
@@ -183,11 +189,36 @@ def test_stages_give_one_process_s_greedy_tokens_under_chunking_preemption_and_p
         with llm.trace() as trace:
             assert greedy(llm, workload()) == expected
         stats = llm.get_stats()
+        abort_while_in_flight(llm, workload(), expected)
     assert chunks  # prompt chunks that did not reach the end of their prompt
     assert stats.num_preemptions > 0
     assert stats.num_prefix_cache_hit_tokens >= 32
     assert any(early)
     assert_batches_in_flight(trace.to_dict(), pp)
+
+
+def abort_while_in_flight(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """Abort the request of the oldest batch in flight: its row is dropped when the batch comes
+    back, its blocks were freed at once, and the others still get one process's tokens."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    engine.step()
+    engine.step()  # batch 2 launched, batch 1 committed: batch 2 is in flight
+    assert len(engine.batch_queue) == 1
+    victim = engine.scheduler.seqs[engine.batch_queue[-1].sched.scheduled[0].seq_id]
+    engine.abort_request(victim.request.request_id)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    assert victim.request.request_id in done  # its final output, aborted
+    assert not engine.batch_queue and not engine.scheduler.in_flight
+    for rid, tokens in done.items():
+        if rid != victim.request.request_id:
+            assert tokens == expected[int(rid)]
 
 
 def assert_batches_in_flight(trace: dict[str, Any], pp: int) -> None:
