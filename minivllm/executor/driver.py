@@ -74,6 +74,25 @@ class EngineDeadError(BaseException):
     engine thread stops and /health turns unhealthy."""
 
 
+class StageOutput(Future[ModelRunnerOutput]):
+    """A batch's output from the last pipeline stage, once the output receiver has it. Its
+    `result()` fails as a step does: a failure on the way stops every rank and raises
+    `EngineDeadError` naming the rank that died (the receiver thread only records it)."""
+
+    def __init__(self, executor: DistributedExecutor) -> None:
+        super().__init__()
+        self.executor = executor
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        try:
+            return super().result(timeout)
+        except BaseException as exc:
+            executor = self.executor
+            with executor.lock:
+                executor.check_alive()  # an earlier failure (or a dead worker) said why already
+                raise executor.fail(exc) from exc
+
+
 class WorkerStartError(RuntimeError):
     """A tensor-parallel worker failed before the engine was built (no worker is left running)."""
 
@@ -99,7 +118,7 @@ class DistributedExecutor:
         self.lock = threading.Lock()
         # Pipeline parallelism: the futures of the batches in flight, in the order they were
         # sent, for the output receiver thread (None: stop); the control sends not yet taken.
-        self.pending: queue.SimpleQueue[Future[ModelRunnerOutput] | None] = queue.SimpleQueue()
+        self.pending: queue.SimpleQueue[StageOutput | None] = queue.SimpleQueue()
         self.receiver: threading.Thread | None = None
         self.unsent: list[dist.Work] = []
         atexit.register(self.shutdown)
@@ -179,12 +198,12 @@ class DistributedExecutor:
                     done: Future[ModelRunnerOutput] = Future()
                     done.set_result(output)
                     return done
-                future: Future[ModelRunnerOutput] = Future()
+                future = StageOutput(self)
                 self.start_receiver()
                 self.pending.put(future)
             except BaseException as exc:
                 raise self.fail(exc) from exc
-        return future if non_block else self.wait_for(future)
+        return future if non_block else future.result()
 
     def start_receiver(self) -> None:
         if self.receiver is None:
@@ -200,15 +219,6 @@ class DistributedExecutor:
                 future.set_result(self.pp.recv_output(self.device))
             except BaseException as exc:  # a stage died: every later batch fails the same way
                 future.set_exception(exc)
-
-    def wait_for(self, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
-        """`future`'s output; a failure on the way stops every rank (`fail`), as in a step."""
-        try:
-            return future.result()
-        except BaseException as exc:
-            with self.lock:
-                self.check_alive()  # an earlier failure (or a dead worker) said why already
-                raise self.fail(exc) from exc
 
     def collective_rpc(self, fn: Callable[[ModelRunner], T]) -> list[T]:
         """`fn(runner)` on every rank, the results in rank order (vLLM's `collective_rpc`)."""
