@@ -22,6 +22,13 @@ calls `update_after_step`, the step's commit: only then does progress advance an
 the step gave its full blocks become final; a failed step is rolled back instead
 (`rollback_step`).
 
+With pipeline parallelism the engine keeps up to `max_concurrent_batches` (= the stages) batches
+in flight (vLLM v1's `EngineCore.step_with_batch_queue`): it schedules the next batch while the
+previous one is still in the later stages. A sequence in a batch in flight is skipped until that
+batch's output is back (vLLM's rule: its progress is not known yet), keeps its KV blocks, and is
+never chosen for preemption. With one batch at a time the rule never fires: every step commits
+before the next is scheduled.
+
 There is no separate prefill phase: a long prompt is split over steps and shares each step's
 batch with the decodes of other requests (chunked prefill), which keeps decode latency flat.
 Preempted sequences go back to the *front* of the waiting queue so they keep their turn.
@@ -87,6 +94,7 @@ class SchedulerOutput:
     # Sequences finished (or aborted) since the last step: a runner that keeps per-sequence state
     # across steps (a pooling runner's chunked prompts) drops theirs (vLLM's `finished_req_ids`).
     finished_seq_ids: list[int] = field(default_factory=list)
+    batch_id: int = 0  # 1, 2, ... in schedule order (0: nothing scheduled); the trace's "batch"
 
     @property
     def is_empty(self) -> bool:
@@ -109,6 +117,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt K/V computed by the model, not cache hits
         self.finished_seq_ids: list[int] = []  # since the last schedule()
+        # Sequences whose scheduled step has not come back (committed or rolled back) yet:
+        # skipped by `schedule` and never preempted. vLLM v1's `scheduled_req_ids`.
+        self.in_flight: set[int] = set()
+        self.num_batches = 0  # batches scheduled so far: the last one's batch_id
 
     # ------------------------------------------------------------------ queue changes
     def add_seq(self, seq: Sequence) -> None:
@@ -135,6 +147,7 @@ class Scheduler:
         if self.kv_cache_manager.has_seq(seq.seq_id):
             self.kv_cache_manager.free(seq.seq_id)
         self.seqs.pop(seq.seq_id, None)
+        self.in_flight.discard(seq.seq_id)  # an abort while in flight: its output is dropped
         self.finished_seq_ids.append(seq.seq_id)
         seq.status = status
 
@@ -148,11 +161,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 0:  # a beam that has sampled waits for its round's other beams
+            # A beam that has sampled waits for its round's other beams; a sequence in a batch
+            # in flight waits for that batch's output (its progress is not known yet).
+            if num_new == 0 or seq.seq_id in self.in_flight:
                 i += 1
                 continue
             while not kv.can_append_slots(seq.seq_id, num_new):
-                victim = self.running[-1]
+                victim = self._preemption_victim()
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -214,6 +229,9 @@ class Scheduler:
         out.block_copies = kv.take_pending_copies()
         if out.scheduled:  # an empty step runs nothing: they travel with the next one
             out.finished_seq_ids, self.finished_seq_ids = self.finished_seq_ids, []
+            self.num_batches += 1
+            out.batch_id = self.num_batches
+            self.in_flight.update(item.seq_id for item in out.scheduled)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
@@ -271,6 +289,12 @@ class Scheduler:
         request = seq.request
         return 1 if request.forked else request.max_num_seqs
 
+    def _preemption_victim(self) -> Sequence:
+        """The most recently admitted running sequence that is not in a batch in flight (the
+        K/V that batch is writing must stay where its block table says). The sequence asking for
+        a block is never in flight, so there always is one."""
+        return next(s for s in reversed(self.running) if s.seq_id not in self.in_flight)
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preemption by recompute: free the blocks, forget the progress, wait at the front."""
         self.running.remove(seq)
@@ -285,9 +309,18 @@ class Scheduler:
         """The step's commit, called once its K/V is written and its tokens sampled: advance each
         scheduled sequence's progress and make the prefix-cache names of its blocks final. A
         sequence's rejected drafts (`num_rejected`, by seq_id) are not computed: their slots go
-        back, and the next step writes over them (vLLM v1 lowers num_computed_tokens the same way)."""
+        back, and the next step writes over them (vLLM v1 lowers num_computed_tokens the same way).
+        A sequence aborted while its batch was in flight is gone: nothing of it is committed.
+
+        With batches in flight the commit makes final every prefix-cache name given so far, the
+        later batches' too: only a step whose model ran on every stage (its logits came back) can
+        fail without ending the engine, so a name is never final for K/V that was not written
+        unless the engine is dead anyway."""
         for item in out.scheduled:
-            seq = self.seqs[item.seq_id]
+            self.in_flight.discard(item.seq_id)
+            seq = self.seqs.get(item.seq_id)
+            if seq is None:
+                continue
             start = seq.num_computed_tokens
             seq.num_computed_tokens = start + item.num_new_tokens - num_rejected.get(seq.seq_id, 0)
             if item.num_spec_tokens:

@@ -78,6 +78,9 @@ class PipelineParallelGroup:
     tp_size: int = 1  # ranks per stage: this rank's peer in the next stage is global_rank + tp_size
     global_rank: int = 0
     sent_bytes: int = 0  # hidden states (and residuals) this rank has sent to the next stage
+    # Between the driver (rank 0) and `output_rank` only: the steps' outputs (gloo); None with
+    # one stage, and on ranks outside it.
+    output_group: dist.ProcessGroup | None = None
 
     @property
     def is_first(self) -> bool:
@@ -128,16 +131,17 @@ class PipelineParallelGroup:
         return IntermediateTensors(hidden, one() if with_residual else None)
 
     # ------------------------------------------------------------------ last stage to driver
-    def send_output(self, output: object, control: dist.ProcessGroup | None) -> None:
-        """The step's runner output (logits, prompt logprobs) to the driver, on the control group;
+    def send_output(self, output: object) -> None:
+        """The step's runner output (logits, prompt logprobs) to the driver, on the output group;
         `torch.save` so that the driver can put CUDA tensors on its own device."""
         buffer = io.BytesIO()
         torch.save(output, buffer)
-        dist.send_object_list([buffer.getvalue()], dst=0, group=control)
+        dist.send_object_list([buffer.getvalue()], dst=0, group=self.output_group)
 
-    def recv_output(self, control: dist.ProcessGroup | None, device: torch.device) -> Any:
+    def recv_output(self, device: torch.device) -> Any:
+        """The next step's output from the last stage, in the order the steps were sent."""
         box: list[Any] = [None]
-        dist.recv_object_list(box, src=self.output_rank, group=control)
+        dist.recv_object_list(box, src=self.output_rank, group=self.output_group)
         # Our own ranks' bytes, as the control group's messages are (pickled) already.
         return torch.load(io.BytesIO(box[0]), map_location=device, weights_only=False)
 

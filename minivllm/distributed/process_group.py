@@ -9,8 +9,10 @@ single-device engine.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,12 +82,46 @@ def init_distributed(
             if s == stage:
                 group = created
     tp = TensorParallelGroup(tp_rank, tp_size, group=group, first_rank=stage * tp_size)
-    return tp, PipelineParallelGroup(stage, pp_size, tp_size, rank), control
+    pp = PipelineParallelGroup(stage, pp_size, tp_size, rank)
+    if pp_size > 1:
+        # The last stage's outputs travel to the driver on a group of their own, so that the
+        # driver's thread that waits for them never meets the control group's messages.
+        pp.output_group = dist.new_group(
+            [0, pp.output_rank], backend="gloo", timeout=COLLECTIVE_TIMEOUT
+        )
+    return tp, pp, control
 
 
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def broadcast_message(
+    message: object, control: dist.ProcessGroup | None, block: bool = True
+) -> list[dist.Work]:
+    """Rank 0's pickled `message` to every rank of `control` (`receive_message` takes it):
+    its length, then its bytes. With `block=False` it returns as soon as the message is queued,
+    with the two sends' handles: a rank still busy with an earlier batch takes it when it is
+    ready, while rank 0 goes on (gloo's sends wait for the receiver otherwise)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)  # [n bytes]
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    works = [dist.broadcast(t, src=0, group=control, async_op=True) for t in (size, data)]
+    if block:
+        for work in works:
+            work.wait()
+        return []
+    return [w for w in works if w is not None]
+
+
+def receive_message(control: dist.ProcessGroup | None) -> Any:
+    """The driver's next `broadcast_message` (a worker's side)."""
+    size = torch.empty(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=control)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=control)
+    # Our own ranks' bytes, as torch's broadcast_object_list would unpickle them.
+    return pickle.loads(data.numpy().tobytes())
 
 
 def min_over_ranks(value: int, control: dist.ProcessGroup) -> int:

@@ -12,6 +12,10 @@ tensors, the sampler picks tokens, and each request's hook after sampling (`afte
 plain and `n > 1` sampling, or a beam search) turns them into outputs. Whoever wants to see the
 steps (the engine's counters, the step trace) listens (`step_listener.py`).
 
+With pipeline stages the run and the rest of a step come apart: the engine keeps
+`max_concurrent_batches` (one per stage) batches in flight, and a step commits the oldest one
+(vLLM v1's batch queue; "Pipeline parallelism" in docs/distributed.md).
+
 A step that raises (an exception, or Ctrl-C inside the model) fails the requests it carried and
 frees their blocks; the prefix-cache names it gave are withdrawn (final only when a step commits).
 """
@@ -20,8 +24,10 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
@@ -42,7 +48,7 @@ from minivllm.engine.parallel_sampling import (
 )
 from minivllm.engine.stats import EngineStats, StatsCollector
 from minivllm.engine.step_listener import StepListener, StepOutputs
-from minivllm.executor.abstract import Executor, make_executor
+from minivllm.executor.abstract import Executor, PipelinedExecutor, make_executor
 from minivllm.inputs import PromptType
 from minivllm.lora.errors import LoRADisabledError, LoRAError
 from minivllm.lora.manager import AddLoRA, RemoveLoRAs
@@ -54,12 +60,21 @@ from minivllm.pooling.pooling_params import PoolingParams
 from minivllm.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output.manager import StructuredOutputManager
-from minivllm.worker.model_runner import kv_cache_torch_dtype
+from minivllm.worker.model_runner import ModelRunnerOutput, kv_cache_torch_dtype
 
 if TYPE_CHECKING:
     from minivllm.engine.speculator import Speculator
 
 logger = logging.getLogger("minivllm")
+
+
+class InFlightBatch(NamedTuple):
+    """A batch launched on the executor and not yet committed."""
+
+    sched: SchedulerOutput
+    output: Future[ModelRunnerOutput]  # the last stage's output, when it comes back
+
+
 SPECULATOR = "minivllm.engine.speculator.Speculator"  # loaded only when speculating
 
 
@@ -134,6 +149,11 @@ class LLMEngine:
         self.after_sampling: dict[str, AfterSampling] = {}  # request_id -> its hook
         self._next_seq_id = 0
         self._aborted_outputs: list[RequestOutput] = []
+        # vLLM's `max_concurrent_batches`: pipeline_parallel_size with pipeline stages (each stage
+        # works on a different batch), else 1. The batches launched and not yet committed, the
+        # newest first (vLLM's `batch_queue`).
+        self.max_concurrent_batches: int = getattr(self.executor, "max_concurrent_batches", 1)
+        self.batch_queue: deque[InFlightBatch] = deque()
         # Who hears of every committed step: the counters behind get_stats(), then any other.
         self.stats = StatsCollector(self.scheduler, self.kv_cache_manager)
         self.step_listeners: list[StepListener] = [self.stats]
@@ -385,7 +405,9 @@ class LLMEngine:
         return self.scheduler.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests to serve, or batches still in flight (vLLM's `has_work`): a batch whose
+        requests were all aborted still comes back, and is dropped, in a later step."""
+        return bool(self.requests or self.batch_queue)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -398,26 +420,51 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """One iteration (paper §4.5): schedule, run the model, sample, commit, process outputs,
-        publish. Returns the outputs of every request that progressed or ended."""
+        publish. Returns the outputs of every request that progressed or ended.
+
+        With pipeline stages a step launches one batch and commits the oldest batch in flight
+        (vLLM v1's `step_with_batch_queue`): while fewer than `max_concurrent_batches` are in
+        flight it returns at once after launching, so the next step schedules (and stage 0 runs)
+        a new batch while the later stages still work on this one. With one batch at a time
+        (one stage) each step launches a batch and commits it at once."""
         outputs = self.take_aborted_outputs()
         if self.speculator is not None:  # drafts for the running decodes, before the schedule
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
-        if sched.is_empty:
+        if not sched.is_empty:
+            try:
+                self.batch_queue.appendleft(self._launch(sched))
+            except BaseException as exc:
+                return outputs + self._fail_step(sched, exc)
+            if len(self.batch_queue) < self.max_concurrent_batches:
+                return outputs  # schedule the next batch before waiting for this one
+        if not self.batch_queue:
             return outputs
+        sched, pending = self.batch_queue.pop()  # the oldest batch in flight
         try:
-            ran = self.executor.execute_model(sched)
+            ran = pending.result()
             seqs, sampled, rejected = self._sample(sched, ran.logits)  # rejected drafts
             self.scheduler.update_after_step(sched, rejected)  # the commit: progress, cache names
             for seq_id, scored in ran.prompt_logprobs.items():
-                request = self.scheduler.seqs[seq_id].request
-                self.output_processor.record_prompt_logprobs(request, scored)
+                seq = self.scheduler.seqs.get(seq_id)
+                if seq is not None:  # not aborted while in flight
+                    self.output_processor.record_prompt_logprobs(seq.request, scored)
             step_outputs = self._process_outputs(seqs, sampled)
             step_outputs += self._process_pooled(ran.pooled)
         except BaseException as exc:  # Ctrl-C too: the step's requests cannot be trusted
             return outputs + self._fail_step(sched, exc)
         self._publish(sched, seqs, step_outputs)
         return outputs + step_outputs
+
+    def _launch(self, sched: SchedulerOutput) -> InFlightBatch:
+        """Start `sched` on the executor: with several batches in flight it returns once stage 0
+        has run it, with a future of the last stage's output; else with the output itself."""
+        if self.max_concurrent_batches == 1:
+            done: Future[ModelRunnerOutput] = Future()
+            done.set_result(self.executor.execute_model(sched))
+            return InFlightBatch(sched, done)
+        pipelined = cast(PipelinedExecutor, self.executor)  # max_concurrent_batches > 1 says so
+        return InFlightBatch(sched, pipelined.execute_model(sched, non_block=True))
 
     def _sample(
         self, sched: SchedulerOutput, logits: torch.Tensor | None
@@ -429,12 +476,16 @@ class LLMEngine:
             return self.speculator.sample(sched, logits)  # the rejection sampler's
         seqs: list[Sequence] = []
         row_index: list[int] = []  # which logits row each sampled sequence reads
-        sampling = [self.scheduler.seqs[s.seq_id] for s in sched.scheduled if s.sample]
+        sampling = [self.scheduler.seqs.get(s.seq_id) for s in sched.scheduled if s.sample]
         for i, seq in enumerate(sampling):
+            if seq is None:  # aborted while its batch was in flight: its row is dropped
+                continue
             drawn = self.after_sampling[seq.request.request_id].sequences_to_sample(seq)
             seqs += drawn
             row_index += [i] * len(drawn)
-        if len(row_index) != len(sampling):
+        if not row_index:
+            return [], None, {}
+        if row_index != list(range(len(sampling))):
             logits = logits[torch.tensor(row_index, device=logits.device)]
         rows = [SamplingRow.of(s, self.eos_token_id) for s in seqs]
         meta = SamplingMetadata.from_rows(rows, self.vocab_size, logits.device)
@@ -465,7 +516,9 @@ class LLMEngine:
         `PoolingParams`; the request ends (its KV blocks freed) without a decode step."""
         outputs: list[RequestOutput] = []
         for seq_id, vector in pooled.items():
-            seq = self.scheduler.seqs[seq_id]
+            seq = self.scheduler.seqs.get(seq_id)
+            if seq is None:  # aborted while its batch was in flight
+                continue
             request = seq.request
             assert request.pooling_params is not None and self.pooler is not None
             request.pooled = finish_pooled(vector, request.pooling_params, self.pooler).tolist()
@@ -477,7 +530,8 @@ class LLMEngine:
     def _publish(
         self, sched: SchedulerOutput, seqs: list[Sequence], outputs: list[RequestOutput]
     ) -> None:
-        step = StepOutputs.after_commit(seqs, outputs, self.scheduler)
+        in_flight = tuple(b.sched.batch_id for b in reversed(self.batch_queue))
+        step = StepOutputs.after_commit(seqs, outputs, self.scheduler, in_flight)
         blocks = self.kv_cache_manager.snapshot()
         for listener in self.step_listeners:
             listener.on_step(sched, step, blocks)

@@ -45,14 +45,22 @@ class StepOutputs:
     num_running: int  # sequences holding blocks
     num_waiting: int  # sequences queued (new or preempted)
     waiting: tuple[int, ...] = ()  # their seq ids in queue order, the next admitted first
+    # The batches still in flight when this one committed, oldest first (`batch_id`s): with
+    # pipeline stages, launched after it and not back from the last stage yet; else ().
+    in_flight: tuple[int, ...] = ()
 
     @classmethod
     def after_commit(
-        cls, sampled: list[Sequence], outputs: list[RequestOutput], scheduler: Scheduler
+        cls,
+        sampled: list[Sequence],
+        outputs: list[RequestOutput],
+        scheduler: Scheduler,
+        in_flight: tuple[int, ...] = (),
     ) -> StepOutputs:
         """The step's outputs, with the scheduler's sequences and queues as the commit left them."""
         waiting = tuple(seq.seq_id for seq in scheduler.waiting)
-        return cls(sampled, outputs, scheduler.seqs, len(scheduler.running), len(waiting), waiting)
+        running = len(scheduler.running)
+        return cls(sampled, outputs, scheduler.seqs, running, len(waiting), waiting, in_flight)
 
 
 class StepListener(Protocol):

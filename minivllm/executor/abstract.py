@@ -18,7 +18,8 @@ It imports the runner and the worker; tensor parallelism's executors
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from concurrent.futures import Future
+from typing import Literal, Protocol, TypeVar, overload
 
 import torch
 
@@ -31,7 +32,7 @@ from minivllm.envs import pp_layer_partition
 from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 from minivllm.worker.worker import WorkerConfig, build_runner
 
-__all__ = ["Executor", "UniProcExecutor", "make_executor"]
+__all__ = ["Executor", "PipelinedExecutor", "UniProcExecutor", "make_executor"]
 
 T = TypeVar("T")
 
@@ -47,8 +48,27 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+class PipelinedExecutor(Executor, Protocol):
+    """An executor of pipeline stages (executor/driver.py): `max_concurrent_batches` (vLLM's
+    name) batches may be in flight at once; `non_block=True` returns once stage 0 has run the
+    batch, with a future of the last stage's output. An executor without the attribute runs one
+    batch at a time."""
+
+    max_concurrent_batches: int
+
+    @overload
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @overload
+    def execute_model(
+        self, sched: SchedulerOutput, non_block: Literal[True]
+    ) -> Future[ModelRunnerOutput]: ...
+
+
 class UniProcExecutor:
     """tensor_parallel_size = 1: the runner in this process, called directly."""
+
+    max_concurrent_batches = 1  # vLLM's name: one stage, one batch at a time
 
     def __init__(self, runner: ModelRunner) -> None:
         self.driver_runner = runner

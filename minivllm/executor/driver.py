@@ -4,9 +4,18 @@ The scheduler stays centralized (paper §4.6): only the driver schedules, owns t
 and samples. Each step `execute_model` broadcasts the step's plain `SchedulerOutput` on the
 control group, runs rank 0's own runner on it, and returns the logits that rank 0 gathered in the
 LM head; the workers learn nothing else and need no scheduler state at all. vLLM's executors do
-the same with their own message queue (vllm/v1/executor/multiproc_executor.py). With pipeline
-parallelism rank 0 runs stage 0 only, and the logits come back from the last stage's rank 0
-(`PipelineParallelGroup.recv_output`) before the step returns: one batch in flight. See
+the same with their own message queue (vllm/v1/executor/multiproc_executor.py).
+
+With pipeline parallelism rank 0 runs stage 0 only, and the logits come back later from the last
+stage's rank 0; `max_concurrent_batches` = the stages (vLLM's), so that every stage can work on a
+different batch. The design: `execute_model(sched, non_block=True)` sends the step without
+waiting for a rank still busy with an earlier batch (`broadcast_message(block=False)`), runs
+stage 0, and returns a `Future` of the output. One thread, the *output receiver*, takes the last
+stage's outputs in the order the batches were sent (`PipelineParallelGroup.recv_output`, on a
+group of its own, so it never meets the control group's messages) and fulfils the futures. The
+engine waits on a future only when its batch queue is full or it has nothing new to schedule.
+A stage's sends of hidden states stay blocking: a stage takes the next batch when it has
+finished the one before. See
 "Distributed execution" in the docs (docs/distributed.md) and the architecture page
 (docs/architecture.md).
 
@@ -23,9 +32,11 @@ from __future__ import annotations
 
 import atexit
 import logging
+import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from concurrent.futures import Future
+from typing import Any, Literal, TypeVar, overload
 
 import torch.distributed as dist
 
@@ -33,7 +44,11 @@ from minivllm.attention.abstract import AttentionBackend
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.parallel_state import TensorParallelGroup
 from minivllm.distributed.pipeline import PipelineParallelGroup
-from minivllm.distributed.process_group import destroy_distributed, init_distributed
+from minivllm.distributed.process_group import (
+    broadcast_message,
+    destroy_distributed,
+    init_distributed,
+)
 from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 from minivllm.worker.worker_proc import (
     CollectiveRPC,
@@ -48,6 +63,7 @@ logger = logging.getLogger("minivllm")
 
 T = TypeVar("T")
 SHUTDOWN_LOCK_TIMEOUT_S = 30.0  # a shutdown waits this long for a step in another thread
+RECEIVER_EXIT_S = 10.0  # at shutdown, how long the output receiver may take to leave
 
 
 class EngineDeadError(BaseException):
@@ -56,6 +72,25 @@ class EngineDeadError(BaseException):
     A `BaseException`, like `KeyboardInterrupt`: it ends the engine instead of failing one step's
     requests, because no later step could run either. `LLM.generate` raises it; the server's
     engine thread stops and /health turns unhealthy."""
+
+
+class StageOutput(Future[ModelRunnerOutput]):
+    """A batch's output from the last pipeline stage, once the output receiver has it. Its
+    `result()` fails as a step does: a failure on the way stops every rank and raises
+    `EngineDeadError` naming the rank that died (the receiver thread only records it)."""
+
+    def __init__(self, executor: DistributedExecutor) -> None:
+        super().__init__()
+        self.executor = executor
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        try:
+            return super().result(timeout)
+        except BaseException as exc:
+            executor = self.executor
+            with executor.lock:
+                executor.check_alive()  # an earlier failure (or a dead worker) said why already
+                raise executor.fail(exc) from exc
 
 
 class WorkerStartError(RuntimeError):
@@ -81,6 +116,11 @@ class DistributedExecutor:
         # The server steps in its engine thread while `shutdown` may come from the main thread
         # (at exit): one message at a time on the control group.
         self.lock = threading.Lock()
+        # Pipeline parallelism: the futures of the batches in flight, in the order they were
+        # sent, for the output receiver thread (None: stop); the control sends not yet taken.
+        self.pending: queue.SimpleQueue[StageOutput | None] = queue.SimpleQueue()
+        self.receiver: threading.Thread | None = None
+        self.unsent: list[dist.Work] = []
         atexit.register(self.shutdown)
         try:
             self.start_workers(wc)
@@ -105,6 +145,11 @@ class DistributedExecutor:
             ) from exc
         self.num_blocks = self.driver_runner.kv_cache.shape[2]
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """vLLM's name: how many batches the engine keeps in flight, one per pipeline stage."""
+        return self.pp.world_size
+
     # ------------------------------------------------------------------ the ranks (subclasses)
     def start_workers(self, wc: WorkerConfig) -> None:
         """Start ranks 1..N-1 (they then wait for rank 0 at `init_method`)."""
@@ -128,17 +173,57 @@ class DistributedExecutor:
         return None
 
     # ------------------------------------------------------------------ the step
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    @overload
+    def execute_model(
+        self, sched: SchedulerOutput, non_block: Literal[False] = False
+    ) -> ModelRunnerOutput: ...
+
+    @overload
+    def execute_model(
+        self, sched: SchedulerOutput, non_block: Literal[True]
+    ) -> Future[ModelRunnerOutput]: ...
+
+    def execute_model(
+        self, sched: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run one step on every rank. With pipeline stages and `non_block`, return once stage 0
+        has run it: a `Future` of the last stage's output (whose `result()` raises
+        `EngineDeadError` if a rank failed on the way)."""
+        pipelined = self.pp.world_size > 1
         with self.lock:
             self.check_alive()
             try:
-                self.broadcast(ExecuteModel(sched))
+                self.unsent = [w for w in self.unsent if not w.is_completed()]
+                # A later stage may still be busy with the batch before: do not wait for it.
+                self.unsent += broadcast_message(ExecuteModel(sched), self.control, not pipelined)
                 output = self.driver_runner.execute_model(sched)  # stage 0's share
-                if self.pp.world_size > 1:  # one batch in flight: wait for the last stage
-                    output = self.pp.recv_output(self.control, self.device)
-                return output
+                if not pipelined:  # the logits reached rank 0 in the LM head's gather
+                    if not non_block:
+                        return output
+                    done: Future[ModelRunnerOutput] = Future()
+                    done.set_result(output)
+                    return done
+                future = StageOutput(self)
+                self.start_receiver()
+                self.pending.put(future)
             except BaseException as exc:
                 raise self.fail(exc) from exc
+        return future if non_block else future.result()
+
+    def start_receiver(self) -> None:
+        if self.receiver is None:
+            self.receiver = threading.Thread(
+                target=self.receive_outputs, name="minivllm-pp-output-receiver", daemon=True
+            )
+            self.receiver.start()
+
+    def receive_outputs(self) -> None:
+        """The output receiver's loop: each batch's output from the last stage, in order."""
+        while (future := self.pending.get()) is not None:
+            try:
+                future.set_result(self.pp.recv_output(self.device))
+            except BaseException as exc:  # a stage died: every later batch fails the same way
+                future.set_exception(exc)
 
     def collective_rpc(self, fn: Callable[[ModelRunner], T]) -> list[T]:
         """`fn(runner)` on every rank, the results in rank order (vLLM's `collective_rpc`)."""
@@ -153,7 +238,7 @@ class DistributedExecutor:
                 raise self.fail(exc) from exc
 
     def broadcast(self, message: object) -> None:
-        dist.broadcast_object_list([message], src=0, group=self.control)
+        broadcast_message(message, self.control)
 
     def check_alive(self) -> None:
         if self.closed:
@@ -204,7 +289,17 @@ class DistributedExecutor:
             except RuntimeError:  # a worker is gone already: nothing to tell it
                 graceful = False
         self.end_workers(graceful)
+        self.stop_receiver()
         destroy_distributed()
+
+    def stop_receiver(self) -> None:
+        """The receiver takes the outputs still due (a graceful stop: the stages finish their
+        batches before they read Shutdown), or fails on the closed sockets of stopped workers."""
+        if self.receiver is not None:
+            self.pending.put(None)
+            self.receiver.join(RECEIVER_EXIT_S)
+            self.receiver = None
+        self.unsent = []
 
 
 # ---------------------------------------------------------------------------------- torchrun

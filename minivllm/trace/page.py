@@ -88,6 +88,7 @@ TEMPLATE = """<!doctype html>
     <table id="batch"><thead><tr><th>seq</th><th>request</th><th>computed before</th>
       <th>new tokens</th><th>kind</th><th id="lora-head" hidden>adapter (slot)</th></tr></thead>
       <tbody></tbody></table>
+    <p id="pipeline" hidden></p>
     <p id="lora-slots" hidden></p>
     <p id="waiting"></p>
     <h2>Events</h2>

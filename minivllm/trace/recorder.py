@@ -18,7 +18,7 @@ code free of tracing: the engine does not know the recorder exists.
 A step's record, as `trace.json` stores it (docs/trace.md documents every field; JSON object
 keys are strings, so seq ids and block ids are strings as keys):
 
-    {"step", "scheduled": [{"seq_id", "request_id", "num_computed_tokens", "num_new_tokens",
+    {"step", "batch", "in_flight", "scheduled": [{"seq_id", "request_id", "num_computed_tokens", "num_new_tokens",
      "block_table", "num_spec_tokens", "num_accepted_tokens"[, "lora_slot", "lora_name"]}],
      "num_batched_tokens", "block_tables": {seq_id: [block id | null]},
      "num_computed_tokens": {seq_id: n}, "ref_counts": {block id: n > 0}, "cached_blocks",
@@ -32,6 +32,12 @@ tokens again, so the block went back to the pool (minivllm/core/sliding_window_m
 model whose layers keep their KV in groups (Gemma 2/3: minivllm/core/kv_cache_coordinator.py) has
 a table per group: `block_tables` are the first (global) group's, a step's `group_block_tables`
 the others' in group order, and the trace's `kv_cache_groups` say which layers each one serves.
+
+With pipeline stages the engine keeps a batch per stage in flight (minivllm/engine/llm_engine.py):
+a record is one batch, recorded when it commits (its output came back from the last stage), so
+`step` counts commits while `batch` is the batch's number in schedule order, and `in_flight`
+lists the batches launched after it that were still in the later stages then (stage 0 has run
+them). With one stage `batch` equals `step` and `in_flight` is always empty.
 
 With LoRA on (`enable_lora`), each scheduled row also names its adapter and the device slot its
 rows ran with (-1 and null: the base model), and a step has `lora_slots`, the adapters resident
@@ -121,6 +127,7 @@ class StepRecorder:
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
             "max_num_seqs": cfg.scheduler.max_num_seqs,
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+            "pipeline_parallel_size": cfg.parallel.pipeline_parallel_size,
         }
         manager = engine.kv_cache_manager
         if isinstance(manager, HybridKVCacheCoordinator):  # a table per group of layers
@@ -176,6 +183,8 @@ class StepRecorder:
         ]
         record: StepRecord = {
             "step": step_no,
+            "batch": sched.batch_id,
+            "in_flight": list(outputs.in_flight),  # batches still in the later stages
             "scheduled": [
                 {
                     "seq_id": item.seq_id,

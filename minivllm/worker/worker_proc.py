@@ -41,7 +41,11 @@ import torch
 import torch.distributed as dist
 
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.distributed.process_group import destroy_distributed, init_distributed
+from minivllm.distributed.process_group import (
+    destroy_distributed,
+    init_distributed,
+    receive_message,
+)
 from minivllm.worker.model_runner import ModelRunner
 from minivllm.worker.worker import WorkerConfig, build_runner, rank_device
 
@@ -99,9 +103,7 @@ def rank_report(runner: ModelRunner) -> RankReport:
 # ---------------------------------------------------------------------------------- the loop
 def receive(control: dist.ProcessGroup) -> Any:
     """The driver's next message (a broadcast from rank 0 on the control group)."""
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, group=control)
-    return box[0]
+    return receive_message(control)
 
 
 def worker_loop(runner: ModelRunner, control: dist.ProcessGroup) -> None:
@@ -115,7 +117,7 @@ def worker_loop(runner: ModelRunner, control: dist.ProcessGroup) -> None:
             # pipeline they are gathered on the last stage's first rank, which sends them on.
             output = runner.execute_model(message.sched)
             if runner.pp.sends_output:
-                runner.pp.send_output(output, control)
+                runner.pp.send_output(output)
         elif isinstance(message, CollectiveRPC):
             dist.gather_object(message.fn(runner), None, dst=0, group=control)
         else:

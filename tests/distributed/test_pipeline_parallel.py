@@ -6,7 +6,9 @@ i + 1 and the last stage's logits go back to the driver, which samples. Every te
 on this CPU over gloo, spawned by the engine (or by torchrun), on tiny random models whose stages
 are uneven (3 layers over 2 stages: 2 + 1), tied embeddings included (the last stage's LM head
 reads the embedding table that only the first stage otherwise holds). One workload exercises
-chunked prefill, preemption and prefix caching at once, and the test checks that they ran. A
+chunked prefill, preemption and prefix caching at once, and the test checks that they ran, and
+that two batches were in flight at once (the step trace says which), never sharing a request.
+The scheduler's rule for batches in flight is tested on its own first, without an engine. A
 killed stage fails the engine naming its rank; a size that does not fit is refused by name
 before any process starts. No test may leave a process behind (`no_leftover_processes`).
 """
@@ -21,14 +23,22 @@ from typing import Any
 import psutil
 import pytest
 
-from minivllm import LLM
-from minivllm.core.scheduler import SchedulerOutput
+from minivllm import LLM, SamplingParams
+from minivllm.config import SchedulerConfig
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.distributed.pipeline import stage_sizes
 from minivllm.envs import pp_layer_partition
 from minivllm.executor.tensor_parallel import EngineDeadError
-from minivllm.worker.model_runner import ModelRunnerOutput
-from tests.distributed.test_tensor_parallel import ENGINE, greedy, tp_llm, workload
+from tests.distributed.test_tensor_parallel import (
+    ENGINE,
+    MAX_TOKENS,
+    greedy,
+    tp_llm,
+    workload,
+)
 from tests.utils.engine_utils import save_tiny_llama
+from tests.utils.kv_helpers import make_seq
 from tests.utils.tp_utils import live_descendants, no_leftover_processes, torchrun_tokens
 
 # A hang guard (a broken send would otherwise wait COLLECTIVE_TIMEOUT); no timing.
@@ -100,6 +110,51 @@ def test_sizes_that_do_not_fit_are_refused_by_name_before_any_process(
     assert set(live_descendants()) == before  # no worker was started
 
 
+# ---------------------------------------------------------------------------------- in flight
+def ids(out: SchedulerOutput) -> list[int]:
+    return [item.seq_id for item in out.scheduled]
+
+
+def test_a_sequence_in_a_batch_in_flight_is_not_scheduled_until_its_output_is_back() -> None:
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=8), KVCacheManager(16, block_size=4)
+    )
+    a, b, c = (make_seq(i, list(range(10 * i, 10 * i + 6)), max_tokens=4) for i in (1, 2, 3))
+    scheduler.add_seq(a)
+    scheduler.add_seq(b)
+    first = scheduler.schedule()
+    assert ids(first) == [1, 2] and first.batch_id == 1  # b's first chunk: 2 of its 6 tokens
+    scheduler.add_seq(c)
+    second = scheduler.schedule()  # the first is still in flight: only c may run
+    assert ids(second) == [3] and second.batch_id == 2
+    assert scheduler.schedule().is_empty  # everyone is in flight
+    scheduler.update_after_step(first)  # its output is back: a and b may run again
+    a.token_ids.append(99)  # a's sampled token
+    third = scheduler.schedule()
+    assert ids(third) == [1, 2] and third.batch_id == 3
+    assert [i.num_new_tokens for i in third.scheduled] == [1, 4]  # a's decode, b's last chunk
+
+
+def test_a_sequence_in_flight_is_never_preempted_the_one_asking_is_instead() -> None:
+    kv = KVCacheManager(3, block_size=4)  # a's 2 blocks and b's 1 fill the pool
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8), kv)
+    a, b = make_seq(1, list(range(8)), max_tokens=4), make_seq(2, [50, 51, 52, 53], max_tokens=4)
+    scheduler.add_seq(a)
+    first = scheduler.schedule()
+    scheduler.add_seq(b)
+    second = scheduler.schedule()
+    assert (ids(first), ids(second), kv.num_free_blocks) == ([1], [2], 0)
+    scheduler.update_after_step(first)
+    a.token_ids.append(99)  # a's decode needs a third block; b, the newest, is in flight
+    third = scheduler.schedule()
+    assert third.is_empty and third.preempted_seq_ids == [1]  # a waits for b's blocks
+    assert kv.get_block_table(2) == second.scheduled[0].block_table  # b's K/V stays put
+    scheduler.update_after_step(second)
+    b.token_ids.append(98)
+    fourth = scheduler.schedule()
+    assert ids(fourth) == [2] and a in scheduler.waiting  # b decodes; a waits at the front
+
+
 # ---------------------------------------------------------------------------------- tokens
 @pytest.mark.parametrize(
     "tp, pp, partition",
@@ -122,17 +177,63 @@ def test_stages_give_one_process_s_greedy_tokens_under_chunking_preemption_and_p
         executor = llm.llm_engine.executor
         execute = executor.execute_model
         chunks: list[Any] = []
+        early: list[bool] = []  # per batch: stage 0 was done before the last stage's output
 
-        def recording(sched: SchedulerOutput) -> ModelRunnerOutput:
+        def recording(sched: SchedulerOutput, **kw: Any) -> Any:
             chunks.extend(item for item in sched.scheduled if not item.sample)
-            return execute(sched)
+            future = execute(sched, **kw)
+            early.append(not future.done())  # the driver did not wait for the last stage
+            return future
 
         executor.execute_model = recording  # type: ignore[method-assign]
-        assert greedy(llm, workload()) == expected
+        with llm.trace() as trace:
+            assert greedy(llm, workload()) == expected
         stats = llm.get_stats()
+        abort_while_in_flight(llm, workload(), expected)
     assert chunks  # prompt chunks that did not reach the end of their prompt
     assert stats.num_preemptions > 0
     assert stats.num_prefix_cache_hit_tokens >= 32
+    assert any(early)
+    assert_batches_in_flight(trace.to_dict(), pp)
+
+
+def abort_while_in_flight(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """Abort the request of the oldest batch in flight: its row is dropped when the batch comes
+    back, its blocks were freed at once, and the others still get one process's tokens."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    engine.step()
+    engine.step()  # batch 2 launched, batch 1 committed: batch 2 is in flight
+    assert len(engine.batch_queue) == 1
+    victim = engine.scheduler.seqs[engine.batch_queue[-1].sched.scheduled[0].seq_id]
+    engine.abort_request(victim.request.request_id)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    assert victim.request.request_id in done  # its final output, aborted
+    assert not engine.batch_queue and not engine.scheduler.in_flight
+    for rid, tokens in done.items():
+        if rid != victim.request.request_id:
+            assert tokens == expected[int(rid)]
+
+
+def assert_batches_in_flight(trace: dict[str, Any], pp: int) -> None:
+    """Batches commit in the order they were scheduled; up to `pp` were in flight at once (the
+    one committing and those after it), and never with a sequence in two of them."""
+    steps = trace["steps"]
+    assert trace["pipeline_parallel_size"] == pp
+    assert [s["batch"] for s in steps] == list(range(1, len(steps) + 1))
+    seqs = {s["batch"]: {item["seq_id"] for item in s["scheduled"]} for s in steps}
+    for s in steps:
+        assert len(s["in_flight"]) <= pp - 1
+        assert all(b > s["batch"] for b in s["in_flight"])
+        for b in s["in_flight"]:
+            assert not seqs[s["batch"]] & seqs[b]
+    assert sum(1 for s in steps if s["in_flight"]) >= len(steps) // 2  # the pipeline was full
 
 
 @pytest.mark.parametrize("family", ["gemma2", "qwen3-moe"])
@@ -166,9 +267,13 @@ def test_two_stages_of_gemma_2_and_a_moe_give_one_process_s_greedy_tokens(
 
 
 # ---------------------------------------------------------------------------------- failures
+@pytest.mark.parametrize("when", ["before-stage-0", "after-stage-0"])
 def test_a_killed_stage_fails_the_engine_naming_its_rank_and_leaves_no_process(
-    llama: tuple[Path, list[list[int]]],
+    llama: tuple[Path, list[list[int]]], when: str
 ) -> None:
+    """Killed before the third batch's launch, the launch itself fails (stage 0 cannot hand its
+    hidden states on); killed after it, while the batch is in flight, waiting for its output
+    fails (or, if stage 1 had sent it already, the next launch does)."""
     path, _ = llama
     llm = LLM(str(path), pipeline_parallel_size=2, num_gpu_blocks_override=32)
     try:
@@ -177,17 +282,21 @@ def test_a_killed_stage_fails_the_engine_naming_its_rank_and_leaves_no_process(
         execute = executor.execute_model
         steps: list[SchedulerOutput] = []
 
-        def kill_at_third_step(sched: SchedulerOutput) -> ModelRunnerOutput:
+        def kill_at_third_step(sched: SchedulerOutput, **kw: Any) -> Any:
             steps.append(sched)
-            if len(steps) == 3:
+            if len(steps) == 3 and when == "before-stage-0":
                 stage1.kill()
-            return execute(sched)
+            launched = execute(sched, **kw)
+            if len(steps) == 3 and when == "after-stage-0":
+                stage1.kill()
+            return launched
 
         executor.execute_model = kill_at_third_step  # type: ignore[method-assign]
         prompts = [{"prompt_token_ids": [11 + i, 300, 77]} for i in range(3)]
         with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {stage1.pid}\) was killed"):
             greedy(llm, [p["prompt_token_ids"] for p in prompts])
-        assert len(steps) == 3  # it failed in the step that lost the stage
+        # It failed in the step that lost the stage (or, after stage 0, at the latest the next).
+        assert len(steps) == 3 if when == "before-stage-0" else len(steps) in (3, 4)
     finally:
         llm.shutdown()
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from minivllm.trace.page import write_page
 from minivllm.trace.screenshot import launch_browser, screenshot
 from tests.utils.engine_utils import save_tiny_llama
 from tests.utils.trace_scenario import make_llm, run_traced
@@ -225,3 +226,20 @@ def test_a_preemption_shows_the_freed_blocks_the_queue_and_its_mark(
     kinds = page.eval_on_selector_all("#batch tbody tr", "rows => rows.map(r => r.innerText)")
     victim_rows = [r for r in kinds if r.split()[0] in {str(s) for s in step["preempted"]}]
     assert victim_rows and all("resume" in r for r in victim_rows), kinds
+
+
+def test_with_pipeline_stages_a_line_names_the_batch_and_the_batches_in_flight(
+    page: Any, traced: dict[str, Any], tmp_path: Path
+) -> None:
+    """The page draws what the trace says (tests/distributed/test_pipeline_parallel.py records a
+    real two-stage run's); here the one-stage trace, relabelled as two stages' first commits."""
+    open_step(page, traced, 1)
+    assert page.locator("#pipeline").is_hidden()  # one stage: nothing to say
+    trace = {**traced["trace"], "pipeline_parallel_size": 2}
+    trace["steps"] = [{**trace["steps"][0], "in_flight": [2]}, *trace["steps"][1:]]
+    staged = write_page(trace, tmp_path / "index.html")
+    page.goto(f"{staged.as_uri()}#step=1")
+    page.wait_for_selector("#grid .block")
+    line = page.locator("#pipeline")
+    assert (line.get_attribute("data-batch"), line.get_attribute("data-in-flight")) == ("1", "2")
+    assert "in flight: batch 2" in line.inner_text()

@@ -69,6 +69,9 @@
       `prefix caching ${trace.enable_prefix_caching ? "on" : "off"}`,
     ];
     if (trace.max_loras !== undefined) parts.push(`LoRA: max_loras ${trace.max_loras}`);
+    if (trace.pipeline_parallel_size > 1) {
+      parts.push(`${trace.pipeline_parallel_size} pipeline stages: as many batches in flight`);
+    }
     if (live) parts.push(`live: the last ${trace.max_steps} steps`);
     $("meta").textContent = parts.join(" · ");
   }
@@ -217,11 +220,28 @@
       `${step.scheduled.length} sequences, ${step.num_batched_tokens} of ` +
       `${trace.max_num_batched_tokens} tokens; ${step.num_running} running, ` +
       `${step.num_waiting} waiting after the step`;
+    renderPipeline(step);
     // The waiting queue, front first (traces recorded before it was kept have only its length).
     const queue = step.waiting || [];
     $("waiting").textContent = step.num_waiting
       ? `Waiting, front of the queue first: ${queue.length ? queue.map(seqName).join(", ") : step.num_waiting + " sequences"}`
       : "Waiting: nobody";
+  }
+
+  // With pipeline stages, a record is one batch as it commits; the batches launched after it are
+  // still in the later stages (stage 0 has run them).
+  function renderPipeline(step) {
+    const line = $("pipeline");
+    line.hidden = !(trace.pipeline_parallel_size > 1) || step.batch === undefined;
+    if (line.hidden) return;
+    const inFlight = step.in_flight || [];
+    line.dataset.batch = step.batch;
+    line.dataset.inFlight = inFlight.join(",");
+    const stages = trace.pipeline_parallel_size;
+    line.textContent = `Batch ${step.batch}, back from stage ${stages - 1}; in flight: ` +
+      (inFlight.length
+        ? inFlight.map((b) => `batch ${b}`).join(", ") + ` (past stage 0, in stages 1..${stages - 1})`
+        : "none");
   }
 
   function renderEvents(step) {
