@@ -285,14 +285,17 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt (vLLM's `LLM.beam_search`), run inside the engine on
         copy-on-write blocks and batched like any other requests: the beams of a prompt share
-        their history's KV blocks (paper §4.4). One `BeamSearchOutput` per prompt, best beam first."""
+        their history's KV blocks (paper §4.4). One `BeamSearchOutput` per prompt, best beam first.
+        `lora_request`: as `generate`'s; every beam of a prompt runs under its adapter."""
         prompt_list = self._prompt_list(prompts)
         tokenizer = self.llm_engine.tokenizer
         results = []
-        for out in self._run(prompt_list, [params] * len(prompt_list), use_tqdm):
+        loras = self._lora_list(lora_request, prompt_list)
+        for out in self._run(prompt_list, [params] * len(prompt_list), use_tqdm, loras):
             if out.error is not None:
                 raise RuntimeError(f"beam search failed: {out.error}")
             beams = []

@@ -17,12 +17,14 @@ from typing import Any
 import pytest
 import torch
 
+from minivllm import BeamSearchParams
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.llm import LLM
 from minivllm.lora.errors import LoRADisabledError
 from minivllm.lora.request import LoRARequest
 from minivllm.sampling_params import SamplingParams
-from tests.lora.lora_utils import peft_greedy, save_adapters, save_base
+from tests.engine.test_beam_search import TOL, reference_best
+from tests.lora.lora_utils import load_base, peft_greedy, save_adapters, save_base
 from tests.utils.engine_utils import assert_no_blocks_held, checked_llm
 
 # 24 blocks of 4 tokens for more than that many blocks' worth of requests (preemption), 12 tokens
@@ -216,3 +218,26 @@ def test_slots_and_host_copies_evict_the_least_recently_used_adapter(
             adapters["all"].lora_int_id,
             adapters["attn"].lora_int_id,
         ]
+
+
+def test_beam_search_runs_every_beam_under_the_request_s_adapter(
+    llama: tuple[Path, dict[str, LoRARequest]],
+) -> None:
+    """`LLM.beam_search(..., lora_request=)`: the beams forked from a request keep its adapter,
+    so the best beams are those of the peft model (the independent beam reference of
+    tests/engine/test_beam_search.py, on peft's forward), not the base model's."""
+    from peft import PeftModel
+
+    base, adapters = llama
+    prompt = prompts_for(2)[1]
+    peft = PeftModel.from_pretrained(load_base(base), adapters["attn"].lora_path).eval()
+    want = reference_best(peft, prompt, width=2, steps=4)
+    assert want != pytest.approx(reference_best(load_base(base), prompt, 2, 4), abs=TOL)
+    with lora_llm(base, attention_backend="cpu") as llm:
+        out = llm.beam_search(
+            {"prompt_token_ids": prompt},
+            BeamSearchParams(2, max_tokens=4, ignore_eos=True),
+            lora_request=adapters["attn"],
+        )
+        assert_no_blocks_held(llm)
+    assert [b.cum_logprob for b in out[0].sequences] == pytest.approx(want, abs=TOL)
