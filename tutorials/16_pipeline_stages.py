@@ -20,6 +20,7 @@ Run: python tutorials/16_pipeline_stages.py [OUT_DIR]   (writes OUT_DIR/16_pipel
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -90,8 +91,6 @@ class StageReport:
 def stage_report(runner: ModelRunner) -> StageReport:
     """A `collective_rpc` function: it runs on every rank, in the rank's own process (the spawned
     stage re-imports this file to find it), and its result comes back to the driver."""
-    import os
-
     body = runner.model.model
     parts = {"embed_tokens": body.embed_tokens, "norm": body.norm, "lm_head": runner.model.lm_head}
     cache = runner.kv_cache
@@ -138,8 +137,8 @@ def main() -> None:
             llm.shutdown()  # stops the spawned stage (deleting the LLM or exiting would too)
 
     (one,) = reports[1]
-    print(f"pipeline_parallel_size 1: one process ({one.pid}) holds layers {one.layers}, "
-          f"{', '.join(one.parts)}; KV cache {list(one.kv_cache_shape)}, "
+    print(f"pipeline_parallel_size 1: one process ({one.pid}) holds layers {one.layers[0]}.."
+          f"{one.layers[1] - 1}, {', '.join(one.parts)}; KV cache {list(one.kv_cache_shape)}, "
           f"{one.kv_bytes_per_block:,} B per block")  # fmt: skip
     print("pipeline_parallel_size 2:")
     for r in reports[2]:
