@@ -318,6 +318,40 @@ def test_08_two_ranks_hold_half_the_model_each_and_give_the_same_tokens(tmp_path
     assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "08_shards.png")
 
 
+@pytest.mark.slow
+def test_16_two_stages_hold_their_own_layers_and_kv_send_hidden_and_residual_same_tokens(
+    tmp_path: Path,
+) -> None:
+    out = run_tutorial("16_pipeline_stages.py", tmp_path)  # it asserts the bytes sent add up
+    one = re.search(
+        r"one process \((\d+)\) holds layers 0\.\.4, (.*?); KV cache \[(.*?)\], ([\d,]+) B", out
+    )
+    assert one and one[2] == "embed_tokens, norm, lm_head", out
+    stages = re.findall(
+        r"stage (\d) \(pid (\d+)\): layers (\d)\.\.(\d), (.*?); KV cache \[(.*?)\], ([\d,]+) B", out
+    )
+    # vLLM's split of 5 layers: the odd one to the stage before the last.
+    assert [(s[0], s[2], s[3], s[4]) for s in stages] == [
+        ("0", "0", "2", "embed_tokens"),
+        ("1", "3", "4", "norm, lm_head"),
+    ]
+    assert stages[0][1] == one[1] != stages[1][1]  # stage 0 is the driver; stage 1 its own process
+    one_shape = [int(x) for x in one[3].split(", ")]
+    one_block = int(one[4].replace(",", ""))
+    for _, _, first, last, _, shape, block in stages:
+        layers = int(last) - int(first) + 1
+        assert [int(x) for x in shape.split(", ")] == [layers, *one_shape[1:]]  # its layers only
+        assert int(block.replace(",", "")) == one_block * layers // 5
+    assert re.search(r"step 1 \(prompts\): hidden \[48, 64\] \+ residual \[48, 64\] float32", out)
+    assert re.search(r"step 2 \(decode\): hidden \[3, 64\] \+ residual \[3, 64\] float32", out)
+    # 12 + 16 + 20 prompt tokens, then 3 requests x 5 decode steps (the 6th token is sampled from
+    # the 5th step's logits), each token 2 x 64 floats; nothing sent on from the last stage.
+    assert "stage 0 sent 32,256 B in all = 63 tokens" in out
+    assert "stage 1 sent 0 B" in out
+    assert "greedy outputs equal with 1 and 2 stages: True" in out
+    assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "16_pipeline_stages.png")
+
+
 # ------------------------------------------------------------------------- the docs quote them
 
 

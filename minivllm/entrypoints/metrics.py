@@ -307,13 +307,21 @@ class ServerMetrics:
             registry=self.registry,
         )  # fmt: skip
 
-    def _observe_loras(self, stats: EngineStats) -> None:
+    def _observe_loras(self) -> None:
+        """The server's adapters: with data parallelism, those of every core's latest step (the
+        gauge has no `engine` label, so a core's step must not hide what another core runs)."""
         if self.lora_info is None:
             return
+        running: dict[str, None] = {}  # insertion-ordered sets of names: core 0's first
+        waiting: dict[str, None] = {}
+        for stats in self._last:
+            if stats is not None:
+                running |= dict.fromkeys(stats.running_lora_adapters)
+                waiting |= dict.fromkeys(stats.waiting_lora_adapters)
         self.lora_info.labels(
             max_lora=str(self.max_loras),
-            waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
-            running_lora_adapters=",".join(stats.running_lora_adapters),
+            waiting_lora_adapters=",".join(waiting),
+            running_lora_adapters=",".join(running),
         ).set_to_current_time()
 
     # ------------------------------------------------------------------ the engine-thread hooks
@@ -351,8 +359,8 @@ class ServerMetrics:
             gpu_hits.labels(**lab).inc(hits)
         self.preemptions.labels(**lab).inc(stats.num_preemptions - last.num_preemptions)
         self._observe_spec_decode(stats, last, engine)
-        self._observe_loras(stats)
         self._last[engine] = stats
+        self._observe_loras()
         for out in outputs:
             self._observe(out, lab)
         self._maybe_log(stats, engine)
