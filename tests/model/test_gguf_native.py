@@ -120,10 +120,18 @@ def test_the_triton_forwards_give_the_reference_s_logits(tiny_gguf: Path) -> Non
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
+@pytest.mark.cpu_isa  # again at each lower instruction-set level (make test)
 def test_the_cpu_kernels_are_close_to_the_dequantized_model_as_vllm_judges(tiny_gguf: Path) -> None:
-    """The default CPU path (gguf_linear on the blocks) against quantization="none": greedy,
-    each token within the other's top-5 logprobs until the first divergence (vLLM's
-    check_logprobs_close)."""
+    """The default CPU path (gguf_linear on the blocks: 8-bit activations for the K-quants where
+    the CPU has 8-bit dots, and for every type on AVX2; bf16 or float32 products otherwise)
+    against quantization="none": greedy, each token within the other's top-5 logprobs until the
+    first divergence (vLLM's check_logprobs_close), at every instruction-set level.
+
+    It holds because the model is made as a trained one is sized (`tiny_llama_gguf`): zero-mean
+    weights of standard deviation 1 / sqrt(fan-in) and a small embedding. Random blocks as they
+    come (all-positive Q4_K weights, ~10x too large) made a chaotic model, whose linears' outputs
+    were small differences of large sums: 8-bit activations moved them by tens of percent, and
+    its tokens diverged outside each other's top 5."""
     from minivllm.llm import LLM
     from minivllm.sampling_params import SamplingParams
 
