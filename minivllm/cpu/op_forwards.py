@@ -133,7 +133,7 @@ def op_linear(
 # each super-block in registers at decode's rows and applies the sub-block scales to int32 sums.
 # The 32-weight types' integer code unpacks a group of rows into a buffer first, which a few
 # token rows do not repay: they keep the float32 tiles (or the bf16 dot). cpu_gguf_gemm.cpp's
-# header has the reasoning; the Performance page the measurements.
+# header has the reasoning; benchmarks/gguf_small_m.py times the three dots side by side.
 INT8_BY_DEFAULT = frozenset({12, 13, 14})
 
 
