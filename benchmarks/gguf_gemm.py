@@ -143,14 +143,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     parser.add_argument(
-        "--dot", choices=["auto", "bf16", "float32"], default="auto",
-        help="gguf_linear's products; auto: what the engine uses here (MINIVLLM_CPU_GGUF_DOT)",
+        "--dot", choices=["auto", "bf16", "float32", "int8"], default="auto",
+        help="gguf_linear's products; auto: what the engine uses here for each block type "
+        "(MINIVLLM_CPU_GGUF_DOT)",
     )  # fmt: skip
     args = parser.parse_args()
-    if args.dot == "auto":
-        from minivllm.cpu.op_forwards import gguf_dot
+    from minivllm.cpu.op_forwards import gguf_dot
 
-        args.dot = gguf_dot()
+    def dot_for(qtype: int) -> str:
+        return gguf_dot(qtype) if args.dot == "auto" else args.dot
+
     torch.set_num_threads(args.threads)
     shapes, head_copies = MODELS[args.model], HEAD_COPIES[args.model]
     weights = {
@@ -161,8 +163,9 @@ def main() -> None:
     step_bytes = sum(
         w.nbytes * (1 if name == "lm_head" else args.layers) for name, w in weights.items()
     )
+    dots = ", ".join(sorted({f"{dot_for(w.qtype)} ({name})" for name, w in weights.items()}))
     print(
-        f"{args.model}; {args.dot} products (gguf_dot_kind: {cpu_ops.gguf_dot_kind()}); threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}; copy bandwidth "
+        f"{args.model}; {dots} products (gguf_dot_kind: {cpu_ops.gguf_dot_kind()}); threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}; copy bandwidth "
         f"{copy_bw / 1e9:.1f} GB/s; a step's quantized weights {step_bytes / 1e6:.1f} MB "
         f"(floor {step_bytes / copy_bw * 1e3:.2f} ms); µs per call, fastest of 7 passes"
     )
@@ -174,7 +177,7 @@ def main() -> None:
             if name == "lm_head" and m > HEAD_MAX_TOKENS:
                 continue
             x = torch.randn(m, weight.k)  # [M, K]
-            times = measure(weight, x, args.dot)
+            times = measure(weight, x, dot_for(weight.qtype))
             calls = 1 if name == "lm_head" else args.layers
             step = [s + t * calls for s, t in zip(step, times)]
             rows.append(

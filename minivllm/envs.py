@@ -5,10 +5,12 @@ converted to safetensors, the compiled CPU kernels). Like `VLLM_CACHE_ROOT`, it 
 `minivllm` folder under `$XDG_CACHE_HOME`, else `~/.cache`.
 
 `MINIVLLM_CPU_GGUF_DOT`: how the CPU multiplies a GGUF model's quantized weights: `auto` (the
-default: bf16 dot products where the CPU has AVX512-BF16, else float32), `bf16`, `float32`
-(products exact in float32, half as many a cycle) or `int8` (x rounded to 8-bit blocks and 8-bit
-integer dots, as llama.cpp's CPU backend: the AVX2 build's own product, and on AVX-512 builds
-AVX512-VNNI's). docs/concepts/quantization.md says what each costs.
+default, per block type: `int8` for the K-quants where the library has 8-bit dots, and for the
+other types bf16 dot products where the CPU has AVX512-BF16, else float32), or one kind for every
+type: `bf16`, `float32` (products exact in float32, half as many a cycle) or `int8` (x rounded to
+8-bit blocks and 8-bit integer dots, as llama.cpp's CPU backend: the AVX2 build's own product, and
+on AVX-512 builds AVX512-VNNI's); a kind the CPU lacks is refused.
+docs/concepts/quantization.md says what each costs.
 
 `MINIVLLM_CPU_GGUF_GEMM_ROWS`: off by default; a number N makes a CPU step of N or more token rows
 (a long prompt's chunk) dequantize each GGUF weight and run a dense GEMM, which is faster for long

@@ -88,7 +88,6 @@ def fused_experts_gguf_cpu(
 ) -> torch.Tensor:  # [T, H]  in hidden's dtype
     """`GGUFMoEMethod.apply`'s result, each expert's group multiplied by its blocks."""
     w13, w2 = moe_parts(op, "w13"), moe_parts(op, "w2")  # (qtype, uint8 [E, rows, row_bytes])
-    dot = gguf_dot()
     top_k = topk_ids.shape[1]
     order, counts = sort_by_expert(topk_ids, op.num_experts)  # [T * top_k], [E]
     x = hidden[order // top_k].float()  # [T * top_k, H]  rows grouped by expert
@@ -98,9 +97,9 @@ def fused_experts_gguf_cpu(
         if n == 0:
             continue
         rows = slice(start, start + n)
-        gate_up = [cpu_ops.gguf_linear(x[rows], q[expert], qtype, dot) for qtype, q in w13]
+        gate_up = [cpu_ops.gguf_linear(x[rows], q[expert], t, gguf_dot(t)) for t, q in w13]
         act = silu_and_mul(torch.cat(gate_up, dim=1))  # [n, I]
-        down = [cpu_ops.gguf_linear(act, q[expert], qtype, dot) for qtype, q in w2]
+        down = [cpu_ops.gguf_linear(act, q[expert], t, gguf_dot(t)) for t, q in w2]
         y[rows] = torch.cat(down, dim=1)  # [n, H]
         start += n
     return combine(y, order, topk_weights).to(hidden.dtype)

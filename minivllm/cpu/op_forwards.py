@@ -127,14 +127,27 @@ def op_linear(
     return cpu_linear(x, op.weight, bias)
 
 
+# The GGML types whose default CPU product is the 8-bit integer dot where the library has one
+# (`cpu_ops.gguf_has_int8_dot()`: AVX-512 builds on a CPU with AVX512-VNNI, and every AVX2 build,
+# where it is the "float32" product too): the K-quants Q4_K, Q5_K, Q6_K, whose integer code dots
+# each super-block in registers at decode's rows and applies the sub-block scales to int32 sums.
+# The 32-weight types' integer code unpacks a group of rows into a buffer first, which a few
+# token rows do not repay: they keep the float32 tiles (or the bf16 dot). cpu_gguf_gemm.cpp's
+# header has the reasoning; benchmarks/gguf_small_m.py times the three dots side by side.
+INT8_BY_DEFAULT = frozenset({12, 13, 14})
+
+
 @functools.cache
-def gguf_dot() -> str:
-    """The quantized GEMM's products, "bf16", "float32" or "int8": MINIVLLM_CPU_GGUF_DOT, where
-    auto means bf16 on a CPU with AVX512-BF16 (twice the products a cycle; within 2^-8 of
-    float32's each, as llama.cpp's 8-bit activations are within theirs). Read once per process.
+def gguf_dot(qtype: int) -> str:
+    """The quantized GEMM's products for weights of GGML type `qtype`, "bf16", "float32" or
+    "int8": MINIVLLM_CPU_GGUF_DOT for every type where it is set, else (auto) "int8" for the
+    K-quants (`INT8_BY_DEFAULT`) where the library has 8-bit dots, and for the others bf16 on a
+    CPU with AVX512-BF16 (twice the products a cycle; within 2^-8 of float32's each, as llama.cpp's
+    8-bit activations are within theirs), else "float32". Read once per process and type.
     "float32" is the library's own product: float32 on AVX-512 and generic builds, 8-bit integer
-    dots on the AVX2 build (`cpu_ops.gguf_dot_kind()`). "int8" (opt-in) takes those integer dots
-    on AVX-512 builds too, with AVX512-VNNI's instructions (cpu_gguf_gemm_avx2.cpp)."""
+    dots on the AVX2 build (`cpu_ops.gguf_dot_kind()`); "int8" is the AVX2 build's code, with
+    AVX512-VNNI's instructions on AVX-512 builds (cpu_gguf_gemm_avx2.cpp). A kind this CPU or
+    build lacks is refused by name."""
     choice = cpu_gguf_dot()
     if choice == "bf16" and not cpu_ops.gguf_has_bf16_dot():
         raise ValueError("MINIVLLM_CPU_GGUF_DOT=bf16, but this CPU has no AVX512-BF16")
@@ -143,9 +156,11 @@ def gguf_dot() -> str:
             "MINIVLLM_CPU_GGUF_DOT=int8, but this build has no 8-bit dots (AVX2, or AVX-512 "
             "on a CPU with AVX512-VNNI)"
         )
-    if choice == "auto":
-        return "bf16" if cpu_ops.gguf_has_bf16_dot() else "float32"
-    return choice
+    if choice != "auto":
+        return choice
+    if qtype in INT8_BY_DEFAULT and cpu_ops.gguf_has_int8_dot():
+        return "int8"
+    return "bf16" if cpu_ops.gguf_has_bf16_dot() else "float32"
 
 
 @functools.cache
@@ -160,9 +175,9 @@ def gguf_linear_cpu(
     x: torch.Tensor,  # [M, in]  either layout
     bias: torch.Tensor | None,
 ) -> torch.Tensor:  # [M, out]
-    """x · Wᵀ (+ b) for a layer holding GGUF blocks: each part through the quantized GEMM,
-    which dequantizes inside the product (`GGUFLinearMethod.apply` is its specification)."""
-    dot = gguf_dot()
+    """x · Wᵀ (+ b) for a layer holding GGUF blocks: each part through the quantized GEMM with its
+    type's products (`gguf_dot`), which dequantizes inside the product (`GGUFLinearMethod.apply`
+    is its specification)."""
     # Opt-in (MINIVLLM_CPU_GGUF_GEMM_ROWS): many token rows dequantize and run one dense GEMM, as
     # vLLM's GGUF path does past its batch bound (`_fused_mul_mat_gguf`). Off by default, because
     # the tiles are batch-invariant and the GEMM's sums are not the tiles': a request's tokens
@@ -173,9 +188,13 @@ def gguf_linear_cpu(
         if rows is not None and x.shape[0] >= rows
         else cpu_ops.gguf_linear
     )
-    if linear is cpu_ops.gguf_linear_dequantized and dot == "int8":
-        dot = "float32"  # the dense GEMM multiplies float32 rows
-    outs = [linear(x.float(), q, qtype, dot) for qtype, q in gguf_parts(op)]
+    dense = linear is cpu_ops.gguf_linear_dequantized
+    outs = []
+    for qtype, q in gguf_parts(op):
+        dot = gguf_dot(qtype)
+        if dense and dot == "int8":
+            dot = "float32"  # the dense GEMM multiplies float32 rows
+        outs.append(linear(x.float(), q, qtype, dot))
     y = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)).to(x.dtype)
     return y if bias is None else y + bias
 

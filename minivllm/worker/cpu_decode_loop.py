@@ -71,7 +71,7 @@ from minivllm.cpu.op_forwards import (
     row_parallel_linear_forward_cpu,
     silu_and_mul_forward_cpu,
 )
-from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, gguf_dot_kind, skinny_gemm_fast
+from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
 from minivllm.model.layers.layernorm import RMSNorm, SiluAndMul
 from minivllm.model.layers.linear import (
     ColumnParallelLinear,
@@ -139,6 +139,10 @@ LAYER: dict[str, Covered] = {
     "mlp.down_proj": Covered(RowParallelLinear, ("weight",), row_parallel_linear_forward_cpu),
     "mlp.act_fn": Covered(SiluAndMul, (), silu_and_mul_forward_cpu),
 }
+
+# A GGUF part's products (`gguf_dot`) as the op numbers them (cpu_decode_layers.cpp `kDot*`): the
+# ops gguf_linear, gguf_linear_bf16, gguf_linear_int8.
+DOT_CODES = {"float32": 0, "bf16": 1, "int8": 2}
 
 # The four linears of a layer, in the op's order.
 LINEARS_PER_LAYER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -284,11 +288,6 @@ def check_linear(op: nn.Module, where: str) -> str | None:
     if op.quant_method is not None:
         if type(op.quant_method) is not GGUFLinearMethod:
             return f"{where} is quantized by {type(op.quant_method).__qualname__}"
-        if gguf_dot() == "int8" and gguf_dot_kind() != "int8":
-            return (
-                f"{where} takes 8-bit dots (MINIVLLM_CPU_GGUF_DOT=int8), which the C++ loop "
-                "calls on AVX2 builds only (as their gguf_linear)"
-            )
         return None
     weight = op.weight
     if weight.is_mkldnn:
@@ -367,15 +366,14 @@ class CpuDecodeLoop:
         self.final_norm = body.norm
         # Six slots per layer, in the op's order, flattened: `parts` says how many tensors each
         # slot takes, `qtypes` each tensor's GGML type. The C++ loop calls oneDNN on a packed
-        # linear weight, the skinny GEMM on a plain one and gguf_linear on GGUF blocks, as each
-        # linear's CPU forward does (`op_linear` in minivllm/cpu/op_forwards.py).
+        # linear weight, the skinny GEMM on a plain one and on GGUF blocks the gguf_linear op of
+        # each part's products (`dots`: its type's `gguf_dot`, in `DOT_CODES`), as each linear's
+        # CPU forward does (`op_linear` in minivllm/cpu/op_forwards.py).
         slots = [slot for layer in layers for slot in layer_weights(layer)]
         self.weights = [w for tensors, _ in slots for w in tensors]
         self.qtypes = [t for _, types in slots for t in types]
         self.parts = [len(tensors) for tensors, _ in slots]
-        self.bf16_dot = False
-        if any(t >= 0 for t in self.qtypes):
-            self.bf16_dot = gguf_dot() == "bf16"
+        self.dots = [DOT_CODES[gguf_dot(t)] if t >= 0 else 0 for t in self.qtypes]
         # From this many rows a GGUF linear's CPU forward dequantizes and runs one GEMM (opt-in),
         # which the C++ loop does not: such a step stays in Python.
         self.gguf_gemm_rows = gguf_gemm_rows() if any(t >= 0 for t in self.qtypes) else None
@@ -434,5 +432,5 @@ class CpuDecodeLoop:
             self.num_heads,
             self.qtypes,
             self.parts,
-            self.bf16_dot,
+            self.dots,
         )

@@ -336,3 +336,36 @@ def test_a_row_s_output_does_not_depend_on_the_batch_around_it(qtype: T, dot: st
     for m in (2, 3, 4, 5, 8, 9, 64, 300):
         batch = gguf_linear(x[:m], q, int(qtype), dot)[:9]
         assert torch.equal(batch, alone[:m]), f"M = {m}"
+
+
+def test_auto_gives_the_k_quants_int8_where_there_are_8bit_dots_and_a_missing_kind_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The engine's choice per block type (op_forwards.gguf_dot), on each kind of CPU: the K-quants
+    # take 8-bit dots where the library has them, the 32-weight types bf16 or float32; a forced
+    # kind holds for every type, and one the CPU lacks is refused by name.
+    from minivllm.cpu import op_forwards
+
+    def cpu(env: str, int8: bool, bf16: bool) -> None:
+        monkeypatch.setenv("MINIVLLM_CPU_GGUF_DOT", env)
+        monkeypatch.setattr(cpu_ops, "gguf_has_int8_dot", lambda: int8)
+        monkeypatch.setattr(cpu_ops, "gguf_has_bf16_dot", lambda: bf16)
+        op_forwards.gguf_dot.cache_clear()
+
+    k_quants, others = (12, 13, 14), (2, 3, 6, 7, 8)
+    try:
+        for int8, bf16, k_dot, other_dot in [
+            (True, True, "int8", "bf16"),  # AVX512-BF16 and VNNI
+            (True, False, "int8", "float32"),  # AVX-512 with VNNI; AVX2 (its float32 is int8)
+            (False, False, "float32", "float32"),  # AVX-512 without VNNI, generic, ARM
+        ]:
+            cpu("auto", int8, bf16)
+            assert [op_forwards.gguf_dot(t) for t in k_quants] == [k_dot] * 3
+            assert [op_forwards.gguf_dot(t) for t in others] == [other_dot] * 5
+        cpu("bf16", True, True)
+        assert {op_forwards.gguf_dot(t) for t in k_quants + others} == {"bf16"}
+        cpu("int8", False, True)
+        with pytest.raises(ValueError, match="MINIVLLM_CPU_GGUF_DOT=int8, but this build has no"):
+            op_forwards.gguf_dot(12)
+    finally:
+        op_forwards.gguf_dot.cache_clear()

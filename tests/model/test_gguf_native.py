@@ -3,6 +3,7 @@ math is the same, and refused by name where it cannot run."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -120,10 +121,18 @@ def test_the_triton_forwards_give_the_reference_s_logits(tiny_gguf: Path) -> Non
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
+@pytest.mark.cpu_isa  # again at each lower instruction-set level (make test)
 def test_the_cpu_kernels_are_close_to_the_dequantized_model_as_vllm_judges(tiny_gguf: Path) -> None:
-    """The default CPU path (gguf_linear on the blocks) against quantization="none": greedy,
-    each token within the other's top-5 logprobs until the first divergence (vLLM's
-    check_logprobs_close)."""
+    """The default CPU path (gguf_linear on the blocks: 8-bit activations for the K-quants where
+    the CPU has 8-bit dots, and for every type on AVX2; bf16 or float32 products otherwise)
+    against quantization="none": greedy, each token within the other's top-5 logprobs until the
+    first divergence (vLLM's check_logprobs_close), at every instruction-set level.
+
+    It holds because the model is made as a trained one is sized (`tiny_llama_gguf`): zero-mean
+    weights of standard deviation 1 / sqrt(fan-in) and a small embedding. Random blocks as they
+    come (all-positive Q4_K weights, up to tens of times too large) made a chaotic model, whose
+    linears' outputs were small differences of large sums: 8-bit activations moved them by up to
+    14 %, and its tokens diverged outside each other's top 5."""
     from minivllm.llm import LLM
     from minivllm.sampling_params import SamplingParams
 
@@ -143,14 +152,32 @@ def test_the_cpu_kernels_are_close_to_the_dequantized_model_as_vllm_judges(tiny_
                 break
 
 
+@pytest.fixture
+def gguf_dot_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """MINIVLLM_CPU_GGUF_DOT set to the test's parameter, read afresh (`gguf_dot` caches it)."""
+    from minivllm.cpu import ops as cpu_ops
+    from minivllm.cpu.op_forwards import gguf_dot
+
+    if request.param == "int8" and not cpu_ops.gguf_has_int8_dot():
+        pytest.skip("this build (or CPU) has no 8-bit dots")
+    monkeypatch.setenv("MINIVLLM_CPU_GGUF_DOT", request.param)
+    gguf_dot.cache_clear()
+    yield request.param
+    gguf_dot.cache_clear()
+
+
+@pytest.mark.parametrize("gguf_dot_env", ["auto", "int8"], indirect=True)
 def test_decode_steps_run_the_blocks_in_the_cpp_loop_as_in_the_python_one(
-    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, gguf_dot_env: str
 ) -> None:
     """The C++ decode loop (minivllm/worker/cpu_decode_loop.py) takes a GGUF model's block parts, mixed
-    types included, and gives the Python loop's logprobs bit for bit."""
+    types included, each with its type's products (auto: the K-quants' 8-bit dots where the CPU
+    has them, the others' bf16 or float32; or int8 for every type), and gives the Python loop's
+    logprobs bit for bit."""
+    from minivllm.cpu import ops as cpu_ops
     from minivllm.llm import LLM
     from minivllm.sampling_params import SamplingParams
-    from minivllm.worker.cpu_decode_loop import CpuDecodeLoop
+    from minivllm.worker.cpu_decode_loop import DOT_CODES, CpuDecodeLoop
 
     calls = []
     inner = CpuDecodeLoop.__call__
@@ -163,6 +190,11 @@ def test_decode_steps_run_the_blocks_in_the_cpp_loop_as_in_the_python_one(
     llm = LLM(str(tiny_gguf), skip_tokenizer_init=True, num_gpu_blocks_override=32)
     loop = llm.llm_engine.runner.decode_loop
     assert isinstance(loop, CpuDecodeLoop) and max(loop.parts) > 1  # a layer of several types
+    dots = {(t in (12, 13, 14), d) for t, d in zip(loop.qtypes, loop.dots) if t >= 0}
+    if cpu_ops.gguf_has_int8_dot():  # the K-quants take 8-bit dots; the others their own
+        other = "bf16" if cpu_ops.gguf_has_bf16_dot() else "float32"
+        other = "int8" if gguf_dot_env == "int8" else other
+        assert dots == {(True, DOT_CODES["int8"]), (False, DOT_CODES[other])}
     prompts = [{"prompt_token_ids": PROMPT[:n]} for n in (3, 8, 14)]
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
     fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -172,7 +172,7 @@ def test_the_cpu_forward_of_quantized_experts_is_the_reference_s(
     weighted sum included."""
     import minivllm.cpu.moe as cpu_moe
 
-    monkeypatch.setattr(cpu_moe, "gguf_dot", lambda: "float32")
+    monkeypatch.setattr(cpu_moe, "gguf_dot", lambda qtype: "float32")
     _, path = moe_file(tmp_path, "mixtral", qtypes_by_layer(TYPES), **BIG)
     gen = torch.Generator().manual_seed(4)
     for op in experts(load(path, "gguf")):

@@ -2,7 +2,8 @@
 
 `gguf` (the library maintained with llama.cpp) quantizes only Q4_0 ... Q8_0; K-quant data is
 random blocks in the K layout, with every float16 scale set to a small finite value, so that any
-dequantization is checked on every bit pattern of the integer fields.
+dequantization is checked on every bit pattern of the integer fields (`random_blocks`). A model's
+weights are made otherwise (`model_blocks`): zero-mean, of a trained model's size.
 """
 
 from __future__ import annotations
@@ -45,6 +46,56 @@ def quantized(qtype: int, weight: np.ndarray, seed: int = 0) -> np.ndarray:
         return gguf.quants.quantize(weight.astype(np.float32), gguf.GGMLQuantizationType(qtype))
     assert qtype in (Q4_K, Q5_K, Q6_K)
     return random_blocks(qtype, *weight.shape, seed=seed)
+
+
+def model_blocks(qtype: int, rows: int, cols: int, std: float, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, row_bytes]: a model's weight in `qtype`, zero-mean with standard deviation
+    `std`: Gaussian weights quantized by gguf where it can; else random K-quant blocks whose
+    offsets centre them (`centred_kquant`), scaled to `std` (`scaled`).
+
+    `random_blocks` alone would make a chaotic model: Q4_K's and Q5_K's d * sc * q - dmin * m
+    with dmin < 0 are all positive, and its scales make weights up to tens of times a trained
+    model's, so each linear's output is a small difference of large sums, which 8-bit
+    activations changed by up to 14 % in the tiny model's second layer."""
+    if qtype in QUANTIZABLE:
+        weight = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+        return quantized(qtype, weight * std)
+    return scaled(centred_kquant(random_blocks(qtype, rows, cols, seed), qtype), qtype, std)
+
+
+def centred_kquant(data: np.ndarray, qtype: int) -> np.ndarray:
+    """K-quant blocks (uint8 [rows, row_bytes]) made zero-mean. Q4_K's and Q5_K's weights
+    d * sc_j * q - dmin * m_j become d * sc_j * (q - q_mid): each sub-block's 6-bit min m_j set to
+    its scale sc_j, and dmin to q_mid * d (7.5 for Q4_K's 4-bit q, 15.5 for Q5_K's 5-bit). Their
+    layout: | d | dmin | s[12] | ...; j < 4: sc_j = s[j] & 63, m_j = s[j + 4] & 63; j >= 4:
+    sc_j = s[j + 4] & 15 | (s[j - 4] >> 6) << 4, m_j = s[j + 4] >> 4 | (s[j] >> 6) << 4
+    (ggml-quants.c `get_scale_min_k4`). Q6_K's d * sc_j * (q - 32) is centred already."""
+    if qtype == Q6_K:
+        return data
+    assert qtype in (Q4_K, Q5_K)
+    q_mid = 7.5 if qtype == Q4_K else 15.5
+    flat = data.reshape(-1, BLOCK_LAYOUTS[qtype][1]).copy()  # [blocks, type_size]
+    scales = flat[:, 4:16]  # a view: the 12 bytes of 6-bit scales and mins
+    scales[:, 4:8] = scales[:, 0:4]
+    low = scales[:, 8:12] & 0xF
+    scales[:, 8:12] = low | (low << 4)
+    d = flat[:, 0:2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    flat[:, 2:4] = (d * q_mid).astype(np.float16).view(np.uint8)
+    return flat.reshape(data.shape)
+
+
+def scaled(blocks: np.ndarray, qtype: int, std: float) -> np.ndarray:
+    """The blocks with every float16 scale (d, and dmin where the type has one) multiplied by
+    one factor, so that the weights they encode, each d * q - dmin * m, have standard deviation
+    `std`: random weights of a trained model's size keep a random model's output stable enough
+    that rounding does not decide its tokens."""
+    factor = std / reference_dequantize(blocks, qtype).std().item()
+    size = BLOCK_LAYOUTS[qtype][1]
+    flat = blocks.reshape(-1, size).copy()  # [blocks, type_size]
+    for offset in F16_OFFSETS[qtype]:
+        half = flat[:, offset : offset + 2].copy().view(np.float16)  # [blocks, 1]
+        flat[:, offset : offset + 2] = (half * factor).astype(np.float16).view(np.uint8)
+    return flat.reshape(blocks.shape)
 
 
 def reference_dequantize(data: np.ndarray, qtype: int) -> torch.Tensor:
@@ -134,7 +185,15 @@ TINY_TYPES = (
 
 def tiny_llama_gguf(path: Path, embed_type: int = 8, output_type: int | None = None) -> Path:
     """A random tiny Llama as a GGUF file with no tokenizer (prompts are token ids). The LM head
-    is tied to the embedding unless `output_type` gives it its own tensor."""
+    is tied to the embedding unless `output_type` gives it its own tensor.
+
+    Its weights are a trained model's size and shape (`model_blocks`): each linear's zero-mean,
+    with standard deviation 1 / sqrt(fan-in), so that every layer keeps its activations' size;
+    the embedding's 0.1, so that the residual stream is not the input token's own row and the
+    next token depends on the context. Its logits are then as a small trained model's: not
+    nearly tied everywhere, not one token dominating, and 8-bit activations change them by far
+    less than their gaps (tests/model/test_gguf_native.py holds every instruction-set level to
+    vLLM's top-5 rule on it)."""
     h, i, v = 256, 512, 320
     shapes = {
         "attn_q": (h, h), "attn_k": (128, h), "attn_v": (128, h), "attn_output": (h, h),
@@ -143,14 +202,15 @@ def tiny_llama_gguf(path: Path, embed_type: int = 8, output_type: int | None = N
     rng = np.random.default_rng(0)
     norm = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
     tensors: dict[str, tuple[np.ndarray, int]] = {
-        "token_embd.weight": (random_blocks(embed_type, v, h, seed=1), embed_type),
+        "token_embd.weight": (model_blocks(embed_type, v, h, 0.1, seed=1), embed_type),
         "output_norm.weight": (norm, 0),
     }
     if output_type is not None:
-        tensors["output.weight"] = (random_blocks(output_type, v, h, seed=2), output_type)
+        tensors["output.weight"] = (model_blocks(output_type, v, h, 0.1, seed=2), output_type)
     for layer, types in enumerate(TINY_TYPES):
         for name, qtype in types.items():
-            block = random_blocks(qtype, *shapes[name], seed=10 * layer + len(name))
+            rows, cols = shapes[name]
+            block = model_blocks(qtype, rows, cols, cols**-0.5, seed=10 * layer + len(name))
             tensors[f"blk.{layer}.{name}.weight"] = (block, qtype)
         tensors[f"blk.{layer}.attn_norm.weight"] = (norm, 0)
         tensors[f"blk.{layer}.ffn_norm.weight"] = (norm, 0)

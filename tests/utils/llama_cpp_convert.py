@@ -38,14 +38,7 @@ import torch
 from einops import rearrange
 from safetensors.torch import load_file
 
-from minivllm.model.quantization.gguf.blocks import BLOCK_LAYOUTS
-from tests.utils.gguf_utils import (
-    F16_OFFSETS,
-    QUANTIZABLE,
-    quantized,
-    reference_dequantize,
-    write_gguf,
-)
+from tests.utils.gguf_utils import QUANTIZABLE, quantized, scaled, write_gguf
 
 # HuggingFace's per-layer module names -> llama.cpp's
 LAYER_NAMES = {
@@ -222,20 +215,6 @@ def encode(
     if qtype not in QUANTIZABLE:  # random K-quant blocks, scaled to the weight's size
         blocks = scaled(blocks, qtype, float(rows.std()))
     return blocks.reshape(*array.shape[:-1], -1), qtype
-
-
-def scaled(blocks: np.ndarray, qtype: int, std: float) -> np.ndarray:
-    """The blocks with every float16 scale (d, and dmin where the type has one) multiplied by
-    one factor, so that the weights they encode, each d * q - dmin * m, have standard deviation
-    `std`: random weights of a trained model's size keep a random model's output stable enough
-    that rounding does not decide its tokens."""
-    factor = std / reference_dequantize(blocks, qtype).std().item()
-    size = BLOCK_LAYOUTS[qtype][1]
-    flat = blocks.reshape(-1, size).copy()  # [blocks, type_size]
-    for offset in F16_OFFSETS[qtype]:
-        half = flat[:, offset : offset + 2].copy().view(np.float16)  # [blocks, 1]
-        flat[:, offset : offset + 2] = (half * factor).astype(np.float16).view(np.uint8)
-    return flat.reshape(blocks.shape)
 
 
 def use_own_cache(tmp_path: Path, monkeypatch: Any) -> None:

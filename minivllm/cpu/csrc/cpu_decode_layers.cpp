@@ -11,7 +11,8 @@
 // (tests/worker/test_kernels_cpu_decode_loop.py checks exactly that).
 //
 // Per layer, with T token rows, the same sequence as minivllm/model/models/llama.py (linear: oneDNN on a
-// prepacked weight, the skinny GEMM on a plain one, gguf_linear on a GGUF model's blocks):
+// prepacked weight, the skinny GEMM on a plain one, on a GGUF model's blocks the gguf_linear op of
+// each part's dot kind: float32, bf16 or int8, as the Python path picks it per block type):
 //   input norm (the first layer: rms_norm; later: fused_add_rms_norm, adding the residual)
 //   qkv = linear(hidden, W_qkv); rotary_embedding on its query and key heads, in place
 //   reshape_and_cache(k, v); attention = paged_decode(q) over each request's blocks
@@ -40,6 +41,10 @@ namespace {
 using at::Tensor;
 using CT = const Tensor&;
 
+// A GGUF linear's products (`dots`), as minivllm/worker/cpu_decode_loop.py numbers them: the
+// ops gguf_linear, gguf_linear_bf16 and gguf_linear_int8.
+constexpr int64_t kDotFloat32 = 0, kDotBf16 = 1, kDotInt8 = 2;
+
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
@@ -66,6 +71,8 @@ struct Kernels {
       find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear");
   c10::TypedOperatorHandle<void(Tensor&, CT, CT, int64_t)> gguf_linear_bf16 =
       find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear_bf16");
+  c10::TypedOperatorHandle<void(Tensor&, CT, CT, int64_t)> gguf_linear_int8 =
+      find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear_int8");
 
   static const Kernels& get() {
     static const Kernels kernels;  // after every op is registered: on the first call
@@ -96,17 +103,25 @@ struct Kernels {
     return out;
   }
 
+  // The GGUF op of a dot kind (`dots`: kDotFloat32, kDotBf16, kDotInt8).
+  const c10::TypedOperatorHandle<void(Tensor&, CT, CT, int64_t)>& gguf_op(int64_t dot) const {
+    TORCH_CHECK(dot >= kDotFloat32 && dot <= kDotInt8, "minivllm_cpu::decode_layers: dot kind ",
+                dot, " is none of 0 (float32), 1 (bf16), 2 (int8)");
+    return dot == kDotBf16 ? gguf_linear_bf16 : dot == kDotInt8 ? gguf_linear_int8 : gguf_linear;
+  }
+
   // A linear of `n` weights from `w`: one plain (qtype < 0) weight, or the GGUF block parts of a
-  // quantized layer (qtypes[i] its GGML type), each multiplied in float32 and their outputs side
-  // by side, as `gguf_linear_cpu` in minivllm/cpu/op_forwards.py does.
-  Tensor linear(const Tensor& x, const Tensor* w, const int64_t* qtypes, int64_t n,
-                bool bf16_dot) const {
+  // quantized layer (qtypes[i] its GGML type), each multiplied by the op of its dot kind
+  // (dots[i]) in float32 and their outputs side by side, as `gguf_linear_cpu` in
+  // minivllm/cpu/op_forwards.py does.
+  Tensor linear(const Tensor& x, const Tensor* w, const int64_t* qtypes, const int64_t* dots,
+                int64_t n) const {
     if (qtypes[0] < 0) return linear(x, w[0]);
     const Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
     std::vector<Tensor> outs;
     for (int64_t i = 0; i < n; ++i) {
       Tensor out = at::empty({x.size(0), w[i].size(0)}, xf.options());  // [T, rows of part i]
-      (bf16_dot ? gguf_linear_bf16 : gguf_linear).call(out, xf, w[i], qtypes[i]);
+      gguf_op(dots[i]).call(out, xf, w[i], qtypes[i]);
       outs.push_back(std::move(out));
     }
     Tensor y = n == 1 ? outs[0] : at::cat(outs, 1);
@@ -130,7 +145,7 @@ Tensor decode_layers(
     double eps, double scale, int64_t num_heads,
     at::IntArrayRef qtypes,       // per tensor of `weights`: its GGML type, -1 plain; [] all plain
     at::IntArrayRef parts,        // per slot: how many tensors of `weights` it takes; [] one each
-    bool bf16_dot) {              // a GGUF linear's products: gguf_linear_bf16's, or float32
+    at::IntArrayRef dots) {       // per tensor of `weights`: a GGUF part's dot kind; [] float32
 
   const char* op = "minivllm_cpu::decode_layers";
   const int64_t layers = kv_caches.size(0);
@@ -149,8 +164,11 @@ Tensor decode_layers(
               " tensors, but ", weights.size(), " weights were given");
   TORCH_CHECK(qtypes.empty() || qtypes.size() == weights.size(), op, ": qtypes must name ",
               weights.size(), " weights' types, got ", qtypes.size());
-  const std::vector<int64_t> plain(weights.size(), -1);
+  TORCH_CHECK(dots.empty() || dots.size() == weights.size(), op, ": dots must name ",
+              weights.size(), " weights' dot kinds, got ", dots.size());
+  const std::vector<int64_t> plain(weights.size(), -1), float32(weights.size(), kDotFloat32);
   const int64_t* types = qtypes.empty() ? plain.data() : qtypes.data();
+  const int64_t* kinds = dots.empty() ? float32.data() : dots.data();
   const Kernels& k = Kernels::get();
   const int64_t T = embeds.size(0);
   const int64_t num_kv_heads = kv_caches.size(4), head_dim = kv_caches.size(5);
@@ -164,7 +182,7 @@ Tensor decode_layers(
     const int64_t* slot = start.data() + kWeightsPerLayer * l;  // this layer's six slots
     const Tensor* w = weights.data();
     auto linear = [&](const Tensor& x, int j) {  // slot j (1, 2, 4, 5: the layer's linears)
-      return k.linear(x, w + slot[j], types + slot[j], slot[j + 1] - slot[j], bf16_dot);
+      return k.linear(x, w + slot[j], types + slot[j], kinds + slot[j], slot[j + 1] - slot[j]);
     };
     if (l == 0) {
       k.rms_norm.call(hidden, residual, w[slot[0]], eps);
@@ -203,6 +221,6 @@ TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
       "decode_layers(Tensor(b!) embeds, Tensor positions, Tensor cos_sin, Tensor(a!) kv_caches, "
       "Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor slot_mapping, Tensor[] weights, "
       "Tensor final_norm, float eps, float scale, int num_heads, int[] qtypes=[], "
-      "int[] parts=[], bool bf16_dot=False) -> Tensor",
+      "int[] parts=[], int[] dots=[]) -> Tensor",
       &decode_layers);
 }

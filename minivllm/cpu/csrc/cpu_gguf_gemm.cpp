@@ -17,24 +17,27 @@
 //   float32 rows as a block type of their own, `F32`). Not at::mm: an ATen op in a parallel
 //   region runs without the caller's InferenceMode (below), and the tiles outran it on a chunk.
 //
-// The int8 path on AVX-512 is an op of its own (`gguf_linear_int8`), not this op's default.
-// llama.cpp's CPU dots quantize x to int8 blocks and multiply with integer dot products. On AVX2
-// that is the build's product (below). An AVX-512 build compiles the same integer code with
-// AVX512-VNNI's dots (`vpdpbusd`: 32 byte products into 8 int32 lanes, one instruction where AVX2
-// takes two; cpu_gguf_gemm_avx2.cpp) and runs it on CPUs that have them: the same int32 lanes and
-// float steps, so a row's output is AVX2's and does not depend on the batch around it. It is not
-// the default there, for two reasons. The 32-weight types unpack each group of weight rows into a
-// buffer first, which decode's few token rows do not repay, and the float32 tiles, unpacking in
-// registers, cost less per call there; the K-quants, dotted in registers, cost less as int8. And
-// the C++ decode loop (cpu_decode_layers.cpp) calls the float32 and bf16 ops only.
-// benchmarks/gguf_small_m.py times the three dots side by side; MINIVLLM_CPU_GGUF_DOT=int8 picks
-// it.
+// The int8 path on AVX-512 is an op of its own (`gguf_linear_int8`), which the engine picks per
+// block type. llama.cpp's CPU dots quantize x to int8 blocks and multiply with integer dot
+// products. On AVX2 that is the build's product (below). An AVX-512 build compiles the same
+// integer code with AVX512-VNNI's dots (`vpdpbusd`: 32 byte products into 8 int32 lanes, one
+// instruction where AVX2 takes two; cpu_gguf_gemm_avx2.cpp) and runs it on CPUs that have them:
+// the same int32 lanes and float steps, so a row's output is AVX2's and does not depend on the
+// batch around it. There the K-quants (Q4_K, Q5_K, Q6_K) take it by default, in the Python path
+// and the C++ decode loop alike (minivllm/cpu/op_forwards.py `gguf_dot`): at decode's rows each
+// super-block is dotted in registers, its sub-block scales applied to int32 sums, not to every
+// weight. The
+// 32-weight types (Q4_0 ... Q8_0) keep the float32 tiles here (or the bf16 dot): their int8 code
+// unpacks each group of weight rows into a buffer first, which decode's few token rows do not
+// repay, where the float32 tiles unpack in registers. benchmarks/gguf_small_m.py times the three
+// dots side by side; MINIVLLM_CPU_GGUF_DOT=float32|bf16|int8 forces one kind for every type.
 //
 // The block formats (their layouts, dequantization and unpacking) are in cpu_gguf_blocks.h.
 //
 // Which path a build has (`gguf_dot_kind`):
 // - AVX-512 builds (where PyTorch detected AVX-512, minivllm/cpu/build.py): the float32 tiles here
-//   (and, as gguf_linear_int8 on AVX512-VNNI CPUs, the integer dots of the AVX2 file).
+//   (and, as gguf_linear_int8 on AVX512-VNNI CPUs, the integer dots of the AVX2 file, the
+//   K-quants' default there).
 // - AVX2 builds: 8-bit integer dots on x rounded to 8-bit blocks, as llama.cpp's CPU backend
 //   (cpu_gguf_gemm_avx2.cpp); with 8 float lanes the float32 tiles would do 8 products an
 //   instruction where the integer dots do 32.
