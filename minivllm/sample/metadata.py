@@ -207,6 +207,8 @@ def _bad_word_tokens(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int]]
     bad_rows: list[int] = []
     bad_ids: list[int] = []
     for i, row in enumerate(rows):
+        if not row.bad_words_token_ids:
+            continue
         output = list(row.output_token_ids)
         for word in row.bad_words_token_ids:
             *prefix, last = word
