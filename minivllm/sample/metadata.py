@@ -9,6 +9,7 @@ the scheduled sequences' `SamplingParams` into tensors once per step; everything
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,9 +93,13 @@ class SamplingMetadata:
         params = [row.params for row in rows]
 
         def floats(values: list[float]) -> Tensor:
+            if not values:  # most lists of a plain batch: one shared empty tensor, not a new one
+                return _empty(torch.float32, torch.device(device))
             return torch.tensor(values, dtype=torch.float32, device=device)
 
         def ints(values: list[int]) -> Tensor:
+            if not values:
+                return _empty(torch.int64, torch.device(device))
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         greedy = [p.is_greedy for p in params]
@@ -140,6 +145,13 @@ class SamplingMetadata:
             no_min_p=all(p.min_p == 0.0 for p in params),
             no_penalties=counts is None,
         )
+
+
+@functools.cache
+def _empty(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An empty tensor, made once per dtype and device: having no elements, it is never written,
+    so every step's metadata may share it."""
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 def _penalty_counts(
