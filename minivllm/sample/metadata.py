@@ -9,6 +9,7 @@ the scheduled sequences' `SamplingParams` into tensors once per step; everything
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,9 +93,13 @@ class SamplingMetadata:
         params = [row.params for row in rows]
 
         def floats(values: list[float]) -> Tensor:
+            if not values:  # most lists of a plain batch: one shared empty tensor, not a new one
+                return _empty(torch.float32, torch.device(device))
             return torch.tensor(values, dtype=torch.float32, device=device)
 
         def ints(values: list[int]) -> Tensor:
+            if not values:
+                return _empty(torch.int64, torch.device(device))
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         greedy = [p.is_greedy for p in params]
@@ -140,6 +145,13 @@ class SamplingMetadata:
             no_min_p=all(p.min_p == 0.0 for p in params),
             no_penalties=counts is None,
         )
+
+
+@functools.cache
+def _empty(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An empty tensor, made once per dtype and device: having no elements, it is never written,
+    so every step's metadata may share it."""
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 def _penalty_counts(
@@ -207,6 +219,8 @@ def _bad_word_tokens(rows: Sequence[SamplingRow]) -> tuple[list[int], list[int]]
     bad_rows: list[int] = []
     bad_ids: list[int] = []
     for i, row in enumerate(rows):
+        if not row.bad_words_token_ids:
+            continue
         output = list(row.output_token_ids)
         for word in row.bad_words_token_ids:
             *prefix, last = word

@@ -382,8 +382,13 @@ class CpuDecodeLoop:
         self.scale = attention.scale
         self.num_heads = attention.num_heads
         # Whose forward hooks the C++ loop would skip: the model's and its body's (the LM head runs
-        # outside the replay, in `compute_logits`, hooks and all).
+        # outside the replay, in `compute_logits`, hooks and all). Their hook dicts, gathered once:
+        # registering or removing a hook changes a dict in place, so each step asks `any` of this
+        # list, in C, rather than walking ~400 modules' attributes in Python.
         self.modules = [model, *body.modules()]
+        self.hook_dicts = [
+            hooks for m in self.modules for hooks in (m._forward_hooks, m._forward_pre_hooks)
+        ]
 
     def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether this step is one the C++ loop runs: decodes only, few enough for the skinny
@@ -404,7 +409,7 @@ class CpuDecodeLoop:
         dicts, small beside the step."""
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return True
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+        return any(self.hook_dicts)
 
     def __call__(
         self,

@@ -71,6 +71,14 @@ def make_cpu_plan(meta: AttentionMetadata) -> CpuPlan:
     """A prompt chunk's row i (of query_len) sits at position seq_len - query_len + i and sees the
     keys up to and including its own: causal attention is a decode per row, over a prefix of the
     request's context. So one kernel serves both, with no mask and no gathered copy."""
+    if meta.is_decode_only:  # each row is its own request, which sees all its tokens: no gathers
+        seq_lens = meta.seq_lens.int()  # the same tensor where it is int32 already
+        return CpuPlan(
+            rows=torch.arange(seq_lens.shape[0]),
+            block_tables=meta.block_tables,
+            seq_lens=seq_lens,
+            request_seq_lens=seq_lens,
+        )
     query_lens = meta.query_start_loc.diff()  # int32 [B]
     request = torch.repeat_interleave(query_lens)  # int64 [T]  each row's request
     rows = torch.arange(request.shape[0])  # int64 [T]
