@@ -82,7 +82,9 @@ def make_sentences(model: Path, count: int, seed: int) -> list[str]:
     return sentences
 
 
-def run_one(engine: str, model: Path, sentences: list[str], threads: int) -> dict[str, float]:
+def run_one(
+    engine: str, model: Path, sentences: list[str], threads: int, dtype: str
+) -> dict[str, float]:
     """Embed `sentences` once to warm up, then once timed; seconds and tokens."""
     import torch
 
@@ -92,7 +94,10 @@ def run_one(engine: str, model: Path, sentences: list[str], threads: int) -> dic
         if engine == "sentence-transformers":
             from sentence_transformers import SentenceTransformer
 
-            st = SentenceTransformer(str(model), device="cpu")
+            torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+            st = SentenceTransformer(
+                str(model), device="cpu", model_kwargs={"torch_dtype": torch_dtype}
+            )
 
             def embed() -> int:
                 return len(st.encode(sentences, batch_size=32))
@@ -100,7 +105,7 @@ def run_one(engine: str, model: Path, sentences: list[str], threads: int) -> dic
         else:
             from minivllm import LLM
 
-            llm = LLM(str(model), cpu_kv_cache_space=1)
+            llm = LLM(str(model), cpu_kv_cache_space=1, dtype=dtype)
 
             def embed() -> int:
                 return len(llm.embed(sentences, use_tqdm=False))
@@ -126,6 +131,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-sentences", type=int, default=256)
     parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines' dtype"
+    )
+    parser.add_argument(
         "--one", choices=["minivllm", "sentence-transformers"], help=argparse.SUPPRESS
     )
     args = parser.parse_args()
@@ -137,7 +145,7 @@ def main() -> None:
     sentences = json.loads(sentences_file.read_text())
 
     if args.one:  # the child process: one engine, one timed pass, JSON on stdout
-        print(json.dumps(run_one(args.one, model, sentences, args.threads)))
+        print(json.dumps(run_one(args.one, model, sentences, args.threads, args.dtype)))
         return
 
     from transformers import AutoTokenizer
@@ -154,7 +162,8 @@ def main() -> None:
         for engine in seconds:
             out = subprocess.run(
                 [sys.executable, "-m", "benchmarks.embed_vs_sentence_transformers", "--one", engine,
-                 "--threads", str(args.threads), "--num-sentences", str(args.num_sentences)],
+                 "--threads", str(args.threads), "--num-sentences", str(args.num_sentences),
+                 "--dtype", args.dtype],
                 check=True, capture_output=True, text=True, env=env,
             )  # fmt: skip
             took = json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
