@@ -101,12 +101,12 @@ def test_killing_node_one_fails_node_zero_naming_its_rank(tiny: Path) -> None:
         executor = llm.llm_engine.executor
         execute, steps = executor.execute_model, []
 
-        def kill_node_one_at_third_step(sched):
+        def kill_node_one_at_third_step(sched, **kwargs):  # kwargs: the batch queue's non_block
             steps.append(sched)
             if len(steps) == 3:
                 node_one.kill()
                 node_one.wait()
-            return execute(sched)
+            return execute(sched, **kwargs)
 
         executor.execute_model = kill_node_one_at_third_step  # type: ignore[method-assign]
         with pytest.raises(EngineDeadError, match=r"other nodes: node 1 \(rank 1\)"):
