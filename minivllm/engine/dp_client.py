@@ -44,7 +44,13 @@ from minivllm.config import EngineConfig
 from minivllm.core.outputs import RequestOutput
 from minivllm.engine.core import Shutdown
 from minivllm.engine.core_client import AsyncMPClient, EngineCoreClient
-from minivllm.engine.protocol import AddHook, RequestParamsType, StepHook, StreamItem
+from minivllm.engine.protocol import (
+    AddHook,
+    EngineFactsFromEngine,
+    RequestParamsType,
+    StepHook,
+    StreamItem,
+)
 from minivllm.engine.stats import EngineStats
 from minivllm.inputs import PromptType
 from minivllm.lora.request import LoRARequest
@@ -156,7 +162,7 @@ class DPEngineCoreClient:
             core.shutdown()
 
 
-class DPLBAsyncMPClient:
+class DPLBAsyncMPClient(EngineFactsFromEngine):
     """An `EngineClient` over N `AsyncMPClient`s that balances requests across them. The hooks
     get the core's index as a keyword (`engine=i`): the metrics label each core's series."""
 
@@ -176,37 +182,6 @@ class DPLBAsyncMPClient:
         self.prefix_affinity = client.config.cache.enable_prefix_caching
         self._engine_of: dict[str, int] = {}  # request id -> its core, until it finishes
         self._lock = threading.Lock()  # the event loop adds, the readers' sinks drop
-
-    # ------------------------------------------------------------------ the model's facts
-    @property
-    def config(self) -> EngineConfig:
-        return self.engine.config
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.source.name
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.vocab_size
-
-    @property
-    def structured_output_manager(self) -> StructuredOutputManager:
-        return self.engine.structured_output_manager
-
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        return self.engine.tokenize_prompt(prompt)
-
-    def get_diff_sampling_param(self) -> dict[str, Any]:
-        return self.engine.get_diff_sampling_param()
 
     # ------------------------------------------------------------------ live state
     @property

@@ -128,29 +128,12 @@ class EngineClient(Protocol):
     async def remove_lora(self, lora_int_id: int) -> bool: ...
 
 
-class EngineClientBase:
-    """The code both clients share. A subclass sets `thread_name` and implements `_run` (its
-    thread), `add_request`, `abort` and `shutdown`."""
+class EngineFactsFromEngine:
+    """The model's facts an `EngineClient` answers, read from the `EngineFacts` it holds as
+    `self.engine` (the in-thread and core clients, and data parallelism's client of N cores)."""
 
-    thread_name = "minivllm-engine"
+    engine: EngineFacts
 
-    def __init__(
-        self, engine: EngineFacts, on_step: StepHook | None, on_add: AddHook | None
-    ) -> None:
-        self.engine = engine
-        self.on_step = on_step  # runs in the client's thread
-        self.on_add = on_add
-        self.stats: EngineStats = engine.get_stats()
-        self._sinks: dict[str, Callable[[StreamItem], None]] = {}
-        # Adds queued but not yet counted in `stats` = queued - applied; each counter has one
-        # writer thread (queued: the event loop; applied: the client's thread).
-        self._num_adds_queued = 0
-        self._num_adds_applied = 0
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.dead_error: BaseException | None = None
-
-    # ------------------------------------------------------------------ the model's facts
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
@@ -181,6 +164,29 @@ class EngineClientBase:
 
     def get_diff_sampling_param(self) -> dict[str, Any]:
         return self.engine.get_diff_sampling_param()
+
+
+class EngineClientBase(EngineFactsFromEngine):
+    """The code both clients share. A subclass sets `thread_name` and implements `_run` (its
+    thread), `add_request`, `abort` and `shutdown`."""
+
+    thread_name = "minivllm-engine"
+
+    def __init__(
+        self, engine: EngineFacts, on_step: StepHook | None, on_add: AddHook | None
+    ) -> None:
+        self.engine = engine
+        self.on_step = on_step  # runs in the client's thread
+        self.on_add = on_add
+        self.stats: EngineStats = engine.get_stats()
+        self._sinks: dict[str, Callable[[StreamItem], None]] = {}
+        # Adds queued but not yet counted in `stats` = queued - applied; each counter has one
+        # writer thread (queued: the event loop; applied: the client's thread).
+        self._num_adds_queued = 0
+        self._num_adds_applied = 0
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead_error: BaseException | None = None
 
     # ------------------------------------------------------------------ live state
     @property
