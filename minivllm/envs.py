@@ -29,6 +29,12 @@ any process starts, and sent to every rank.
 /v1/load_lora_adapter and /v1/unload_lora_adapter routes (minivllm/entrypoints/serving_models.py);
 unset, they do not exist (404), as in vLLM, which allows it for local development only.
 
+`MINIVLLM_DP_AUTHKEY`: the shared secret of data parallelism across hosts: an engine core that
+dials the API server's host (`--data-parallel-address`, `--data-parallel-rpc-port`) must prove
+it holds the same key (multiprocessing's HMAC challenge) before anything is unpickled. Unset: a
+fixed default, which only keeps out strangers by accident; set it on every host when the port is
+reachable by anyone but your hosts (minivllm/engine/dp_remote.py).
+
 This module imports nothing of minivllm, so any module may import it without creating a cycle
 (tests/test_package_layout.py holds the package's import graph acyclic).
 """
@@ -91,3 +97,8 @@ def allow_runtime_lora_updating() -> bool:
     """`$VLLM_ALLOW_RUNTIME_LORA_UPDATING` as vLLM reads it: "1" or "true" (any case) is on."""
     value = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower()
     return value in ("1", "true")
+
+
+def dp_authkey() -> bytes:
+    """`$MINIVLLM_DP_AUTHKEY` as bytes; unset or empty: the fixed default (see above)."""
+    return (os.environ.get("MINIVLLM_DP_AUTHKEY") or "minivllm-data-parallel").encode()

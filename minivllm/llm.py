@@ -64,7 +64,9 @@ class LLM:
             # prompts; minivllm's data parallelism is the server's (one front, N engine cores).
             raise ValueError(
                 "data_parallel_size > 1 is not supported by the offline LLM (it runs one engine); "
-                "serve the model with `minivllm serve MODEL -dp N` instead, got "
+                "serve the model with `minivllm serve MODEL -dp N` instead (add --headless hosts "
+                "for more machines), or, as vLLM's offline DP does, start one process per rank, "
+                "each with its own LLM over its slice of the prompts, got "
                 f"data_parallel_size={config.parallel.data_parallel_size}"
             )
         self.llm_engine = LLMEngine(config)

@@ -278,6 +278,7 @@ DEFERRED = {
             "minivllm.engine.arg_utils",
             "minivllm.engine.core_client",
             "minivllm.engine.dp_client",
+            "minivllm.engine.dp_remote",
             "minivllm.engine.llm_engine",
             "minivllm.executor.abstract",
             "minivllm.executor.multiproc_executor",

@@ -179,10 +179,15 @@ class ParallelConfig:
     # own copy of the weights and its own KV cache; the server sends each request to one of them
     # (minivllm/engine/dp_client.py). Only `minivllm serve` runs more than one.
     data_parallel_size: int = 1
-    # Of those, how many run on this host; unset: all of them. minivllm's cores talk to the
-    # server over pipes, so every core is local: a smaller value (DP across hosts) is refused.
+    # Of those, how many run on this host (vLLM's names, for DP across hosts): unset, all of them.
+    # The API server's host runs ranks 0..local-1; each other host runs `minivllm serve --headless`
+    # with its own local count and its first rank (data_parallel_start_rank), and its cores dial
+    # the server's coordinator at data_parallel_address:data_parallel_rpc_port over TCP
+    # (minivllm/engine/dp_remote.py). 0 on the server's host: every core is remote.
     data_parallel_size_local: int | None = None
-    # vLLM's address and RPC port of the DP coordinator between hosts: refused when set, as above.
+    data_parallel_start_rank: int | None = None  # unset: 0 (the API server's host)
+    # Where the API server's host listens for the other hosts' cores; unset: vLLM's defaults,
+    # 127.0.0.1 and 29550 (`coordinator_address`). Unused while every core is local.
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int | None = None
     # Who starts ranks 1..N-1 (vLLM's names): "mp", processes the engine spawns on this machine
@@ -201,31 +206,6 @@ class ParallelConfig:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("pipeline_parallel_size", self.pipeline_parallel_size)
         _positive("data_parallel_size", self.data_parallel_size)
-        if self.data_parallel_size_local is None:
-            self.data_parallel_size_local = self.data_parallel_size
-        local = self.data_parallel_size_local
-        if (
-            isinstance(local, bool)
-            or not isinstance(local, int)
-            or not (1 <= local <= self.data_parallel_size)
-        ):
-            raise ValueError(
-                f"data_parallel_size_local must be in [1, data_parallel_size="
-                f"{self.data_parallel_size}], got {local!r}"
-            )
-        if local < self.data_parallel_size:
-            raise ValueError(
-                "data parallelism across hosts is not supported (every engine core runs on the "
-                f"server's host): data_parallel_size_local must equal data_parallel_size="
-                f"{self.data_parallel_size}, got {local}"
-            )
-        for name in ("data_parallel_address", "data_parallel_rpc_port"):
-            if getattr(self, name) is not None:
-                raise ValueError(
-                    f"{name} is not supported: it names vLLM's DP coordinator between hosts, and "
-                    "minivllm's engine cores are all local, driven over pipes; unset it, got "
-                    f"{getattr(self, name)!r}"
-                )
         _positive("nnodes", self.nnodes)
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(
@@ -255,6 +235,52 @@ class ParallelConfig:
                     "distributed_executor_backend='ray' needs Ray, which is not installed: "
                     "pip install minivllm[ray]"
                 )
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        n = self.data_parallel_size
+        if self.data_parallel_size_local is None:
+            self.data_parallel_size_local = n
+        if self.data_parallel_start_rank is None:
+            self.data_parallel_start_rank = 0
+        local, start = self.data_parallel_size_local, self.data_parallel_start_rank
+        for name, value, low in (("data_parallel_size_local", local, 0),
+                                 ("data_parallel_start_rank", start, 0)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= n:
+                raise ValueError(
+                    f"{name} must be in [{low}, data_parallel_size={n}], got {value!r}"
+                )
+        if start + local > n:
+            raise ValueError(
+                f"data_parallel_start_rank + data_parallel_size_local must be at most "
+                f"data_parallel_size={n} (this host's cores are ranks start..start+local-1), got "
+                f"{start} + {local}"
+            )
+        port = self.data_parallel_rpc_port
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"data_parallel_rpc_port must be in (0, 65536), got {port}")
+        if n > 1 and self.nnodes > 1:  # every rank's workers would meet at master_addr:port
+            raise ValueError(
+                "nnodes > 1 is not supported with data_parallel_size > 1 (each DP rank spawns its "
+                "own tensor/pipeline-parallel workers on its host); spread the ranks over hosts "
+                f"with data_parallel_size_local instead, got nnodes={self.nnodes}"
+            )
+        if n > 1 and self.world_size > 1 and self.distributed_executor_backend != "mp":
+            raise ValueError(
+                "distributed_executor_backend must be 'mp' with data_parallel_size > 1 and more "
+                "than one rank per core (each DP rank spawns its own workers), got "
+                f"{self.distributed_executor_backend!r}"
+            )
+
+    @property
+    def spans_hosts(self) -> bool:
+        """Do some engine cores run on another host than this one (DP across hosts)?"""
+        return self.data_parallel_size_local != self.data_parallel_size
+
+    @property
+    def coordinator_address(self) -> tuple[str, int]:
+        """Where the API server's host listens for other hosts' cores (vLLM's defaults)."""
+        return (self.data_parallel_address or "127.0.0.1", self.data_parallel_rpc_port or 29550)
 
     @property
     def world_size(self) -> int:

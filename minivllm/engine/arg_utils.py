@@ -175,20 +175,35 @@ class EngineArgs:
     data_parallel_size: int = _arg(
         1,
         "engine cores behind one API server, each a whole engine with its own weights and KV "
-        "cache; the server sends each request to the least-loaded core, prompts that share their "
-        "first KV block to the same core (minivllm serve only; docs/distributed.md)",
+        "cache (and its own tensor_parallel_size x pipeline_parallel_size workers); the server "
+        "sends each request to the least-loaded core, prompts that share their first KV block "
+        "to the same core (minivllm serve only; docs/distributed.md)",
         short="-dp",
     )
     data_parallel_size_local: int | None = _arg(
         None,
-        "of the data_parallel_size cores, how many run on this host; unset: all (the only "
-        "value supported: DP across hosts is not)",
+        "of the data_parallel_size cores, how many run on this host; unset: all. Below "
+        "data_parallel_size, the others run on other hosts under `minivllm serve --headless` and "
+        "dial this server at --data-parallel-address:--data-parallel-rpc-port (0: all remote)",
+        short="-dpl",
+    )
+    data_parallel_start_rank: int | None = _arg(
+        None,
+        "with --headless: the DP rank of this host's first core (its cores are ranks start.."
+        "start+local-1); unset: 0, the API server's host",
+        short="-dpr",
     )
     data_parallel_address: str | None = _arg(
-        None, "vLLM's address of the DP coordinator between hosts: not supported (cores are local)"
+        None,
+        "with cores on several hosts: the API server host's address, where the other hosts' "
+        "cores connect; unset: 127.0.0.1",
+        short="-dpa",
     )
     data_parallel_rpc_port: int | None = _arg(
-        None, "vLLM's RPC port of the DP coordinator between hosts: not supported (cores are local)"
+        None,
+        "with cores on several hosts: the TCP port of that address (MINIVLLM_DP_AUTHKEY, if set, "
+        "must match on every host); unset: 29550",
+        short="-dpp",
     )
     distributed_executor_backend: str = _arg(
         "mp",
@@ -374,6 +389,7 @@ class EngineArgs:
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 data_parallel_size=self.data_parallel_size,
                 data_parallel_size_local=self.data_parallel_size_local,
+                data_parallel_start_rank=self.data_parallel_start_rank,
                 data_parallel_address=self.data_parallel_address,
                 data_parallel_rpc_port=self.data_parallel_rpc_port,
                 distributed_executor_backend=self.distributed_executor_backend,
@@ -472,6 +488,7 @@ class EngineKwargs(TypedDict, total=False):
     pipeline_parallel_size: int
     data_parallel_size: int
     data_parallel_size_local: int | None
+    data_parallel_start_rank: int | None
     data_parallel_address: str | None
     data_parallel_rpc_port: int | None
     distributed_executor_backend: str

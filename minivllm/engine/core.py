@@ -139,10 +139,19 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def run_engine_core(
-    conn: Connection, config: EngineConfig, parent_pid: int, torch_threads: int | None
+    conn: Connection,
+    config: EngineConfig,
+    parent_pid: int,
+    torch_threads: int | None,
+    visible_devices: str | None = None,
 ) -> None:
-    """The spawned process's entry point: build the engine, say ready, serve the pipe."""
+    """The spawned process's entry point: build the engine, say ready, serve the pipe (or a TCP
+    connection to another host's API server: the same `Connection` interface).
+    `visible_devices`: this core's GPUs, a data-parallel rank's share (`CUDA_VISIBLE_DEVICES`, set
+    before CUDA starts here; its tensor-parallel workers inherit it)."""
     die_with_parent(parent_pid)
+    if visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's: it shuts us down
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s (core): %(message)s")
     try:

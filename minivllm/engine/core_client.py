@@ -85,21 +85,18 @@ class EngineCoreClient:
         torch_threads: int | None = None,
         index: int | None = None,
         wait_ready: bool = True,
+        visible_devices: str | None = None,
     ) -> None:
         """`index`: the core's data-parallel rank (dp_client.py), named in its errors;
         `wait_ready=False` returns once the process started (call `wait_ready()`), so that
-        several cores load their models at once."""
-        self.config = config
-        mc = config.model
-        self.source = config.resolved.source
-        self.tokenizer: Any = (
-            None if mc.skip_tokenizer_init else load_tokenizer(self.source, mc.tokenizer)
-        )
+        several cores load their models at once; `visible_devices`: the rank's GPUs."""
+        self._load_tokenizer(config)
         ctx = mp.get_context("spawn")  # a fresh interpreter: no fork of our threads or locks
         self.conn, child_conn = ctx.Pipe()
+        threads = torch_threads or default_core_threads()
         self.process = ctx.Process(
             target=run_engine_core,
-            args=(child_conn, config, os.getpid(), torch_threads or default_core_threads()),
+            args=(child_conn, config, os.getpid(), threads, visible_devices),
             name="minivllm-engine-core" if index is None else f"minivllm-engine-core-{index}",
         )
         self.process.start()
@@ -112,6 +109,22 @@ class EngineCoreClient:
         atexit.register(self.shutdown)  # before multiprocessing's own atexit joins the child
         if wait_ready:
             self.wait_ready()
+
+    def _load_tokenizer(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.source = config.resolved.source
+        self.tokenizer: Any = (
+            None if mc.skip_tokenizer_init else load_tokenizer(self.source, mc.tokenizer)
+        )
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def exit_status(self, timeout: float) -> str:
+        """How the core ended, for its errors (after waiting `timeout` s for it to)."""
+        self.process.join(timeout)
+        return f"exit code {self.process.exitcode}"
 
     def wait_ready(self) -> None:
         """The core's handshake: the facts only the built engine knows."""
@@ -131,8 +144,7 @@ class EngineCoreClient:
                 raise RuntimeError(f"{self.name} did not start in {STARTUP_TIMEOUT_S:.0f} s")
             message = self.conn.recv()
         except EOFError:
-            self.process.join(5.0)
-            message = CoreFailed(f"it exited ({self.process.exitcode}) before it was ready")
+            message = CoreFailed(f"it ended ({self.exit_status(5.0)}) before it was ready")
         except BaseException:
             self.shutdown()
             raise
@@ -203,7 +215,7 @@ class AsyncMPClient(EngineClientBase):
 
     @property
     def is_running(self) -> bool:
-        return super().is_running and self.engine.process.is_alive()
+        return super().is_running and self.engine.alive()
 
     def add_request(
         self,
@@ -281,10 +293,8 @@ class AsyncMPClient(EngineClientBase):
         self._deliver(message.outputs)  # after the stats, as the in-process client does
 
     def _die(self, why: str) -> None:
-        process = self.engine.process
         if not self._stopping:
-            process.join(1.0)  # for its exit code
-            why = f"{why} (exit code {process.exitcode}); restart the server"
+            why = f"{why} ({self.engine.exit_status(1.0)}); restart the server"
             logger.error("engine core dead: %s", why)  # `why` names the core
         error = EngineDeadError(why)
         with self._lock:

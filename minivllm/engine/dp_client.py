@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import threading
 from collections import Counter
 from typing import Any
@@ -44,6 +45,7 @@ from minivllm.config import EngineConfig
 from minivllm.core.outputs import RequestOutput
 from minivllm.engine.core import Shutdown
 from minivllm.engine.core_client import AsyncMPClient, EngineCoreClient
+from minivllm.engine.dp_remote import accept_remote_cores, listen_for_cores
 from minivllm.engine.protocol import (
     AddHook,
     EngineFactsFromEngine,
@@ -105,31 +107,62 @@ def default_dp_core_threads(num_engines: int) -> int:
     return max(1, (torch.get_num_threads() - 1) // num_engines)
 
 
+def visible_devices_per_core(config: EngineConfig, local: int) -> list[str | None]:
+    """Each local core's GPUs (its `CUDA_VISIBLE_DEVICES`): core i takes the i-th run of
+    tensor_parallel_size x pipeline_parallel_size devices of this host's, as vLLM gives each DP
+    rank its own; its workers see them as cuda:0.. . None on a CPU, where every core shares it."""
+    if config.resolved.device.type != "cuda":
+        return [None] * local
+    world = config.parallel.world_size
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
+    if local * world > len(devices):
+        raise ValueError(
+            f"data_parallel_size_local={local} cores of tensor_parallel_size x "
+            f"pipeline_parallel_size={world} ranks each need {local * world} CUDA devices on this "
+            f"host, found {len(devices)}"
+        )
+    return [",".join(devices[i * world : (i + 1) * world]) for i in range(local)]
+
+
 class DPEngineCoreClient:
     """Owns the N core processes; the model's facts are core 0's (`EngineFacts`)."""
 
     def __init__(self, config: EngineConfig, torch_threads: int | None = None) -> None:
         parallel = config.parallel
         n = parallel.data_parallel_size
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(parallel, name) > 1:  # refused before any process starts
-                raise ValueError(
-                    f"data_parallel_size > 1 is not supported with {name} > 1 (each rank is an "
-                    "engine-core process, which runs its engine in-process, without workers), got "
-                    f"data_parallel_size={n}, {name}={getattr(parallel, name)}"
-                )
-        threads = torch_threads or default_dp_core_threads(n)
+        local = parallel.data_parallel_size_local
+        assert local is not None
+        threads = torch_threads or default_dp_core_threads(max(local, 1))
+        devices = visible_devices_per_core(config, local)
         self.config = config
         self.cores: list[EngineCoreClient] = []
+        server = listen_for_cores(config) if local < n else None  # before the loads: no wait
         try:
-            for i in range(n):  # all started before any is waited for: the loads overlap
-                self.cores.append(EngineCoreClient(config, threads, index=i, wait_ready=False))
+            for i in range(local):  # all started before any is waited for: the loads overlap
+                self.cores.append(
+                    EngineCoreClient(
+                        config, threads, i, wait_ready=False, visible_devices=devices[i]
+                    )
+                )
+            if server is not None:  # the other hosts' ranks, local..n-1
+                self.cores += accept_remote_cores(config, server)
             for core in self.cores:
                 core.wait_ready()
         except BaseException:
             self.shutdown()
             raise
+        finally:
+            if server is not None:
+                server.close()
         first = self.cores[0]
+        for core in self.cores:  # every host read its own model files: they must agree
+            if core.vocab_size != first.vocab_size:
+                self.shutdown()
+                raise ValueError(
+                    f"{core.name} has vocab_size {core.vocab_size}, {first.name} "
+                    f"{first.vocab_size}: every host must serve the same model"
+                )
         self.source = first.source
         self.tokenizer = first.tokenizer
         self.max_model_len = min(c.max_model_len for c in self.cores)
@@ -156,7 +189,7 @@ class DPEngineCoreClient:
 
     def shutdown(self) -> None:
         for core in self.cores:  # all told at once, then each joined
-            if core.process.is_alive():
+            if core.alive():
                 core.send(Shutdown())
         for core in self.cores:
             core.shutdown()

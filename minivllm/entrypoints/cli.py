@@ -145,20 +145,37 @@ def parse_serve_args(
 
 
 def serve_headless(args: argparse.Namespace) -> int:
-    """`minivllm serve ... --headless` on node i > 0 of --nnodes (vLLM's `run_headless`): spawn
-    this node's ranks and wait for them; they take the model's config from node 0's engine."""
+    """`minivllm serve ... --headless` (vLLM's `run_headless`), on a host with no API server:
+    with --data-parallel-size > 1, this host's engine cores, which dial the API server's host
+    (dp_remote.py); else node i > 0 of --nnodes: spawn this node's ranks and wait for them; they
+    take the model's config from node 0's engine."""
     from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.engine.dp_client import default_dp_core_threads, visible_devices_per_core
+    from minivllm.engine.dp_remote import run_headless_cores
     from minivllm.executor.abstract import worker_config
     from minivllm.executor.multiproc_executor import run_headless
 
     with usage_errors(args.parser):
         config = EngineArgs.from_cli_args(args).create_engine_config()
         parallel = config.parallel
+        local = parallel.data_parallel_size_local
+        if parallel.data_parallel_size > 1:
+            if not local:
+                raise ValueError(
+                    "--headless with data_parallel_size > 1 runs this host's engine cores: "
+                    f"data_parallel_size_local must be at least 1, got {local}"
+                )
+            devices = visible_devices_per_core(config, local)
+            threads = args.engine_core_threads or default_dp_core_threads(local)
+    if parallel.data_parallel_size > 1:
+        return run_headless_cores(config, threads, devices)
+    with usage_errors(args.parser):
         if parallel.nnodes == 1 or parallel.node_rank == 0:
             raise ValueError(
                 "--headless runs the ranks of one node of several: it needs --nnodes > 1 and "
-                f"--node-rank > 0 (node 0 runs the engine), got nnodes={parallel.nnodes}, "
-                f"node_rank={parallel.node_rank}"
+                f"--node-rank > 0 (node 0 runs the engine), or data_parallel_size > 1 with "
+                f"data_parallel_start_rank > 0 (this host's engine cores), got "
+                f"nnodes={parallel.nnodes}, node_rank={parallel.node_rank}"
             )
         if parallel.distributed_executor_backend != "mp":
             raise ValueError(
@@ -198,6 +215,12 @@ def serve(args: argparse.Namespace) -> int:
                 "--tensor-parallel-size > 1 (they need the engine in the server's process)"
             )
         dp = config.parallel.data_parallel_size
+        if config.parallel.data_parallel_start_rank:
+            raise ValueError(
+                "data_parallel_start_rank is for a --headless host's cores: the API server's "
+                "host runs ranks 0..data_parallel_size_local-1, got data_parallel_start_rank="
+                f"{config.parallel.data_parallel_start_rank}"
+            )
         if dp > 1 and args.enable_dashboard:
             raise ValueError(
                 "--enable-dashboard is not supported with --data-parallel-size > 1 (it needs the "

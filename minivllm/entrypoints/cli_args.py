@@ -169,13 +169,17 @@ SERVER_FLAGS_AFTER_LOGS: dict[str, dict[str, Any]] = {
     "--engine-core-threads": {
         "type": int,
         "default": None,
-        "help": "torch's intra-op threads in the engine-core process (unset: all cores but one, "
-        "which the server's own work keeps)",
+        "help": "torch's intra-op threads in the engine-core process, or in each of this host's "
+        "--data-parallel-size-local cores (unset: all cores but one, which the server's own work "
+        "keeps, shared out between the cores)",
     },
     "--headless": {
         "action": "store_true",
-        "help": "run only this node's ranks, no engine and no server (vLLM's flag): node "
-        "--node-rank > 0 of --nnodes, meeting node 0 at --master-addr:--master-port",
+        "help": "run no API server here, only this host's share of the work (vLLM's flag): "
+        "with --data-parallel-size > 1, engine cores --data-parallel-start-rank.. (as many as "
+        "--data-parallel-size-local) that connect to the API server at "
+        "--data-parallel-address:--data-parallel-rpc-port; else node --node-rank > 0 of "
+        "--nnodes, meeting node 0 at --master-addr:--master-port",
     },
     "--enable-auto-tool-choice": {
         "action": "store_true",

@@ -134,10 +134,11 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
         max_num_batched_tokens=50,
         tensor_parallel_size=1,
         pipeline_parallel_size=1,
-        data_parallel_size=2,
-        data_parallel_size_local=2,
-        data_parallel_address=None,  # refused when set (tests/engine/test_engine_args.py INVALID)
-        data_parallel_rpc_port=None,
+        data_parallel_size=3,
+        data_parallel_size_local=1,
+        data_parallel_start_rank=2,
+        data_parallel_address="10.0.0.2",
+        data_parallel_rpc_port=13345,
         distributed_executor_backend="mp",
         nnodes=1,
         node_rank=0,
@@ -227,14 +228,17 @@ INVALID = [
     ({"data_parallel_size": 0}, "data_parallel_size must be a positive integer, got 0"),
     (
         {"data_parallel_size_local": 3, "data_parallel_size": 2},
-        "data_parallel_size_local must be in [1, data_parallel_size=2], got 3",
+        "data_parallel_size_local must be in [0, data_parallel_size=2], got 3",
     ),
     (
-        {"data_parallel_size_local": 1, "data_parallel_size": 2},
-        "data parallelism across hosts is not supported",
+        {"data_parallel_start_rank": 2, "data_parallel_size": 2, "data_parallel_size_local": 1},
+        "data_parallel_start_rank + data_parallel_size_local must be at most data_parallel_size=2",
     ),
-    ({"data_parallel_address": "10.0.0.1"}, "data_parallel_address is not supported"),
-    ({"data_parallel_rpc_port": 13345}, "data_parallel_rpc_port is not supported"),
+    ({"data_parallel_rpc_port": 70000}, "data_parallel_rpc_port must be in (0, 65536), got 70000"),
+    (
+        {"nnodes": 2, "data_parallel_size": 2, "tensor_parallel_size": 2},
+        "nnodes > 1 is not supported with data_parallel_size > 1",
+    ),
     ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be a positive integer, got 0"),
     (
         {"distributed_executor_backend": "slurm"},
@@ -260,9 +264,9 @@ INVALID = [
     ),
 ]
 # Checked where they are used: a path or hub id is resolved when the model loads; flags are bools.
-# An address is checked when rank 0 listens on it.
+# An address is checked when rank 0 (or the DP coordinator) listens on it.
 UNCHECKED = {"model", "tokenizer", "skip_tokenizer_init", "enable_prefix_caching", "enforce_eager"}
-UNCHECKED |= {"master_addr"}
+UNCHECKED |= {"master_addr", "data_parallel_address"}
 
 
 @pytest.mark.parametrize(("kwargs", "message"), INVALID, ids=[next(iter(k)) for k, _ in INVALID])
