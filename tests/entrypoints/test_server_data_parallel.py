@@ -4,8 +4,9 @@ its greedy outputs equal the offline engine's, a burst spreads over both cores, 
 a first KV block land on their home core, requests under a LoRA adapter (`--lora-modules`, loaded
 on every core) give the offline engine's tokens for it on either core, and a killed core fails the
 server by name (a 500 in OpenAI's shape, /health 503) and leaves no process once it stops. The
-balancing rule, the refused combinations and the LoRA gauge over the cores are tested without a
-server; the flags' ranges with every engine argument's (tests/engine/test_engine_args.py)."""
+balancing rule, the offline refusal and the LoRA gauge over the cores are tested without a
+server; the flags' ranges with every engine argument's (tests/engine/test_engine_args.py); ranks
+that are themselves parallel, and ranks on another host, in tests/engine/test_dp_remote.py."""
 
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from minivllm import LLM, SamplingParams
 from minivllm.benchmarks.lora_workload import write_random_adapter
 from minivllm.engine.dp_client import PREFIX_AFFINITY_SLACK, choose_engine, prefix_home
 from minivllm.engine.stats import EngineStats
-from minivllm.entrypoints.cli import main
 from minivllm.entrypoints.metrics import ServerMetrics
 from minivllm.lora.request import LoRARequest
 from tests.utils.engine_utils import save_tiny_llama
@@ -240,13 +240,3 @@ def test_prefix_home_needs_a_full_block_and_reads_only_the_first() -> None:
 def test_offline_llm_refuses_data_parallel_pointing_to_serve(tiny: Path) -> None:
     with pytest.raises(ValueError, match=re.escape("minivllm serve MODEL -dp N")):
         LLM(str(tiny), data_parallel_size=2)
-
-
-def test_serve_refuses_data_parallel_with_tensor_parallel(
-    tiny: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main(["serve", str(tiny), "-dp", "2", "-tp", "2"])
-    assert exc.value.code == 2
-    line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--tensor-parallel-size > 1" in line and "--data-parallel-size=2" in line, line
