@@ -6,9 +6,12 @@ core for each request (vllm/v1/engine/core_client.py `DPLBAsyncMPClient`). The c
 to each other for a dense model: data parallelism multiplies throughput by running independent
 batches, where tensor and pipeline parallelism cut one model across devices.
 
-- `DPEngineCoreClient` starts the N cores (core.py, one `EngineCoreClient` each), all at once so
-  that their models load in parallel, and answers the model's facts from core 0 (the cores are
-  built from one config, so they agree).
+- `DPEngineCoreClient` starts this host's cores (core.py, one `EngineCoreClient` each), all at
+  once so that their models load in parallel, takes the other hosts' cores as they dial in
+  (`data_parallel_size_local` < N: dp_remote.py), and answers the model's facts from core 0 (the
+  cores serve one model, so they agree). A core with tensor_parallel_size x
+  pipeline_parallel_size > 1 spawns its own workers, as a lone engine does; on CUDA each local
+  core sees only its own run of devices (`visible_devices_per_core`).
 - `DPLBAsyncMPClient` is an `EngineClient` (protocol.py) over one `AsyncMPClient` per core: each
   core keeps its own pipe, reader thread and request sinks, so a request's outputs stream back
   from whichever core runs it; this class only chooses the core (`choose_engine`) and remembers
@@ -146,7 +149,10 @@ class DPEngineCoreClient:
                     )
                 )
             if server is not None:  # the other hosts' ranks, local..n-1
-                self.cores += accept_remote_cores(config, server)
+                local_cores = list(self.cores)
+                self.cores += accept_remote_cores(
+                    config, server, lambda: not all(c.alive() for c in local_cores)
+                )
             for core in self.cores:
                 core.wait_ready()
         except BaseException:

@@ -40,6 +40,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import (
     Client,
@@ -105,11 +106,12 @@ class RemoteEngineCoreClient(EngineCoreClient):
 
 
 def accept_remote_cores(
-    config: EngineConfig, server: socket.socket
+    config: EngineConfig, server: socket.socket, give_up: Callable[[], bool] = lambda: False
 ) -> list[RemoteEngineCoreClient]:
     """The cores of ranks data_parallel_size_local..N-1, in rank order, once each has dialed
     `server` (a listening socket at the coordinator's address) and said hello. A core whose hello
-    disagrees with this server is refused: the start fails, naming the field."""
+    disagrees with this server is refused: the start fails, naming the field. Returns early, with
+    those connected so far, once `give_up()` (a local core died: its own error says why)."""
     parallel = config.parallel
     n, local = parallel.data_parallel_size, parallel.data_parallel_size_local
     assert local is not None
@@ -119,7 +121,7 @@ def accept_remote_cores(
     address = f"{host}:{port}"
     logger.info("data parallel: waiting for ranks %d..%d to connect at %s", local, n - 1, address)
     try:
-        while len(cores) < n - local:
+        while len(cores) < n - local and not give_up():
             if time.monotonic() > deadline:
                 missing = sorted(set(range(local, n)) - set(cores))
                 raise RuntimeError(
