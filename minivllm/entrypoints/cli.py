@@ -207,12 +207,10 @@ def serve(args: argparse.Namespace) -> int:
                 "lora_modules needs enable_lora: the engine serves no adapter without it"
             )
         config = EngineArgs.from_cli_args(args).create_engine_config()
-        if args.engine_core_process and (
-            args.enable_dashboard or config.parallel.tensor_parallel_size > 1
-        ):
+        if args.engine_core_process and args.enable_dashboard:
             raise ValueError(
-                "--engine-core-process cannot serve --enable-dashboard or "
-                "--tensor-parallel-size > 1 (they need the engine in the server's process)"
+                "--engine-core-process cannot serve --enable-dashboard (it needs the engine in "
+                "the server's process)"
             )
         dp = config.parallel.data_parallel_size
         if config.parallel.data_parallel_start_rank:
