@@ -173,9 +173,9 @@ def serve_headless(args: argparse.Namespace) -> int:
         if parallel.nnodes == 1 or parallel.node_rank == 0:
             raise ValueError(
                 "--headless runs the ranks of one node of several: it needs --nnodes > 1 and "
-                f"--node-rank > 0 (node 0 runs the engine), or data_parallel_size > 1 with "
-                f"data_parallel_start_rank > 0 (this host's engine cores), got "
-                f"nnodes={parallel.nnodes}, node_rank={parallel.node_rank}"
+                "--node-rank > 0 (node 0 runs the engine), or --data-parallel-size > 1 (this "
+                f"host's engine cores), got nnodes={parallel.nnodes}, "
+                f"node_rank={parallel.node_rank}"
             )
         if parallel.distributed_executor_backend != "mp":
             raise ValueError(
