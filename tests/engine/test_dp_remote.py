@@ -113,11 +113,11 @@ def test_killing_the_headless_hosts_core_fails_its_rank_by_name_and_leaves_no_pr
     match = re.search(r"engine core 1 \(pid (\d+) on [^)]+\) connected", server.log())
     assert match, server.log()
     core = psutil.Process(int(match[1]))
-    host1 = [core, *core.children(recursive=True)]  # its core and the core's TP worker
-    assert len(host1) == 2 and core.ppid() == headless.pid, host1
+    host1 = [core, *core.children(recursive=True)]  # its core and the core's PP worker
+    assert len(host1) >= 2 and core.ppid() == headless.pid, host1
     (prompt,) = homed_prompts(500, 1)[1:]
     with ThreadPoolExecutor(1) as pool:
-        in_flight = pool.submit(complete, server, prompt, 100)
+        in_flight = pool.submit(complete, server, prompt, 120)
         deadline = time.monotonic() + 30
         while server.metric("vllm:num_requests_running", engine="1") < 1:
             assert time.monotonic() < deadline and not in_flight.done(), "it never ran on core 1"
