@@ -6,7 +6,8 @@ its own worker (its own process group, on its own port) for a second pipeline st
 builds its engine from its own flags, and the cores need not cut the model alike. One pair for
 the module: greedy outputs on both cores equal the single-process engine's, and killing the
 headless host's core fails its rank by name and leaves no process of that host. The coordinator's refusals
-(a wrong key, a wrong DP size) and the GPU split are tested without a model."""
+(a wrong key, a wrong DP size, a rank it runs or already has) and the GPU split are tested
+without a model."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.config import ParallelConfig
 from minivllm.engine.dp_client import prefix_home, visible_devices_per_core
-from minivllm.engine.dp_remote import CoreHello, accept_remote_cores
+from minivllm.engine.dp_remote import CoreHello, _refusal, accept_remote_cores
 from minivllm.entrypoints.cli import main
 from minivllm.envs import dp_authkey
 from tests.utils.engine_utils import save_tiny_llama
@@ -167,6 +168,17 @@ def test_the_coordinator_drops_a_wrong_key_and_refuses_a_wrong_size_by_name() ->
     message = str(info.value)
     assert "rank 1 on host-b was started with data_parallel_size=3" in message, message
     assert "--data-parallel-size" in message and answers == [message]
+
+
+def test_a_hello_for_a_rank_the_server_runs_or_already_has_is_refused_naming_the_flag() -> None:
+    taken: dict[int, Any] = {2: SimpleNamespace(name="engine core 2 (pid 7 on host-b)")}
+    own = _refusal(CoreHello(1, 4, "host-c", 9), 4, 2, taken)
+    assert (
+        own is not None and "runs ranks 0..1 itself" in own and "--data-parallel-start-rank" in own
+    )
+    twice = _refusal(CoreHello(2, 4, "host-c", 9), 4, 2, taken)
+    assert twice is not None and "rank 2 is already connected (engine core 2 (pid 7" in twice
+    assert _refusal(CoreHello(3, 4, "host-c", 9), 4, 2, taken) is None
 
 
 def test_each_local_core_takes_its_own_run_of_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
