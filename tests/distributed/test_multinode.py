@@ -24,7 +24,7 @@ from minivllm.distributed.process_group import free_loopback_port
 from minivllm.entrypoints import cli
 from minivllm.executor.tensor_parallel import EngineDeadError
 from tests.utils.engine_utils import save_tiny_llama
-from tests.utils.tp_utils import live_descendants, no_leftover_processes
+from tests.utils.tp_utils import live_descendants, no_leftover_processes, torchrun_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [{"prompt_token_ids": [11 + i, 300 + 7 * i, 77, 5000 + i]} for i in range(2)]
@@ -118,6 +118,39 @@ def test_killing_node_one_fails_node_zero_naming_its_rank(tiny: Path) -> None:
     finally:
         node_one.kill()
         node_one.wait()
+
+
+# ---------------------------------------------------------------------------------- torchrun
+# The bundled SmolLM2 (30 layers: 15 a stage), dequantized at load: a GGUF file's blocks run on
+# one device only.
+SMOLLM2 = dict(quantization="none", num_gpu_blocks_override=32, max_model_len=128)
+TEXTS = ["The capital of France is", "def fibonacci(n):"]
+TORCHRUN_SCRIPT = f"""
+import os
+from minivllm import LLM, SamplingParams
+
+# torchrun runs this on every node's rank; on rank 1 building the LLM serves rank 0's steps, then
+# ends the process.
+llm = LLM(None, pipeline_parallel_size=2, **{SMOLLM2!r})
+assert os.environ["RANK"] == "0"
+tokenizer = llm.get_tokenizer()
+prompts = [{{"prompt_token_ids": tokenizer.encode(t)}} for t in {TEXTS!r}]
+greedy = SamplingParams(temperature=0.0, max_tokens={GREEDY.max_tokens}, ignore_eos=True)
+for out in llm.generate(prompts, greedy, use_tqdm=False):
+    print("tokens", *out.outputs[0].token_ids, flush=True)
+"""
+
+
+def test_smollm2_over_two_torchrun_nodes_gives_one_process_s_tokens(tmp_path: Path) -> None:
+    """Two `torchrun --nnodes 2 --node-rank R --nproc-per-node 1` invocations on loopback, one a
+    pipeline stage each: the ranks meet at torchrun's rendezvous (env://), rank 0 sends its
+    configuration, and every process ends with rank 0's shutdown (`torchrun_tokens` checks)."""
+    script = tmp_path / "pp_two_nodes.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    got = torchrun_tokens(script, None, nnodes=2)
+    one = LLM(None, **SMOLLM2)  # type: ignore[arg-type]
+    prompts = [{"prompt_token_ids": one.get_tokenizer().encode(t)} for t in TEXTS]
+    assert got == tokens(one.generate(prompts, GREEDY, use_tqdm=False))
 
 
 # ---------------------------------------------------------------------------------- refusals

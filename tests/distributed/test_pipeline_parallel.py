@@ -10,12 +10,13 @@ chunked prefill, preemption and prefix caching at once, and the test checks that
 that two batches were in flight at once (the step trace says which), never sharing a request.
 The scheduler's rule for batches in flight is tested on its own first, without an engine. A
 killed stage fails the engine naming its rank; a size that does not fit is refused by name
-before any process starts. No test may leave a process behind (`no_leftover_processes`).
+before any process starts. No test may leave a process behind (`no_leftover_processes`). The
+other families' stages: tests/distributed/test_model_families_pp.py; torchrun over two nodes:
+tests/distributed/test_multinode.py.
 """
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from tests.distributed.test_tensor_parallel import (
 )
 from tests.utils.engine_utils import save_tiny_llama
 from tests.utils.kv_helpers import make_seq
-from tests.utils.tp_utils import live_descendants, no_leftover_processes, torchrun_tokens
+from tests.utils.tp_utils import live_descendants, no_leftover_processes
 
 # A hang guard (a broken send would otherwise wait COLLECTIVE_TIMEOUT); no timing.
 pytestmark = pytest.mark.timeout(600)
@@ -236,36 +237,6 @@ def assert_batches_in_flight(trace: dict[str, Any], pp: int) -> None:
     assert sum(1 for s in steps if s["in_flight"]) >= len(steps) // 2  # the pipeline was full
 
 
-@pytest.mark.parametrize("family", ["gemma2", "qwen3-moe"])
-def test_two_stages_of_gemma_2_and_a_moe_give_one_process_s_greedy_tokens(
-    tmp_path: Path, family: str
-) -> None:
-    """Gemma 2's windowed and global layers keep their KV cache groups across the stages (each
-    stage fills a group's slots with its own layers: global; window | window); Qwen3-MoE's
-    experts sit on the stage of their layer."""
-    from tests.model.test_model_families import greedy as family_greedy
-    from tests.model.test_model_families import prompts_and_oracle, save_family
-    from tests.model.test_model_gemma import engine_prompts, save_gemma
-
-    engine: dict[str, Any] = dict(
-        skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=40, max_model_len=64
-    )
-    if family == "gemma2":
-        hf, path = save_gemma(tmp_path, "gemma2")
-        prompts, max_tokens, _ = engine_prompts(hf)
-        engine |= dict(max_num_batched_tokens=16, max_num_seqs=6, num_gpu_blocks_override=30)
-    else:
-        hf, path = save_family(tmp_path, family)
-        prompts, max_tokens, _ = prompts_and_oracle(hf, count=3)
-    with tp_llm(path, 1, **engine) as one:
-        expected = family_greedy(one, prompts, max_tokens)
-    with tp_llm(path, 1, pipeline_parallel_size=2, **engine) as llm:
-        if family == "gemma2":
-            manager = llm.llm_engine.kv_cache_manager
-            assert type(manager).__name__ == "HybridKVCacheCoordinator"
-        assert family_greedy(llm, prompts, max_tokens) == expected
-
-
 # ---------------------------------------------------------------------------------- failures
 @pytest.mark.parametrize("when", ["before-stage-0", "after-stage-0"])
 def test_a_killed_stage_fails_the_engine_naming_its_rank_and_leaves_no_process(
@@ -299,30 +270,3 @@ def test_a_killed_stage_fails_the_engine_naming_its_rank_and_leaves_no_process(
         assert len(steps) == 3 if when == "before-stage-0" else len(steps) in (3, 4)
     finally:
         llm.shutdown()
-
-
-# ---------------------------------------------------------------------------------- torchrun
-TORCHRUN_SCRIPT = """
-import os, sys
-from minivllm import LLM, SamplingParams
-
-# torchrun runs this on every rank; on rank 1 building the LLM serves rank 0's steps, then exits.
-llm = LLM(sys.argv[1], pipeline_parallel_size=2, num_gpu_blocks_override=32)
-assert os.environ["RANK"] == "0"
-params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-prompts = [{"prompt_token_ids": [11 + i, 300 + 7 * i, 77, 5000 + i]} for i in range(4)]
-for out in llm.generate(prompts, params, use_tqdm=False):
-    print("tokens", *out.outputs[0].token_ids, flush=True)
-"""
-
-
-def test_torchrun_with_two_stages_gives_one_process_s_tokens(
-    tmp_path: Path, llama: tuple[Path, list[list[int]]]
-) -> None:
-    path, _ = llama
-    script = tmp_path / "pp_torchrun.py"
-    script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
-    got = torchrun_tokens(script, path)
-    prompts = [[11 + i, 300 + 7 * i, 77, 5000 + i] for i in range(4)]
-    with tp_llm(path, 1, num_gpu_blocks_override=32) as one:
-        assert got == greedy(one, prompts)  # 16 tokens each, as the script asks

@@ -111,16 +111,23 @@ SMALL_ENGINE = dict(
 )
 
 
+def small_engine_workload(hf: Any) -> tuple[list[list[int]], list[int], list[Any]]:
+    """`prompts_and_oracle`'s four prompts and two more that begin with the fourth's first 12
+    tokens, with transformers' tokens: through SMALL_ENGINE it preempts, chunks and hits."""
+    prompts, max_tokens, expected = prompts_and_oracle(hf)
+    shared = [[*prompts[3][:12], 7, 8, 9], [*prompts[3][:12], 250]]
+    prompts, max_tokens = prompts + shared, [*max_tokens, 10, 12]
+    expected += [hf_greedy(hf, p, m, None) for p, m in zip(shared, max_tokens[4:])]
+    return prompts, max_tokens, expected
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_greedy_tokens_equal_transformers(tmp_path: Path, family: str, backend: str) -> None:
     """transformers' greedy tokens through a small KV pool that preempts, chunked prefill and
     shared prefixes, every block returned."""
     hf, path = save_family(tmp_path, family)
-    prompts, max_tokens, expected = prompts_and_oracle(hf)
-    shared = [[*prompts[3][:12], 7, 8, 9], [*prompts[3][:12], 250]]
-    prompts, max_tokens = prompts + shared, [*max_tokens, 10, 12]
-    expected += [hf_greedy(hf, p, m, None) for p, m in zip(shared, max_tokens[4:])]
+    prompts, max_tokens, expected = small_engine_workload(hf)
     with family_llm(path, attention_backend=backend, max_model_len=64, **SMALL_ENGINE) as llm:
         model = llm.llm_engine.runner.model
         assert type(model).__name__ == FAMILIES[family][1].replace("Mistral", "Llama")

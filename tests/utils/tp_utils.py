@@ -9,6 +9,7 @@ collect their pids while they run and check them with `assert_gone`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,6 +19,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import psutil
+
+from minivllm.distributed.process_group import free_loopback_port
+from minivllm.model.pipeline import is_missing
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -86,26 +90,72 @@ def fail_on_rank_one(runner) -> int:
     return runner.model.tp.rank
 
 
-def torchrun_tokens(script: Path, model: Path) -> list[list[int]]:
-    """Run `script MODEL` under `torchrun --standalone --nproc-per-node 2` in its own process group
-    (so that a failure stops torchrun and its ranks together) and return the token ids of each
-    line it prints as `tokens ID ID ...`."""
+def stage_parts(runner) -> dict[str, object]:
+    """What this rank's pipeline stage holds of the model: the decoder layers by index, and
+    whether it has the embedding, the final norm and the LM head."""
+    model = runner.model
+    return {
+        "layers": [i for i, layer in enumerate(model.model.layers) if not is_missing(layer)],
+        "embed": not is_missing(model.model.embed_tokens),
+        "norm": not is_missing(model.model.norm),
+        "lm_head": not is_missing(model.lm_head),
+    }
+
+
+def torchrun_tokens(script: Path, model: Path | None, nnodes: int = 1) -> list[list[int]]:
+    """Run `script MODEL` (no MODEL: the bundled SmolLM2) under torchrun and return the token ids
+    of each line it prints as `tokens ID ID ...`. One node: `torchrun --standalone
+    --nproc-per-node 2`. Several: one `torchrun --nnodes N --node-rank R --nproc-per-node 1
+    --master-addr 127.0.0.1 --master-port P` invocation per node, as on N machines, meeting at
+    torchrun's static rendezvous on loopback. Each invocation runs in its own process group (so
+    that a failure stops torchrun and its ranks together); every process they started, ranks
+    included, must be gone when they are."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(script), str(model)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    argv = [str(script)] + ([] if model is None else [str(model)])
+    if nnodes == 1:
+        launches = [["--standalone", "--nproc-per-node", "2"]]
+    else:
+        port = free_loopback_port()
+        launches = [
+            [
+                *("--nnodes", str(nnodes), "--node-rank", str(r), "--nproc-per-node", "1"),
+                *("--master-addr", "127.0.0.1", "--master-port", str(port)),
+            ]
+            for r in reversed(range(nnodes))  # node 0 last: the others wait for it
+        ]
+    procs = [
+        subprocess.Popen(
+            [str(TORCHRUN), *launch, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        for launch in launches
+    ]
+    started: dict[int, psutil.Process] = {}
+    outputs: dict[int, tuple[str, str]] = {}
     try:
-        stdout, stderr = proc.communicate(timeout=300)
+        deadline = time.monotonic() + 300
+        while len(outputs) < len(procs) and time.monotonic() < deadline:
+            for i, proc in enumerate(procs):
+                if i in outputs:
+                    continue
+                with contextlib.suppress(psutil.Error):
+                    started |= {c.pid: c for c in psutil.Process(proc.pid).children(True)}
+                with contextlib.suppress(subprocess.TimeoutExpired):  # retried: no output lost
+                    outputs[i] = proc.communicate(timeout=0.2)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, stdout + stderr[-4000:]
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    for i, proc in enumerate(procs):
+        stdout, stderr = outputs.get(i, ("", "(timed out)"))
+        assert proc.returncode == 0, stdout + stderr[-4000:]
+    assert_gone(started.values(), "after torchrun")
+    stdout = outputs[len(procs) - 1][0]  # node 0's: rank 0 prints
     return [
         [int(t) for t in line.split()[1:]]
         for line in stdout.splitlines()
