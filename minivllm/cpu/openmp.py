@@ -3,7 +3,7 @@
 PyTorch's Linux wheels run their parallel loops on GNU OpenMP (libgomp), and the C++ kernels here,
 built with `-fopenmp`, share that library. A decode step runs a few hundred parallel regions (a
 dozen kernels a layer). Between two of them a worker thread waits at a barrier: libgomp lets it
-spin for a while (`GOMP_SPINCOUNT`, 300,000 polls by default, about a millisecond) before it
+spin for a while (`GOMP_SPINCOUNT`, 300,000 polls by default) before it
 sleeps on a futex, so the next region starts at once. It spins that long only while the threads
 it manages are no more than the CPUs the process may use; past that it spins 100 polls (its
 "throttled" count, libgomp's `gomp_throttled_spin_count_var`), and every region of the step then
