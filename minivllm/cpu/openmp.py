@@ -3,11 +3,11 @@
 PyTorch's Linux wheels run their parallel loops on GNU OpenMP (libgomp), and the C++ kernels here,
 built with `-fopenmp`, share that library. A decode step runs a few hundred parallel regions (a
 dozen kernels a layer). Between two of them a worker thread waits at a barrier: libgomp lets it
-spin for a while (`GOMP_SPINCOUNT`, 300,000 polls by default) before it
-sleeps on a futex, so the next region starts at once. It spins that long only while the threads
-it manages are no more than the CPUs the process may use; past that it spins 100 polls (its
-"throttled" count, libgomp's `gomp_throttled_spin_count_var`), and every region of the step then
-starts with a futex wake-up of a sleeping worker.
+spin for a while (`GOMP_SPINCOUNT`, 300,000 polls by default) before it sleeps on a futex, so the
+next region starts at once. It spins that long only while the threads it manages are no more than
+the CPUs the process may use; past that it spins 100 polls (its "throttled" count, libgomp's
+`gomp_throttled_spin_count_var`), and every region of the step then starts with a futex wake-up
+of a sleeping worker.
 
 Every thread that runs a parallel region keeps a team of workers of its own, for as long as it
 lives. The server (`minivllm serve`, the engine in a thread of its process: AsyncLLMEngine)
