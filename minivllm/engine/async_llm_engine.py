@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from minivllm.core.outputs import RequestOutput
+from minivllm.cpu.openmp import release_thread_team
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.protocol import (
     AddHook,
@@ -89,6 +90,13 @@ class AsyncLLMEngine(EngineClientBase):
         self._num_adds_unpublished = 0  # engine thread only
 
     # ------------------------------------------------------------------ the event-loop side
+    def start(self) -> None:
+        """Start the engine thread from the event loop's thread, which gives its OpenMP team
+        back first: that thread loaded the model, and a second team beside the engine thread's
+        would make every barrier of every step sleep (minivllm/cpu/openmp.py)."""
+        release_thread_team()
+        super().start()
+
     def shutdown(self) -> None:
         """Stop the engine thread (aborting what runs), then the engine (its TP workers)."""
         if self._thread is not None:
