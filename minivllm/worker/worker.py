@@ -134,11 +134,6 @@ def build_runner(
             raise ValueError("enable_lora is not supported with runner='pooling'")
         if groups is not None:
             raise ValueError("runner='pooling' does not support models with sliding-window layers")
-        if not wc.pooler.causal and backend.name == "triton":  # before a step, not in one
-            raise ValueError(
-                "the triton attention backend has no non-causal (encoder) attention; run this "
-                "encoder with attention_backend='reference'"
-            )
         return PoolingModelRunner(*args, pooler=wc.pooler)
     runner: ModelRunner
     if groups is not None:
