@@ -87,15 +87,22 @@ def test_bert_embeddings_do_not_depend_on_the_batch(minilm_llm: LLM) -> None:
     torch.testing.assert_close(shuffled, together[order], atol=1e-6, rtol=1e-6)
 
 
-def test_encoder_prompts_run_whole_without_prefix_caching(minilm: Path) -> None:
+def test_encoder_prompts_run_whole_without_prefix_caching_or_kv_blocks(minilm: Path) -> None:
     """A token budget smaller than a prompt would chunk it; an encoder's must run whole, so the
-    budget is raised to max_model_len and chunked prefill is off (as is the prefix cache)."""
+    budget is raised to max_model_len and chunked prefill is off (as is the prefix cache). Its
+    attention reads no cache, so it holds no KV blocks at all (num_gpu_blocks_override aside)."""
     llm = LLM(str(minilm), max_num_batched_tokens=8, max_num_seqs=2, **SMALL)
-    config = llm.llm_engine.config
+    engine = llm.llm_engine
+    config = engine.config
     assert config.scheduler.enable_chunked_prefill is False
     assert config.scheduler.max_num_batched_tokens >= config.resolved.max_model_len
     assert config.cache.enable_prefix_caching is False
+    assert type(engine.kv_cache_manager).__name__ == "EncoderOnlyKVCacheManager"
+    assert engine.runner.kv_cache.shape[2] == 0 and llm.get_stats().num_kv_blocks == 0
     torch.testing.assert_close(embeddings(llm, TEXTS), st_encode(minilm, TEXTS), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="max_model_len"):  # too long for its positions: refused
+        llm.embed({"prompt_token_ids": [2] * (engine.max_model_len + 1)}, use_tqdm=False)
+    assert_no_blocks_held(llm)
     llm.shutdown()
 
 
