@@ -13,7 +13,7 @@ linear layers:
   attention (`backend.attend_encoder`, vLLM's `AttentionType.ENCODER_ONLY`): the layer hands the
   backend the step's own query, key and value, and each prompt, whole in the step, attends over
   its own rows. Nothing is written to a KV cache, since nothing would read it again: an encoder
-  holds no KV blocks at all (the scheduler allocates none for it, minivllm/core/scheduler.py), and
+  holds no KV blocks at all (minivllm/core/encoder_only_manager.py), and
   its prompts are scheduled whole, never chunked (`enable_chunked_prefill=False`).
 
 Two heads over the encoder: `BertModel`, the bare encoder (embedding models pool its last hidden
