@@ -259,10 +259,12 @@ DEFERRED = {
     ("minivllm.config", "minivllm.core.kv_cache_manager"): _KV_MANAGER,
     ("minivllm.config", "minivllm.core.kv_cache_coordinator"): _KV_MANAGER,
     ("minivllm.config", "minivllm.core.sliding_window_manager"): _KV_MANAGER,
+    ("minivllm.config", "minivllm.core.encoder_only_manager"): _KV_MANAGER,
     ("minivllm.config", "minivllm.experiments.reservation"): _KV_MANAGER + " (the Orca baselines)",
     ("minivllm.core.kv_cache_coordinator", "minivllm.config"): _TORCH_FREE_CORE,
     ("minivllm.core.kv_cache_manager", "minivllm.config"): _TORCH_FREE_CORE,
     ("minivllm.core.sliding_window_manager", "minivllm.config"): _TORCH_FREE_CORE,
+    ("minivllm.core.encoder_only_manager", "minivllm.config"): _TORCH_FREE_CORE,
     ("minivllm.core.sequence", "minivllm.structured_output.backend"): (
         "type only: the core stays torch-free, and the grammar module loads torch"
     ),

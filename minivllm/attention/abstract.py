@@ -10,11 +10,12 @@ A backend does two things per layer: `write_kv` scatters the new tokens' K/V int
 slots, then `attend` computes causal attention of the new tokens over everything in the cache for
 their request. One interface serves prefill, chunked prefill, prefix-cache hits and decode, because
 a step is just a set of (request, new tokens) pairs; a layer's window and score cap are arguments.
-So does an encoder (BERT, minivllm/model/models/bert.py): with `causal=False` every new token sees
-every token of its request. That is bidirectional attention only when the request's whole prompt
-is in the step, which the scheduler guarantees for a non-causal pooling model (it runs with
-`enable_chunked_prefill=False`, minivllm/pooling/config.py); the cache then holds one request's
-K/V for the length of one step, and a backend reads it as for any prefill.
+An encoder (BERT, minivllm/model/models/bert.py) needs neither half: its tokens attend
+bidirectionally over their own prompt, whole in the step, and its K/V is never read again. So it
+calls `attend_encoder` with the step's own query, key and value (vLLM's
+`AttentionType.ENCODER_ONLY`): attention within each request's rows, no mask, no cache write and
+no cache read; only `query_start_loc` of the metadata is used (the block tables are empty, since
+an encoder-only model holds no KV blocks).
 
 Backends: "reference" (gather + scaled-dot-product attention, the specification), "cpu" (every
 row through a compiled paged kernel, the CPU default) and "triton" (fused kernels, the CUDA
@@ -91,8 +92,18 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,  # the layer's: p sees j iff p - W < j <= p
         softcap: float = 0.0,  # > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
-        causal: bool = True,  # False: each new token sees all seq_len keys (an encoder's prompt)
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
+
+    def attend_encoder(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]  the step's own, never cached
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        meta: AttentionMetadata,  # query_start_loc: each request's rows, its whole prompt
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Encoder-only attention: each row sees every row of its own request (no mask)."""
+        ...
 
 
 BACKEND_NAMES = ("reference", "cpu", "triton", "auto")

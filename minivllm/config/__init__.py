@@ -105,9 +105,13 @@ class CacheConfig:
     cache_dtype: str  # one of KV_CACHE_DTYPES (EngineArgs.kv_cache_dtype; vLLM's names both)
     sliding_window: int | None = None  # every layer's window: set by the engine from the model
     layer_sliding_windows: tuple[int | None, ...] = ()  # where windowed and global layers mix
+    # An encoder-only model (a non-causal pooler; set by the engine's config): no KV blocks at all
+    encoder_only: bool = False
 
     @property
     def kv_cache_manager_cls(self) -> str:
+        if self.encoder_only:  # its attention reads no cache (vLLM: no KV cache spec)
+            return "minivllm.core.encoder_only_manager.EncoderOnlyKVCacheManager"
         if self.layer_sliding_windows and self.kv_allocation == "paged":  # per group of layers
             return "minivllm.core.kv_cache_coordinator.HybridKVCacheCoordinator"
         if self.sliding_window is not None and self.kv_allocation == "paged":  # frees by it

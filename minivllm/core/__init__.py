@@ -12,6 +12,7 @@ into tensors.
     kv_cache_manager.py       KVCacheManager: block tables, copy-on-write, one prefix lookup per
                               admission, commit / rollback of a step's prefix-cache names
     sliding_window_manager.py the manager of layers that attend over a window
+    encoder_only_manager.py   an encoder-only model's: slots, no blocks (its attention has no cache)
     kv_cache_groups.py        layers that share the cache in groups (full and windowed)
     kv_cache_coordinator.py   one manager per group, driven as one
     scheduler.py              token-budget scheduling: decodes first, chunked prefill, preemption

@@ -206,6 +206,8 @@ def column_parallel_linear_forward_cpu(op: ColumnParallelLinear, x: torch.Tensor
 
 @register_forward(RowParallelLinear, "cpu", process_weights_after_loading=prepack_linear)
 def row_parallel_linear_forward_cpu(op: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    if op.tp.world_size == 1:  # no partial sums to reduce: the bias rides in the GEMM (BERT's)
+        return op_linear(op, x, op.bias if op.reduce_results else None)
     partial = op_linear(op, x, None)
     return op.reduce(partial) if op.reduce_results else partial
 

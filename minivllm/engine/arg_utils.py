@@ -441,10 +441,11 @@ class EngineArgs:
         if not pooler.supports_prefix_caching and config.cache.enable_prefix_caching:
             logger.info("prefix caching is off: %s pooling reads every token", pooler.pooling_type)
             config.cache.enable_prefix_caching = False
-        if not pooler.supports_chunked_prefill:
+        if not pooler.supports_chunked_prefill:  # an encoder: whole prompts, and no KV blocks
             sched = config.scheduler
             sched.enable_chunked_prefill = False
             sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, resolved.max_model_len)
+            config.cache.encoder_only = True
         return pooler
 
     def create_lora_config(self) -> LoRAConfig | None:

@@ -77,7 +77,7 @@ class StatsCollector:
             num_kv_blocks=bm.num_total_blocks,
             num_free_kv_blocks=bm.num_free_blocks,
             num_cached_kv_blocks=bm.num_cached_blocks,
-            kv_cache_usage=bm.num_used_blocks / bm.num_total_blocks,
+            kv_cache_usage=bm.num_used_blocks / bm.num_total_blocks if bm.num_total_blocks else 0.0,
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             num_preemptions=scheduler.num_preemptions,

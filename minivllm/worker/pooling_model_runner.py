@@ -9,7 +9,10 @@ it. No logits are computed.
 
 An encoder (BERT: `pooler.causal` False) attends bidirectionally, which is exact only over a
 whole prompt: the scheduler runs its prompts unchunked, and this runner refuses a step that
-would split one rather than return a wrong vector. Its pair inputs carry token types
+would split one rather than return a wrong vector. Its attention is encoder-only
+(`AttentionBackend.attend_encoder`): no KV cache is written or read, so the model holds no KV
+blocks (minivllm/core/encoder_only_manager.py), and its step needs no block tables or slot
+mapping, only where each prompt's rows start (`prepare_encoder_inputs`). Its pair inputs carry token types
 (`ScheduledSequence.token_type_ids`), handed to the model beside the token ids. A classifier's
 head (`classify`: BERT's pooler and classifier) runs here on the pooled [CLS] rows, so the engine
 receives logits.
@@ -27,6 +30,7 @@ from typing import Any
 
 import torch
 
+from minivllm.attention.abstract import AttentionMetadata
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.pooling.config import PoolerConfig
 from minivllm.pooling.pooler import pool
@@ -52,11 +56,12 @@ class PoolingModelRunner(ModelRunner):
         """Run the step's prompt chunks; pool each prompt whose last chunk this is."""
         for seq_id in sched.finished_seq_ids:
             self.prompt_rows.pop(seq_id, None)
-        self.copy_blocks(sched.block_copies)
-        inp = self.prepare_inputs(sched)
         if self.pooler.causal:
+            self.copy_blocks(sched.block_copies)
+            inp = self.prepare_inputs(sched)
             hidden = self.run_model(inp)  # [T, hidden_size]
         else:
+            inp = self.prepare_encoder_inputs(sched)
             hidden = self.run_encoder(sched, inp)
         assert isinstance(hidden, torch.Tensor)  # one pipeline stage: pooling refuses more
         starts = inp.meta.query_start_loc.tolist()
@@ -80,14 +85,43 @@ class PoolingModelRunner(ModelRunner):
             pooled = dict(zip(ids, logits))  # seq_id -> float32 [num_labels]
         return ModelRunnerOutput(None, {}, pooled)
 
-    def run_encoder(self, sched: SchedulerOutput, inp: ModelInput) -> torch.Tensor:
-        """The encoder's forward over whole prompts, with their token types."""
+    def prepare_encoder_inputs(self, sched: SchedulerOutput) -> ModelInput:
+        """An encoder's step: every prompt whole, end to end, each at positions 0..L-1; the
+        metadata says where each starts and nothing else (no blocks, no slots)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_start_loc = [0]
         for item in sched.scheduled:
             if item.num_computed_tokens != 0 or not item.sample:
                 raise RuntimeError(
                     f"sequence {item.seq_id}: an encoder's prompt must run whole in one step "
                     "(enable_chunked_prefill=False), got a chunk of it"
                 )
+            input_ids += item.new_token_ids
+            positions += range(item.num_new_tokens)
+            query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
+        dev = self.device
+        lens = [item.num_new_tokens for item in sched.scheduled]
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((len(lens), 0), dtype=torch.int32, device=dev),  # none
+            slot_mapping=torch.empty(0, dtype=torch.int64, device=dev),  # nothing is cached
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+        )
+        meta.plan = self.backend.plan(meta, self.block_size)  # once per step, for all layers
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            logits_indices=torch.empty(0, dtype=torch.int64, device=dev),
+            prompt_rows={},
+            token_lora_slots=None,
+        )
+
+    def run_encoder(self, sched: SchedulerOutput, inp: ModelInput) -> torch.Tensor:
+        """The encoder's forward over whole prompts, with their token types."""
         types = None
         if any(item.token_type_ids is not None for item in sched.scheduled):
             flat = [

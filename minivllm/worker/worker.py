@@ -121,7 +121,9 @@ def build_runner(
     stage_layers = None if stage is None else end - first
     if groups is not None:  # the slots: each group's layers on this stage
         stage_layers = max(sum(first <= i < end for i in g.layer_ids) for g in groups)
-    num_blocks = determine_num_blocks(model, wc.cache, kv_dtype, device, stage_layers)
+    num_blocks = 0  # an encoder-only model's attention reads no cache: it holds no blocks
+    if not wc.cache.encoder_only:
+        num_blocks = determine_num_blocks(model, wc.cache, kv_dtype, device, stage_layers)
     if control is not None:  # tensor parallelism: every rank the same blocks
         from minivllm.distributed.process_group import min_over_ranks
 
@@ -134,11 +136,6 @@ def build_runner(
             raise ValueError("enable_lora is not supported with runner='pooling'")
         if groups is not None:
             raise ValueError("runner='pooling' does not support models with sliding-window layers")
-        if not wc.pooler.causal and backend.name == "triton":  # before a step, not in one
-            raise ValueError(
-                "the triton attention backend has no non-causal (encoder) attention; run this "
-                "encoder with attention_backend='reference'"
-            )
         return PoolingModelRunner(*args, pooler=wc.pooler)
     runner: ModelRunner
     if groups is not None:

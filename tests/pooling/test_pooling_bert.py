@@ -1,7 +1,7 @@
 """BERT on the pooling runner: embeddings equal sentence-transformers' `encode`, a cross-encoder's
 scores equal its `CrossEncoder.predict`, a classifier's probabilities equal transformers' softmax;
-whatever the batch and the attention backend (minivllm/model/models/bert.py, the non-causal
-attention of the reference and CPU backends)."""
+whatever the batch and the attention backend (minivllm/model/models/bert.py, the
+encoder-only attention of every backend, minivllm/attention/)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from minivllm import LLM, PoolingParams
-from minivllm.attention.abstract import AttentionMetadata
-from minivllm.attention.selector import get_attention_backend
 from tests.utils.engine_utils import assert_no_blocks_held
 from tests.utils.pooling_utils import save_st_model, save_tiny_bert, st_encode
 
@@ -68,6 +66,15 @@ def test_bert_mean_embeddings_equal_sentence_transformers(minilm_llm: LLM, minil
     assert_no_blocks_held(minilm_llm)
 
 
+def test_bert_embeddings_on_the_triton_backend_equal_sentence_transformers(minilm: Path) -> None:
+    """The Triton encoder kernel (in Triton's interpreter) end to end: no refusal, the same
+    vectors (minivllm/attention/backends/triton_encoder_kernels.py)."""
+    llm = LLM(str(minilm), attention_backend="triton", **SMALL)
+    ours = embeddings(llm, TEXTS)
+    llm.shutdown()
+    torch.testing.assert_close(ours, st_encode(minilm, TEXTS), atol=1e-5, rtol=1e-5)
+
+
 def test_bert_embeddings_do_not_depend_on_the_batch(minilm_llm: LLM) -> None:
     """Bidirectional attention sees its own prompt only: one at a time, all together or
     shuffled, every text gets the same vector."""
@@ -80,15 +87,22 @@ def test_bert_embeddings_do_not_depend_on_the_batch(minilm_llm: LLM) -> None:
     torch.testing.assert_close(shuffled, together[order], atol=1e-6, rtol=1e-6)
 
 
-def test_encoder_prompts_run_whole_without_prefix_caching(minilm: Path) -> None:
+def test_encoder_prompts_run_whole_without_prefix_caching_or_kv_blocks(minilm: Path) -> None:
     """A token budget smaller than a prompt would chunk it; an encoder's must run whole, so the
-    budget is raised to max_model_len and chunked prefill is off (as is the prefix cache)."""
+    budget is raised to max_model_len and chunked prefill is off (as is the prefix cache). Its
+    attention reads no cache, so it holds no KV blocks at all (num_gpu_blocks_override aside)."""
     llm = LLM(str(minilm), max_num_batched_tokens=8, max_num_seqs=2, **SMALL)
-    config = llm.llm_engine.config
+    engine = llm.llm_engine
+    config = engine.config
     assert config.scheduler.enable_chunked_prefill is False
     assert config.scheduler.max_num_batched_tokens >= config.resolved.max_model_len
     assert config.cache.enable_prefix_caching is False
+    assert type(engine.kv_cache_manager).__name__ == "EncoderOnlyKVCacheManager"
+    assert engine.runner.kv_cache.shape[2] == 0 and llm.get_stats().num_kv_blocks == 0
     torch.testing.assert_close(embeddings(llm, TEXTS), st_encode(minilm, TEXTS), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="max_model_len"):  # too long for its positions: refused
+        llm.embed({"prompt_token_ids": [2] * (engine.max_model_len + 1)}, use_tqdm=False)
+    assert_no_blocks_held(llm)
     llm.shutdown()
 
 
@@ -176,49 +190,3 @@ def test_token_type_ids_are_refused_when_malformed(cross_encoder: Path) -> None:
 def test_convert_classify_needs_a_classifier_checkpoint(minilm: Path) -> None:
     with pytest.raises(ValueError, match="convert='classify' needs a classifier checkpoint"):
         LLM(str(minilm), convert="classify", **SMALL)
-
-
-# ---------------------------------------------------------------------------- the attention
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_non_causal_attention_equals_sdpa_over_each_whole_prompt(backend: str) -> None:
-    """`attend(..., causal=False)` over a step of whole prompts (one of a single token): each
-    prompt's rows attend to all of its own keys, through shuffled block tables."""
-    torch.manual_seed(0)
-    heads, d, bs = 4, 16, 4
-    lens = [7, 1, 12]
-    backend_obj = get_attention_backend(backend)
-    num_blocks = 16
-    k_cache = torch.zeros(num_blocks, bs, heads, d)
-    v_cache = torch.zeros_like(k_cache)
-    perm = (torch.randperm(num_blocks - 1) + 1).tolist()
-    tables, slots, start = [], [], 0
-    for n in lens:
-        blocks = [perm.pop() for _ in range(-(-n // bs))]
-        tables.append(blocks + [0] * (3 - len(blocks)))
-        slots += [blocks[p // bs] * bs + p % bs for p in range(n)]
-        start += n
-    total = sum(lens)
-    q, k, v = (torch.randn(total, heads, d) for _ in range(3))
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, 7, 8, 20], dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots),
-        max_query_len=max(lens),
-        max_seq_len=max(lens),
-    )
-    meta.plan = backend_obj.plan(meta, bs)
-    backend_obj.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = backend_obj.attend(q, k_cache, v_cache, meta, d**-0.5, causal=False)
-    causal = backend_obj.attend(q, k_cache, v_cache, meta, d**-0.5)
-    start = 0
-    for n in lens:
-        rows = slice(start, start + n)
-        ref = F.scaled_dot_product_attention(
-            *(x[rows].transpose(0, 1) for x in (q, k, v))
-        ).transpose(0, 1)  # [n, heads, d]: no mask at all
-        torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
-        start += n
-    assert not torch.allclose(out[:7], causal[:7])  # the causal path is unchanged, and differs

@@ -17,8 +17,10 @@ scores and reads the context where it lies (on AVX-512 with float32 loops of its
 `cpu_attention_avx512.cpp`). vLLM's CPU backend uses SDPA for prompts; this backend needs one
 kernel, one plan and one call per layer for a whole step.
 
-An encoder's rows (`causal=False`, a whole prompt in the step) are the same walk over all of
-their request's keys: the plan keeps each row's request length beside its causal prefix.
+An encoder's attention (`attend_encoder`: no cache, each whole prompt over its own rows) is the
+reference backend's, torch's fused SDPA once per request: a whole prompt of queries against the
+same keys is a matrix product, which SDPA's blocked kernel computes faster than one decode walk
+per row (and the encoder's K/V then need no cache write at all).
 
 The cache write is a C++ op too, vLLM's `reshape_and_cache`: one call writes K and V and skips
 slots of -1 without the reference's host-side check.
@@ -64,7 +66,6 @@ class CpuPlan:
     rows: torch.Tensor  # int64 [T]  the rows of the flat batch, in order
     block_tables: torch.Tensor  # int32 [T, max_blocks]  each row's request's block table
     seq_lens: torch.Tensor  # int32 [T]  how many cached tokens each row sees (causal)
-    request_seq_lens: torch.Tensor  # int32 [T]  its request's tokens: what it sees non-causally
 
 
 def make_cpu_plan(meta: AttentionMetadata) -> CpuPlan:
@@ -77,7 +78,6 @@ def make_cpu_plan(meta: AttentionMetadata) -> CpuPlan:
             rows=torch.arange(seq_lens.shape[0]),
             block_tables=meta.block_tables,
             seq_lens=seq_lens,
-            request_seq_lens=seq_lens,
         )
     query_lens = meta.query_start_loc.diff()  # int32 [B]
     request = torch.repeat_interleave(query_lens)  # int64 [T]  each row's request
@@ -89,7 +89,6 @@ def make_cpu_plan(meta: AttentionMetadata) -> CpuPlan:
         rows=rows,
         block_tables=meta.block_tables.index_select(0, request),
         seq_lens=seq_lens.int(),
-        request_seq_lens=meta.seq_lens[request].int(),
     )
 
 
@@ -128,15 +127,13 @@ class CpuBackend(ReferenceBackend):
         scale: float,
         sliding_window: int | None = None,  # the layer's: key j seen from p iff p - W < j <= p
         softcap: float = 0.0,  # > 0: each score becomes softcap * tanh(score / softcap)
-        causal: bool = True,  # False: every key of the request is visible (an encoder)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         plan = meta.plan
         if not isinstance(plan, CpuPlan):  # called without the runner: build it for this call
             plan = make_cpu_plan(meta)
         out = torch.empty(query.shape, dtype=torch.float32)  # the kernel accumulates in float32
-        seq_lens = plan.seq_lens if causal else plan.request_seq_lens
         paged_decode(
-            query, k_cache, v_cache, plan.block_tables, seq_lens, plan.rows, scale, out,
+            query, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.rows, scale, out,
             sliding_window, softcap,
         )  # fmt: skip
         return out.to(query.dtype)

@@ -9,9 +9,13 @@ earlier prefill chunk precedes the new tokens.) A layer's sliding window W narro
 last W keys of each query (HF transformers' `sliding_window_overlay`), and a prompt chunk then
 gathers only from the block of its first visible key on. A layer's soft-cap (Gemma 2) bounds each
 score to `cap * tanh(score / cap)` before the mask and softmax; SDPA has no such step, so capped
-layers run transformers' eager attention instead (`softcapped_attention`). An encoder's attention
-(`causal=False`) is the same gather with every key of the request visible: its whole prompt is
-in the step, so the new tokens are all of the request's tokens.
+layers run transformers' eager attention instead (`softcapped_attention`).
+
+An encoder's attention (`attend_encoder`, vLLM's `AttentionType.ENCODER_ONLY`) touches no cache:
+each request's whole prompt is in the step, so its rows of the step's own query, key and value are
+all there is to attend over, bidirectionally. One `scaled_dot_product_attention` per request, on
+views of the flat batch (vLLM's CPU backend does the same for its encoder prompts); this is also
+what the CPU backend runs, since torch's fused CPU SDPA is the fast path there.
 
 Decode requests (one new token each) are batched into a few padded calls, grouped by length, which
 is what makes this backend fast enough to be the CPU default; prompt chunks are attended one
@@ -22,7 +26,8 @@ layer of the step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -269,7 +274,6 @@ class ReferenceBackend:
         scale: float,
         sliding_window: int | None = None,  # the layer's: key j seen from p iff p - W < j <= p
         softcap: float = 0.0,  # > 0: each score becomes softcap * tanh(score / softcap)
-        causal: bool = True,  # False: every key of the request is visible (an encoder)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         block_size = k_cache.shape[1]
         plan = meta.plan if isinstance(meta.plan, AttentionPlan) else make_plan(meta, block_size)
@@ -293,7 +297,32 @@ class ReferenceBackend:
             )  # [G, num_heads, 1, head_dim]
             out[group.token_idx] = o[:, :, 0]
         for chunk in plan.prompt_chunks:
-            if not causal:  # a whole prompt: no key lies ahead of the last row, so none is hidden
-                chunk = replace(chunk, mask=torch.ones_like(chunk.mask))
             attend_prompt_chunk(query, k_cache, v_cache, chunk, scale, out, softcap)
         return out
+
+    def attend_encoder(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]  the step's own, never cached
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        meta: AttentionMetadata,  # query_start_loc: each request's rows, its whole prompt
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        return encoder_attention(query, key, value, meta.query_start_loc.tolist(), scale)
+
+
+def encoder_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    starts: list[int],  # [B + 1]  request i owns rows starts[i]:starts[i+1]
+    scale: float,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """Bidirectional attention within each request's rows: SDPA without a mask, per request.
+    The [1, H, L, D] views read the flat batch at its strides (no gathered copy)."""
+    out = torch.empty_like(query)
+    for start, end in itertools.pairwise(starts):
+        q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)  # [1, H, L, D]
+        out[start:end] = o[0].transpose(0, 1)
+    return out

@@ -16,6 +16,8 @@ Which kernel serves which rows of a batch (see docs/architecture.md for the step
 - a layer's sliding window is a run-time argument of both attention kernels: they start each
   key range at the first key its rows can see and mask the rest (one compiled kernel for all);
   so is its soft-cap (Gemma 2), applied to each tile's scores before the mask.
+- an encoder's attention (`attend_encoder`, no cache): the variable-length bidirectional kernel of
+  `triton_encoder_kernels.py`, over the step's own keys and values, with the prefill kernel's tiles.
 
 Every launch is a `KernelLaunch` value (kernel, grid, arguments, settings) built by the functions
 below: the backend runs them, and the compile-only test compiles the very same values for sm_90
@@ -48,6 +50,7 @@ from minivllm.attention.backends.triton_plan import (
     decode_num_splits,
     kernel_tiles,
     make_triton_plan,
+    prefill_settings,
     write_kv_settings,
 )
 
@@ -64,6 +67,7 @@ except ImportError as e:
     ) from e
 
 from minivllm.attention.backends import triton_decode_kernels as D
+from minivllm.attention.backends import triton_encoder_kernels as E
 from minivllm.attention.backends import triton_kernels as K
 from minivllm.attention.backends.triton_kernels import INTERPRETED
 
@@ -185,13 +189,33 @@ def attend_launches(
     return launches
 
 
+def encoder_launch(
+    query: torch.Tensor,  # [T, num_heads, head_dim], head_dim contiguous
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim], head_dim contiguous
+    value: torch.Tensor,  # [T, num_kv_heads, head_dim], head_dim contiguous
+    out: torch.Tensor,  # [T, num_heads, head_dim], written by the launch
+    meta: AttentionMetadata,
+    plan: TritonPlan,
+    tiles: KernelTiles,
+    scale: float,
+    upcast: bool,
+) -> KernelLaunch:
+    """The one launch of an encoder layer's attention: every query block of every request."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key.shape[1]
+    settings = prefill_settings(num_heads, num_kv_heads, head_dim, 1, tiles, upcast)
+    del settings["BLOCK_SIZE"]  # no cache, no blocks
+    q_blocks = plan.encoder_q_blocks(meta, settings["BLOCK_Q"])
+    args = (
+        query, key, value, out, meta.query_start_loc, q_blocks, scale * LOG2E,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), out.stride(0), out.stride(1),
+    )  # fmt: skip
+    grid = check_grid((q_blocks.shape[0], num_kv_heads))
+    return KernelLaunch(E.encoder_attention_kernel, grid, args, settings)
+
+
 # ===================================================================================== backend
-
-
-NON_CAUSAL_REFUSAL = (
-    "the triton attention backend has no non-causal (encoder) attention; run an encoder such as "
-    "BERT with attention_backend='reference'"
-)
 
 
 class TritonBackend:
@@ -249,10 +273,7 @@ class TritonBackend:
         scale: float,
         sliding_window: int | None = None,  # the layer's: key j seen from p iff p - W < j <= p
         softcap: float = 0.0,  # > 0: each score becomes softcap * tanh(score / softcap)
-        causal: bool = True,  # False (an encoder's) is not implemented by these kernels
     ) -> torch.Tensor:  # [T, num_heads, head_dim], query.dtype
-        if not causal:
-            raise NotImplementedError(NON_CAUSAL_REFUSAL)
         _check_inputs(k_cache, v_cache, query, meta=meta)
         query = _last_dim_contiguous(query)
         # The interpreter's float32 -> bfloat16 cast truncates (a GPU rounds to nearest), which
@@ -270,6 +291,37 @@ class TritonBackend:
         with device_guard(query.device):
             for launch in launches:
                 launch()
+        return out.to(query.dtype)
+
+    def attend_encoder(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]  the step's own, never cached
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        meta: AttentionMetadata,  # query_start_loc: each request's rows, its whole prompt
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim], query.dtype
+        query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
+        if query.shape[1] % key.shape[1] != 0:
+            raise ValueError(
+                f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads ({key.shape[1]})"
+            )
+        for t in (key, value, meta.query_start_loc):
+            if t.device != query.device:
+                raise ValueError(
+                    f"every input must be on the query's {query.device}, got {t.device}"
+                )
+        interp_bf16 = INTERPRETED and query.dtype == torch.bfloat16  # as in `attend`
+        out = torch.empty(
+            query.shape, dtype=torch.float32 if interp_bf16 else query.dtype, device=query.device
+        )
+        if query.shape[0] == 0:
+            return out.to(query.dtype)
+        plan = meta.plan if isinstance(meta.plan, TritonPlan) else self.plan(meta, 1)
+        tiles = kernel_tiles(self.gpu_tiles, query.shape[2], query.dtype)
+        launch = encoder_launch(query, key, value, out, meta, plan, tiles, scale, INTERPRETED)
+        with device_guard(query.device):
+            launch()
         return out.to(query.dtype)
 
     def layer_shape(self, query: torch.Tensor, k_cache: torch.Tensor) -> LayerShape:
@@ -342,6 +394,7 @@ __all__ = [
     "attend_launches",
     "decode_num_splits",
     "device_guard",
+    "encoder_launch",
     "kernel_tiles",
     "write_kv_launch",
 ]

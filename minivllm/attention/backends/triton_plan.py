@@ -227,6 +227,18 @@ class TritonPlan:
     num_sms: int  # streaming multiprocessors to fill (1 in the interpreter)
     num_splits: int | None  # a fixed KV split count (tests), or None: chosen per layer shape
     layers: dict[LayerShape, LayerPlan] = field(default_factory=dict)
+    # An encoder's query blocks, by BLOCK_Q: every request's rows (single-row ones too), since
+    # the encoder kernel serves all of them; built by the first encoder layer, reused by the rest.
+    encoder_blocks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def encoder_q_blocks(self, meta: AttentionMetadata, block_q: int) -> torch.Tensor:
+        """int32 [NB, 2]: (request, block index) of every query block of every request."""
+        if block_q not in self.encoder_blocks:
+            query_lens = meta.query_start_loc.diff().tolist()  # one host copy per step
+            every = [(i, q) for i, q in enumerate(query_lens) if q > 0]
+            device = self.decode_seqs.device
+            self.encoder_blocks[block_q] = flatten_query_blocks(every, block_q, device)
+        return self.encoder_blocks[block_q]
 
     @property
     def num_decodes(self) -> int:
@@ -329,4 +341,5 @@ __all__ = [
     "decode_num_splits",
     "kernel_tiles",
     "make_triton_plan",
+    "prefill_settings",
 ]

@@ -9,14 +9,12 @@ linear layers:
 - **Post-LayerNorm**: each sublayer's output is added to its input, then normalised
   (`LayerNorm(x + attn(x))`), where a decoder normalises before the sublayer.
 - **GELU MLP** (`intermediate` then `output`): one up and one down projection, no gate.
-- **Bidirectional attention**: every token sees every token of its text. Through the paged
-  backend with `causal=False` (minivllm/attention/abstract.py): the layer writes the prompt's K/V
-  to the cache and attends over all of it, as a decoder's prefill does without the mask. That is
-  exact because a non-causal pooling model's prompt runs whole in one step (the scheduler's
-  `enable_chunked_prefill=False`), and the request's blocks are freed when it is pooled: the cache
-  holds an encoder's K/V for the one step that computes them and is never read again. (A separate
-  cache-less attention call would save the write, but every other room, the scheduler's block
-  accounting, the runner's slot mapping and the backends' plans, would then need an encoder path.)
+- **Bidirectional attention**: every token sees every token of its text. It is encoder-only
+  attention (`backend.attend_encoder`, vLLM's `AttentionType.ENCODER_ONLY`): the layer hands the
+  backend the step's own query, key and value, and each prompt, whole in the step, attends over
+  its own rows. Nothing is written to a KV cache, since nothing would read it again: an encoder
+  holds no KV blocks at all (minivllm/core/encoder_only_manager.py), and
+  its prompts are scheduled whole, never chunked (`enable_chunked_prefill=False`).
 
 Two heads over the encoder: `BertModel`, the bare encoder (embedding models pool its last hidden
 states: mean, or [CLS]), and `BertForSequenceClassification`, whose [CLS] state goes through the
@@ -134,15 +132,12 @@ class BertAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden_size]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, num_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         t, d = hidden.shape[0], self.head_dim
         q, k, v = self.qkv_proj(hidden).split([self.q_size] * 3, dim=-1)
         q, k, v = (x.reshape(t, self.num_heads, d) for x in (q, k, v))  # [T, H, D] each
-        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, causal=False)
+        out = self.backend.attend_encoder(q, k, v, meta, self.scale)  # [T, H, D]
         return self.LayerNorm(self.dense(out.reshape(t, self.q_size)) + hidden)
 
 
@@ -161,10 +156,9 @@ class BertLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden_size]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
-        hidden = self.attention(hidden, kv_cache[0], kv_cache[1], meta)
+        hidden = self.attention(hidden, meta)
         mlp = self.output(F.gelu(self.intermediate(hidden), approximate=self.approximate))
         return self.LayerNorm(mlp + hidden)
 
@@ -187,15 +181,14 @@ class BertModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # int64 [T]
         positions: torch.Tensor,  # int64 [T]
-        kv_caches: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_heads, head_dim]
         meta: AttentionMetadata,
         token_type_ids: torch.Tensor | None = None,  # int64 [T]; None: every token's is 0
     ) -> torch.Tensor:  # [T, hidden_size]
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         hidden = self.embeddings(input_ids, positions, token_type_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, kv_cache, meta)
+        for layer in self.layers:
+            hidden = layer(hidden, meta)
         return hidden
 
 
@@ -223,14 +216,14 @@ class BertEmbeddingModel(LlamaForCausalLM):
         self,
         input_ids: torch.Tensor,  # int64 [T]
         positions: torch.Tensor,  # int64 [T]
-        kv_caches: torch.Tensor,
+        kv_caches: torch.Tensor,  # the runner's, empty: an encoder holds no KV cache
         meta: AttentionMetadata,
         intermediate: IntermediateTensors | None = None,  # one stage only: pooling refuses PP
         *,
         token_type_ids: torch.Tensor | None = None,  # int64 [T]
     ) -> torch.Tensor:  # [T, hidden_size]
         assert intermediate is None, "an encoder runs on one pipeline stage"
-        return self.model(input_ids, positions, kv_caches, meta, token_type_ids)
+        return self.model(input_ids, positions, meta, token_type_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         raise NotImplementedError("BERT has no LM head: it runs with runner='pooling' only")
