@@ -120,7 +120,9 @@ class Covered:
 
     # Its exact class (or one of these exact classes): a subclass may compute something else.
     cls: type[nn.Module] | tuple[type[nn.Module], ...]
-    tensors: tuple[str, ...] = ()  # its own parameters and buffers: those the C++ loop reads
+    # Its own parameters, buffers and tensor attributes (a tuple of tensors is one): those the
+    # C++ loop reads.
+    tensors: tuple[str, ...] = ()
     # A custom op's CPU forward (op_forwards.py), the one whose kernels the C++ loop calls.
     cpu_forward: Callable[..., Any] | None = None
     # Called as a module by the C++ loop's Python side too (the embedding): whatever it is, and
