@@ -15,18 +15,28 @@ docs/performance.md has what it saves.
 Like a CUDA graph in vLLM, it is built and run by the model runner (`ModelRunner.build_decode_loop`,
 from the class the CPU platform names in `decode_loop_cls`); the model does not know it exists.
 
-What it covers is declared once, as data, below (`COVERED_MODELS`, `BODY`, `LAYER`): the model
-classes, by exact class; every module of the body and of a decoder layer, by path and exact
-class; the tensors each holds (those the C++ loop reads, no other); and, for a custom op, the CPU
-forward the C++ loop reproduces. `not_covered` holds a model to that declaration, and to the
+What it covers is declared once, as data, below (`COVERED_MODELS`, `BODY`, `LAYER`,
+`LAYER_WITH_LORA`): the model classes, by exact class; every module of the body and of a decoder
+layer, by path and exact class; the tensors each holds (those the C++ loop reads, no other); and,
+for a custom op, the CPU forward the C++ loop reproduces. `not_covered` holds a model to that declaration, and to the
 values the declared forwards read (no bias, no sliding window, one scale and one eps for every
 layer, weights in a layout the C++ loop multiplies), and returns None or the first reason it
 differs, naming the module and the feature. The rule is closed: whatever is not declared falls
 back. A subclass (even one that only overrides a method), a forward replaced on an instance, a
-submodule the declaration does not list (a LoRA adapter beside a linear, a wrapper in its
-place), a tensor the loop does not read (a bias, LoRA's A and B), a custom op on another
-forward: each keeps the model on its Python loop, so a layer feature added to the model in
+submodule the declaration does not list (an adapter beside a linear, a wrapper of another class
+in its place), a tensor the loop does not read (a bias), a custom op on another forward: each
+keeps the model on its Python loop, so a layer feature added to the model in
 Python runs there without a line here, and the C++ loop learns it only when both are written.
+
+LoRA is declared (`LAYER_WITH_LORA`): a model whose four linears per layer the LoRA manager
+wrapped (minivllm/lora/layers.py, vLLM's `BaseLayerWithLoRA`) holds each wrapper, with its stacked
+A and B and its scales, in the linear's place and the linear below it as `base_layer`; the C++
+loop adds each slice's Punica delta after the base product with the kernels the wrappers call on
+the CPU backend (`lora_shrink`, `lora_expand`), reading each row's adapter slot from the
+`LoRAMapping` all the wrappers share, which the runner sets before every step. Wrappers running
+another backend's kernels (the reference's grouped matmuls round differently) keep the Python
+loop. Tensor parallel LoRA keeps it too, with every tensor-parallel model.
+
 The reason is logged once, at debug level, on the "minivllm" logger, when the runner builds the
 loop (tests/worker/test_decode_loop_coverage.py plants each kind of feature and holds the answer to the
 Python loop's).
@@ -62,6 +72,7 @@ from torch import nn
 
 from minivllm.attention.abstract import AttentionBackend, AttentionMetadata
 from minivllm.attention.backends.cpu import CpuPlan
+from minivllm.cpu import ops as cpu_ops
 from minivllm.cpu.op_forwards import (
     column_parallel_linear_forward_cpu,
     gguf_dot,
@@ -72,6 +83,14 @@ from minivllm.cpu.op_forwards import (
     silu_and_mul_forward_cpu,
 )
 from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
+from minivllm.lora.layers import (
+    BaseLinearLayerWithLoRA,
+    ColumnParallelLinearWithLoRA,
+    LoRAMapping,
+    MergedColumnParallelLinearWithLoRA,
+    MergedQKVParallelLinearWithLoRA,
+    RowParallelLinearWithLoRA,
+)
 from minivllm.model.layers.layernorm import RMSNorm, SiluAndMul
 from minivllm.model.layers.linear import (
     ColumnParallelLinear,
@@ -99,8 +118,11 @@ logger = logging.getLogger("minivllm")
 class Covered:
     """One module the C++ loop replays."""
 
-    cls: type[nn.Module]  # its exact class: a subclass may compute something else
-    tensors: tuple[str, ...] = ()  # its own parameters and buffers: those the C++ loop reads
+    # Its exact class (or one of these exact classes): a subclass may compute something else.
+    cls: type[nn.Module] | tuple[type[nn.Module], ...]
+    # Its own parameters, buffers and tensor attributes (a tuple of tensors is one): those the
+    # C++ loop reads.
+    tensors: tuple[str, ...] = ()
     # A custom op's CPU forward (op_forwards.py), the one whose kernels the C++ loop calls.
     cpu_forward: Callable[..., Any] | None = None
     # Called as a module by the C++ loop's Python side too (the embedding): whatever it is, and
@@ -140,6 +162,28 @@ LAYER: dict[str, Covered] = {
     "mlp.act_fn": Covered(SiluAndMul, (), silu_and_mul_forward_cpu),
 }
 
+# A decoder layer whose linears carry LoRA adapters (the LoRA manager wraps all four before the
+# runner builds the loop): each linear's path holds its wrapper, with the stacked A and B of every
+# adapter slot and the slots' scales, and the linear itself, as `LAYER` declares it, below it as
+# `base_layer`. A fused q/k/v or gate/up is one slice per part of the checkpoint's modules, or one
+# slice where the checkpoint stores it fused (Phi-3: `ColumnParallelLinearWithLoRA`).
+LORA_TENSORS = ("lora_a_stacked", "lora_b_stacked", "scales")
+LORA_WRAPPERS: dict[str, Covered] = {
+    "self_attn.qkv_proj": Covered(
+        (MergedQKVParallelLinearWithLoRA, ColumnParallelLinearWithLoRA), LORA_TENSORS
+    ),
+    "self_attn.o_proj": Covered(RowParallelLinearWithLoRA, LORA_TENSORS),
+    "mlp.gate_up_proj": Covered(
+        (MergedColumnParallelLinearWithLoRA, ColumnParallelLinearWithLoRA), LORA_TENSORS
+    ),
+    "mlp.down_proj": Covered(RowParallelLinearWithLoRA, LORA_TENSORS),
+}
+LAYER_WITH_LORA: dict[str, Covered] = {
+    **LAYER,
+    **LORA_WRAPPERS,
+    **{f"{path}.base_layer": LAYER[path] for path in LORA_WRAPPERS},
+}
+
 # A GGUF part's products (`gguf_dot`) as the op numbers them (cpu_decode_layers.cpp `kDot*`): the
 # ops gguf_linear, gguf_linear_bf16, gguf_linear_int8.
 DOT_CODES = {"float32": 0, "bf16": 1, "int8": 2}
@@ -171,12 +215,21 @@ def not_covered(model: nn.Module, backend: AttentionBackend) -> str | None:
         return (
             f"model.norm.weight is {body.norm.weight.dtype}; the C++ loop runs float32 or bfloat16"
         )
+    mapping = lora_mapping(model)
+    declared = LAYER if mapping is None else LAYER_WITH_LORA
     for i, layer in enumerate(body.layers):
         name = f"model.layers.{i}"
-        if reason := check_modules(layer, name, LAYER) or check_values(layer, name, body, backend):
+        if reason := check_modules(layer, name, declared) or check_values(
+            layer, name, body, backend
+        ):
             return reason
         for path in LINEARS_PER_LAYER:
-            if reason := check_linear(layer.get_submodule(path), f"{name}.{path}"):
+            op, where = layer.get_submodule(path), f"{name}.{path}"
+            if mapping is not None:
+                if reason := check_lora(op, where, mapping):
+                    return reason
+                op, where = op.get_submodule("base_layer"), f"{where}.base_layer"
+            if reason := check_linear(op, where):
                 return reason
     return None
 
@@ -208,9 +261,11 @@ def check_modules(
 def check_module(module: nn.Module, where: str, covered: Covered) -> str | None:
     """`module` is of the declared class, runs the declared forward, holds the declared tensors
     and no other, and replaces none of its class's methods."""
-    if type(module) is not covered.cls:
+    classes = covered.cls if isinstance(covered.cls, tuple) else (covered.cls,)
+    if type(module) not in classes:
+        names = " or ".join(cls.__qualname__ for cls in classes)
         return (
-            f"{where} is {type(module).__qualname__}, not {covered.cls.__qualname__}: the C++ "
+            f"{where} is {type(module).__qualname__}, not {names}: the C++ "
             "loop knows classes exactly, and a subclass may compute something else"
         )
     if reason := replaced_methods(module, where):
@@ -220,7 +275,7 @@ def check_module(module: nn.Module, where: str, covered: Covered) -> str | None:
         qtypes: tuple[int, ...] = getattr(module, "qtypes", ())
         tensors = {f"qweight_{i}" for i in range(len(qtypes))}  # `gguf_parts`
     held = {n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None}
-    held |= {n for n, value in vars(module).items() if isinstance(value, torch.Tensor)}
+    held |= {n for n, value in vars(module).items() if is_tensors(value)}
     if extra := sorted(held - tensors):
         return f"{where}.{extra[0]} is a tensor the C++ loop does not read"
     if missing := sorted(tensors - held):
@@ -239,6 +294,13 @@ def check_module(module: nn.Module, where: str, covered: Covered) -> str | None:
                 f"{covered.cpu_forward.__qualname__}, whose kernels the C++ loop calls"
             )
     return None
+
+
+def is_tensors(value: object) -> bool:
+    """A tensor, or a tuple of them (a LoRA wrapper's stacked A and B, one per slice)."""
+    if isinstance(value, tuple):
+        return bool(value) and all(isinstance(v, torch.Tensor) for v in value)
+    return isinstance(value, torch.Tensor)
 
 
 def replaced_methods(module: nn.Module, where: str) -> str | None:
@@ -300,14 +362,38 @@ def check_linear(op: nn.Module, where: str) -> str | None:
     return None
 
 
+def check_lora(op: nn.Module, where: str, mapping: LoRAMapping) -> str | None:
+    """A LoRA wrapper (of a declared class: `check_module` held it) whose delta the C++ loop adds
+    as its forward does: from the rows' slots every wrapper shares, by the CPU library's kernels."""
+    op = cast("BaseLinearLayerWithLoRA", op)
+    if op.mapping is not mapping:
+        return f"{where} reads another row -> slot map than model.layers.0's linears"
+    if (mapping.ops.shrink, mapping.ops.expand) != (cpu_ops.lora_shrink, cpu_ops.lora_expand):
+        return (
+            f"{where} runs the {mapping.ops.name!r} shrink / expand, not the CPU library's, which "
+            "the C++ loop calls"
+        )
+    return None
+
+
 # ---------------------------------------------------------------------------------- the weights
 def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
     return cast("list[LlamaDecoderLayer]", list(model.model.layers))
 
 
+def lora_mapping(model: LlamaForCausalLM) -> LoRAMapping | None:
+    """The row -> slot map the model's LoRA wrappers share, where its linears are wrapped (the
+    first layer's qkv_proj says; `not_covered` holds every linear to it)."""
+    first = decoder_layers(model)[0].get_submodule(LINEARS_PER_LAYER[0])
+    return first.mapping if isinstance(first, BaseLinearLayerWithLoRA) else None
+
+
 def linear_weights(op: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
-    """A linear's tensors and their GGML types (-1: plain): its one weight (an MKLDNN tensor where
+    """A linear's tensors and their GGML types (-1: plain), under its LoRA wrapper if it has one:
+    its one weight (an MKLDNN tensor where
     `prepack_linear` packed it for oneDNN), or the GGUF block parts a quantized layer holds."""
+    if isinstance(op, BaseLinearLayerWithLoRA):
+        op = op.base_layer
     if getattr(op, "quant_method", None) is not None:
         parts = gguf_parts(op)
         return [q for _, q in parts], [qtype for qtype, _ in parts]
@@ -326,7 +412,9 @@ def layer_weights(layer: LlamaDecoderLayer) -> list[tuple[list[torch.Tensor], li
 
 
 def linears(model: LlamaForCausalLM) -> list[nn.Module]:
-    return [layer.get_submodule(n) for layer in decoder_layers(model) for n in LINEARS_PER_LAYER]
+    """Every decoder layer's four linears, below their LoRA wrappers where they have them."""
+    ops = [layer.get_submodule(n) for layer in decoder_layers(model) for n in LINEARS_PER_LAYER]
+    return [op.base_layer if isinstance(op, BaseLinearLayerWithLoRA) else op for op in ops]
 
 
 def all_linears_packed(model: LlamaForCausalLM) -> bool:
@@ -378,6 +466,16 @@ class CpuDecodeLoop:
         # which the C++ loop does not: such a step stays in Python.
         self.gguf_gemm_rows = gguf_gemm_rows() if any(t >= 0 for t in self.qtypes) else None
         self.packed = all_linears_packed(model)
+        # LoRA (`LAYER_WITH_LORA`): per linear, layer by layer, its slices' stacked A and B and
+        # its scales, the same tensors the wrappers hold (the manager copies an adapter into a
+        # slot in place); each step's row -> slot map is read from `mapping` at the call.
+        self.mapping = lora_mapping(model)
+        ops = [layer.get_submodule(n) for layer in layers for n in LINEARS_PER_LAYER]
+        wrappers = [op for op in ops if isinstance(op, BaseLinearLayerWithLoRA)]  # all, or none
+        self.lora_a = [a for op in wrappers for a in op.lora_a_stacked]  # each [L, R, in]
+        self.lora_b = [b for op in wrappers for b in op.lora_b_stacked]  # each [L, out_i, R]
+        self.lora_scales = [op.scales for op in wrappers]  # each [L]
+        self.lora_slices = [len(op.lora_a_stacked) for op in wrappers]
         attention = layers[0].self_attn
         self.scale = attention.scale
         self.num_heads = attention.num_heads
@@ -421,6 +519,9 @@ class CpuDecodeLoop:
         plan = meta.plan
         assert isinstance(plan, CpuPlan)  # `applies` checked it
         embeds = self.embed_tokens(input_ids)  # [T, hidden_size]; becomes the residual
+        # Each row's adapter slot, int64 [T]; None where no row has one: the wrappers skip LoRA.
+        mapping = self.mapping
+        token_slots = mapping.token_slots if mapping is not None and mapping.has_lora else None
         return torch.ops.minivllm_cpu.decode_layers(
             embeds,
             positions,
@@ -435,6 +536,11 @@ class CpuDecodeLoop:
             self.final_norm.eps,
             self.scale,
             self.num_heads,
+            self.lora_a,
+            self.lora_b,
+            self.lora_scales,
+            self.lora_slices,
+            token_slots,
             self.qtypes,
             self.parts,
             self.dots,

@@ -147,8 +147,8 @@ class ModelRunner:
             device=device,
         )  # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], this rank's heads
         self.decode_loop: DecodeLoop | None = None
-        # LoRA adapters' slots, set by `build_runner` after it wrapped the model's linears (which
-        # keeps every step on the model's Python loop: the decode loop declares no wrapper).
+        # LoRA adapters' slots, set by `build_runner` after it wrapped the model's linears (the
+        # decode loop, built above, declares the wrappers and adds their deltas itself).
         self.lora_manager: LoRAModelManager | None = None
         if not enforce_eager:
             self.build_decode_loop()

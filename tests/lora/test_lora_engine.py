@@ -10,7 +10,6 @@ base model), no step carries more than max_loras adapters, and every block comes
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,9 @@ from minivllm.llm import LLM
 from minivllm.lora.errors import LoRADisabledError
 from minivllm.lora.request import LoRARequest
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.cpu_decode_loop import CpuDecodeLoop
 from tests.engine.test_beam_search import TOL, reference_best
+from tests.engine.test_engine_faults_replay import CountingReplay
 from tests.lora.lora_utils import load_base, peft_greedy, save_adapters, save_base
 from tests.utils.engine_utils import assert_no_blocks_held, checked_llm
 
@@ -89,13 +90,21 @@ def test_a_mixed_batch_of_base_and_three_adapters_equals_peft_under_preemption_a
     ]
     watcher = AdaptersPerStep()
     with lora_llm(base, attention_backend=backend, **SMALL_ENGINE) as llm:
+        runner = llm.llm_engine.runner
         # each backend's own shrink / expand: punica.py, or cpu_lora_punica.cpp
-        assert llm.llm_engine.runner.lora_manager.mapping.ops.name == backend
+        assert runner.lora_manager.mapping.ops.name == backend
+        # On the CPU backend the decode-only steps run the C++ decode loop, LoRA deltas and all.
+        covered = backend == "cpu" and CpuDecodeLoop.supports(runner.model)
+        assert (runner.decode_loop is not None) is covered
+        counter = CountingReplay(runner.decode_loop)
+        if covered:
+            runner.decode_loop = counter
         llm.llm_engine.add_step_listener(watcher)
         assert greedy(llm, prompts, max_tokens, order) == expected
         stats = llm.get_stats()
     assert stats.num_preemptions > 0
     assert watcher.most == 2  # max_loras, with three adapters waiting
+    assert (counter.calls > 0) is covered
 
 
 def test_the_same_prompt_under_two_adapters_gives_each_adapter_s_answer(
@@ -175,27 +184,28 @@ def test_an_adapter_without_enable_lora_is_refused_by_name_and_the_engine_serves
         assert len(greedy(llm, [[5, 6, 7]], [3], [None])[0]) == 3
 
 
-def test_a_lora_model_s_decode_steps_run_the_python_loop(
-    llama: tuple[Path, dict[str, LoRARequest]], caplog: pytest.LogCaptureFixture
+def test_a_lora_model_s_decode_steps_run_the_cpp_loop_where_the_base_model_s_do(
+    llama: tuple[Path, dict[str, LoRARequest]],
 ) -> None:
-    """The C++ decode loop declares no LoRA wrapper, so the runner keeps the Python loop (and
-    says why); the same model without LoRA takes the C++ loop wherever it covers Llama."""
-    from minivllm.worker.cpu_decode_loop import CpuDecodeLoop
-
+    """The C++ decode loop declares the LoRA wrappers (`LAYER_WITH_LORA`): a LoRA model takes it
+    wherever the same model without LoRA does, and every decode step of a request under an
+    adapter runs there, with peft's tokens."""
     base, adapters = llama
-    caplog.set_level(logging.DEBUG, logger="minivllm")
-    with lora_llm(base) as llm:
-        runner = llm.llm_engine.runner
-        assert runner.backend.name == "cpu" and runner.decode_loop is None
-        assert "WithLoRA" in caplog.text
-        prompt = prompts_for(1)[0]
-        assert greedy(llm, [prompt], [6], [adapters["attn"]]) == peft_greedy(
-            base, adapters["attn"], [prompt], [6]
-        )
     with checked_llm(model=str(base), skip_tokenizer_init=True, max_model_len=64,
                      cpu_kv_cache_space=0.01) as plain:  # fmt: skip
-        model = plain.llm_engine.runner.model
-        assert (plain.llm_engine.runner.decode_loop is not None) == CpuDecodeLoop.supports(model)
+        covered = CpuDecodeLoop.supports(plain.llm_engine.runner.model)
+        assert (plain.llm_engine.runner.decode_loop is not None) is covered
+    with lora_llm(base) as llm:
+        runner = llm.llm_engine.runner
+        assert runner.backend.name == "cpu" and (runner.decode_loop is not None) is covered
+        counter = CountingReplay(runner.decode_loop)
+        if covered:
+            runner.decode_loop = counter
+        prompt = prompts_for(1)[0]
+        assert greedy(llm, [prompt], [6], [adapters["all"]]) == peft_greedy(
+            base, adapters["all"], [prompt], [6]
+        )
+    assert counter.calls == (5 if covered else 0)  # one prefill step, then five decode steps
 
 
 def test_slots_and_host_copies_evict_the_least_recently_used_adapter(

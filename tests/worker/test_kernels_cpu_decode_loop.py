@@ -20,11 +20,14 @@ from minivllm.attention.selector import get_attention_backend
 from minivllm.cpu import op_forwards
 from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS, skinny_gemm_fast
 from minivllm.llm import LLM
+from minivllm.lora.layers import LoRAMapping, wrap_linears
+from minivllm.lora.peft_loader import LoRALayerWeights, lora_scale
+from minivllm.lora.punica_selector import REFERENCE_OPS, PunicaOps, get_punica_ops
 from minivllm.model.loader import load_model
 from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.model.resolver import resolve_model
 from minivllm.sampling_params import SamplingParams
-from minivllm.worker.cpu_decode_loop import CpuDecodeLoop
+from minivllm.worker.cpu_decode_loop import CpuDecodeLoop, not_covered
 from tests.model.test_model_llama import CONFIGS, save_tiny_llama
 
 pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
@@ -250,6 +253,11 @@ def test_a_wrong_number_of_weights_is_refused_by_name(tmp_path: Path) -> None:
             1e-5,
             1.0,
             cfg.num_attention_heads,
+            [],  # no LoRA
+            [],
+            [],
+            [],
+            None,
         )
 
 
@@ -275,3 +283,94 @@ def test_enforce_eager_keeps_every_step_in_the_python_loop(tmp_path: Path) -> No
     _, path = save_tiny_llama(tmp_path, CONFIGS["gqa2-hd32-tied"])
     llm = LLM(str(path), skip_tokenizer_init=True, enforce_eager=True)
     assert llm.llm_engine.runner.decode_loop is None
+
+
+# ---------------------------------------------------------------------------------- LoRA
+# Three adapters in three slots, as tests/lora/lora_utils.py's peft adapters: attention only
+# (rank 8), MLP only (rank 4), every linear under rsLoRA (rank 16, the slots' max rank).
+ATTENTION, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+ADAPTERS = [
+    dict(r=8, lora_alpha=16, targets=ATTENTION),
+    dict(r=4, lora_alpha=8, targets=MLP),
+    dict(r=16, lora_alpha=32, targets=ATTENTION + MLP, use_rslora=True),
+]
+
+
+@pytest.fixture(scope="module")
+def gqa_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GQA Llama, saved once: q and k/v slices of different sizes in the fused qkv."""
+    return save_tiny_llama(tmp_path_factory.mktemp("lora-loop"), CONFIGS["gqa2-hd32-tied"])[1]
+
+
+def with_adapters(model: LlamaForCausalLM, ops: PunicaOps) -> LoRAMapping:
+    """The model's linears wrapped as the LoRA manager wraps them, and `ADAPTERS` in slots 0-2
+    with random A and B."""
+    dtype = next(model.parameters()).dtype
+    mapping = LoRAMapping(ops=ops)
+    wrapped = wrap_linears(model, mapping, len(ADAPTERS), 16, dtype, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    for slot, adapter in enumerate(ADAPTERS):
+        rank = adapter["r"]
+        for layer in wrapped.values():
+            weights = {
+                name: LoRALayerWeights(
+                    (torch.randn(rank, fan_in, generator=gen) * 0.2).to(dtype),  # [r, in]
+                    (torch.randn(fan_out, rank, generator=gen) * 0.2).to(dtype),  # [out, r]
+                )
+                for name, (fan_in, fan_out) in layer.targets.items()
+                if name.rpartition(".")[2] in adapter["targets"]
+            }
+            layer.set_lora(slot, weights, lora_scale(adapter))
+    return mapping
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("dtype", "packed"), WEIGHTS)
+def test_a_decode_step_with_lora_equals_the_python_loop_bit_for_bit(
+    gqa_llama: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    packed: bool,
+    threads: int,
+) -> None:
+    """A batch of base rows and rows of three adapters (of ranks 8, 4 and 16; attention-only,
+    MLP-only, and all linears under rsLoRA): each linear adds its Punica delta in the C++ loop
+    exactly as its LoRA wrapper does in the Python loop."""
+    if not packed:
+        monkeypatch.setattr(op_forwards, "onednn_packs", lambda weight: False)
+    model = load(gqa_llama, dtype=dtype)
+    mapping = with_adapters(model, get_punica_ops("cpu"))
+    fused = capture(model)
+    assert fused is not None and fused.mapping is mapping and len(fused.lora_a) == 2 * 7
+    prompt_lens = [5, 16, 17, 33, 9, 3]
+    kv, tables = prefilled(model, prompt_lens)
+    meta = step_meta(model, [1] * len(prompt_lens), [n + 1 for n in prompt_lens], tables)
+    tokens = torch.randint(0, model.config.vocab_size, (len(prompt_lens),))
+    positions = torch.tensor(prompt_lens)
+    slots = torch.tensor([-1, 0, 1, 2, -1, 1])  # each row's adapter slot; -1 the base model
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            mapping.set(slots)
+            assert fused.applies(len(prompt_lens), meta)
+            kv_fused, kv_python = kv.clone(), kv.clone()
+            got = fused(tokens, positions, kv_fused, meta)
+            expected = model(tokens, positions, kv_python, meta)
+            mapping.set(torch.full_like(slots, -1))  # no row with an adapter: the base model
+            base = fused(tokens, positions, kv.clone(), meta)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, expected)
+    assert torch.equal(kv_fused, kv_python)
+    adapted = slots != -1
+    assert not torch.equal(got[adapted], base[adapted])  # the adapters do change their rows
+
+
+def test_lora_on_another_backend_s_kernels_keeps_the_python_loop(gqa_llama: Path) -> None:
+    """The reference's shrink / expand (grouped matmuls) round otherwise than the CPU library's
+    kernels the C++ loop calls."""
+    model = load(gqa_llama)
+    with_adapters(model, REFERENCE_OPS)
+    reason = not_covered(model, model.model.layers[0].self_attn.backend)
+    assert reason is not None and "runs the 'reference' shrink / expand" in reason

@@ -18,7 +18,12 @@
 //   reshape_and_cache(k, v); attention = paged_decode(q) over each request's blocks
 //   hidden = linear(attention, W_o); post-attention fused_add_rms_norm
 //   hidden = linear(silu_and_mul(linear(hidden, W_gate_up)), W_down)
-// then the final fused_add_rms_norm. minivllm/worker/cpu_decode_loop.py decides when it applies
+// then the final fused_add_rms_norm. A model whose linears carry LoRA adapters
+// (minivllm/lora/layers.py) adds, after each linear's product and before anything reads it, each
+// of the linear's slices' Punica delta (shrink, then expand at the slice's offset: the lora_shrink
+// and lora_expand ops of cpu_lora_punica.cpp, which its Python wrappers call on the CPU backend),
+// every row with its own adapter slot, a row of slot -1 untouched; where no row of the step has an
+// adapter, no linear runs them, as the wrappers skip both when `LoRAMapping.has_lora` is false. minivllm/worker/cpu_decode_loop.py decides when it applies
 // (decode-only steps, one device, no biases, prepacked weights, GGUF blocks, or plain float32
 // ones on at most 64 rows) and hands it the weights. Where oneDNN packs them, a model's linear weights come in
 // oneDNN's layout (an MKLDNN tensor, minivllm/cpu/op_forwards.py `prepack_linear`): those
@@ -73,6 +78,10 @@ struct Kernels {
       find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear_bf16");
   c10::TypedOperatorHandle<void(Tensor&, CT, CT, int64_t)> gguf_linear_int8 =
       find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear_int8");
+  c10::TypedOperatorHandle<void(Tensor&, CT, CT, CT)> lora_shrink =
+      find_op<void(Tensor&, CT, CT, CT)>("minivllm_cpu::lora_shrink");
+  c10::TypedOperatorHandle<void(Tensor&, CT, CT, CT, CT, int64_t)> lora_expand =
+      find_op<void(Tensor&, CT, CT, CT, CT, int64_t)>("minivllm_cpu::lora_expand");
 
   static const Kernels& get() {
     static const Kernels kernels;  // after every op is registered: on the first call
@@ -130,6 +139,31 @@ struct Kernels {
 };
 
 constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post-attention norm, gate_up, down
+constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down: those LoRA may wrap
+
+// The LoRA adapters of a model's linears, as the op takes them: per linear (layer by layer, in
+// the order qkv, o, gate_up, down) its slices' stacked A and B, one after the other, and its
+// scales. What `BaseLinearLayerWithLoRA.add_lora` runs, with the same kernels.
+struct LoRA {
+  at::TensorList a;       // per slice: [L, R, in]  its stacked A, every slot
+  at::TensorList b;       // per slice: [L, out_i, R]  its stacked B
+  at::TensorList scales;  // per linear: [L]  each slot's scale
+  std::vector<int64_t> start;  // linear j's slices are a[start[j]] .. a[start[j + 1] - 1]
+  const Tensor* token_slots;   // int64 [T] each row's slot, -1 none; nullptr: no row has one
+
+  // out[:, slice i] += each row's scale · (x Aᵢᵀ) Bᵢᵀ, in place, for linear j; x [T, in].
+  void add(const Kernels& k, const Tensor& x, Tensor& out, int64_t j) const {
+    if (token_slots == nullptr) return;
+    const Tensor xr = x.stride(1) == 1 ? x : x.contiguous();  // the kernel reads token rows
+    int64_t offset = 0;
+    for (int64_t i = start[j]; i < start[j + 1]; ++i) {
+      Tensor y = at::empty({x.size(0), a[i].size(1)}, x.options());  // [T, R]
+      k.lora_shrink.call(y, xr, a[i], *token_slots);
+      k.lora_expand.call(out, y, b[i], *token_slots, scales[j], offset);
+      offset += b[i].size(1);
+    }
+  }
+};
 
 Tensor decode_layers(
     const Tensor& embeds,         // [T, hidden] the step's token embeddings
@@ -143,6 +177,11 @@ Tensor decode_layers(
     at::TensorList weights,       // kWeightsPerLayer slots per layer, in the order above
     const Tensor& final_norm,     // [hidden]
     double eps, double scale, int64_t num_heads,
+    at::TensorList lora_a,        // per LoRA slice (see `LoRA`): its stacked A; [] no LoRA
+    at::TensorList lora_b,        // per LoRA slice: its stacked B
+    at::TensorList lora_scales,   // per linear (kLinearsPerLayer a layer): its scales
+    at::IntArrayRef lora_slices,  // per linear: how many slices of lora_a / lora_b it takes
+    const std::optional<Tensor>& token_slots,  // int64 [T]; None: no row has an adapter
     at::IntArrayRef qtypes,       // per tensor of `weights`: its GGML type, -1 plain; [] all plain
     at::IntArrayRef parts,        // per slot: how many tensors of `weights` it takes; [] one each
     at::IntArrayRef dots) {       // per tensor of `weights`: a GGUF part's dot kind; [] float32
@@ -171,6 +210,18 @@ Tensor decode_layers(
   const int64_t* kinds = dots.empty() ? float32.data() : dots.data();
   const Kernels& k = Kernels::get();
   const int64_t T = embeds.size(0);
+  LoRA lora{lora_a, lora_b, lora_scales, std::vector<int64_t>(1, 0), nullptr};
+  if (!lora_slices.empty()) {
+    TORCH_CHECK(int64_t(lora_slices.size()) == kLinearsPerLayer * layers &&
+                    lora_scales.size() == lora_slices.size(),
+                op, ": lora_slices and lora_scales must name ", kLinearsPerLayer * layers,
+                " linears, got ", lora_slices.size(), " and ", lora_scales.size());
+    for (int64_t n : lora_slices) lora.start.push_back(lora.start.back() + n);
+    TORCH_CHECK(lora.start.back() == int64_t(lora_a.size()) && lora_a.size() == lora_b.size(), op,
+                ": lora_slices add up to ", lora.start.back(), " slices, but ", lora_a.size(),
+                " A and ", lora_b.size(), " B were given");
+    if (token_slots.has_value()) lora.token_slots = &*token_slots;  // the kernels check its rows
+  }
   const int64_t num_kv_heads = kv_caches.size(4), head_dim = kv_caches.size(5);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
 
@@ -181,15 +232,19 @@ Tensor decode_layers(
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t* slot = start.data() + kWeightsPerLayer * l;  // this layer's six slots
     const Tensor* w = weights.data();
-    auto linear = [&](const Tensor& x, int j) {  // slot j (1, 2, 4, 5: the layer's linears)
-      return k.linear(x, w + slot[j], types + slot[j], kinds + slot[j], slot[j + 1] - slot[j]);
+    // Slot j (1, 2, 4, 5: the layer's linears), the layer's linear i (0-3) of LoRA's count.
+    auto linear = [&](const Tensor& x, int j, int64_t i) {
+      Tensor out =
+          k.linear(x, w + slot[j], types + slot[j], kinds + slot[j], slot[j + 1] - slot[j]);
+      if (!lora_slices.empty()) lora.add(k, x, out, kLinearsPerLayer * l + i);
+      return out;
     };
     if (l == 0) {
       k.rms_norm.call(hidden, residual, w[slot[0]], eps);
     } else {
       k.fused_add_rms_norm.call(hidden, residual, w[slot[0]], eps);
     }
-    Tensor qkv = linear(hidden, 1);  // [T, q_size + 2 * kv_size]
+    Tensor qkv = linear(hidden, 1, 0);  // [T, q_size + 2 * kv_size]
     // RoPE turns the query and key heads, side by side in each row, in one pass.
     k.rotary_embedding.call(
         positions, qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, head_dim}),
@@ -203,12 +258,12 @@ Tensor decode_layers(
     Tensor attention = at::empty({T, num_heads, head_dim}, embeds.options().dtype(at::kFloat));
     k.paged_decode.call(attention, q, k_cache, v_cache, block_tables, seq_lens, rows, scale);
     if (embeds.scalar_type() != at::kFloat) attention = attention.to(embeds.scalar_type());
-    hidden = linear(attention.view({T, q_size}), 2);
+    hidden = linear(attention.view({T, q_size}), 2, 1);
     k.fused_add_rms_norm.call(hidden, residual, w[slot[3]], eps);
-    Tensor gate_up = linear(hidden, 4);  // [T, 2 * intermediate]
+    Tensor gate_up = linear(hidden, 4, 2);  // [T, 2 * intermediate]
     Tensor activation = at::empty({T, gate_up.size(1) / 2}, embeds.options());
     k.silu_and_mul.call(activation, gate_up);
-    hidden = linear(activation, 5);
+    hidden = linear(activation, 5, 3);
   }
   k.fused_add_rms_norm.call(hidden, residual, final_norm, eps);
   return hidden;
@@ -220,7 +275,8 @@ TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def(
       "decode_layers(Tensor(b!) embeds, Tensor positions, Tensor cos_sin, Tensor(a!) kv_caches, "
       "Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor slot_mapping, Tensor[] weights, "
-      "Tensor final_norm, float eps, float scale, int num_heads, int[] qtypes=[], "
-      "int[] parts=[], int[] dots=[]) -> Tensor",
+      "Tensor final_norm, float eps, float scale, int num_heads, Tensor[] lora_a, "
+      "Tensor[] lora_b, Tensor[] lora_scales, int[] lora_slices, Tensor? token_slots, "
+      "int[] qtypes=[], int[] parts=[], int[] dots=[]) -> Tensor",
       &decode_layers);
 }
