@@ -296,6 +296,18 @@ void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64
     for (int t = 0; t < T; ++t) out[t * ldo + r] = hsum(acc[r][t]);
 }
 
+// Software prefetch of the weight stream, kPrefetchAhead bytes ahead of p and as many bytes as
+// one block: called once a block, it asks for every line before the tile reads it. One core's
+// reads stall on memory without it: at one thread, Q4_K 8192 x 2048 at M = 1 took 1,400 µs of CPU
+// time without and 800-1,150 with (docs/performance.md has the distances tried).
+constexpr int64_t kPrefetchAhead = 2048;
+template <int kBytes>
+inline void prefetch_ahead(const uint8_t* p) {
+  const char* a = reinterpret_cast<const char*>(p) + kPrefetchAhead;
+#pragma GCC unroll 4
+  for (int j = 0; j < (kBytes + 63) / 64; ++j) _mm_prefetch(a + 64 * j, _MM_HINT_T0);
+}
+
 // The same outputs as tileK, for rows [0, rows) of packed blocks w (row stride row_bytes) and
 // tokens [t0, t0 + T), with every super-block unpacked in registers (X::dot) and dotted into the
 // T tokens at once: no buffer is written or reread. Each row's weight bytes are read once, in
@@ -312,6 +324,7 @@ void tileK_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, const
     __m256 acc[T];
     for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t s = 0; s < ns; ++s) {
+      prefetch_ahead<X::Q::kBytes>(wr + s * X::Q::kBytes);
       __m256i sumi[T];
       for (int t = 0; t < T; ++t) sumi[t] = _mm256_setzero_si256();
 #if defined(MINIVLLM_INT8_VNNI)
@@ -520,6 +533,7 @@ void tileQ8_0(const uint8_t* w, int64_t row_bytes, int64_t rows, const TokensQ8&
     for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
       const uint8_t* b0 = wr + 2 * p * Q8_0::kBytes;
+      prefetch_ahead<2 * Q8_0::kBytes>(b0);
       const bool two = 2 * p + 1 < nb;
       // the pair's quants, block 2p in the low half, 2p + 1 (or zeros) in the high
       const __m256i q1 = two ? load32(b0 + Q8_0::kBytes + 2) : _mm256_setzero_si256();
