@@ -301,9 +301,9 @@ void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64
 }
 
 // Software prefetch of the weight stream, kPrefetchAhead bytes ahead of p and as many bytes as
-// one block: called once a block, it asks for every line before the tile reads it. One core's
-// reads stall on memory without it: at one thread, Q4_K 8192 x 2048 at M = 1 took 1,400 µs of CPU
-// time without and 800-1,150 with (docs/performance.md has the distances tried).
+// one block: called once a block, it asks for every line before the tile reads it. Without it one
+// core's reads of the rows' single stream stall on memory at decode's few tokens (measured, with
+// the distances tried, on docs/performance.md).
 constexpr int64_t kPrefetchAhead = 2048;
 template <int kBytes>
 inline void prefetch_ahead(const uint8_t* p) {
