@@ -13,8 +13,9 @@ loads), with the load average recorded beside its numbers; at a level with AVX51
 dot is timed too, and on an AVX-512 build whose CPU has AVX512-VNNI the int8 dot (the AVX2 build's
 own product). The dots of a level take turns: `--rounds` rounds, each timing every shape, M and
 dot once, and the median round is printed, so that a machine shared with other work slows each
-dot alike. `--shapes` adds Llama-3.2-1B's Q4_K down (2048 rows of 8192) and SmolLM2's Q4_1
-linears. Random blocks with small fp16 scales (speed does not depend on values).
+dot alike. `--shapes` adds Llama-3.2-1B's Q4_K down (2048 rows of 8192), SmolLM2's Q4_1
+linears and its Q8_0 head (`head_q8`). Random blocks with small fp16 scales (speed does not
+depend on values).
 
     PYTHONPATH=. python benchmarks/gguf_small_m.py [--levels avx2 avx512 avx512_bf16] [--threads 2]
         [--shapes ffn_up head ...] [--rounds 5] [--clock wall|cpu]
@@ -32,7 +33,7 @@ import time
 
 import torch
 
-Q4_1, Q4_K, Q6_K = 3, 12, 14
+Q4_1, Q8_0, Q4_K, Q6_K = 3, 8, 12, 14
 SHAPES = {  # name: (rows, K, GGML type)
     "ffn_up Q4_K 8192x2048": (8192, 2048, Q4_K),
     "head Q6_K 128256x2048": (128256, 2048, Q6_K),
@@ -41,6 +42,7 @@ SHAPES = {  # name: (rows, K, GGML type)
     "o Q4_1 576x576": (576, 576, Q4_1),
     "gate_up Q4_1 3072x576": (3072, 576, Q4_1),
     "down Q4_1 576x1536": (576, 1536, Q4_1),
+    "head_q8 Q8_0 49152x576": (49152, 576, Q8_0),  # SmolLM2's tied head
 }
 DEFAULT_SHAPES = ("ffn_up", "head")
 

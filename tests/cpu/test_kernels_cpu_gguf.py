@@ -342,8 +342,8 @@ def test_auto_gives_the_k_quants_int8_where_there_are_8bit_dots_and_a_missing_ki
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The engine's choice per block type (op_forwards.gguf_dot), on each kind of CPU: the K-quants
-    # take 8-bit dots where the library has them, the 32-weight types bf16 or float32; a forced
-    # kind holds for every type, and one the CPU lacks is refused by name.
+    # and Q8_0 take 8-bit dots where the library has them, the other 32-weight types bf16 or
+    # float32; a forced kind holds for every type, and one the CPU lacks is refused by name.
     from minivllm.cpu import op_forwards
 
     def cpu(env: str, int8: bool, bf16: bool) -> None:
@@ -352,7 +352,7 @@ def test_auto_gives_the_k_quants_int8_where_there_are_8bit_dots_and_a_missing_ki
         monkeypatch.setattr(cpu_ops, "gguf_has_bf16_dot", lambda: bf16)
         op_forwards.gguf_dot.cache_clear()
 
-    k_quants, others = (12, 13, 14), (2, 3, 6, 7, 8)
+    int8_types, others = (8, 12, 13, 14), (2, 3, 6, 7)
     try:
         for int8, bf16, k_dot, other_dot in [
             (True, True, "int8", "bf16"),  # AVX512-BF16 and VNNI
@@ -360,10 +360,10 @@ def test_auto_gives_the_k_quants_int8_where_there_are_8bit_dots_and_a_missing_ki
             (False, False, "float32", "float32"),  # AVX-512 without VNNI, generic, ARM
         ]:
             cpu("auto", int8, bf16)
-            assert [op_forwards.gguf_dot(t) for t in k_quants] == [k_dot] * 3
-            assert [op_forwards.gguf_dot(t) for t in others] == [other_dot] * 5
+            assert [op_forwards.gguf_dot(t) for t in int8_types] == [k_dot] * 4
+            assert [op_forwards.gguf_dot(t) for t in others] == [other_dot] * 4
         cpu("bf16", True, True)
-        assert {op_forwards.gguf_dot(t) for t in k_quants + others} == {"bf16"}
+        assert {op_forwards.gguf_dot(t) for t in int8_types + others} == {"bf16"}
         cpu("int8", False, True)
         with pytest.raises(ValueError, match="MINIVLLM_CPU_GGUF_DOT=int8, but this build has no"):
             op_forwards.gguf_dot(12)

@@ -175,6 +175,7 @@ def test_decode_steps_run_the_blocks_in_the_cpp_loop_as_in_the_python_one(
     has them, the others' bf16 or float32; or int8 for every type), and gives the Python loop's
     logprobs bit for bit."""
     from minivllm.cpu import ops as cpu_ops
+    from minivllm.cpu.op_forwards import INT8_BY_DEFAULT
     from minivllm.llm import LLM
     from minivllm.sampling_params import SamplingParams
     from minivllm.worker.cpu_decode_loop import DOT_CODES, CpuDecodeLoop
@@ -190,8 +191,8 @@ def test_decode_steps_run_the_blocks_in_the_cpp_loop_as_in_the_python_one(
     llm = LLM(str(tiny_gguf), skip_tokenizer_init=True, num_gpu_blocks_override=32)
     loop = llm.llm_engine.runner.decode_loop
     assert isinstance(loop, CpuDecodeLoop) and max(loop.parts) > 1  # a layer of several types
-    dots = {(t in (12, 13, 14), d) for t, d in zip(loop.qtypes, loop.dots) if t >= 0}
-    if cpu_ops.gguf_has_int8_dot():  # the K-quants take 8-bit dots; the others their own
+    dots = {(t in INT8_BY_DEFAULT, d) for t, d in zip(loop.qtypes, loop.dots) if t >= 0}
+    if cpu_ops.gguf_has_int8_dot():  # the K-quants and Q8_0 take 8-bit dots; the others their own
         other = "bf16" if cpu_ops.gguf_has_bf16_dot() else "float32"
         other = "int8" if gguf_dot_env == "int8" else other
         assert dots == {(True, DOT_CODES["int8"]), (False, DOT_CODES[other])}

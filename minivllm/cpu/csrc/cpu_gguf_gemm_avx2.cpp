@@ -34,8 +34,12 @@
 // carries the avx512vnni target (`#pragma GCC target`), and each 32-byte dot is one VNNI
 // instruction (`dot4`: vpdpbusd; `dot32`: maddubs then vpdpwssd) that gives the int32 lanes of
 // AVX2's maddubs/madd pair, exactly: maddubs's int16 pair sums cannot saturate for these quants,
-// so the outputs equal the AVX2 build's for the same x and weights. The register tiles stay 256
-// bits wide, which keeps those lanes and the float steps after them AVX2's.
+// so the outputs equal the AVX2 build's for the same x and weights. The K-quants' in-register
+// tiles dot two 32-byte chunks an instruction there (512 bits, `dot512`) and hold all 8 decode
+// tokens at once (32 registers), but fold each super-block's lanes back to AVX2's 8 before the
+// float steps, which stay 256 bits wide: the same outputs. Q8_0 on VNNI has a kernel of its own
+// (`linearQ8_0`: its bytes dotted where they lie, at every M), whose float steps are its own, so
+// its outputs differ from the AVX2 build's within the bound below (and are batch-invariant).
 // tests/cpu/test_kernels_cpu_gguf.py holds this to a numpy model of the same integer scheme and
 // to the float product within the bound above.
 
@@ -296,6 +300,18 @@ void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64
     for (int t = 0; t < T; ++t) out[t * ldo + r] = hsum(acc[r][t]);
 }
 
+// Software prefetch of the weight stream, kPrefetchAhead bytes ahead of p and as many bytes as
+// one block: called once a block, it asks for every line before the tile reads it. Without it one
+// core's reads of the rows' single stream stall on memory at decode's few tokens (measured, with
+// the distances tried, on docs/performance.md).
+constexpr int64_t kPrefetchAhead = 2048;
+template <int kBytes>
+inline void prefetch_ahead(const uint8_t* p) {
+  const char* a = reinterpret_cast<const char*>(p) + kPrefetchAhead;
+#pragma GCC unroll 4
+  for (int j = 0; j < (kBytes + 63) / 64; ++j) _mm_prefetch(a + 64 * j, _MM_HINT_T0);
+}
+
 // The same outputs as tileK, for rows [0, rows) of packed blocks w (row stride row_bytes) and
 // tokens [t0, t0 + T), with every super-block unpacked in registers (X::dot) and dotted into the
 // T tokens at once: no buffer is written or reread. Each row's weight bytes are read once, in
@@ -312,9 +328,14 @@ void tileK_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, const
     __m256 acc[T];
     for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t s = 0; s < ns; ++s) {
+      prefetch_ahead<X::Q::kBytes>(wr + s * X::Q::kBytes);
       __m256i sumi[T];
       for (int t = 0; t < T; ++t) sumi[t] = _mm256_setzero_si256();
+#if defined(MINIVLLM_INT8_VNNI)
+      const KScales k = X::template dot512<T>(wr + s * X::Q::kBytes, xq + 256 * s, K, sumi);
+#else
       const KScales k = X::template dot<T>(wr + s * X::Q::kBytes, xq + 256 * s, K, sumi);
+#endif
       for (int t = 0; t < T; ++t)
         acc[t] = accumulate(acc[t], sumi[t], k, bsums + (t * ns + s) * 16, dx[t * ns + s]);
     }
@@ -330,6 +351,13 @@ constexpr int64_t kGroupBytes = 128 * 1024;  // a thread's unpacked rows (1 to 2
 // again for every kTokens tokens costs less than writing and rereading the unpacked rows. Work
 // items of kInRegisterRows rows, whose packed bytes stay in L2 while each token tile rereads them.
 constexpr int64_t kInRegisterTokens = 8, kInRegisterRows = 16;
+// Tokens per in-register tile: AVX-512's 32 vector registers hold all 8 tokens' sums, so that
+// each super-block is unpacked once a step; AVX2's 16 hold 4.
+#if defined(MINIVLLM_INT8_VNNI)
+constexpr int kInRegisterTile = 8;
+#else
+constexpr int kInRegisterTile = 4;
+#endif
 
 // Rows per work item: a buffer of about kGroupBytes, a multiple of 4, in a number of items that
 // splits evenly over the threads.
@@ -412,14 +440,22 @@ void linearK(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t 
     at::parallel_for(0, (N + kInRegisterRows - 1) / kInRegisterRows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t n0 = begin * kInRegisterRows; n0 < std::min(N, end * kInRegisterRows); n0 += kInRegisterRows) {
         const int64_t rows = std::min(kInRegisterRows, N - n0);
-        for (int64_t t0 = 0; t0 < M; t0 += kTokens) {
+        for (int64_t t0 = 0; t0 < M; t0 += kInRegisterTile) {
           const uint8_t* wg = w + n0 * row_bytes;
           float* o = out + t0 * N + n0;
-          switch (std::min<int64_t>(kTokens, M - t0)) {
+          switch (std::min<int64_t>(kInRegisterTile, M - t0)) {
             case 1: tileK_in_registers<X, 1>(wg, row_bytes, rows, tok, t0, o, N); break;
             case 2: tileK_in_registers<X, 2>(wg, row_bytes, rows, tok, t0, o, N); break;
             case 3: tileK_in_registers<X, 3>(wg, row_bytes, rows, tok, t0, o, N); break;
+#if defined(MINIVLLM_INT8_VNNI)
+            case 4: tileK_in_registers<X, 4>(wg, row_bytes, rows, tok, t0, o, N); break;
+            case 5: tileK_in_registers<X, 5>(wg, row_bytes, rows, tok, t0, o, N); break;
+            case 6: tileK_in_registers<X, 6>(wg, row_bytes, rows, tok, t0, o, N); break;
+            case 7: tileK_in_registers<X, 7>(wg, row_bytes, rows, tok, t0, o, N); break;
+            default: tileK_in_registers<X, 8>(wg, row_bytes, rows, tok, t0, o, N); break;
+#else
             default: tileK_in_registers<X, 4>(wg, row_bytes, rows, tok, t0, o, N); break;
+#endif
           }
         }
       }
@@ -453,6 +489,100 @@ void linearK(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t 
   });
 }
 
+#if defined(MINIVLLM_INT8_VNNI)
+// ------------------------------------------------------------------ Q8_0 on AVX512-VNNI
+// Q8_0's quants are bytes already: there is nothing to unpack, only the block's fp16 scale. So
+// here, at every token count, each block pair is dotted where it lies (no buffer), 64 products a
+// `vpdpbusd` per token, and its two scales applied to the pair's int32 lanes in one FMA:
+//   Σ_k w_k · dx · xq_k = Σ_blocks (d · dx) · (q · xq)
+// vpdpbusd multiplies unsigned by signed bytes, and both Q8_0's q and x's xq are signed; so x
+// goes in as xq + 128 (`xu`, unsigned) and each lane starts from -128 · Σ q over its 4 weights
+// (`dot4` of 0x80 bytes with q, once a row for all tokens): xu · q - 128 · Σ q = xq · q exactly.
+// The float steps are this kernel's own, the same at every M (batch-invariant), not tile32's:
+// a block's 8 int32 lanes times its d · dx into 8 float lanes, one horizontal sum at the end.
+struct TokensQ8 {
+  int64_t pairs;
+  std::vector<uint8_t> xu;  // [M][pairs][64] xq + 128; 128 (xq = 0) past the last block
+  std::vector<float> dx;    // [M][pairs][16] each block's dx in its 8 lanes; 0 past the last block
+};
+
+TokensQ8 quantize_tokens_q8(const float* x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t nb = K / 32, pairs = (nb + 1) / 2;
+  TokensQ8 t{pairs, std::vector<uint8_t>(M * pairs * 64, 0x80), std::vector<float>(M * pairs * 16, 0.0f)};
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        int8_t q[32];
+        const float d = quantize_block(x + m * ldx + b * 32, 32, q);
+        uint8_t* u = t.xu.data() + m * pairs * 64 + b * 32;
+        for (int k = 0; k < 32; ++k) u[k] = uint8_t(q[k] ^ 0x80);
+        float* dl = t.dx.data() + m * pairs * 16 + b * 8;
+        for (int k = 0; k < 8; ++k) dl[k] = d;
+      }
+  });
+  return t;
+}
+
+// out[t · ldo + r] for rows r < rows of w (Q8_0 blocks, row stride row_bytes), tokens t < T of x.
+template <int T>
+void tileQ8_0(const uint8_t* w, int64_t row_bytes, int64_t rows, const TokensQ8& x, int64_t t0,
+              int64_t nb, float* out, int64_t ldo) {
+  const int64_t pairs = x.pairs;
+  const uint8_t* xu = x.xu.data() + t0 * pairs * 64;
+  const float* dx = x.dx.data() + t0 * pairs * 16;
+  const __m512i bias = _mm512_set1_epi8(char(0x80));
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* wr = w + r * row_bytes;
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint8_t* b0 = wr + 2 * p * Q8_0::kBytes;
+      prefetch_ahead<2 * Q8_0::kBytes>(b0);
+      const bool two = 2 * p + 1 < nb;
+      // the pair's quants, block 2p in the low half, 2p + 1 (or zeros) in the high
+      const __m256i q1 = two ? load32(b0 + Q8_0::kBytes + 2) : _mm256_setzero_si256();
+      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(load32(b0 + 2)), q1, 1);
+      const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, q));
+      const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(half(b0))),
+                                          _mm256_set1_ps(two ? half(b0 + Q8_0::kBytes) : 0.0f), 1);
+      for (int t = 0; t < T; ++t) {
+        const __m512i sums = _mm512_dpbusd_epi32(start, load64(xu + (t * pairs + p) * 64), q);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
+                                 _mm512_mul_ps(d, _mm512_loadu_ps(dx + (t * pairs + p) * 16)), acc[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(acc[t]);
+  }
+}
+
+void linearQ8_0(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M, int64_t N,
+                int64_t K) {
+  const TokensQ8 tok = quantize_tokens_q8(x, ldx, M, K);
+  const int64_t nb = K / 32, row_bytes = nb * Q8_0::kBytes;
+  // Work items of kInRegisterRows rows, whose bytes stay in L1 while every 8-token tile rereads them.
+  at::parallel_for(0, (N + kInRegisterRows - 1) / kInRegisterRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin * kInRegisterRows; n0 < std::min(N, end * kInRegisterRows); n0 += kInRegisterRows) {
+      const int64_t rows = std::min(kInRegisterRows, N - n0);
+      for (int64_t t0 = 0; t0 < M; t0 += 8) {
+        const uint8_t* wg = w + n0 * row_bytes;
+        float* o = out + t0 * N + n0;
+        switch (std::min<int64_t>(8, M - t0)) {
+          case 1: tileQ8_0<1>(wg, row_bytes, rows, tok, t0, nb, o, N); break;
+          case 2: tileQ8_0<2>(wg, row_bytes, rows, tok, t0, nb, o, N); break;
+          case 3: tileQ8_0<3>(wg, row_bytes, rows, tok, t0, nb, o, N); break;
+          case 4: tileQ8_0<4>(wg, row_bytes, rows, tok, t0, nb, o, N); break;
+          case 5: tileQ8_0<5>(wg, row_bytes, rows, tok, t0, nb, o, N); break;
+          case 6: tileQ8_0<6>(wg, row_bytes, rows, tok, t0, nb, o, N); break;
+          case 7: tileQ8_0<7>(wg, row_bytes, rows, tok, t0, nb, o, N); break;
+          default: tileQ8_0<8>(wg, row_bytes, rows, tok, t0, nb, o, N); break;
+        }
+      }
+    }
+  });
+}
+#endif  // MINIVLLM_INT8_VNNI
+
 }  // namespace
 
 // out[M, N] (contiguous) = x[M, K] (row stride ldx) · Wᵀ for GGUF blocks w [N, row_bytes] of a
@@ -464,7 +594,11 @@ void gguf_linear_int8(float* out, const float* x, int64_t ldx, const uint8_t* w,
     case Q4_1::kType: return linear32<Q4_1x>(out, x, ldx, w, M, N, K);
     case Q5_0::kType: return linear32<Q5_0x>(out, x, ldx, w, M, N, K);
     case Q5_1::kType: return linear32<Q5_1x>(out, x, ldx, w, M, N, K);
+#if defined(MINIVLLM_INT8_VNNI)
+    case Q8_0::kType: return linearQ8_0(out, x, ldx, w, M, N, K);
+#else
     case Q8_0::kType: return linear32<Q8_0x>(out, x, ldx, w, M, N, K);
+#endif
     case Q4_K::kType: return linearK<Q4_Kx>(out, x, ldx, w, M, N, K);
     case Q5_K::kType: return linearK<Q5_Kx>(out, x, ldx, w, M, N, K);
     case Q6_K::kType: return linearK<Q6_Kx>(out, x, ldx, w, M, N, K);

@@ -82,6 +82,27 @@ inline __m256i dot4(__m256i q, __m256i x) {
 #endif
 }
 
+#if defined(MINIVLLM_INT8_VNNI)
+// The same dots 512 bits wide, two 32-byte chunks an instruction (`dot64`). Chunk pairs put one
+// chunk in each 256-bit half, so `fold`, the halves' int32 lanes added, gives the lanes that the
+// two chunks' 256-bit dots sum to: integers, exact in any order, so the float steps after them
+// (`accumulate`) see AVX2's lanes.
+inline __m512i load64(const void* p) { return _mm512_loadu_si512(p); }
+// Both 256-bit halves the 32 bytes at p: one broadcast load, which each half then unpacks its way.
+inline __m512i twice32(const void* p) { return _mm512_broadcast_i64x4(load32(p)); }
+constexpr __mmask32 kHigh16 = 0xFFFF0000;  // the 16-bit elements of the high 256-bit half
+inline __m512i dot64(__m512i sumi, __m512i q, const int8_t* x, __m512i sc) {
+  return _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(q, load64(x)), sc);
+}
+inline __m256i fold(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+// pick16 for 512 bits: element e_low of each 128-bit lane in the low 256-bit half, e_high in the high.
+inline __m512i pick16x2(int e_low, int e_high) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(pick16(e_low)), pick16(e_high), 1);
+}
+#endif
+
 // Where `unpack` writes a super-block: q[256] (bytes 0..63, in weight order), sc[8][16] int16
 // (chunk c's scales), mn[16], d and dmin.
 struct KBlock {
@@ -147,6 +168,28 @@ struct Q4_Kx {
     }
     return k;
   }
+#if defined(MINIVLLM_INT8_VNNI)
+  // `dot` in 512 bits: chunk c's low nibbles (sub-block 2c) in the low half, its high nibbles
+  // (2c + 1) in the high half, whose x bytes [64c, 64c + 64) are then one contiguous load.
+  template <int T>
+  static KScales dot512(const uint8_t* b, const int8_t* x, int64_t ldx, __m256i (&sumi)[T]) {
+    const __m512i lo4 = _mm512_set1_epi8(0xF);
+    __m256i sc16;
+    const KScales k = k_scales(b, sc16);
+    const __m512i sc = _mm512_broadcast_i64x4(sc16);
+    __m512i acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = twice32(b + 16 + 32 * c);
+      const __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(v, kHigh16, v, 4), lo4);
+      const __m512i s = _mm512_shuffle_epi8(sc, pick16x2(2 * c, 2 * c + 1));
+      for (int t = 0; t < T; ++t) acc[t] = dot64(acc[t], q, x + t * ldx + 64 * c, s);
+    }
+    for (int t = 0; t < T; ++t) sumi[t] = _mm256_add_epi32(sumi[t], fold(acc[t]));
+    return k;
+  }
+#endif
 };
 
 // Q5_K: | fp16 d | fp16 dmin | scales[12] | qh[32] | qs[128] |
@@ -191,6 +234,31 @@ struct Q5_Kx {
     }
     return k;
   }
+#if defined(MINIVLLM_INT8_VNNI)
+  // As Q4_K's: sub-block 2c in the low half, 2c + 1 in the high. The high half's qh shifted right
+  // by one once (`qh1`) puts both halves' 5th bits at bit 2c, which one shift then moves to bit 4.
+  template <int T>
+  static KScales dot512(const uint8_t* b, const int8_t* x, int64_t ldx, __m256i (&sumi)[T]) {
+    const __m512i lo4 = _mm512_set1_epi8(0xF), bit4 = _mm512_set1_epi8(0x10);
+    const __m512i qh = twice32(b + 16), qh1 = _mm512_mask_srli_epi16(qh, kHigh16, qh, 1);
+    __m256i sc16;
+    const KScales k = k_scales(b, sc16);
+    const __m512i sc = _mm512_broadcast_i64x4(sc16);
+    __m512i acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = twice32(b + 48 + 32 * c);
+      const __m512i top = c < 2 ? _mm512_slli_epi16(qh1, 4 - 2 * c) : _mm512_srli_epi16(qh1, 2 * c - 4);
+      const __m512i q = _mm512_or_si512(_mm512_and_si512(_mm512_mask_srli_epi16(v, kHigh16, v, 4), lo4),
+                                        _mm512_and_si512(top, bit4));
+      const __m512i s = _mm512_shuffle_epi8(sc, pick16x2(2 * c, 2 * c + 1));
+      for (int t = 0; t < T; ++t) acc[t] = dot64(acc[t], q, x + t * ldx + 64 * c, s);
+    }
+    for (int t = 0; t < T; ++t) sumi[t] = _mm256_add_epi32(sumi[t], fold(acc[t]));
+    return k;
+  }
+#endif
 };
 
 // Q6_K: | ql[128] | qh[64] | int8 scales[16] | fp16 d |
@@ -241,6 +309,46 @@ struct Q6_Kx {
     }
     return {_mm256_slli_epi16(sc16, 5), d, d};
   }
+#if defined(MINIVLLM_INT8_VNNI)
+  // `dot` in 512 bits: chunks 4H + 0, 1 in one vector (ql[64 H, 64 H + 64) as it lies, so x's
+  // bytes [128 H, 128 H + 64) are one load) and chunks 4H + 2, 3 in another; each 128-bit lane
+  // takes one scale, 8H + 4p + lane (vpermw).
+  template <int T>
+  static KScales dot512(const uint8_t* b, const int8_t* x, int64_t ldx, __m256i (&sumi)[T]) {
+    const __m512i lo4 = _mm512_set1_epi8(0xF), top2 = _mm512_set1_epi8(0x30);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    const __m512i sc = _mm512_castsi256_si512(sc16);
+    const float d = half(b + 208);
+    __m512i acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int H = 0; H < 2; ++H) {
+      const __m512i l = load64(b + 64 * H), hb = twice32(b + 128 + 32 * H);
+      // chunk 4H + 0 takes bits 0, 1 of hb (shift 4), chunk 4H + 1 bits 2, 3 (shift 2); then
+      // chunk 4H + 2 bits 4, 5 (as they are), 4H + 3 bits 6, 7 (shift -2)
+      const __m512i h01 = _mm512_mask_slli_epi16(_mm512_slli_epi16(hb, 2), ~kHigh16, hb, 4);
+      const __m512i h23 = _mm512_mask_srli_epi16(hb, kHigh16, hb, 2);
+      const __m512i q01 = _mm512_or_si512(_mm512_and_si512(l, lo4), _mm512_and_si512(h01, top2));
+      const __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), lo4),
+                                          _mm512_and_si512(h23, top2));
+      const __m512i s01 = _mm512_permutexvar_epi16(scale_lanes(8 * H), sc);
+      const __m512i s23 = _mm512_permutexvar_epi16(scale_lanes(8 * H + 4), sc);
+      for (int t = 0; t < T; ++t) {
+        acc[t] = dot64(acc[t], q01, x + t * ldx + 128 * H, s01);
+        acc[t] = dot64(acc[t], q23, x + t * ldx + 128 * H + 64, s23);
+      }
+    }
+    for (int t = 0; t < T; ++t) sumi[t] = _mm256_add_epi32(sumi[t], fold(acc[t]));
+    return {_mm256_slli_epi16(sc16, 5), d, d};
+  }
+  // vpermw's indices: 16-bit element j0 + lane in every element of 128-bit lane `lane`.
+  static __m512i scale_lanes(int j0) {
+    return _mm512_setr_epi64(0x0001000100010001LL * j0, 0x0001000100010001LL * j0,
+                             0x0001000100010001LL * (j0 + 1), 0x0001000100010001LL * (j0 + 1),
+                             0x0001000100010001LL * (j0 + 2), 0x0001000100010001LL * (j0 + 2),
+                             0x0001000100010001LL * (j0 + 3), 0x0001000100010001LL * (j0 + 3));
+  }
+#endif
 };
 
 }  // namespace
