@@ -3,8 +3,10 @@ torch, transformers, matplotlib and minivllm's engine once, then forks a child p
 `__main__` (`runpy.run_path`) with the script's folder as `sys.path[0]`, its own argv, cwd, stdout and
 stderr, and exits as `python SCRIPT ARGS` would: an uncaught exception prints its traceback and
 exits 1, atexit handlers run. The children share nothing but the parent's imported modules, so
-a script that forgets an import still fails (its globals are fresh), and its spawned processes
-(tutorials 08 and 16) re-import it from its file as usual.
+a script that forgets an import still fails (its globals are fresh). Scripts that spawn processes
+which re-import them (tutorials 08 and 16) run in a fresh interpreter instead: an object of the
+script's classes that came back pickled from such a process was looked up in the zygote's own
+`__main__` and not found.
 
 The tutorial tests run 16 scripts; each fresh interpreter spent seconds importing the same
 libraries before its first line (tests/test_tutorials.py).
