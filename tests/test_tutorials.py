@@ -1,7 +1,7 @@
-"""The tutorials run, and teach what they say: each `tutorials/0N_*.py` runs as a subprocess
-(`python tutorials/0N_*.py OUT_DIR`, as a reader would run it) and its printed numbers are held
-to the lesson it states. Every tutorial ends with a picture of its own run and a "TRY THIS"
-exercise; figures and traces are written into a temporary folder and checked (PNGs; a trace.json
+"""The tutorials run, and teach what they say: each `tutorials/0N_*.py` runs as a reader would
+run it (`python tutorials/0N_*.py OUT_DIR`, in a fork of tests/utils/zygote.py, which imported the
+libraries once) and its printed numbers are held to the lesson it states. Every tutorial ends
+with a picture of its own run and a "TRY THIS" exercise; figures and traces are written into a temporary folder and checked (PNGs; a trace.json
 and its page). The copies the docs show are committed under docs/tutorials/img/ (regenerate them
 with `python tutorials/0N_*.py docs/tutorials/img`) and docs/img/trace/ (screenshots of tutorial
 09's page, tests/utils/trace_screenshots.py), so the docs build never depends on this run.
@@ -19,10 +19,13 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.utils.zygote import Zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = ROOT / "tutorials"
@@ -30,21 +33,52 @@ DOCS = ROOT / "docs"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def run_tutorial(name: str, out_dir: Path, timeout: int = 300) -> str:
-    """Run one tutorial as a reader would; return its stdout (stderr is shown on failure)."""
+# The tutorials whose ranks are spawned processes that re-import the script: they run in a fresh
+# interpreter. In a fork of the zygote, tutorial 16's driver could not unpickle its stage's reply,
+# an object of a class the script defines ("Can't get attribute 'StageReport' on <module
+# '__main__' from '.../zygote.py'>").
+FRESH_INTERPRETER = {"08_tensor_parallel.py", "16_pipeline_stages.py"}
+_zygote: Zygote | None = None
+
+
+def _tutorial_env() -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("TRITON_INTERPRET", None)  # the Triton backend decides for itself, as for a reader
-    proc = subprocess.run(
-        [sys.executable, str(TUTORIALS / name), str(out_dir)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert "LESSON:" in proc.stdout, proc.stdout
-    return proc.stdout
+    return env
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tutorial_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The tutorials run as forks of one process that imported their libraries once
+    (tests/utils/zygote.py), not as fresh interpreters that each import them again; it ends with
+    this module."""
+    global _zygote
+    _zygote = Zygote(_tutorial_env(), tmp_path_factory.mktemp("tutorial-output"))
+    yield
+    _zygote.close()
+    _zygote = None
+
+
+def run_tutorial(name: str, out_dir: Path, timeout: int = 300) -> str:
+    """Run one tutorial as a reader would (`python tutorials/NAME OUT_DIR`, forked from the
+    zygote unless FRESH_INTERPRETER); return its stdout (stderr is shown on failure)."""
+    argv = [str(TUTORIALS / name), str(out_dir)]
+    if name in FRESH_INTERPRETER:
+        proc = subprocess.run(
+            [sys.executable, *argv],
+            cwd=ROOT,
+            env=_tutorial_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    else:
+        assert _zygote is not None
+        returncode, stdout, stderr = _zygote.run(argv, ROOT, timeout)
+    assert returncode == 0, f"{name} failed:\n{stdout}\n{stderr[-4000:]}"
+    assert "LESSON:" in stdout, stdout
+    return stdout
 
 
 def number(pattern: str, text: str) -> float:
