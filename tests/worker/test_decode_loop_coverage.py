@@ -32,7 +32,8 @@ from minivllm.model.models.llama import (
 )
 from minivllm.model.resolver import resolve_model
 from minivllm.sampling_params import SamplingParams
-from minivllm.worker.cpu_decode_loop import CpuDecodeLoop, not_covered
+from minivllm.worker.cpu_decode_coverage import not_covered
+from minivllm.worker.cpu_decode_loop import CpuDecodeLoop
 from tests.model.test_model_llama import CONFIGS, save_tiny_llama
 from tests.worker.test_kernels_cpu_decode_loop import load, prefilled, step_meta
 

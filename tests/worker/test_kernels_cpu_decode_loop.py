@@ -27,7 +27,8 @@ from minivllm.model.loader import load_model
 from minivllm.model.models.llama import LlamaForCausalLM
 from minivllm.model.resolver import resolve_model
 from minivllm.sampling_params import SamplingParams
-from minivllm.worker.cpu_decode_loop import CpuDecodeLoop, not_covered
+from minivllm.worker.cpu_decode_coverage import not_covered
+from minivllm.worker.cpu_decode_loop import CpuDecodeLoop
 from tests.model.test_model_llama import CONFIGS, save_tiny_llama
 
 pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
