@@ -7,10 +7,9 @@ PY := $(VENV)/bin/python
 # pinned version is the CPU build that lies on disk (no multi-GB CUDA download); on a Linux GPU
 # machine the same pin from PyPI is the CUDA build. Override with e.g. TORCH_SPEC="torch==2.14.1".
 TORCH_SPEC ?= torch==2.13.0
-# `ray` (the Ray executor) is left out: its install and its tests' two-node Ray cluster cost more
-# of make test's time than is left; `make test EXTRAS=dev,triton,server,docs,bench,ray` runs
-# tests/distributed/test_ray_executor.py too (without Ray it is skipped, in one line).
-EXTRAS ?= dev,triton,server,docs,bench
+# `ray`: the Ray executor's tests (tests/distributed/test_ray_executor.py) start a two-node Ray
+# cluster on this machine; without Ray installed they are skipped, in one line.
+EXTRAS ?= dev,triton,server,docs,bench,ray
 # pip byte-compiles every .py file it installs (~17,000 here: torch, transformers, openai, sympy,
 # ...), ~35 s of one core; Python compiles the ones a process imports, once, on first import.
 PIP_FLAGS ?= --no-compile
