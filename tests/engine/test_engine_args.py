@@ -175,6 +175,7 @@ def test_create_engine_config_carries_every_argument(tmp_path: Path) -> None:
     assert carried.pop("sliding_window") is None
     assert carried.pop("layer_sliding_windows") == ()
     assert carried.pop("enable_chunked_prefill") is True  # False only for an encoder's pooler
+    assert carried.pop("encoder_only") is False  # True only for an encoder's pooler: no KV blocks
     json_flags = ("structured_outputs_config", "speculative_config")
     json_flags += ("runner", "convert", "task", "pooler_config", "hf_overrides")
     assert config.pooler is None
