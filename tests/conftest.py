@@ -104,7 +104,9 @@ def smollm2_hf_model(smollm2_gguf: Path):
 
 # The files that take longest (summed --durations of a quiet `make test`, longest first), run
 # first. pytest-xdist's `--dist loadfile` hands whole files to the workers in collection order, and
-# collection order is alphabetical: a long file collected late (tests/test_tutorials.py comes
+# collection order is alphabetical (and the Makefile turns off xdist's own reordering,
+# `--no-loadscope-reorder`, which puts the files with the most tests first and so a file of one
+# long test, the schemathesis run, last): a long file collected late (tests/test_tutorials.py comes
 # after every folder but trace/, utils/ and worker/) would keep one worker busy while the other
 # sat idle at the end. Longest first is the classic fix (LPT scheduling); a file missing here
 # keeps its place after these. Only the order changes, never which tests run.
@@ -112,16 +114,23 @@ LONGEST_FILES_FIRST = (
     "tests/test_tutorials.py",
     "tests/engine/test_engine_greedy.py",
     "tests/entrypoints/test_server_fuzz.py",
-    "tests/distributed/test_tensor_parallel.py",
     "tests/benchmarks/test_benchmark_peers.py",
-    "tests/distributed/test_tensor_parallel_lifecycle.py",
     "tests/engine/test_engine_core_process.py",
-    "tests/distributed/test_pipeline_parallel.py",
-    "tests/cpu/test_cpu_isa_levels.py",
-    "tests/worker/test_kernels_cpu_decode_loop.py",
+    "tests/distributed/test_tensor_parallel.py",
+    "tests/distributed/test_tensor_parallel_lifecycle.py",
+    "tests/entrypoints/test_server_api_key.py",
     "tests/entrypoints/test_server_load.py",
-    "tests/entrypoints/test_server_data_parallel.py",
+    "tests/distributed/test_ray_executor.py",
+    "tests/distributed/test_multinode.py",
+    "tests/engine/test_dp_remote.py",
+    "tests/cpu/test_cpu_isa_levels.py",
+    "tests/entrypoints/test_server_shutdown.py",
+    "tests/distributed/test_pipeline_parallel.py",
+    "tests/distributed/test_model_families_pp.py",
+    "tests/worker/test_kernels_cpu_decode_loop.py",
+    "tests/benchmarks/test_benchmark_llama_cpp_1b.py",
     "tests/engine/test_engine_triton.py",
+    "tests/entrypoints/test_server_data_parallel.py",
 )
 
 
