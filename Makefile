@@ -10,9 +10,10 @@ TORCH_SPEC ?= torch==2.13.0
 # `ray`: the Ray executor's tests (tests/distributed/test_ray_executor.py) start a two-node Ray
 # cluster on this machine; without Ray installed they are skipped, in one line.
 EXTRAS ?= dev,triton,server,docs,bench,ray
-# pip byte-compiles every .py file it installs (~17,000 here: torch, transformers, openai, sympy,
-# ...), ~35 s of one core; Python compiles the ones a process imports, once, on first import.
-PIP_FLAGS ?= --no-compile
+# Extra pip flags. Not --no-compile: where PYTHONDONTWRITEBYTECODE is set (this project's
+# machines set it), Python never writes the .pyc files pip did not, and every process of the
+# suite then compiles torch and transformers from source on each import.
+PIP_FLAGS ?=
 MODEL ?=
 SERVE_ARGS ?=
 
