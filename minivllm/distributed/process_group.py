@@ -46,8 +46,10 @@ def launched_by_torchrun() -> bool:
 
 
 def check_no_process_group() -> None:
-    """torch.distributed has one default group per process, so one tensor-parallel engine."""
-    if dist.is_initialized():
+    """torch.distributed has one default group per process, so one tensor-parallel engine at a
+    time. Under torchrun the default group is the launch's, and engines take turns on it (see
+    `init_distributed`)."""
+    if dist.is_initialized() and not launched_by_torchrun():
         raise RuntimeError(
             "torch.distributed is already initialized in this process: one tensor-parallel "
             "engine per process (shut the other one down first: LLM.shutdown())"
@@ -60,15 +62,22 @@ def init_distributed(
     """Join the group: the device group (torch's default) and the control group, and with
     pipeline parallelism one tensor-parallel group per stage. Every rank calls this; it returns
     when all `tp_size * pp_size` ranks have met at `init_method`. Rank r is tensor-parallel rank
-    r % tp_size of stage r // tp_size (vLLM's layout)."""
-    check_no_process_group()
-    dist.init_process_group(
-        device_backend(device),
-        init_method=init_method,
-        rank=rank,
-        world_size=tp_size * pp_size,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
+    r % tp_size of stage r // tp_size (vLLM's layout).
+
+    Under torchrun the default group belongs to the launch: the first engine of the program makes
+    it and later engines join it (vLLM's external launcher joins a group that exists the same
+    way). Making it again cannot work: torchrun's store still holds the first group's addresses,
+    and the ranks would dial sockets that are closed. Each engine makes and, at its end
+    (`destroy_distributed`), destroys only its own groups over it."""
+    if not (launched_by_torchrun() and dist.is_initialized()):
+        check_no_process_group()
+        dist.init_process_group(
+            device_backend(device),
+            init_method=init_method,
+            rank=rank,
+            world_size=tp_size * pp_size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
     # The timeout is each process's own: the driver never waits long, a worker waits for work.
     control = dist.new_group(
         backend="gloo", timeout=COLLECTIVE_TIMEOUT if rank == 0 else IDLE_TIMEOUT
@@ -92,9 +101,23 @@ def init_distributed(
     return tp, pp, control
 
 
-def destroy_distributed() -> None:
-    if dist.is_initialized():
+def destroy_distributed(
+    tp: TensorParallelGroup | None = None,
+    pp: PipelineParallelGroup | None = None,
+    control: dist.ProcessGroup | None = None,
+) -> None:
+    """Leave the group. Under torchrun only the engine's own groups go (`tp`, `pp` and `control`,
+    as `init_distributed` made them) and torchrun's default group stays for the program's next
+    engine; otherwise the engine made the default group, and it goes with every group over it."""
+    if not dist.is_initialized():
+        return
+    if not launched_by_torchrun():
         dist.destroy_process_group()
+        return
+    own = [control, None if tp is None else tp.group, None if pp is None else pp.output_group]
+    for group in own:
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
 
 
 def broadcast_message(

@@ -290,7 +290,7 @@ class DistributedExecutor:
                 graceful = False
         self.end_workers(graceful)
         self.stop_receiver()
-        destroy_distributed()
+        destroy_distributed(self.tp, self.pp, self.control)
 
     def stop_receiver(self) -> None:
         """The receiver takes the outputs still due (a graceful stop: the stages finish their

@@ -196,4 +196,4 @@ def run_torchrun_worker(local: WorkerConfig) -> None:
         runner = build_runner(wc, tp, control, device, pp=pp)
         worker_loop(runner, control)
     finally:
-        destroy_distributed()
+        destroy_distributed(tp, pp, control)

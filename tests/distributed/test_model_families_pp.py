@@ -1,5 +1,6 @@
-"""Two pipeline stages of every family in the model registry give one process's greedy tokens,
-and transformers' (paper §4.6; the issue's done-when for pipeline parallelism).
+"""Two pipeline stages of every family in the model registry give transformers' greedy tokens
+(paper §4.6; the issue's done-when for pipeline parallelism), spawned by the engine, and two
+tensor-parallel ranks by two stages of every family do under one torchrun launch.
 
 Each family's whole module tree is built, and `keep_stage` (minivllm/model/pipeline.py) puts a
 `PPMissingLayer` where the other stage holds the part, so each family meets the split in its own
@@ -13,19 +14,28 @@ layers: global; window | window); Gemma 3's q/k norms go with their layer, and b
 tables (local and global bases) are on every stage. The tiny families have 2 layers (1 + 1), the
 Gemmas 3 (2 + 1).
 
-Every family runs two prompts, Gemma 2 six through a KV pool small enough to preempt, with
-chunked prefill and shared prefixes (SMALL_ENGINE of tests/model/test_model_families.py); the
-single-process engine runs them in this process, the two stages run over gloo, spawned by the
-engine, and both must give transformers' tokens; each stage must hold exactly its parts (asked of
-every rank). The
-Llama family's stages (with tensor parallelism, uneven partitions, batches in flight and failures)
-are tests/distributed/test_pipeline_parallel.py's; the bundled SmolLM2 over two torchrun nodes is
-tests/distributed/test_multinode.py's. A pooling model (BERT's encoder, a cross-encoder, a
-classifier made of a causal LM) is not split: it is refused by name before any process starts.
+Spawned, two stages: every family runs two prompts, Gemma 2 six through a KV pool small enough to
+preempt, with chunked prefill and shared prefixes (SMALL_ENGINE of
+tests/model/test_model_families.py). Under torchrun, 2 x 2 ranks: every family (and Llama's
+class, as Mistral) runs those six through that pool. The tokens are held to transformers', not
+to a single-process run: tests/model/test_model_families.py and test_model_gemma.py hold the
+single-process engine to transformers on the same tiny models under the same kind of workload,
+so equal to transformers is equal to one process, at no extra engine. Each stage must hold
+exactly its parts (asked of every rank).
+
+The torchrun launch is one for all families: its four ranks build one engine after another on
+the launch's one process group (minivllm/distributed/process_group.py: the first engine makes
+it, the later ones join it), so the ranks start once, not once a family. The Llama family's
+stages (spawned with tensor parallelism, uneven partitions, batches in flight and failures) are
+tests/distributed/test_pipeline_parallel.py's; the bundled SmolLM2 (two stages spawned, and over
+two torchrun nodes) is tests/distributed/test_multinode.py's. A pooling model (BERT's encoder, a
+cross-encoder, a classifier made of a causal LM) is not split: it is refused by name before any
+process starts.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,7 +54,12 @@ from tests.model.test_model_families import (
 )
 from tests.model.test_model_gemma import save_gemma
 from tests.utils.pooling_utils import save_tiny_bert
-from tests.utils.tp_utils import live_descendants, no_leftover_processes, stage_parts
+from tests.utils.tp_utils import (
+    live_descendants,
+    no_leftover_processes,
+    stage_parts,
+    torchrun_stdout,
+)
 
 pytestmark = pytest.mark.timeout(600)  # a hang guard for a broken send; no timing
 
@@ -61,37 +76,99 @@ def _no_leftover_processes() -> Iterator[None]:
     yield from no_leftover_processes()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_two_stages_give_one_process_s_and_transformers_greedy_tokens(
-    tmp_path: Path, family: str
-) -> None:
+def family_run(tmp_path: Path, family: str, six_prompts: bool) -> dict[str, Any]:
+    """The family's tiny model saved under `tmp_path`, its engine arguments and prompts, and
+    transformers' tokens for them: SMALL_ENGINE's six prompts (preemption, chunks, prefix hits),
+    or the first two."""
     if family.startswith("gemma"):
-        hf, path = save_gemma(tmp_path, family)
+        hf, path = save_gemma(tmp_path / family, family)
         engine: dict[str, Any] = dict(GEMMA_ENGINE)
     else:
-        hf, path = save_family(tmp_path, family)
-        engine = dict(max_model_len=64)
-    if family == "gemma2":
+        hf, path = save_family(tmp_path / family, family)
+        engine = (SMALL_ENGINE if six_prompts else {}) | dict(max_model_len=64)
+    if six_prompts:
         prompts, max_tokens, expected = small_engine_workload(hf)
     else:
         prompts, max_tokens, expected = prompts_and_oracle(hf, count=2)
     engine |= dict(skip_tokenizer_init=True, cpu_kv_cache_space=0.01)
-    with tp_llm(path, 1, **engine) as one:
-        single = greedy(one, prompts, max_tokens)
-    with tp_llm(path, 1, pipeline_parallel_size=2, **engine) as llm:
+    return dict(
+        family=family,
+        path=str(path),
+        layers=hf.config.num_hidden_layers,
+        engine=engine,
+        prompts=prompts,
+        max_tokens=max_tokens,
+        expected=expected,
+    )
+
+
+def parts_of_stages(num_layers: int, tp: int) -> list[dict[str, Any]]:
+    """What each rank of 2 stages x `tp` ranks must hold (rank r is in stage r // tp)."""
+    first = stage_sizes(num_layers, 2)[0]
+    stage0 = dict(layers=list(range(first)), embed=True, norm=False, lm_head=False)
+    stage1 = dict(layers=list(range(first, num_layers)), embed=False, norm=True, lm_head=True)
+    return [stage0] * tp + [stage1] * tp
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_stages_give_transformers_greedy_tokens(tmp_path: Path, family: str) -> None:
+    run = family_run(tmp_path, family, six_prompts=family == "gemma2")
+    with tp_llm(run["path"], 1, pipeline_parallel_size=2, **run["engine"]) as llm:
         parts = llm.llm_engine.executor.collective_rpc(stage_parts)
-        got = greedy(llm, prompts, max_tokens)
+        got = greedy(llm, run["prompts"], run["max_tokens"])
         stats = llm.get_stats()
-    n = hf.config.num_hidden_layers
-    first = stage_sizes(n, 2)[0]
-    assert parts == [
-        dict(layers=list(range(first)), embed=True, norm=False, lm_head=False),
-        dict(layers=list(range(first, n)), embed=False, norm=True, lm_head=True),
-    ]
-    assert single == expected
-    assert got == expected
+    assert parts == parts_of_stages(run["layers"], tp=1)
+    assert got == run["expected"]
     if family == "gemma2":
         assert stats.num_preemptions > 0 and stats.num_prefix_cache_hit_tokens > 0
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from minivllm import LLM, SamplingParams
+from tests.utils.tp_utils import stage_parts
+
+# torchrun runs this on each of the 4 ranks, and every rank builds the families' engines in turn.
+# On ranks 1-3 building an engine serves rank 0's steps until rank 0 shuts that engine down, then
+# ends by SystemExit(0), which here goes on to the next family instead.
+for run in json.loads(open(sys.argv[1]).read()):
+    try:
+        llm = LLM(run["path"], tensor_parallel_size=2, pipeline_parallel_size=2, **run["engine"])
+    except SystemExit:
+        continue
+    parts = llm.llm_engine.executor.collective_rpc(stage_parts)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in run["max_tokens"]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in run["prompts"]], params, use_tqdm=False)
+    stats = llm.get_stats()
+    llm.shutdown()
+    got = dict(
+        family=run["family"],
+        parts=parts,
+        tokens=[list(o.outputs[0].token_ids) for o in outs],
+        preemptions=stats.num_preemptions,
+        prefix_hits=stats.num_prefix_cache_hit_tokens,
+    )
+    print("family", json.dumps(got), flush=True)
+"""
+
+
+def test_two_ranks_by_two_stages_of_every_family_under_one_torchrun_give_transformers_tokens(
+    tmp_path: Path,
+) -> None:
+    runs = [family_run(tmp_path, f, six_prompts=True) for f in ["mistral-no-window", *FAMILIES]]
+    spec = tmp_path / "families.json"
+    spec.write_text(json.dumps([{k: v for k, v in r.items() if k != "expected"} for r in runs]))
+    script = tmp_path / "tp2_pp2_families.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    stdout = torchrun_stdout(script, [str(spec)], nproc=4)
+    got = [
+        json.loads(line[len("family ") :]) for line in stdout.splitlines() if line[:7] == "family "
+    ]
+    assert [g["family"] for g in got] == [r["family"] for r in runs], stdout
+    for run, g in zip(runs, got):
+        assert g["parts"] == parts_of_stages(run["layers"], tp=2), run["family"]
+        assert g["tokens"] == run["expected"], run["family"]
+        assert g["preemptions"] > 0 and g["prefix_hits"] > 0, g
 
 
 @pytest.mark.parametrize("num_labels", [None, 1], ids=["bert-embedding", "bert-cross-encoder"])

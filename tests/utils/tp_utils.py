@@ -103,17 +103,27 @@ def stage_parts(runner) -> dict[str, object]:
 
 
 def torchrun_tokens(script: Path, model: Path | None, nnodes: int = 1) -> list[list[int]]:
-    """Run `script MODEL` (no MODEL: the bundled SmolLM2) under torchrun and return the token ids
-    of each line it prints as `tokens ID ID ...`. One node: `torchrun --standalone
-    --nproc-per-node 2`. Several: one `torchrun --nnodes N --node-rank R --nproc-per-node 1
-    --master-addr 127.0.0.1 --master-port P` invocation per node, as on N machines, meeting at
-    torchrun's static rendezvous on loopback. Each invocation runs in its own process group (so
-    that a failure stops torchrun and its ranks together); every process they started, ranks
-    included, must be gone when they are."""
+    """Run `script MODEL` (no MODEL: the bundled SmolLM2) under torchrun (`torchrun_stdout`) and
+    return the token ids of each line it prints as `tokens ID ID ...`."""
+    stdout = torchrun_stdout(script, [] if model is None else [str(model)], nnodes=nnodes)
+    return [
+        [int(t) for t in line.split()[1:]]
+        for line in stdout.splitlines()
+        if line.startswith("tokens")
+    ]
+
+
+def torchrun_stdout(script: Path, args: list[str], nnodes: int = 1, nproc: int = 2) -> str:
+    """Run `script ARGS...` under torchrun and return what node 0 printed. One node: `torchrun
+    --standalone --nproc-per-node NPROC`. Several: one `torchrun --nnodes N --node-rank R
+    --nproc-per-node 1 --master-addr 127.0.0.1 --master-port P` invocation per node, as on N
+    machines, meeting at torchrun's static rendezvous on loopback. Each invocation runs in its own
+    process group (so that a failure stops torchrun and its ranks together); every process they
+    started, ranks included, must be gone when they are."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    argv = [str(script)] + ([] if model is None else [str(model)])
+    argv = [str(script), *args]
     if nnodes == 1:
-        launches = [["--standalone", "--nproc-per-node", "2"]]
+        launches = [["--standalone", "--nproc-per-node", str(nproc)]]
     else:
         port = free_loopback_port()
         launches = [
@@ -155,9 +165,4 @@ def torchrun_tokens(script: Path, model: Path | None, nnodes: int = 1) -> list[l
         stdout, stderr = outputs.get(i, ("", "(timed out)"))
         assert proc.returncode == 0, stdout + stderr[-4000:]
     assert_gone(started.values(), "after torchrun")
-    stdout = outputs[len(procs) - 1][0]  # node 0's: rank 0 prints
-    return [
-        [int(t) for t in line.split()[1:]]
-        for line in stdout.splitlines()
-        if line.startswith("tokens")
-    ]
+    return outputs[len(procs) - 1][0]  # node 0's: rank 0 prints
