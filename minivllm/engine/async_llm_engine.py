@@ -15,6 +15,9 @@ same:
 - When nothing is pending the thread blocks on the command queue instead of spinning.
 - After each step it publishes an `EngineStats` snapshot, which handlers read (for the
   waiting-queue bound) without reaching into the scheduler from another thread.
+- When the engine dies (`EngineDeadError`: a tensor-parallel or pipeline rank was lost) the thread
+  fails every open request, and every command still queued; a request added later fails at once,
+  so the server answers a 500 instead of a request that waits for a thread that is gone.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,6 +47,11 @@ if TYPE_CHECKING:
     import asyncio
 
 logger = logging.getLogger("minivllm")
+
+
+def dead_engine_error(exc: BaseException) -> RuntimeError:
+    """What a request of a dead engine fails with (the handlers answer it with a 500)."""
+    return RuntimeError(f"the engine failed: {exc}")
 
 
 @dataclass
@@ -88,6 +97,8 @@ class AsyncLLMEngine(EngineClientBase):
         # Counted as applied only when the stats that include them are published, so that
         # `num_waiting` never misses a request that is in neither.
         self._num_adds_unpublished = 0  # engine thread only
+        # A command is queued, or refused, whole before the dying engine thread drains the queue.
+        self._dead_lock = threading.Lock()
 
     # ------------------------------------------------------------------ the event-loop side
     def start(self) -> None:
@@ -119,12 +130,20 @@ class AsyncLLMEngine(EngineClientBase):
         their `request_id`.
         """
         sink = self._sink_for(out)
-        self._num_adds_queued += 1
-        self._commands.put(_Add(request_id, prompt, params, sink, lora_request))
+        with self._dead_lock:
+            if self.dead_error is not None:  # no thread left to take it
+                out.put_nowait(dead_engine_error(self.dead_error))
+                return
+            self._num_adds_queued += 1
+            self._commands.put(_Add(request_id, prompt, params, sink, lora_request))
 
     def _call_utility(self, method: str, *args: Any) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put(_Utility(method, args, future))
+        with self._dead_lock:
+            if self.dead_error is not None:
+                future.set_exception(dead_engine_error(self.dead_error))
+                return future
+            self._commands.put(_Utility(method, args, future))
         return future
 
     def abort(self, request_ids: list[str]) -> None:
@@ -162,10 +181,22 @@ class AsyncLLMEngine(EngineClientBase):
                 self._deliver(outputs)
         except BaseException as exc:  # the engine is broken: fail every open request loudly
             logger.exception("the engine thread died")
-            self.dead_error = exc
+            with self._dead_lock:
+                self.dead_error = exc
+                queued = []
+                while True:
+                    try:
+                        queued.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
             for sink in self._sinks.values():
-                sink(RuntimeError(f"the engine failed: {exc}"))
+                sink(dead_engine_error(exc))
             self._sinks.clear()
+            for cmd in queued:  # sent before the engine died, never applied
+                if isinstance(cmd, _Add):
+                    cmd.sink(dead_engine_error(exc))
+                elif isinstance(cmd, _Utility):
+                    cmd.future.set_exception(dead_engine_error(exc))
 
     def _apply(self, cmd: Command) -> None:
         if isinstance(cmd, _Abort):

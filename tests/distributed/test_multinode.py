@@ -4,7 +4,8 @@
 Node 0 is this test's process (the engine, rank 0), node 1 a `minivllm serve --headless` process
 (rank 1); they meet at torch.distributed's TCPStore on 127.0.0.1. Two pipeline stages across them
 must give one process's greedy tokens; killing node 1 must fail node 0 with an error that names
-node 1's rank, and leave no process. The combinations this launch cannot serve are refused by
+node 1's rank, answered by node 0's OpenAI server as a 500 in OpenAI's shape, and leave no
+process. The combinations this launch cannot serve are refused by
 name before any process starts. No test here may leave a process behind.
 """
 
@@ -17,13 +18,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.distributed.process_group import free_loopback_port
 from minivllm.entrypoints import cli
-from minivllm.executor.tensor_parallel import EngineDeadError
 from tests.utils.engine_utils import save_tiny_llama
+from tests.utils.server_utils import serve_in_process
 from tests.utils.tp_utils import live_descendants, no_leftover_processes, torchrun_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +95,13 @@ def test_two_nodes_over_loopback_give_one_process_s_tokens_and_both_end(tiny: Pa
         node_one.wait()
 
 
-def test_killing_node_one_fails_node_zero_naming_its_rank(tiny: Path) -> None:
+def test_killing_node_one_fails_node_zero_by_rank_and_its_server_answers_openai_s_500(
+    tiny: Path,
+) -> None:
+    """Node 0's engine behind the OpenAI server (its engine thread steps it, as `minivllm serve`
+    does); node 1 is killed at the third step of a completion. The step fails naming node 1's
+    rank, the completion is a 500 in OpenAI's error shape (not a hang), /health turns 503, a
+    later request fails at once, and no process is left."""
     port = free_loopback_port()
     node_one = start_node_one(tiny, port)
     try:
@@ -109,11 +117,17 @@ def test_killing_node_one_fails_node_zero_naming_its_rank(tiny: Path) -> None:
             return execute(sched, **kwargs)
 
         executor.execute_model = kill_node_one_at_third_step  # type: ignore[method-assign]
-        with pytest.raises(EngineDeadError, match=r"other nodes: node 1 \(rank 1\)"):
-            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert len(steps) == 3  # it failed in the step that lost the node, not later
-        with pytest.raises(EngineDeadError, match="node 1"):  # and every later call at once
-            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        body = {"prompt": PROMPTS[0]["prompt_token_ids"], "max_tokens": 8, "temperature": 0}
+        with serve_in_process(llm.llm_engine) as server:
+            response = httpx.post(server.base_url + "/completions", json=body, timeout=120)
+            assert response.status_code == 500, response.text
+            error = response.json()["error"]
+            assert {"message", "type", "code"} <= set(error) and error["code"] == 500
+            assert "other nodes: node 1 (rank 1)" in error["message"], error
+            assert len(steps) == 3  # it failed in the step that lost the node, not later
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+            again = httpx.post(server.base_url + "/completions", json=body, timeout=30)
+            assert again.status_code in (500, 503) and "error" in again.json()
         llm.shutdown()
     finally:
         node_one.kill()
