@@ -4,7 +4,8 @@ One Ray cluster for the module, of two nodes on this machine, each its own rayle
 and a resource of its own (`node0`, `node1`): `ray start --head`, then `ray start --address`.
 Tensor parallelism of 2 needs two one-CPU bundles, which no single node holds, so the placement
 group puts rank 1's actor on the other node. Greedy tokens must equal one process's; an actor
-killed mid-run must fail the engine naming its rank; shutdown must kill the actors and remove the
+killed mid-run must fail the engine naming its rank, and the OpenAI server in front of it must
+answer 500s in OpenAI's shape; shutdown must kill the actors and remove the
 placement group. The cluster is ended by killing its own process groups, never by `ray stop`,
 which would stop every Ray cluster of this user on the machine.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -29,8 +32,8 @@ ray = pytest.importorskip("ray", reason="ray is not installed (pip install miniv
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.distributed.process_group import free_loopback_port  # noqa: E402
-from minivllm.executor.tensor_parallel import EngineDeadError  # noqa: E402
 from tests.utils.engine_utils import save_tiny_llama  # noqa: E402
+from tests.utils.server_utils import serve_in_process  # noqa: E402
 from tests.utils.tp_utils import assert_gone  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,7 +150,13 @@ def test_two_ranks_on_two_ray_nodes_give_one_process_s_tokens(cluster: str, tiny
     assert_gone([actor], "the actor after shutdown()")
 
 
-def test_a_killed_actor_fails_the_engine_naming_its_rank(cluster: str, tiny: Path) -> None:
+def test_a_killed_actor_fails_the_engine_naming_its_rank_and_its_server_answers_500(
+    cluster: str, tiny: Path
+) -> None:
+    """The engine behind the OpenAI server (its engine thread steps it, as `minivllm serve`
+    does); rank 1's actor is killed at the third step of a completion: the completion, and the
+    next one, are 500s in OpenAI's shape naming the rank, and the actor and its placement group
+    are gone."""
     llm = LLM(
         str(tiny),
         tensor_parallel_size=2,
@@ -160,18 +169,23 @@ def test_a_killed_actor_fails_the_engine_naming_its_rank(cluster: str, tiny: Pat
     try:
         execute, steps = executor.execute_model, []
 
-        def kill_at_third_step(sched):
+        def kill_at_third_step(sched, **kwargs):
             steps.append(sched)
             if len(steps) == 3:
                 actor.kill()
-            return execute(sched)
+            return execute(sched, **kwargs)
 
         executor.execute_model = kill_at_third_step  # type: ignore[method-assign]
-        with pytest.raises(
-            EngineDeadError, match=rf"rank 1 \(Ray actor \w+, pid {worker.pid} on node .*\) died"
-        ):
-            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert len(steps) == 3  # it failed in the step that lost the actor, not later
+        body = {"prompt": PROMPTS[0]["prompt_token_ids"], "max_tokens": 8, "temperature": 0}
+        named = rf"rank 1 \(Ray actor \w+, pid {worker.pid} on node .*\) died"
+        with serve_in_process(llm.llm_engine) as server:
+            for _ in range(2):  # the one in flight, then a new one
+                response = httpx.post(server.base_url + "/completions", json=body, timeout=120)
+                assert response.status_code == 500, response.text
+                error = response.json()["error"]
+                assert {"message", "type", "code"} <= set(error) and error["code"] == 500
+                assert re.search(named, error["message"]), error
+            assert len(steps) == 3  # it failed in the step that lost the actor, not later
         assert ray.util.placement_group_table(executor.pg)["state"] == "REMOVED"  # type: ignore[attr-defined]
     finally:
         llm.shutdown()
