@@ -3,7 +3,8 @@
 
 Node 0 is this test's process (the engine, rank 0), node 1 a `minivllm serve --headless` process
 (rank 1); they meet at torch.distributed's TCPStore on 127.0.0.1. Two pipeline stages across them
-must give one process's greedy tokens; killing node 1 must fail node 0 with an error that names
+must give one process's greedy tokens (and the bundled SmolLM2's two stages, over two torchrun
+nodes and spawned by the engine); killing node 1 must fail node 0 with an error that names
 node 1's rank, answered by node 0's OpenAI server as a 500 in OpenAI's shape, and leave no
 process. The combinations this launch cannot serve are refused by
 name before any process starts. No test here may leave a process behind.
@@ -155,16 +156,26 @@ for out in llm.generate(prompts, greedy, use_tqdm=False):
 """
 
 
-def test_smollm2_over_two_torchrun_nodes_gives_one_process_s_tokens(tmp_path: Path) -> None:
+def test_smollm2_s_two_stages_spawned_and_over_two_torchrun_nodes_give_one_process_s_tokens(
+    tmp_path: Path,
+) -> None:
     """Two `torchrun --nnodes 2 --node-rank R --nproc-per-node 1` invocations on loopback, one a
     pipeline stage each: the ranks meet at torchrun's rendezvous (env://), rank 0 sends its
-    configuration, and every process ends with rank 0's shutdown (`torchrun_tokens` checks)."""
+    configuration, and every process ends with rank 0's shutdown (`torchrun_tokens` checks).
+    Then the same two stages spawned by the engine. (Two tensor-parallel ranks by two stages
+    cannot split SmolLM2's 9 heads: refused, tests/distributed/test_pipeline_parallel.py.)"""
     script = tmp_path / "pp_two_nodes.py"
     script.write_text(TORCHRUN_SCRIPT)
     got = torchrun_tokens(script, None, nnodes=2)
     one = LLM(None, **SMOLLM2)  # type: ignore[arg-type]
     prompts = [{"prompt_token_ids": one.get_tokenizer().encode(t)} for t in TEXTS]
-    assert got == tokens(one.generate(prompts, GREEDY, use_tqdm=False))
+    expected = tokens(one.generate(prompts, GREEDY, use_tqdm=False))
+    assert got == expected
+    stages = LLM(None, pipeline_parallel_size=2, **SMOLLM2)  # type: ignore[arg-type]
+    try:
+        assert tokens(stages.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    finally:
+        stages.shutdown()
 
 
 # ---------------------------------------------------------------------------------- refusals

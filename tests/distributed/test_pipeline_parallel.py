@@ -8,9 +8,11 @@ are uneven (3 layers over 2 stages: 2 + 1), tied embeddings included (the last s
 reads the embedding table that only the first stage otherwise holds). One workload exercises
 chunked prefill, preemption and prefix caching at once, and the test checks that they ran, and
 that two batches were in flight at once (the step trace says which), never sharing a request.
-The scheduler's rule for batches in flight is tested on its own first, without an engine. A
-killed stage fails the engine naming its rank; a size that does not fit is refused by name
-before any process starts. No test may leave a process behind (`no_leftover_processes`). The
+The scheduler's rule for batches in flight is tested on its own first, without an engine.
+Structured outputs (a regex, a choice, a JSON schema) give one process's text on every layout;
+speculative decoding is refused by name. A killed stage fails the engine naming its rank; a size
+that does not fit is refused by name before any process starts, SmolLM2 over 2 x 2 ranks
+included (its 9 heads do not split over 2 tensor-parallel ranks). No test may leave a process behind (`no_leftover_processes`). The
 other families' stages: tests/distributed/test_model_families_pp.py; torchrun over two nodes:
 tests/distributed/test_multinode.py.
 """
@@ -24,7 +26,7 @@ from typing import Any
 import psutil
 import pytest
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
@@ -44,6 +46,7 @@ from tests.utils.tp_utils import live_descendants, no_leftover_processes
 
 # A hang guard (a broken send would otherwise wait COLLECTIVE_TIMEOUT); no timing.
 pytestmark = pytest.mark.timeout(600)
+NUMBER_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
 
 @pytest.fixture(autouse=True)
@@ -58,6 +61,31 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int
     path = save_tiny_llama(tmp_path_factory.mktemp("llama3"), num_hidden_layers=3)
     with tp_llm(path, 1, **ENGINE) as one:
         return path, greedy(one, workload())
+
+
+# Structured outputs (issue 47's what-to-build 1): the grammar's bitmask is applied where the
+# driver samples, on the logits the last stage sent back, and a matcher advances when its
+# batch commits; a request is never in two batches in flight, so its matcher is never behind.
+STRUCTURED = [
+    ("Name three words:", StructuredOutputsParams(regex=r"[a-z]{3,8}( [a-z]{2,6}){2}")),
+    ("Which parallelism?", StructuredOutputsParams(choice=["pipeline", "tensor", "data"])),
+    ("A number as JSON:", StructuredOutputsParams(json=NUMBER_SCHEMA)),
+]
+
+
+def structured(llm: LLM) -> list[str]:
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so)
+        for _, so in STRUCTURED
+    ]
+    outputs = llm.generate([p for p, _ in STRUCTURED], params, use_tqdm=False)
+    return [o.outputs[0].text for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def structured_one_process(llama: tuple[Path, list[list[int]]]) -> list[str]:
+    with tp_llm(llama[0], 1, **ENGINE) as one:
+        return structured(one)
 
 
 # ---------------------------------------------------------------------------------- the split
@@ -108,6 +136,19 @@ def test_sizes_that_do_not_fit_are_refused_by_name_before_any_process(
     before = set(live_descendants())
     with pytest.raises(ValueError, match=message):
         LLM(str(llama[0]), **kwargs)
+    assert set(live_descendants()) == before  # no worker was started
+
+
+def test_smollm2_over_two_ranks_by_two_stages_is_refused_naming_its_heads_before_any_process() -> (
+    None
+):
+    """SmolLM2 has 9 attention heads and 3 KV heads: two tensor-parallel ranks cannot split
+    them, with stages or without (vLLM refuses it too: the heads must divide by the
+    tensor-parallel size). Its two stages alone run: tests/distributed/test_multinode.py."""
+    before = set(live_descendants())
+    named = r"tensor_parallel_size 2 does not split this model: its 9 attention heads do not "
+    with pytest.raises(ValueError, match=named + r"divide over 2 ranks.*must be one of \[1, 3\]"):
+        LLM(None, tensor_parallel_size=2, pipeline_parallel_size=2, quantization="none")
     assert set(live_descendants()) == before  # no worker was started
 
 
@@ -164,6 +205,7 @@ def test_a_sequence_in_flight_is_never_preempted_the_one_asking_is_instead() -> 
 )
 def test_stages_give_one_process_s_greedy_tokens_under_chunking_preemption_and_prefix_hits(
     llama: tuple[Path, list[list[int]]],
+    structured_one_process: list[str],
     monkeypatch: pytest.MonkeyPatch,
     tp: int,
     pp: int,
@@ -191,6 +233,7 @@ def test_stages_give_one_process_s_greedy_tokens_under_chunking_preemption_and_p
             assert greedy(llm, workload()) == expected
         stats = llm.get_stats()
         abort_while_in_flight(llm, workload(), expected)
+        assert structured(llm) == structured_one_process  # a regex, a choice, a JSON schema
     assert chunks  # prompt chunks that did not reach the end of their prompt
     assert stats.num_preemptions > 0
     assert stats.num_prefix_cache_hit_tokens >= 32
