@@ -14,6 +14,7 @@ by name.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,13 +122,31 @@ def small_engine_workload(hf: Any) -> tuple[list[list[int]], list[int], list[Any
     return prompts, max_tokens, expected
 
 
+@pytest.fixture(scope="module")
+def saved_family(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str], tuple[Path, tuple[list[list[int]], list[int], list[Any]]]]:
+    """The family's saved model and `small_engine_workload` with transformers' tokens, made once
+    for the module (both backends' tests read them; the oracle is most of a test's time)."""
+    made: dict[str, tuple[Path, tuple[list[list[int]], list[int], list[Any]]]] = {}
+
+    def get(family: str) -> tuple[Path, tuple[list[list[int]], list[int], list[Any]]]:
+        if family not in made:
+            hf, path = save_family(tmp_path_factory.mktemp(family), family)
+            made[family] = (path, small_engine_workload(hf))
+        return made[family]
+
+    return get
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_greedy_tokens_equal_transformers(tmp_path: Path, family: str, backend: str) -> None:
+def test_family_greedy_tokens_equal_transformers(
+    saved_family: Callable[[str], Any], family: str, backend: str
+) -> None:
     """transformers' greedy tokens through a small KV pool that preempts, chunked prefill and
     shared prefixes, every block returned."""
-    hf, path = save_family(tmp_path, family)
-    prompts, max_tokens, expected = small_engine_workload(hf)
+    path, (prompts, max_tokens, expected) = saved_family(family)
     with family_llm(path, attention_backend=backend, max_model_len=64, **SMALL_ENGINE) as llm:
         model = llm.llm_engine.runner.model
         assert type(model).__name__ == FAMILIES[family][1].replace("Mistral", "Llama")
