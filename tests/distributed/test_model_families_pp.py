@@ -128,12 +128,13 @@ import json, sys
 from minivllm import LLM, SamplingParams
 from tests.utils.tp_utils import stage_parts
 
-# torchrun runs this on each of the 4 ranks, and every rank builds the families' engines in turn.
+# torchrun runs this on each of the 4 ranks, and every rank builds the engines in turn.
 # On ranks 1-3 building an engine serves rank 0's steps until rank 0 shuts that engine down, then
-# ends by SystemExit(0), which here goes on to the next family instead.
+# ends by SystemExit(0), which here goes on to the next engine instead.
 for run in json.loads(open(sys.argv[1]).read()):
     try:
-        llm = LLM(run["path"], tensor_parallel_size=2, pipeline_parallel_size=2, **run["engine"])
+        llm = LLM(run["path"], tensor_parallel_size=run["tp"], pipeline_parallel_size=run["pp"],
+                  **run["engine"])
     except SystemExit:
         continue
     parts = llm.llm_engine.executor.collective_rpc(stage_parts)
@@ -155,7 +156,12 @@ for run in json.loads(open(sys.argv[1]).read()):
 def test_two_ranks_by_two_stages_of_every_family_under_one_torchrun_give_transformers_tokens(
     tmp_path: Path,
 ) -> None:
-    runs = [family_run(tmp_path, f, six_prompts=True) for f in ["mistral-no-window", *FAMILIES]]
+    """TP 2 x PP 2 for Llama's class (as Mistral) and every family, then Llama's class over 4
+    tensor-parallel ranks and one stage (its 2 KV heads each on two ranks): torchrun's plain
+    tensor-parallel form, in the same launch."""
+    families = ["mistral-no-window", *FAMILIES]
+    runs = [family_run(tmp_path, f, six_prompts=True) | dict(tp=2, pp=2) for f in families]
+    runs.append(runs[0] | dict(tp=4, pp=1))
     spec = tmp_path / "families.json"
     spec.write_text(json.dumps([{k: v for k, v in r.items() if k != "expected"} for r in runs]))
     script = tmp_path / "tp2_pp2_families.py"
@@ -166,7 +172,11 @@ def test_two_ranks_by_two_stages_of_every_family_under_one_torchrun_give_transfo
     ]
     assert [g["family"] for g in got] == [r["family"] for r in runs], stdout
     for run, g in zip(runs, got):
-        assert g["parts"] == parts_of_stages(run["layers"], tp=2), run["family"]
+        if run["pp"] == 2:
+            assert g["parts"] == parts_of_stages(run["layers"], tp=2), run["family"]
+        else:  # every rank holds every layer (a quarter of each)
+            whole = dict(layers=list(range(run["layers"])), embed=True, norm=True, lm_head=True)
+            assert g["parts"] == [whole] * 4
         assert g["tokens"] == run["expected"], run["family"]
         assert g["preemptions"] > 0 and g["prefix_hits"] > 0, g
 

@@ -4,7 +4,9 @@ Every way an engine ends must stop every worker: `LLM.shutdown()`, deleting the 
 exit, Ctrl-C (SIGINT to the whole process group, as a terminal sends it). A worker that is killed
 or raises mid-run makes the driver raise `EngineDeadError` naming the rank and the cause, and
 every later call raises at once. A size that does not split the model's heads is refused before
-any process starts. And the same engine runs under `torchrun`, rank 0 driving, rank 1 serving.
+any process starts. (The same engine under `torchrun`, rank 0 driving and the others serving, is
+tests/distributed/test_model_families_pp.py's: one launch of 4 ranks, tensor parallelism alone
+and with pipeline stages.)
 No test here may leave a process behind, pass or fail (`no_leftover_processes`).
 """
 
@@ -29,7 +31,6 @@ from tests.utils.tp_utils import (
     fail_on_rank_one,
     live_descendants,
     no_leftover_processes,
-    torchrun_tokens,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,26 +201,3 @@ def test_interpreter_exit_stops_every_worker(tmp_path: Path, tiny: Path) -> None
 def test_ctrl_c_stops_the_script_and_every_worker(tmp_path: Path, tiny: Path) -> None:
     output = run_script(tmp_path, tiny, max_tokens=500, interrupt=True)
     assert "KeyboardInterrupt" in output and "done" not in output
-
-
-# ---------------------------------------------------------------------------------- torchrun
-TORCHRUN_SCRIPT = """
-import os, sys
-from minivllm import LLM, SamplingParams
-
-# torchrun runs this on every rank; on rank 1 building the LLM serves rank 0's steps, then exits.
-llm = LLM(sys.argv[1], tensor_parallel_size=2, num_gpu_blocks_override=32)
-assert os.environ["RANK"] == "0"
-params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-prompts = [{"prompt_token_ids": [11 + i, 300 + 7 * i, 77, 5000 + i]} for i in range(4)]
-for out in llm.generate(prompts, params, use_tqdm=False):
-    print("tokens", *out.outputs[0].token_ids, flush=True)
-"""
-
-
-def test_torchrun_with_two_ranks_gives_one_rank_s_tokens(tmp_path: Path, tiny: Path) -> None:
-    script = tmp_path / "tp_torchrun.py"
-    script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
-    got = torchrun_tokens(script, tiny)
-    llm = LLM(str(tiny), num_gpu_blocks_override=32)
-    assert got == tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
