@@ -45,11 +45,16 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
+# Under torchrun: whether an engine of this process holds the launch's group now. Engines take
+# turns on it; a second one at once would wait for ranks that are busy serving the first.
+_engine_on_launch_group = False
+
+
 def check_no_process_group() -> None:
     """torch.distributed has one default group per process, so one tensor-parallel engine at a
     time. Under torchrun the default group is the launch's, and engines take turns on it (see
     `init_distributed`)."""
-    if dist.is_initialized() and not launched_by_torchrun():
+    if dist.is_initialized() and (not launched_by_torchrun() or _engine_on_launch_group):
         raise RuntimeError(
             "torch.distributed is already initialized in this process: one tensor-parallel "
             "engine per process (shut the other one down first: LLM.shutdown())"
@@ -69,8 +74,10 @@ def init_distributed(
     way). Making it again cannot work: torchrun's store still holds the first group's addresses,
     and the ranks would dial sockets that are closed. Each engine makes and, at its end
     (`destroy_distributed`), destroys only its own groups over it."""
-    if not (launched_by_torchrun() and dist.is_initialized()):
-        check_no_process_group()
+    global _engine_on_launch_group
+    check_no_process_group()
+    _engine_on_launch_group = launched_by_torchrun()
+    if not dist.is_initialized():
         dist.init_process_group(
             device_backend(device),
             init_method=init_method,
@@ -109,6 +116,8 @@ def destroy_distributed(
     """Leave the group. Under torchrun only the engine's own groups go (`tp`, `pp` and `control`,
     as `init_distributed` made them) and torchrun's default group stays for the program's next
     engine; otherwise the engine made the default group, and it goes with every group over it."""
+    global _engine_on_launch_group
+    _engine_on_launch_group = False
     if not dist.is_initialized():
         return
     if not launched_by_torchrun():

@@ -131,12 +131,19 @@ from tests.utils.tp_utils import stage_parts
 # torchrun runs this on each of the 4 ranks, and every rank builds the engines in turn.
 # On ranks 1-3 building an engine serves rank 0's steps until rank 0 shuts that engine down, then
 # ends by SystemExit(0), which here goes on to the next engine instead.
-for run in json.loads(open(sys.argv[1]).read()):
+runs = json.loads(open(sys.argv[1]).read())
+for run in runs:
     try:
         llm = LLM(run["path"], tensor_parallel_size=run["tp"], pipeline_parallel_size=run["pp"],
                   **run["engine"])
     except SystemExit:
         continue
+    if run is runs[0]:  # a second engine while this one is up is refused on rank 0, not a hang
+        try:
+            LLM(run["path"], tensor_parallel_size=run["tp"], pipeline_parallel_size=run["pp"],
+                **run["engine"])
+        except RuntimeError as e:
+            print("second engine refused:", e, flush=True)
     parts = llm.llm_engine.executor.collective_rpc(stage_parts)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in run["max_tokens"]]
     outs = llm.generate([{"prompt_token_ids": p} for p in run["prompts"]], params, use_tqdm=False)
@@ -171,6 +178,7 @@ def test_two_ranks_by_two_stages_of_every_family_under_one_torchrun_give_transfo
         json.loads(line[len("family ") :]) for line in stdout.splitlines() if line[:7] == "family "
     ]
     assert [g["family"] for g in got] == [r["family"] for r in runs], stdout
+    assert "second engine refused: torch.distributed is already initialized" in stdout
     for run, g in zip(runs, got):
         if run["pp"] == 2:
             assert g["parts"] == parts_of_stages(run["layers"], tp=2), run["family"]
