@@ -14,10 +14,11 @@ layers: global; window | window); Gemma 3's q/k norms go with their layer, and b
 tables (local and global bases) are on every stage. The tiny families have 2 layers (1 + 1), the
 Gemmas 3 (2 + 1).
 
-Spawned, two stages: every family runs two prompts, Gemma 2 six through a KV pool small enough to
-preempt, with chunked prefill and shared prefixes (SMALL_ENGINE of
-tests/model/test_model_families.py). Under torchrun, 2 x 2 ranks: every family (and Llama's
-class, as Mistral) runs those six through that pool. The tokens are held to transformers', not
+Every family's model and transformers' tokens are made once for the module, for six prompts
+through a KV pool small enough to preempt, with chunked prefill and shared prefixes
+(SMALL_ENGINE of tests/model/test_model_families.py). Spawned, two stages: every family runs the
+first two, Gemma 2 all six. Under torchrun, 2 x 2 ranks: every family (and Llama's class, as
+Mistral) runs all six, then Llama's class over 4 tensor-parallel ranks. The tokens are held to transformers', not
 to a single-process run: tests/model/test_model_families.py and test_model_gemma.py hold the
 single-process engine to transformers on the same tiny models under the same kind of workload,
 so equal to transformers is equal to one process, at no extra engine. Each stage must hold
@@ -36,7 +37,7 @@ process starts.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,6 @@ from tests.distributed.test_tensor_parallel import tp_llm
 from tests.model.test_model_families import (
     SMALL_ENGINE,
     greedy,
-    prompts_and_oracle,
     save_family,
     small_engine_workload,
 )
@@ -76,20 +76,17 @@ def _no_leftover_processes() -> Iterator[None]:
     yield from no_leftover_processes()
 
 
-def family_run(tmp_path: Path, family: str, six_prompts: bool) -> dict[str, Any]:
-    """The family's tiny model saved under `tmp_path`, its engine arguments and prompts, and
-    transformers' tokens for them: SMALL_ENGINE's six prompts (preemption, chunks, prefix hits),
-    or the first two."""
+def family_run(tmp_path: Path, family: str) -> dict[str, Any]:
+    """The family's tiny model saved under `tmp_path`, its engine arguments (SMALL_ENGINE's
+    pool), and SMALL_ENGINE's six prompts (preemption, chunks, prefix hits) with transformers'
+    tokens for them."""
     if family.startswith("gemma"):
-        hf, path = save_gemma(tmp_path / family, family)
+        hf, path = save_gemma(tmp_path, family)
         engine: dict[str, Any] = dict(GEMMA_ENGINE)
     else:
-        hf, path = save_family(tmp_path / family, family)
-        engine = (SMALL_ENGINE if six_prompts else {}) | dict(max_model_len=64)
-    if six_prompts:
-        prompts, max_tokens, expected = small_engine_workload(hf)
-    else:
-        prompts, max_tokens, expected = prompts_and_oracle(hf, count=2)
+        hf, path = save_family(tmp_path, family)
+        engine = SMALL_ENGINE | dict(max_model_len=64)
+    prompts, max_tokens, expected = small_engine_workload(hf)
     engine |= dict(skip_tokenizer_init=True, cpu_kv_cache_space=0.01)
     return dict(
         family=family,
@@ -102,6 +99,20 @@ def family_run(tmp_path: Path, family: str, six_prompts: bool) -> dict[str, Any]
     )
 
 
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
+    """`family_run` of each family, made once for the module: the spawned stages run its first
+    two prompts (Gemma 2 all six), the torchrun launch all six."""
+    made: dict[str, dict[str, Any]] = {}
+
+    def get(family: str) -> dict[str, Any]:
+        if family not in made:
+            made[family] = family_run(tmp_path_factory.mktemp(family), family)
+        return made[family]
+
+    return get
+
+
 def parts_of_stages(num_layers: int, tp: int) -> list[dict[str, Any]]:
     """What each rank of 2 stages x `tp` ranks must hold (rank r is in stage r // tp)."""
     first = stage_sizes(num_layers, 2)[0]
@@ -111,8 +122,12 @@ def parts_of_stages(num_layers: int, tp: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_two_stages_give_transformers_greedy_tokens(tmp_path: Path, family: str) -> None:
-    run = family_run(tmp_path, family, six_prompts=family == "gemma2")
+def test_two_stages_give_transformers_greedy_tokens(
+    family_runs: Callable[[str], dict[str, Any]], family: str
+) -> None:
+    run = family_runs(family)
+    if family != "gemma2":
+        run = run | {k: run[k][:2] for k in ("prompts", "max_tokens", "expected")}
     with tp_llm(run["path"], 1, pipeline_parallel_size=2, **run["engine"]) as llm:
         parts = llm.llm_engine.executor.collective_rpc(stage_parts)
         got = greedy(llm, run["prompts"], run["max_tokens"])
@@ -161,13 +176,13 @@ for run in runs:
 
 
 def test_two_ranks_by_two_stages_of_every_family_under_one_torchrun_give_transformers_tokens(
-    tmp_path: Path,
+    tmp_path: Path, family_runs: Callable[[str], dict[str, Any]]
 ) -> None:
     """TP 2 x PP 2 for Llama's class (as Mistral) and every family, then Llama's class over 4
     tensor-parallel ranks and one stage (its 2 KV heads each on two ranks): torchrun's plain
     tensor-parallel form, in the same launch."""
     families = ["mistral-no-window", *FAMILIES]
-    runs = [family_run(tmp_path, f, six_prompts=True) | dict(tp=2, pp=2) for f in families]
+    runs = [family_runs(f) | dict(tp=2, pp=2) for f in families]
     runs.append(runs[0] | dict(tp=4, pp=1))
     spec = tmp_path / "families.json"
     spec.write_text(json.dumps([{k: v for k, v in r.items() if k != "expected"} for r in runs]))
