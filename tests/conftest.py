@@ -124,6 +124,7 @@ LONGEST_FILES_FIRST = (
     "tests/distributed/test_multinode.py",
     "tests/engine/test_dp_remote.py",
     "tests/cpu/test_cpu_isa_levels.py",
+    "tests/cpu/test_cpu_isa_levels_serving.py",
     "tests/entrypoints/test_server_shutdown.py",
     "tests/distributed/test_pipeline_parallel.py",
     "tests/distributed/test_model_families_pp.py",

@@ -9,7 +9,7 @@ bodies refused. On top, from the recorded traffic (a HAR file): every 4xx is Ope
 Afterwards the server is healthy and holds no KV block.
 
 The run is bounded: a fixed seed, `MAX_EXAMPLES` per operation in the fuzzing phase (the coverage
-phase is finite by itself), and a tiny random Llama with `--max-model-len 64`, so that every
+phase is finite by itself), and a tiny random Llama with `--max-model-len 48`, so that every
 generation is short. schemathesis's `positive_data_acceptance` check is left out: limits the
 schema cannot state (prompt plus max_tokens within max_model_len, min_tokens <= max_tokens, the
 served names, SamplingParams' ranges) make some schema-valid bodies a correct 400.
@@ -37,14 +37,28 @@ from tests.utils.server_utils import RemoteServer, run_server
 
 SEED = 17
 MAX_EXAMPLES = 10  # per operation, in the fuzzing phase
+# The generations' cost: a chat body of the coverage phase is a ~36-token prompt whose completion,
+# without max_tokens, fills the model's length, and the run has a few hundred of them. 48 leaves
+# every chat prompt schemathesis sends (29-36 tokens) room to generate.
+MAX_MODEL_LEN = 48
 RUN_TIMEOUT_S = 600  # a hung server fails the test instead of hanging it
+# /invocations publishes ChatCompletionRequest's schema and hands a body with `messages` to the
+# chat handler, so the coverage phase, which is determined by the schema alone, would send it the
+# same ~760 bodies it sends /v1/chat/completions (over a quarter of the run, with ~180 generations)
+# through the same parsing and handler. Its own code, the routing on `messages` / `prompt`, meets the fuzzing phase's
+# random bodies, valid and invalid, like every other operation's.
+INVOCATIONS_FUZZING_ONLY = """
+[[operations]]
+include-path = "/invocations"
+phases.coverage.enabled = false
+"""
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     model = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    args = [str(model), "--max-model-len", "64", "--max-num-seqs", "8", "--block-size", "4"]
-    args += ["--num-gpu-blocks-override", "256"]  # 8 sequences x 64 tokens fit twice over
+    args = [str(model), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8"]
+    args += ["--block-size", "4", "--num-gpu-blocks-override", "192"]  # 8 x 48 tokens, twice over
     with run_server(args) as s:
         yield s
 
@@ -53,7 +67,10 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 def fuzz(server: RemoteServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One schemathesis run: its JSON run report and the HAR entries of every request it sent."""
     out = tmp_path_factory.mktemp("schemathesis")
-    cmd = [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json"]
+    config = out / "schemathesis.toml"
+    config.write_text(INVOCATIONS_FUZZING_ONLY)
+    cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "run"]
+    cmd += [server.url + "/openapi.json"]
     cmd += [
         "--phases",
         "coverage,fuzzing",
