@@ -172,7 +172,7 @@ def main() -> None:
     )
     parser.add_argument("--save", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.dtype is not None:
+    if args.dtype is not None and not args.one:
         args.pairs = f"{args.dtype}:{args.dtype}"
     pairs = [tuple(pair.split(":")) for pair in args.pairs.split(",")]
     for pair in pairs:

@@ -127,6 +127,10 @@ class CpuBackend(ReferenceBackend):
         meta: AttentionMetadata,  # query_start_loc: each request's rows, its whole prompt
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        if any(x.stride(-1) != 1 for x in (query, key, value)):
+            # Feature-major views (a float16 model's linears run on MKL, whose (W · xᵀ)ᵀ is a
+            # transposed view): the kernel reads rows, the reference's SDPA any strides.
+            return super().attend_encoder(query, key, value, meta, scale)
         return encoder_attention(query, key, value, meta.query_start_loc, scale)
 
     def attend(
