@@ -13,7 +13,13 @@ tokens each. Each engine runs in a process of its own with the same threads; the
 `--rounds` rounds (each the fastest of `--repeats` timed passes after a warm-up pass), and the
 medians and their ratio are printed with the CPU model and the load.
 
+Each `--pairs` entry is `minivllm_dtype:sentence_transformers_dtype`: the same dtype on both sides
+measures the engines; `auto:float32` measures each engine's default (minivllm's `dtype="auto"`,
+sentence-transformers' float32). Every pair also prints how close the two engines' embeddings are
+(cosine, the minimum over the sentences), which is what a narrower dtype costs where they differ.
+
     python -m benchmarks.embed_vs_sentence_transformers --rounds 3 --threads 2
+    python -m benchmarks.embed_vs_sentence_transformers --pairs float32:float32,bfloat16:bfloat16,auto:float32
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+DTYPES = ("float32", "bfloat16", "float16")
 CACHE = Path.home() / ".cache" / "minivllm-bench" / "minilm-l6-random"
 # all-MiniLM-L6-v2's BertConfig
 MINILM_SHAPE: dict[str, Any] = {
@@ -84,10 +91,17 @@ def make_sentences(model: Path, count: int, seed: int) -> list[str]:
 
 
 def run_one(
-    engine: str, model: Path, sentences: list[str], threads: int, dtype: str, repeats: int = 1
-) -> dict[str, float]:
+    engine: str,
+    model: Path,
+    sentences: list[str],
+    threads: int,
+    dtype: str,
+    repeats: int = 1,
+    save: Path | None = None,
+) -> dict[str, Any]:
     """Embed `sentences` once to warm up, then `repeats` times timed; the fastest pass's seconds
-    (on a busy machine the fastest pass is the one least disturbed by other jobs)."""
+    (on a busy machine the fastest pass is the one least disturbed by other jobs), and the dtype
+    the engine ran. The embeddings go to `save` (float32 [N, H]) if given."""
     import torch
 
     torch.set_num_threads(threads)
@@ -96,30 +110,35 @@ def run_one(
         if engine == "sentence-transformers":
             from sentence_transformers import SentenceTransformer
 
-            torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+            torch_dtype = getattr(torch, dtype)
             st = SentenceTransformer(
                 str(model), device="cpu", model_kwargs={"torch_dtype": torch_dtype}
             )
+            ran = str(next(st.parameters()).dtype).removeprefix("torch.")
 
-            def embed() -> int:
-                return len(st.encode(sentences, batch_size=32))
+            def embed() -> torch.Tensor:  # [N, H]
+                return st.encode(sentences, batch_size=32, convert_to_tensor=True).float()
 
         else:
             from minivllm import LLM
 
             llm = LLM(str(model), cpu_kv_cache_space=1, dtype=dtype)
+            ran = str(llm.llm_engine.config.resolved.dtype).removeprefix("torch.")
 
-            def embed() -> int:
-                return len(llm.embed(sentences, use_tqdm=False))
+            def embed() -> torch.Tensor:  # [N, H]
+                outputs = llm.embed(sentences, use_tqdm=False)
+                return torch.tensor([o.outputs.embedding for o in outputs])
 
     embed()
     passes = []
     for _ in range(repeats):
         start = time.perf_counter()
-        done = embed()
+        vectors = embed()
         passes.append(time.perf_counter() - start)
-        assert done == len(sentences)
-    return {"seconds": min(passes)}
+        assert len(vectors) == len(sentences)
+    if save is not None:
+        torch.save(vectors, save)
+    return {"seconds": min(passes), "dtype": ran}
 
 
 def cpu_model() -> str:
@@ -138,12 +157,27 @@ def main() -> None:
         "--repeats", type=int, default=1, help="timed passes per round; the fastest counts"
     )
     parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines' dtype"
+        "--dtype",
+        choices=("auto", *DTYPES),
+        help="both engines' dtype: the same as --pairs DTYPE:DTYPE",
+    )
+    parser.add_argument(
+        "--pairs",
+        default="float32:float32",
+        help="comma-separated minivllm_dtype:sentence_transformers_dtype pairs, e.g. "
+        "float32:float32,bfloat16:bfloat16,auto:float32",
     )
     parser.add_argument(
         "--one", choices=["minivllm", "sentence-transformers"], help=argparse.SUPPRESS
     )
+    parser.add_argument("--save", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.dtype is not None and not args.one:
+        args.pairs = f"{args.dtype}:{args.dtype}"
+    pairs = [tuple(pair.split(":")) for pair in args.pairs.split(",")]
+    for pair in pairs:
+        if len(pair) != 2 or pair[0] not in ("auto", *DTYPES) or pair[1] not in DTYPES:
+            parser.error(f"--pairs: each must be minivllm_dtype:st_dtype from {DTYPES}, got {pair}")
 
     model = build_model(CACHE)
     sentences_file = CACHE.parent / f"minilm-sentences-{args.num_sentences}.json"
@@ -152,9 +186,10 @@ def main() -> None:
     sentences = json.loads(sentences_file.read_text())
 
     if args.one:  # the child process: one engine, one timed pass, JSON on stdout
-        print(
-            json.dumps(run_one(args.one, model, sentences, args.threads, args.dtype, args.repeats))
+        result = run_one(
+            args.one, model, sentences, args.threads, args.dtype, args.repeats, args.save
         )
+        print(json.dumps(result))
         return
 
     from transformers import AutoTokenizer
@@ -166,29 +201,55 @@ def main() -> None:
         f"{len(sentences)} sentences, {tokens} tokens; {args.threads} threads; {args.rounds} rounds "
         f"of {args.repeats} timed passes (the fastest counts)"
     )
+    for pair in pairs:
+        compare_pair(pair, args, sentences, tokens)
+    print(f"load after: {os.getloadavg()[:3]}")
+
+
+def compare_pair(
+    pair: tuple[str, ...], args: argparse.Namespace, sentences: list[str], tokens: int
+) -> None:
+    """One dtype pair: the engines alternated for `args.rounds` rounds, then the medians, the
+    throughput ratio and the embeddings' closeness."""
+    import tempfile
+
+    import torch
+    import torch.nn.functional as F
+
+    dtypes = dict(zip(["minivllm", "sentence-transformers"], pair))
     seconds: dict[str, list[float]] = {"minivllm": [], "sentence-transformers": []}
+    ran: dict[str, str] = {}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    for round_ in range(args.rounds):
-        for engine in seconds:
-            out = subprocess.run(
-                [sys.executable, "-m", "benchmarks.embed_vs_sentence_transformers", "--one", engine,
-                 "--threads", str(args.threads), "--num-sentences", str(args.num_sentences),
-                 "--dtype", args.dtype, "--repeats", str(args.repeats)],
-                check=True, capture_output=True, text=True, env=env,
-            )  # fmt: skip
-            took = json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
-            seconds[engine].append(took)
-            print(
-                f"round {round_ + 1} {engine:>22}: {took:.2f} s ({len(sentences) / took:.1f} sentences/s)"
-            )
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = {engine: Path(tmp) / f"{i}.pt" for i, engine in enumerate(seconds)}
+        for round_ in range(args.rounds):
+            for engine in seconds:
+                out = subprocess.run(
+                    [sys.executable, "-m", "benchmarks.embed_vs_sentence_transformers", "--one", engine,
+                     "--threads", str(args.threads), "--num-sentences", str(args.num_sentences),
+                     "--dtype", dtypes[engine], "--repeats", str(args.repeats),
+                     "--save", str(saved[engine])],
+                    check=True, capture_output=True, text=True, env=env,
+                )  # fmt: skip
+                result = json.loads(out.stdout.strip().splitlines()[-1])
+                took, ran[engine] = result["seconds"], result["dtype"]
+                seconds[engine].append(took)
+                print(
+                    f"round {round_ + 1} {engine:>22} ({ran[engine]}): {took:.2f} s "
+                    f"({len(sentences) / took:.1f} sentences/s)"
+                )
+        cosine = F.cosine_similarity(*(torch.load(saved[e]) for e in seconds)).min().item()
     medians = {engine: statistics.median(values) for engine, values in seconds.items()}
     ratio = medians["sentence-transformers"] / medians["minivllm"]
-    print(f"load after: {os.getloadavg()[:3]}")
     for engine, median in medians.items():
         print(
-            f"{engine:>22}: median {median:.2f} s, {len(sentences) / median:.1f} sentences/s, {tokens / median:.0f} tokens/s"
+            f"{engine:>22} ({ran[engine]}): median {median:.2f} s, "
+            f"{len(sentences) / median:.1f} sentences/s, {tokens / median:.0f} tokens/s"
         )
-    print(f"minivllm / sentence-transformers throughput: {ratio:.2f}x")
+    print(
+        f"minivllm {pair[0]} ({ran['minivllm']}) / sentence-transformers {pair[1]}: "
+        f"throughput {ratio:.2f}x; embeddings' cosine, min over sentences: {cosine:.6f}"
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 The C++ files of this package make the library: the paged attention kernel (`cpu_attention.cpp`,
 with its float32 loops for AVX-512 and AVX2 in `cpu_attention_avx512.cpp` and
-`cpu_attention_avx2.cpp`), the fused layer ops (`cpu_layernorm.cpp`: RMSNorm;
+`cpu_attention_avx2.cpp`), the encoder-only attention of a step's prompts
+(`cpu_encoder_attention.cpp`), the fused layer ops (`cpu_layernorm.cpp`: RMSNorm;
 `cpu_activation_rope.cpp`: SiLU-and-mul, RoPE), the skinny GEMM of decode's linears
 (`cpu_skinny_gemm.cpp`), the linears on GGUF's quantized blocks and their dequantization
 (`cpu_gguf_gemm*.cpp`), Punica's LoRA shrink and expand (`cpu_lora_punica.cpp`) and the loop that runs a decode step's layers in one call
@@ -76,6 +77,7 @@ SOURCES = tuple(
         "cpu_attention.cpp",
         "cpu_attention_avx512.cpp",
         "cpu_attention_avx2.cpp",
+        "cpu_encoder_attention.cpp",
         "cpu_layernorm.cpp",
         "cpu_activation_rope.cpp",
         "cpu_skinny_gemm.cpp",

@@ -22,6 +22,11 @@ commands):
 - **RMSNorm, SiLU·mul, RoPE**: one fused pass over memory each (`cpu_layernorm.cpp`,
   `cpu_activation_rope.cpp`), where plain PyTorch runs a chain of ops (RMSNorm alone is eight),
   each a full pass over the activation: bytes moved, not arithmetic done.
+- **BERT's sublayer ends** (`BertIntermediate`, `BertSelfOutput`, `BertOutput`): the GEMM's
+  epilogue does the elementwise work (what PyTorch's inductor does on CPUs with the same oneDNN
+  op): GELU inside the up projection, and the residual add inside the output projections, so
+  neither the FFN's [T, I] activation nor the sum is another pass over memory. oneDNN's post-ops
+  compute in float32 on the accumulator, before the one rounding to the output's dtype.
 - **LM head**: the largest matmul of a small model's step (113 MB for SmolLM2). An untied head
   is packed as the linears are and runs on oneDNN. A tied head (SmolLM2's) is the embedding's
   table, whose lookup reads plain rows, so it stays plain, held once for both: up to
@@ -44,6 +49,7 @@ from minivllm.model.custom_op import register_forward
 from minivllm.model.layers.layernorm import RMSNorm, SiluAndMul
 from minivllm.model.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
+from minivllm.model.models.bert import BertIntermediate, BertSelfOutput
 from minivllm.model.quantization.gguf.linear import gguf_parts
 
 LM_HEAD_ROWS = 1024  # vocabulary rows per MKL matmul of a plain LM-head weight
@@ -212,6 +218,44 @@ def row_parallel_linear_forward_cpu(op: RowParallelLinear, x: torch.Tensor) -> t
         return op_linear(op, x, op.bias if op.reduce_results else None)
     partial = op_linear(op, x, None)
     return op.reduce(partial) if op.reduce_results else partial
+
+
+def onednn_linear(layer: object) -> bool:
+    """Whether `layer` is a plain linear holding a oneDNN-packed weight (`prepack_linear`),
+    whose GEMM a fused epilogue may take over: not a LoRA wrapper, not GGUF blocks."""
+    return (
+        isinstance(layer, (ColumnParallelLinear, RowParallelLinear))
+        and layer.quant_method is None
+        and layer.weight.is_mkldnn
+    )
+
+
+@register_forward(BertIntermediate, "cpu")
+def bert_intermediate_forward_cpu(op: BertIntermediate, hidden: torch.Tensor) -> torch.Tensor:
+    """gelu(x · Wᵀ + b) in one oneDNN call: GELU as the GEMM's post-op ("none": erf, as F.gelu)."""
+    dense = op.dense
+    if not onednn_linear(dense):
+        return op.forward_native(hidden)
+    return torch.ops.mkldnn._linear_pointwise(
+        hidden.contiguous(), dense.weight, dense.bias, "gelu", [], op.approximate
+    )  # [T, I]
+
+
+@register_forward(BertSelfOutput, "cpu")  # BertOutput too, its subclass
+def bert_output_forward_cpu(
+    op: BertSelfOutput,
+    hidden: torch.Tensor,  # [T, in]
+    residual: torch.Tensor,  # [T, hidden_size]
+) -> torch.Tensor:  # [T, hidden_size]
+    """LayerNorm(x · Wᵀ + b + residual): the residual add as the GEMM's binary post-op."""
+    dense = op.dense
+    # Over several ranks the residual comes after the all-reduce of partial sums: unfused.
+    if not onednn_linear(dense) or dense.tp.world_size > 1:
+        return op.forward_native(hidden, residual)
+    y = torch.ops.mkldnn._linear_pointwise.binary(
+        hidden.contiguous(), residual.contiguous(), dense.weight, dense.bias, "add"
+    )
+    return op.LayerNorm(y)
 
 
 # ---------------------------------------------------------------------------------- elementwise

@@ -10,6 +10,8 @@ and float16 CPU tensors and compute in float32:
   where plain PyTorch runs a chain of ops, each a full pass (RMSNorm alone is eight).
 - `skinny_gemm` (`cpu_skinny_gemm.cpp`): x · Wᵀ for decode's few rows, streaming W once.
 - `reshape_and_cache`, `paged_decode` (`cpu_attention.cpp`): the paged cache write and attention.
+- `encoder_attention` (`cpu_encoder_attention.cpp`): an encoder's attention, each prompt of the
+  step over its own rows, no cache.
 - `lora_shrink`, `lora_expand` (`cpu_lora_punica.cpp`): Punica's batched LoRA ops, each row with
   its own adapter (minivllm/lora/punica.py is their specification).
 - `gguf_linear`, `gguf_dequantize` (`cpu_gguf_gemm.cpp`): x · Wᵀ with W kept in GGUF's quantized
@@ -44,6 +46,7 @@ __all__ = [
     "GGUF_DEQUANTIZE_MIN_ROWS",
     "GGUF_KERNEL_TYPES",
     "SKINNY_GEMM_MAX_ROWS",
+    "encoder_attention",
     "fused_add_rms_norm",
     "gguf_dequantize",
     "gguf_dot_kind",
@@ -221,6 +224,20 @@ def paged_decode(
             out, query, k_cache, v_cache, block_tables, seq_lens, token_rows, scale,
             sliding_window or 0, softcap,
         )  # fmt: skip
+
+
+def encoder_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim]  last dim contiguous, any row strides
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # int32 [B + 1]  prompt b owns rows [qsl[b], qsl[b + 1])
+    scale: float,
+) -> torch.Tensor:  # [T, num_heads, head_dim]  query's dtype
+    """Each row attends over every row of its own prompt (no mask, no cache), in float32."""
+    load_cpu_kernels()
+    out = torch.empty(query.shape, dtype=query.dtype)
+    torch.ops.minivllm_cpu.encoder_attention(out, query, key, value, query_start_loc, scale)
+    return out
 
 
 def paged_decode_loops(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> str:

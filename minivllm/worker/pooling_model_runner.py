@@ -79,10 +79,12 @@ class PoolingModelRunner(ModelRunner):
                 kept.chunks.append(keep.clone())
                 kept.next_position = item.seq_len
                 self.prompt_rows[item.seq_id] = kept
-        if self.pooler.task == "classify" and pooled:  # the head over every pooled row at once
-            ids = list(pooled)
-            logits = self.model.classify(torch.stack([pooled[i] for i in ids]))  # type: ignore[operator]
-            pooled = dict(zip(ids, logits))  # seq_id -> float32 [num_labels]
+        if self.pooler.task == "classify" and pooled:
+            # The head one row at a time: a GEMM's sums run in another order for 1 row than for
+            # 2 or more (MKL's gemv against its gemm), so a request's score would depend on how
+            # many others finished in its step. The head is two small matrices: rows are cheap.
+            classify = self.model.classify  # [1, H] -> float32 [1, num_labels]
+            pooled = {i: classify(row[None])[0] for i, row in pooled.items()}  # type: ignore[operator]
         return ModelRunnerOutput(None, {}, pooled)
 
     def prepare_encoder_inputs(self, sched: SchedulerOutput) -> ModelInput:

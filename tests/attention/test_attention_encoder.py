@@ -117,3 +117,16 @@ def test_encoder_attention_touches_no_cache_and_ignores_block_tables() -> None:
     meta.block_tables = torch.full((2, 3), 10**6, dtype=torch.int32)
     meta.slot_mapping = torch.full((14,), 10**9, dtype=torch.int64)
     torch.testing.assert_close(backend.attend_encoder(q, k, v, meta, 0.5), out, rtol=0, atol=0)
+
+
+def test_cpu_encoder_attention_reads_feature_major_views() -> None:
+    """A float16 model's linears return (W · xᵀ)ᵀ, a transposed view (minivllm/cpu/op_forwards.py):
+    the CPU backend takes q/k/v in that layout too (through the reference's SDPA)."""
+    lens = [6, 11]
+    q, k, v, meta = encoder_step(lens, 2, 2, 8, torch.float32, seed=9)
+    qkv_t = torch.cat([q, k, v], dim=1).reshape(sum(lens), -1).t().contiguous().t()  # [T, 3HD]
+    fq, fk, fv = (x.reshape(sum(lens), 2, 8) for x in qkv_t.split(16, dim=-1))
+    assert fq.stride(-1) != 1
+    out = get_attention_backend("cpu").attend_encoder(fq, fk, fv, meta, 0.4)
+    expected = block_diagonal_attention(q, k, v, lens, 0.4)
+    torch.testing.assert_close(out.double(), expected, **TOLERANCES[torch.float32])

@@ -1,4 +1,5 @@
-"""The CPU's bfloat16 linears (minivllm/cpu/op_forwards.py): oneDNN on a prepacked weight.
+"""The CPU's bfloat16 linears (minivllm/cpu/op_forwards.py): oneDNN on a prepacked weight; and BERT's
+sublayer ends, whose GELU and residual add ride in that GEMM as post-ops.
 
 `packed_linear` is held to `F.linear` computed in float32 on the same bf16 inputs (exact products,
 a float32 sum): oneDNN sums the products in float32 too and rounds the result to bf16 once, so the
@@ -25,6 +26,7 @@ from minivllm.model.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from minivllm.model.models.bert import BertConfig, BertIntermediate, BertOutput
 from minivllm.platforms.cpu import CpuPlatform
 
 BF16_HW = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -108,3 +110,35 @@ def test_cpu_dispatch_packs_weights_and_keeps_each_op_s_result(
         tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
         scale = expected.abs().max().item()
         assert (got.float() - expected).abs().max().item() <= tol * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bert_sublayer_ends_fuse_gelu_and_the_residual_add_into_onednn(dtype: torch.dtype) -> None:
+    """BERT's up projection + GELU, and its output projection + residual add + LayerNorm, on the
+    CPU: the elementwise work rides in oneDNN's GEMM as post-ops (on the float32 accumulator)
+    wherever the weight is packed, and the result is `forward_native`'s: float32 to the sums'
+    rounding; bfloat16 within one ulp of the output, which native rounds twice (the GEMM's result,
+    then the GELU's or the sum's) where the fused op rounds once."""
+    config = BertConfig.from_hf_dict(
+        {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "hidden_act": "gelu"}
+    )  # fmt: skip
+    up = BertIntermediate(config, SINGLE_DEVICE)
+    down = BertOutput(96, 64, 1e-12, SINGLE_DEVICE)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for op in (up, down):
+            for p in op.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    up, down = up.to(dtype), down.to(dtype)
+    x = torch.randn(70, 64, generator=gen).to(dtype)  # [T, hidden]
+    with torch.no_grad():
+        expected = down.forward_native(up.forward_native(x), x).float()
+        for op in (up, down, up.dense, down.dense):
+            assert op.dispatch_forward("cpu")
+        packs = onednn_packs(up.dense.weight)
+        assert up.dense.weight.is_mkldnn is packs and down.dense.weight.is_mkldnn is packs
+        got = down(up(x), x)
+    assert got.dtype == dtype and got.shape == expected.shape
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2**-6}[dtype]  # LayerNorm's output: ~1 in size
+    assert (got.float() - expected).abs().max().item() <= tol * expected.abs().max().item()

@@ -93,7 +93,12 @@ def test_f16_and_q8_0_bert_files_run_through_the_gguf_linears(
     llm = LLM(str(path), **SMALL)
     model = llm.llm_engine.runner.model
     layer = model.model.layers[1]
-    linears = [layer.attention.qkv_proj, layer.attention.dense, layer.intermediate, layer.output]
+    linears = [
+        layer.attention.qkv_proj,
+        layer.attention.output.dense,
+        layer.intermediate.dense,
+        layer.output.dense,
+    ]
     blocks = [model.model.embeddings.word_embeddings, *linears]
     if qtype == Q8_0:
         assert all(m.qtypes == (Q8_0,) and "weight" not in m._parameters for m in blocks)

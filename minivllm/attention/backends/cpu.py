@@ -17,10 +17,11 @@ scores and reads the context where it lies (on AVX-512 with float32 loops of its
 `cpu_attention_avx512.cpp`). vLLM's CPU backend uses SDPA for prompts; this backend needs one
 kernel, one plan and one call per layer for a whole step.
 
-An encoder's attention (`attend_encoder`: no cache, each whole prompt over its own rows) is the
-reference backend's, torch's fused SDPA once per request: a whole prompt of queries against the
-same keys is a matrix product, which SDPA's blocked kernel computes faster than one decode walk
-per row (and the encoder's K/V then need no cache write at all).
+An encoder's attention (`attend_encoder`: no cache, each whole prompt over its own rows) is one
+C++ call per layer too (`cpu_encoder_attention.cpp`): (prompt, all heads) work items over the
+thread pool, float32 register tiles for the scores and the weighted sums. The reference backend
+runs torch's fused SDPA once per prompt, whose fixed cost per call outweighs the arithmetic of an
+embedding model's short prompts and small heads; its K/V need no cache write either way.
 
 The cache write is a C++ op too, vLLM's `reshape_and_cache`: one call writes K and V and skips
 slots of -1 without the reference's host-side check.
@@ -46,7 +47,7 @@ import torch
 from minivllm.attention.abstract import AttentionMetadata
 from minivllm.attention.backends.reference import ReferenceBackend
 from minivllm.cpu.build import CpuKernelUnavailable, load_cpu_kernels
-from minivllm.cpu.ops import paged_decode, reshape_and_cache
+from minivllm.cpu.ops import encoder_attention, paged_decode, reshape_and_cache
 
 __all__ = [
     "CpuBackend",
@@ -117,6 +118,20 @@ class CpuBackend(ReferenceBackend):
         # read at their strides (the CPU linears' feature-major view included), never copied; a
         # narrower cache (kv_cache_dtype) is rounded to as they are written, as `.to` rounds.
         reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def attend_encoder(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]  the step's own, never cached
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        meta: AttentionMetadata,  # query_start_loc: each request's rows, its whole prompt
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        if any(x.stride(-1) != 1 for x in (query, key, value)):
+            # Feature-major views (a float16 model's linears run on MKL, whose (W · xᵀ)ᵀ is a
+            # transposed view): the kernel reads rows, the reference's SDPA any strides.
+            return super().attend_encoder(query, key, value, meta, scale)
+        return encoder_attention(query, key, value, meta.query_start_loc, scale)
 
     def attend(
         self,

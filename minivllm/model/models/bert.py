@@ -36,6 +36,7 @@ from minivllm.attention.abstract import AttentionBackend, AttentionMetadata
 from minivllm.distributed.parallel_state import SINGLE_DEVICE, TensorParallelGroup
 from minivllm.distributed.pipeline import IntermediateTensors
 from minivllm.model.config import LlamaConfig, UnsupportedModelError
+from minivllm.model.custom_op import CustomOp
 from minivllm.model.errors import CorruptCheckpointError
 from minivllm.model.layers.linear import (
     ColumnParallelLinear,
@@ -113,8 +114,49 @@ class BertEmbeddings(nn.Module):
         return self.LayerNorm(x + self.position_embeddings(positions))
 
 
+class BertSelfOutput(CustomOp):
+    """A sublayer's end: its output projection, the residual add and the post-LayerNorm,
+    `LayerNorm(dense(x) + residual)` (transformers' `BertSelfOutput`, after attention).
+
+    A custom op rather than three calls in the layer, because a platform can fuse them: on a CPU
+    the residual add rides in oneDNN's GEMM as a post-op (minivllm/cpu/op_forwards.py)."""
+
+    def __init__(
+        self, input_size: int, hidden_size: int, eps: float, tp: TensorParallelGroup
+    ) -> None:
+        super().__init__()
+        self.dense = RowParallelLinear(input_size, hidden_size, True, tp)
+        self.LayerNorm = nn.LayerNorm(hidden_size, eps=eps)
+
+    def forward_native(
+        self,
+        hidden: torch.Tensor,  # [T, input_size]  the sublayer's output
+        residual: torch.Tensor,  # [T, hidden_size]  the sublayer's input
+    ) -> torch.Tensor:  # [T, hidden_size]
+        return self.LayerNorm(self.dense(hidden) + residual)
+
+
+class BertOutput(BertSelfOutput):
+    """The FFN's end (transformers' `BertOutput`): the down projection, the residual add and the
+    layer's last LayerNorm; the same math as `BertSelfOutput` from `intermediate_size` inputs."""
+
+
+class BertIntermediate(CustomOp):
+    """The FFN's up projection and its GELU, `gelu(dense(x))` (transformers' `BertIntermediate`);
+    a custom op so that a platform can run the GELU inside the GEMM (oneDNN's post-op on a CPU)."""
+
+    def __init__(self, config: BertConfig, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.dense = ColumnParallelLinear(config.hidden_size, [config.intermediate_size], True, tp)
+        self.approximate = GELU_KINDS[config.hidden_act]  # F.gelu's: "none" (erf) or "tanh"
+
+    def forward_native(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, I / N]
+        return F.gelu(self.dense(hidden), approximate=self.approximate)
+
+
 class BertAttention(nn.Module):
-    """Self-attention over the whole prompt, then `output.dense` and the post-LayerNorm."""
+    """Self-attention over the whole prompt, then its output projection, the residual add and the
+    post-LayerNorm (`output`)."""
 
     def __init__(
         self, config: BertConfig, backend: AttentionBackend, tp: TensorParallelGroup
@@ -125,8 +167,7 @@ class BertAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads  # this rank's heads (all of them KV heads too)
         self.head_dim, self.q_size = d, self.num_heads * d
         self.scale = d**-0.5
-        self.dense = RowParallelLinear(heads * d, h, True, tp)
-        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.output = BertSelfOutput(heads * d, h, config.layer_norm_eps, tp)
         self.backend = backend
 
     def forward(
@@ -138,7 +179,7 @@ class BertAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size] * 3, dim=-1)
         q, k, v = (x.reshape(t, self.num_heads, d) for x in (q, k, v))  # [T, H, D] each
         out = self.backend.attend_encoder(q, k, v, meta, self.scale)  # [T, H, D]
-        return self.LayerNorm(self.dense(out.reshape(t, self.q_size)) + hidden)
+        return self.output(out.reshape(t, self.q_size), hidden)
 
 
 class BertLayer(nn.Module):
@@ -146,12 +187,11 @@ class BertLayer(nn.Module):
         self, config: BertConfig, backend: AttentionBackend, tp: TensorParallelGroup
     ) -> None:
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
         self.attention = BertAttention(config, backend, tp)
-        self.intermediate = ColumnParallelLinear(h, [i], True, tp)
-        self.output = RowParallelLinear(i, h, True, tp)
-        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
-        self.approximate = GELU_KINDS[config.hidden_act]
+        self.intermediate = BertIntermediate(config, tp)
+        self.output = BertOutput(
+            config.intermediate_size, config.hidden_size, config.layer_norm_eps, tp
+        )
 
     def forward(
         self,
@@ -159,8 +199,7 @@ class BertLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         hidden = self.attention(hidden, meta)
-        mlp = self.output(F.gelu(self.intermediate(hidden), approximate=self.approximate))
-        return self.LayerNorm(mlp + hidden)
+        return self.output(self.intermediate(hidden), hidden)
 
 
 class BertModel(nn.Module):
@@ -271,10 +310,6 @@ def checkpoint_target(name: str) -> tuple[str | None, tuple[str, ...]]:
         return None, ()
     if name.startswith(("embeddings.", "encoder.")):
         name = "model." + name.replace("encoder.layer.", "layers.")
-        name = name.replace("attention.output.", "attention.")
-        name = name.replace("intermediate.dense.", "intermediate.")
-        name = name.replace("output.dense.", "output.")
-        name = name.replace("output.LayerNorm.", "LayerNorm.")  # the layer's own, after the MLP
         for part in ("query", "key", "value"):
             if f"attention.self.{part}." in name:
                 shard = {"query": "q", "key": "k", "value": "v"}[part]
@@ -290,14 +325,7 @@ def checkpoint_names(module_name: str) -> list[str]:
     if name.endswith(".attention.qkv_proj"):
         base = name.removesuffix("qkv_proj")
         return [f"{base}self.{part}.weight" for part in ("query", "key", "value")]
-    for ours, theirs in (
-        (".attention.dense", ".attention.output.dense"),
-        (".intermediate", ".intermediate.dense"),
-        (".output", ".output.dense"),
-    ):
-        if name.endswith(ours):
-            return [f"{name.removesuffix(ours)}{theirs}.weight"]
-    return [f"{name}.weight"]
+    return [f"{name}.weight"]  # the sublayers carry transformers' names (output.dense, ...)
 
 
 class BertForSequenceClassification(BertEmbeddingModel):
@@ -325,7 +353,10 @@ __all__ = [
     "BertConfig",
     "BertEmbeddingModel",
     "BertForSequenceClassification",
+    "BertIntermediate",
     "BertModel",
+    "BertOutput",
+    "BertSelfOutput",
     "checkpoint_names",
     "checkpoint_target",
 ]
