@@ -250,6 +250,8 @@ void lora_expand(at::Tensor& out, const at::Tensor& y, const at::Tensor& lora_b,
   });
 }
 
+constexpr int64_t kStackY = 4096;  // add_lora_linear's y on the stack up to this many elements
+
 // vLLM's `add_lora_linear` (vllm/lora/punica_wrapper/punica_base.py): one linear's whole delta,
 // every slice's shrink in one parallel region, then every slice's expand in one more, the slices'
 // outputs side by side from column 0 of `out`. What the C++ decode loop runs per linear: the
@@ -281,10 +283,13 @@ void add_lora_linear(at::Tensor& out, const at::Tensor& x, at::TensorList lora_a
       sl.a.push_back(lora_a[i].data_ptr<scalar_t>());
       sl.b.push_back(lora_b[i].data_ptr<scalar_t>());
     }
-    std::vector<scalar_t> y(T * S * R);  // [T, S·R]
+    // y [T, S·R]: on the stack for a decode step's few rows (no allocation per linear).
+    scalar_t on_stack[kStackY];
+    std::vector<scalar_t> on_heap(T * S * R > kStackY ? T * S * R : 0);
+    scalar_t* y = on_heap.empty() ? on_stack : on_heap.data();
     const int64_t* slots = token_slots.data_ptr<int64_t>();
-    shrink_rows<scalar_t>(y.data(), x.data_ptr<scalar_t>(), x.stride(0), sl, slots, T, R, K);
-    expand_rows<scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), out.stride(1), y.data(), sl,
+    shrink_rows<scalar_t>(y, x.data_ptr<scalar_t>(), x.stride(0), sl, slots, T, R, K);
+    expand_rows<scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), out.stride(1), y, sl,
                           scales.data_ptr<scalar_t>(), slots, T, R);
   });
 }
