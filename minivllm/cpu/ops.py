@@ -33,8 +33,8 @@ raises `CpuKernelUnavailable`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import functools
+from collections.abc import Sequence
 
 import torch
 
