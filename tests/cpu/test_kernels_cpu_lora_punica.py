@@ -138,3 +138,12 @@ def test_a_bad_slot_is_refused_before_anything_is_read(slots: torch.Tensor, matc
         lora_expand(
             torch.zeros(2, 6), torch.randn(2, 4), torch.randn(2, 6, 4), slots, torch.ones(2)
         )
+    with pytest.raises(RuntimeError, match=match):
+        add_lora_linear(
+            torch.zeros(2, 6),
+            torch.randn(2, 8),
+            [torch.randn(2, 4, 8)],
+            [torch.randn(2, 6, 4)],
+            slots,
+            torch.ones(2),
+        )
