@@ -22,7 +22,9 @@
 // (expand) is the whole work of an element, and the compiler vectorizes that loop at each
 // instruction-set level the library is built for (minivllm/cpu/isa.py), summing in float32.
 // Work is split over PyTorch's threads by (row, output column) pairs, so a single decode row still
-// spreads over the threads; the regions touch raw pointers only.
+// spreads over the threads; the regions touch raw pointers only. `add_lora_linear` (vLLM's name)
+// runs both ops for every slice of one linear, the C++ decode loop's call: one region of shrinks,
+// one of expands, the same elements as the two ops slice by slice.
 //
 // bfloat16 and float16 are read and summed in float32, and rounded where the reference rounds:
 // y once; the expand's product, then its scaling, then the sum with `out`. float32 rounds nowhere
