@@ -13,7 +13,8 @@ and float16 CPU tensors and compute in float32:
 - `encoder_attention` (`cpu_encoder_attention.cpp`): an encoder's attention, each prompt of the
   step over its own rows, no cache.
 - `lora_shrink`, `lora_expand` (`cpu_lora_punica.cpp`): Punica's batched LoRA ops, each row with
-  its own adapter (minivllm/lora/punica.py is their specification).
+  its own adapter (minivllm/lora/punica.py is their specification); `add_lora_linear`: both, for
+  every slice of one linear in one call, as the C++ decode loop runs them.
 - `gguf_linear`, `gguf_dequantize` (`cpu_gguf_gemm.cpp`): x · Wᵀ with W kept in GGUF's quantized
   blocks (unpacked in registers, llama.cpp's `ggml_vec_dot_*` idea; on AVX2 builds, llama.cpp's
   8-bit integer dots, `cpu_gguf_gemm_avx2.cpp`), and W's float32 rows.
@@ -35,6 +36,7 @@ raises `CpuKernelUnavailable`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -46,6 +48,7 @@ __all__ = [
     "GGUF_DEQUANTIZE_MIN_ROWS",
     "GGUF_KERNEL_TYPES",
     "SKINNY_GEMM_MAX_ROWS",
+    "add_lora_linear",
     "encoder_attention",
     "fused_add_rms_norm",
     "gguf_dequantize",
@@ -358,3 +361,19 @@ def lora_expand(
     untouched (punica.expand)."""
     load_cpu_kernels()
     torch.ops.minivllm_cpu.lora_expand(out, y, lora_b, token_slots, scales, offset)
+
+
+def add_lora_linear(
+    out: torch.Tensor,  # [T, sum(out_i)]  any strides, added to in place
+    x: torch.Tensor,  # [T, in]  either layout
+    lora_a: Sequence[torch.Tensor],  # per slice: [L, R, in]  contiguous, x's dtype
+    lora_b: Sequence[torch.Tensor],  # per slice: [L, out_i, R]  contiguous
+    token_slots: torch.Tensor,  # int64 [T]
+    scales: torch.Tensor,  # [L]
+) -> None:
+    """Every slice's `lora_shrink` then `lora_expand`, slice i's columns after slice i - 1's, bit
+    for bit (vLLM's `add_lora_linear`): one call for a packed q|k|v or gate|up linear."""
+    load_cpu_kernels()
+    if x.stride(-1) != 1:  # a linear's feature-major output: the kernel reads token rows
+        x = x.contiguous()
+    torch.ops.minivllm_cpu.add_lora_linear(out, x, list(lora_a), list(lora_b), token_slots, scales)

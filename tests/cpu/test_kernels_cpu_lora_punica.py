@@ -7,7 +7,8 @@ product, its scaling, the sum), and is held to a few of its ulps. Cases: one row
 row of a slot, and rows of slot -1 among them; ranks 1, 8 and 16 in slots 16 wide (zero-padded,
 as the wrappers hold them); a packed q|k|v output written slice by slice at its offsets, in a CPU
 linear's feature-major layout; one thread and two (each element is one thread's, so the results
-are bit for bit the same).
+are bit for bit the same); `add_lora_linear`, every slice of a linear in one call, bit for bit the
+kernels' shrink and expand per slice (what lets the C++ decode loop call it for the wrappers' two).
 
 Like the other kernel tests, this builds the library (once per machine) and fails rather than
 skips where it cannot be built; `make test` runs it again at each lower instruction-set level.
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from minivllm.cpu.build import load_cpu_kernels
-from minivllm.cpu.ops import lora_expand, lora_shrink
+from minivllm.cpu.ops import add_lora_linear, lora_expand, lora_shrink
 from minivllm.lora import punica
 
 pytestmark = pytest.mark.cpu_isa  # run again at each lower instruction-set level (make test)
@@ -44,8 +45,9 @@ def stacked(ranks: list[int], rows: int, cols: int, gen: torch.Generator) -> tor
 
 
 def run_both(x, slices, slots, scales, out, threads):
-    """(kernel's out, reference's out) after shrink + expand of every slice at its offset."""
-    got, ref = out.clone(), out.clone()
+    """(kernel's out, reference's out) after shrink + expand of every slice at its offset; and
+    add_lora_linear's out, which must equal the kernels' shrink + expand per slice bit for bit."""
+    got, ref, chained, fused = out.clone(), out.clone(), out.clone(), out.clone()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -57,9 +59,12 @@ def run_both(x, slices, slots, scales, out, threads):
             assert torch.all(y[slots == punica.NO_LORA] == 0)
             lora_expand(got, y_ref, b, slots, scales, offset)
             punica.expand(ref, y_ref, b, slots, scales, offset)
+            lora_expand(chained, y, b, slots, scales, offset)
             offset += b.shape[1]
+        add_lora_linear(fused, x, [a for a, _ in slices], [b for _, b in slices], slots, scales)
     finally:
         torch.set_num_threads(before)
+    assert torch.equal(fused, chained)
     return got, ref
 
 
@@ -132,4 +137,13 @@ def test_a_bad_slot_is_refused_before_anything_is_read(slots: torch.Tensor, matc
     with pytest.raises(RuntimeError, match=match):
         lora_expand(
             torch.zeros(2, 6), torch.randn(2, 4), torch.randn(2, 6, 4), slots, torch.ones(2)
+        )
+    with pytest.raises(RuntimeError, match=match):
+        add_lora_linear(
+            torch.zeros(2, 6),
+            torch.randn(2, 8),
+            [torch.randn(2, 4, 8)],
+            [torch.randn(2, 6, 4)],
+            slots,
+            torch.ones(2),
         )

@@ -20,9 +20,10 @@
 //   hidden = linear(silu_and_mul(linear(hidden, W_gate_up)), W_down)
 // then the final fused_add_rms_norm. A model whose linears carry LoRA adapters
 // (minivllm/lora/layers.py) adds, after each linear's product and before anything reads it, each
-// of the linear's slices' Punica delta (shrink, then expand at the slice's offset: the lora_shrink
-// and lora_expand ops of cpu_lora_punica.cpp, which its Python wrappers call on the CPU backend),
-// every row with its own adapter slot, a row of slot -1 untouched; where no row of the step has an
+// of the linear's slices' Punica delta (shrink, then expand at the slice's offset), every row with
+// its own adapter slot, a row of slot -1 untouched: all of a linear's slices in one call of
+// cpu_lora_punica.cpp's add_lora_linear, whose elements are bit for bit those of the lora_shrink
+// and lora_expand ops the Python wrappers call per slice on the CPU backend; where no row of the step has an
 // adapter, no linear runs them, as the wrappers skip both when `LoRAMapping.has_lora` is false. minivllm/worker/cpu_decode_loop.py decides when it applies
 // (decode-only steps, one device, no biases, prepacked weights, GGUF blocks, or plain float32
 // ones on at most 64 rows) and hands it the weights. Where oneDNN packs them, a model's linear weights come in
@@ -78,10 +79,9 @@ struct Kernels {
       find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear_bf16");
   c10::TypedOperatorHandle<void(Tensor&, CT, CT, int64_t)> gguf_linear_int8 =
       find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear_int8");
-  c10::TypedOperatorHandle<void(Tensor&, CT, CT, CT)> lora_shrink =
-      find_op<void(Tensor&, CT, CT, CT)>("minivllm_cpu::lora_shrink");
-  c10::TypedOperatorHandle<void(Tensor&, CT, CT, CT, CT, int64_t)> lora_expand =
-      find_op<void(Tensor&, CT, CT, CT, CT, int64_t)>("minivllm_cpu::lora_expand");
+  c10::TypedOperatorHandle<void(Tensor&, CT, at::TensorList, at::TensorList, CT, CT)>
+      add_lora_linear = find_op<void(Tensor&, CT, at::TensorList, at::TensorList, CT, CT)>(
+          "minivllm_cpu::add_lora_linear");
 
   static const Kernels& get() {
     static const Kernels kernels;  // after every op is registered: on the first call
@@ -151,17 +151,14 @@ struct LoRA {
   std::vector<int64_t> start;  // linear j's slices are a[start[j]] .. a[start[j + 1] - 1]
   const Tensor* token_slots;   // int64 [T] each row's slot, -1 none; nullptr: no row has one
 
-  // out[:, slice i] += each row's scale · (x Aᵢᵀ) Bᵢᵀ, in place, for linear j; x [T, in].
+  // out[:, slice i] += each row's scale · (x Aᵢᵀ) Bᵢᵀ, in place, for linear j; x [T, in]: all
+  // its slices in one call, the same elements as a shrink and an expand per slice.
   void add(const Kernels& k, const Tensor& x, Tensor& out, int64_t j) const {
     if (token_slots == nullptr) return;
     const Tensor xr = x.stride(1) == 1 ? x : x.contiguous();  // the kernel reads token rows
-    int64_t offset = 0;
-    for (int64_t i = start[j]; i < start[j + 1]; ++i) {
-      Tensor y = at::empty({x.size(0), a[i].size(1)}, x.options());  // [T, R]
-      k.lora_shrink.call(y, xr, a[i], *token_slots);
-      k.lora_expand.call(out, y, b[i], *token_slots, scales[j], offset);
-      offset += b[i].size(1);
-    }
+    const int64_t n = start[j + 1] - start[j];
+    k.add_lora_linear.call(out, xr, a.slice(start[j], n), b.slice(start[j], n), *token_slots,
+                           scales[j]);
   }
 };
 
