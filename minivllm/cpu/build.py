@@ -82,6 +82,7 @@ SOURCES = tuple(
         "cpu_gguf_gemm.cpp",
         "cpu_gguf_gemm_avx2.cpp",
         "cpu_gguf_gemm_bf16.cpp",
+        "cpu_gguf_amx.cpp",
         "cpu_decode_layers.cpp",
         "cpu_lora_punica.cpp",
     )
@@ -89,7 +90,7 @@ SOURCES = tuple(
 # included by the GGUF sources
 HEADERS = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("cpu_gguf_blocks.h", "cpu_gguf_kquant_avx2.h")
+    for name in ("cpu_gguf_blocks.h", "cpu_gguf_kquant_avx2.h", "cpu_gguf_xq_avx2.h")
 )
 LDFLAGS = ("-lm", "-fopenmp")
 # How long a process waits for another one to finish compiling (a build takes about a minute on 2

@@ -1,0 +1,270 @@
+// The K-quants' int8 product (gguf_linear_int8) for prefill-sized calls on Intel AMX tiles, with
+// every output bit for bit the AVX512-VNNI kernel's (cpu_gguf_gemm_avx2.cpp), hence batch-invariant.
+//
+// Why it can be exact. The int8 product rounds x to 8-bit blocks (cpu_gguf_xq_avx2.h, the same
+// code here) and, per super-block of 256 weights, sums integer products before any float step
+// (cpu_gguf_kquant_avx2.h `accumulate`):
+//   S = Σ_g sc_g · Σ_{k in g} q_k · xq_k     M = Σ_j mn_j · bsums_j     (whole integers)
+//   acc = fma(S, d · dx, acc); acc = fma(-M, dmin · dx, acc)     (Q6_K: fma(S - M, d · dx, acc))
+// An integer sum is the same in any order, so AMX's TDPBSUD / TDPBSSD (16 tokens x 16 weight rows
+// x 64 bytes an instruction, int32 sums) may compute each scale group's dot Σ_{k in g} q_k · xq_k
+// for a whole tile of tokens and rows at once; AVX-512 then applies the integer scales (vpmulld),
+// the mins (vpdpwssd) and the same float steps, in the same super-block order, vectorized over 16
+// weight rows instead of over a tile's int32 lanes. llama.cpp's AMX backend (ggml-cpu/amx/mmq.cpp)
+// tiles its K-quants the same way, with its own float steps.
+//
+// A scale group is the run of weights that share an integer scale: 32 for Q4_K and Q5_K (their
+// sub-blocks), 16 for Q6_K. Each gets its own tile product (K = 32 or 16 bytes), since the scale
+// multiplies the group's sum before the super-block's. Q6_K's offset of 32 goes into the weights
+// (q - 32, signed, TDPBSSD), which gives S - M directly. Q4_K and Q5_K keep unsigned q (TDPBSUD)
+// and their mins apart: M = Σ_c m_c · (Σ x over sub-block c), a vpdpwssd per two sub-blocks.
+//
+// Layout. Threads split the weight rows in blocks of 32 (two tiles of 16 columns sharing each x
+// tile); a thread unpacks its block once (the VNNI kernel's `unpack`) into the tiles' layout,
+// B[group][k / 4][row][4] bytes, then runs every 16 tokens of x (rows past M are zeros) over it.
+// The tile registers are configured per thread (LDTILECFG is thread state), and only raw pointers
+// and std::vector are touched in the parallel region. Linux lends the tile registers to a
+// process that asks (arch_prctl ARCH_REQ_XCOMP_PERM), once; `gguf_has_amx` asks, and is false on
+// CPUs without AMX-INT8 or kernels that refuse, where the VNNI kernel runs instead.
+// tests/cpu/test_kernels_cpu_gguf_amx.py holds every output to the VNNI kernel's, bit for bit.
+
+#include "cpu_gguf_blocks.h"
+
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define MINIVLLM_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#pragma GCC push_options
+#pragma GCC target("avx512vnni,amx-tile,amx-int8")
+#define MINIVLLM_INT8_VNNI 1
+#include "cpu_gguf_kquant_avx2.h"
+#include "cpu_gguf_xq_avx2.h"
+
+namespace minivllm_gguf_amx {
+namespace {
+
+using minivllm_gguf_avx2::KBlock;
+using minivllm_gguf_avx2::Tokens;
+
+// LDTILECFG's 64 bytes: palette 1, then each tile's bytes per row and rows.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+// Tiles 0, 1: two 16 x 16 int32 products (weight rows 0..15, 16..31 of the block); tile 4: 16
+// tokens x G bytes of xq; tiles 5, 6: G / 4 rows of 16 weight rows x 4 bytes.
+template <int G>
+void configure_tiles() {
+  alignas(64) TileConfig c;
+  c.rows[0] = c.rows[1] = 16, c.colsb[0] = c.colsb[1] = 64;
+  c.rows[4] = 16, c.colsb[4] = G;
+  c.rows[5] = c.rows[6] = G / 4, c.colsb[5] = c.colsb[6] = 64;
+  _tile_loadconfig(&c);
+}
+
+constexpr int64_t kRows = 32;  // weight rows per work item: two tiles' columns
+
+// The per-type facts: G, the bytes of a scale group; whether q goes in signed (Q6_K: q - 32).
+template <class X> struct Amx { static constexpr int G = 32; static constexpr bool kSigned = false; };
+template <> struct Amx<minivllm_gguf_avx2::Q6_Kx> { static constexpr int G = 16; static constexpr bool kSigned = true; };
+
+// A block of kRows weight rows in the tiles' layout (ns super-blocks of NG = 256 / G groups):
+//   q  [ns][NG][2][G / 4][16][4]  bytes (signed q - 32 for Q6_K)
+//   sc [ns][NG][2][16]            int32, each group's scale
+//   mn [ns][4][2][16][2]          int16, mins of sub-blocks 2i, 2i + 1 (Q4_K, Q5_K)
+//   d, dmin [ns][2][16]           float
+template <class X>
+struct WeightBlock {
+  static constexpr int G = Amx<X>::G, NG = 256 / G;
+  std::vector<uint8_t> q;
+  std::vector<int32_t> sc;
+  std::vector<int16_t> mn;
+  std::vector<float> d, dmin;
+  explicit WeightBlock(int64_t ns)
+      : q(ns * 256 * kRows), sc(ns * NG * kRows), mn(ns * 8 * kRows), d(ns * kRows), dmin(ns * kRows) {}
+
+  // Rows [0, rows) of packed blocks w (row stride row_bytes); rows past them are zeros.
+  void pack(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t ns) {
+    alignas(32) uint8_t qb[256];
+    alignas(32) int16_t scb[128], mnb[16];
+    float db, dminb;
+    if (rows < kRows) std::fill(q.begin(), q.end(), uint8_t(0)), std::fill(sc.begin(), sc.end(), 0);
+    for (int64_t n = 0; n < rows; ++n) {
+      const int64_t h = n / 16, nn = n % 16;
+      for (int64_t s = 0; s < ns; ++s) {
+        X::unpack(w + n * row_bytes + s * X::Q::kBytes, KBlock{qb, scb, mnb, &db, &dminb});
+        for (int k = 0; k < 256; k += 4) {
+          const int g = k / G;
+          uint8_t* dst = q.data() + (((s * NG + g) * 2 + h) * (G / 4) + (k % G) / 4) * 64 + nn * 4;
+          for (int j = 0; j < 4; ++j) dst[j] = Amx<X>::kSigned ? uint8_t(qb[k + j] - 32) : qb[k + j];
+        }
+        for (int g = 0; g < NG; ++g)  // chunk (g·G)/32's 16 int16 scales: 8 per 16 weights
+          sc[((s * NG + g) * 2 + h) * 16 + nn] = scb[(g * G / 32) * 16 + (g * G % 32) / 2];
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 2; ++j) mn[(((s * 4 + i) * 2 + h) * 16 + nn) * 2 + j] = mnb[2 * (2 * i + j)];
+        d[(s * 2 + h) * 16 + nn] = db, dmin[(s * 2 + h) * 16 + nn] = dminb;
+      }
+    }
+  }
+};
+
+// out[t · ldo + n] for tokens t < tokens (<= 16, from token row 0 of xq: [16][K]) and weight rows
+// n < rows (<= kRows) of the packed block.
+template <class X>
+void tile(const WeightBlock<X>& w, int64_t rows, const Tokens& x, const int32_t* bx, int64_t m0,
+          int64_t tokens, int64_t ns, float* out, int64_t ldo) {
+  constexpr int G = Amx<X>::G, NG = 256 / G;
+  const int64_t K = x.K;
+  alignas(64) int32_t D[2][16][16];  // one group's dots: [tile][token][weight row]
+  __m512 acc[2][16];
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 16; ++t) acc[h][t] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < ns; ++s) {
+    __m512i S[2][16];
+    for (int h = 0; h < 2; ++h)
+      for (int t = 0; t < 16; ++t) S[h][t] = _mm512_setzero_si512();
+    for (int g = 0; g < NG; ++g) {
+      const uint8_t* b = w.q.data() + (s * NG + g) * 2 * G * 16;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_loadd(4, x.xq.data() + m0 * K + 256 * s + G * g, K);
+      _tile_loadd(5, b, 64);
+      _tile_loadd(6, b + G * 16, 64);
+      if (Amx<X>::kSigned) {
+        _tile_dpbssd(0, 4, 5);
+        _tile_dpbssd(1, 4, 6);
+      } else {
+        _tile_dpbsud(0, 4, 5);
+        _tile_dpbsud(1, 4, 6);
+      }
+      _tile_stored(0, D[0], 64);
+      _tile_stored(1, D[1], 64);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i scv = _mm512_loadu_si512(w.sc.data() + ((s * NG + g) * 2 + h) * 16);
+        for (int t = 0; t < 16; ++t)
+          S[h][t] = _mm512_add_epi32(S[h][t], _mm512_mullo_epi32(_mm512_load_si512(D[h][t]), scv));
+      }
+    }
+    // the float steps of `accumulate`, for 16 weight rows a vector
+    for (int h = 0; h < 2; ++h) {
+      const __m512 dv = _mm512_loadu_ps(w.d.data() + (s * 2 + h) * 16);
+      const __m512 dminv = _mm512_loadu_ps(w.dmin.data() + (s * 2 + h) * 16);
+      __m512i mn[4];
+      for (int i = 0; i < 4; ++i) mn[i] = _mm512_loadu_si512(w.mn.data() + ((s * 4 + i) * 2 + h) * 32);
+      for (int t = 0; t < 16; ++t) {
+        const __m512 dx = _mm512_set1_ps(x.dx[(m0 + t) * ns + s]);
+        acc[h][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[h][t]), _mm512_mul_ps(dv, dx), acc[h][t]);
+        if (!X::kFoldMins) {
+          __m512i M = _mm512_setzero_si512();
+          for (int i = 0; i < 4; ++i)
+            M = _mm512_dpwssd_epi32(M, _mm512_set1_epi32(bx[((m0 + t) * ns + s) * 4 + i]), mn[i]);
+          acc[h][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(M), _mm512_mul_ps(dminv, dx), acc[h][t]);
+        }
+      }
+    }
+  }
+  const __mmask16 lo = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+  const __mmask16 hi = rows >= 32 ? __mmask16(0xFFFF) : rows <= 16 ? 0 : __mmask16((1u << (rows - 16)) - 1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    _mm512_mask_storeu_ps(out + t * ldo, lo, acc[0][t]);
+    _mm512_mask_storeu_ps(out + t * ldo + 16, hi, acc[1][t]);
+  }
+}
+
+template <class X>
+void linear(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M, int64_t N, int64_t K) {
+  using Q = typename X::Q;
+  const int64_t ns = K / 256, row_bytes = ns * Q::kBytes, Mp = (M + 15) / 16 * 16;
+  Tokens tok = minivllm_gguf_avx2::quantize_tokens(x, ldx, M, K, 256);
+  tok.xq.resize(Mp * K, 0), tok.dx.resize(Mp * ns, 0.0f), tok.bsums.resize(Mp * ns * 16, 0);
+  // Σ xq over each sub-block of 32, two sub-blocks an int32 as vpdpwssd pairs them: [Mp][ns][4]
+  std::vector<int32_t> bx(Mp * ns * 4);
+  for (int64_t i = 0; i < Mp * ns * 4; ++i) {
+    const int16_t* b = tok.bsums.data() + 4 * i;
+    bx[i] = int32_t(uint16_t(b[0] + b[1])) | int32_t(uint32_t(uint16_t(b[2] + b[3])) << 16);
+  }
+  at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles<Amx<X>::G>();
+    WeightBlock<X> wb(ns);
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * kRows, rows = std::min(kRows, N - n0);
+      wb.pack(w + n0 * row_bytes, row_bytes, rows, ns);
+      for (int64_t m0 = 0; m0 < M; m0 += 16)
+        tile<X>(wb, rows, tok, bx.data(), m0, std::min<int64_t>(16, M - m0), ns, out + m0 * N + n0, N);
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace
+
+// AMX-INT8 on this CPU, and the tile registers granted to this process by Linux (asked once).
+bool has_amx() {
+  static const bool has = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = d & (1u << 24), int8 = d & (1u << 25), vnni = c & (1u << 11);
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return tile && int8 && vnni && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return has;
+}
+
+void linear_amx(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M, int64_t N,
+                int64_t K, int64_t qtype) {
+  switch (qtype) {
+    case Q4_K::kType: return linear<minivllm_gguf_avx2::Q4_Kx>(out, x, ldx, w, M, N, K);
+    case Q5_K::kType: return linear<minivllm_gguf_avx2::Q5_Kx>(out, x, ldx, w, M, N, K);
+    case Q6_K::kType: return linear<minivllm_gguf_avx2::Q6_Kx>(out, x, ldx, w, M, N, K);
+    default: TORCH_CHECK(false, "gguf_linear_amx: GGML type ", qtype, " has no AMX kernel (12, 13, 14)");
+  }
+}
+
+}  // namespace minivllm_gguf_amx
+#pragma GCC pop_options
+#endif  // MINIVLLM_AMX
+
+namespace {
+
+bool gguf_has_amx() {
+#if defined(MINIVLLM_AMX)
+  return minivllm_gguf_amx::has_amx();
+#else
+  return false;
+#endif
+}
+
+// out[M, N] = x[M, K] · Wᵀ on AMX tiles, for the K-quants; equal to gguf_linear_int8's out.
+void gguf_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype) {
+  const char* op = "minivllm_cpu::gguf_linear_amx";
+  TORCH_CHECK(gguf_has_amx(), op, ": this CPU (or this build, or the OS) has no AMX-INT8");
+  TORCH_CHECK(qtype == 12 || qtype == 13 || qtype == 14, op, ": GGML type ", qtype,
+              " has no AMX kernel (12 Q4_K, 13 Q5_K, 14 Q6_K)");
+#if defined(MINIVLLM_AMX)
+  with_type(qtype, op, [&](auto q) {
+    using Q = decltype(q);
+    check_float(x, "x [M, K]", op, /*rows_strided=*/true);
+    check_float(out, "out [M, N]", op);
+    const int64_t M = x.size(0), K = x.size(1);
+    const int64_t N = check_weight(qweight, K, op, Q::kBlock, Q::kBytes);
+    TORCH_CHECK(out.size(0) == M && out.size(1) == N, op, ": out must be [", M, ", ", N,
+                "], got [", out.size(0), ", ", out.size(1), "]");
+    if (M == 0 || N == 0) return;
+    minivllm_gguf_amx::linear_amx(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0),
+                                  qweight.data_ptr<uint8_t>(), M, N, K, qtype);
+  });
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
+  m.def("gguf_has_amx() -> bool", &gguf_has_amx);
+  m.def("gguf_linear_amx(Tensor(a!) out, Tensor x, Tensor qweight, int qtype) -> ()", &gguf_linear_amx);
+}
