@@ -68,7 +68,9 @@ void configure_tiles() {
   _tile_loadconfig(&c);
 }
 
-constexpr int64_t kRows = 32;  // weight rows per work item: two tiles' columns
+constexpr int64_t kRows = 32;  // weight rows per block: two tiles' columns
+constexpr int64_t kItemBytes = 256 * 1024;   // a work item's blocks in the tiles' layout
+constexpr int64_t kPanelBytes = 512 * 1024;  // token rows of xq that the item's blocks reread
 
 // The per-type facts: G, the bytes of a scale group; whether q goes in signed (Q6_K: q - 32).
 template <class X> struct Amx { static constexpr int G = 32; static constexpr bool kSigned = false; };
@@ -89,28 +91,37 @@ struct WeightBlock {
   explicit WeightBlock(int64_t ns)
       : q(ns * 256 * kRows), sc(ns * NG * kRows), mn(ns * 8 * kRows), d(ns * kRows), dmin(ns * kRows) {}
 
-  // Rows [0, rows) of packed blocks w (row stride row_bytes); rows past them are zeros.
+  // Rows [0, rows) of packed blocks w (row stride row_bytes); rows past them are zeros. Each
+  // super-block of 16 rows is unpacked in weight order (qb), then turned into the tiles' layout
+  // 16 rows x 4 bytes at a time, one gather each.
   void pack(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t ns) {
-    alignas(32) uint8_t qb[256];
+    alignas(64) uint8_t qb[16][256];
     alignas(32) int16_t scb[128], mnb[16];
     float db, dminb;
-    if (rows < kRows) std::fill(q.begin(), q.end(), uint8_t(0)), std::fill(sc.begin(), sc.end(), 0);
-    for (int64_t n = 0; n < rows; ++n) {
-      const int64_t h = n / 16, nn = n % 16;
+    const __m512i row_at = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(64));
+    for (int64_t h = 0; h < 2; ++h)
       for (int64_t s = 0; s < ns; ++s) {
-        X::unpack(w + n * row_bytes + s * X::Q::kBytes, KBlock{qb, scb, mnb, &db, &dminb});
-        for (int k = 0; k < 256; k += 4) {
-          const int g = k / G;
-          uint8_t* dst = q.data() + (((s * NG + g) * 2 + h) * (G / 4) + (k % G) / 4) * 64 + nn * 4;
-          for (int j = 0; j < 4; ++j) dst[j] = Amx<X>::kSigned ? uint8_t(qb[k + j] - 32) : qb[k + j];
+        for (int64_t nn = 0; nn < 16; ++nn) {
+          const int64_t n = 16 * h + nn;
+          if (n >= rows) {
+            std::memset(qb[nn], Amx<X>::kSigned ? 32 : 0, 256);
+            continue;
+          }
+          X::unpack(w + n * row_bytes + s * X::Q::kBytes, KBlock{qb[nn], scb, mnb, &db, &dminb});
+          for (int g = 0; g < NG; ++g)  // chunk (g·G)/32's 16 int16 scales: 8 per 16 weights
+            sc[((s * NG + g) * 2 + h) * 16 + nn] = scb[(g * G / 32) * 16 + (g * G % 32) / 2];
+          for (int i = 0; i < 4; ++i)
+            for (int j = 0; j < 2; ++j) mn[(((s * 4 + i) * 2 + h) * 16 + nn) * 2 + j] = mnb[2 * (2 * i + j)];
+          d[(s * 2 + h) * 16 + nn] = db, dmin[(s * 2 + h) * 16 + nn] = dminb;
         }
-        for (int g = 0; g < NG; ++g)  // chunk (g·G)/32's 16 int16 scales: 8 per 16 weights
-          sc[((s * NG + g) * 2 + h) * 16 + nn] = scb[(g * G / 32) * 16 + (g * G % 32) / 2];
-        for (int i = 0; i < 4; ++i)
-          for (int j = 0; j < 2; ++j) mn[(((s * 4 + i) * 2 + h) * 16 + nn) * 2 + j] = mnb[2 * (2 * i + j)];
-        d[(s * 2 + h) * 16 + nn] = db, dmin[(s * 2 + h) * 16 + nn] = dminb;
+        for (int k4 = 0; k4 < 64; ++k4) {  // bytes 4 k4 .. 4 k4 + 3 of the 16 rows
+          __m512i v = _mm512_i32gather_epi32(row_at, reinterpret_cast<const int*>(&qb[0][0]) + k4, 4);
+          if (Amx<X>::kSigned) v = _mm512_sub_epi8(v, _mm512_set1_epi8(32));
+          const int g = 4 * k4 / G;
+          _mm512_storeu_si512(q.data() + (((s * NG + g) * 2 + h) * (G / 4) + k4 % (G / 4)) * 64, v);
+        }
       }
-    }
   }
 };
 
@@ -189,14 +200,25 @@ void linear(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M
     const int16_t* b = tok.bsums.data() + 4 * i;
     bx[i] = int32_t(uint16_t(b[0] + b[1])) | int32_t(uint32_t(uint16_t(b[2] + b[3])) << 16);
   }
-  at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t begin, int64_t end) {
+  // Work items of a few blocks (their tiles' layout in L2), run over panels of x that stay in L2
+  // while every block of the item rereads them.
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  const int64_t per_item = std::clamp<int64_t>(kItemBytes / (kRows * K), 1, 16);
+  const int64_t panel = std::max<int64_t>(16, kPanelBytes / K / 16 * 16);
+  at::parallel_for(0, (blocks + per_item - 1) / per_item, 1, [&](int64_t begin, int64_t end) {
     configure_tiles<Amx<X>::G>();
-    WeightBlock<X> wb(ns);
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * kRows, rows = std::min(kRows, N - n0);
-      wb.pack(w + n0 * row_bytes, row_bytes, rows, ns);
-      for (int64_t m0 = 0; m0 < M; m0 += 16)
-        tile<X>(wb, rows, tok, bx.data(), m0, std::min<int64_t>(16, M - m0), ns, out + m0 * N + n0, N);
+    std::vector<WeightBlock<X>> wb(per_item, WeightBlock<X>(ns));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b0 = item * per_item, b1 = std::min(blocks, b0 + per_item);
+      for (int64_t b = b0; b < b1; ++b)
+        wb[b - b0].pack(w + b * kRows * row_bytes, row_bytes, std::min(kRows, N - b * kRows), ns);
+      for (int64_t p0 = 0; p0 < M; p0 += panel)
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t n0 = b * kRows, rows = std::min(kRows, N - n0);
+          for (int64_t m0 = p0; m0 < std::min(M, p0 + panel); m0 += 16)
+            tile<X>(wb[b - b0], rows, tok, bx.data(), m0, std::min<int64_t>(16, M - m0), ns,
+                    out + m0 * N + n0, N);
+        }
     }
     _tile_release();
   });
