@@ -57,14 +57,11 @@ struct TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-// Tiles 0, 1: two 16 x 16 int32 products (weight rows 0..15, 16..31 of the block); tile 4: 16
-// tokens x G bytes of xq; tiles 5, 6: G / 4 rows of 16 weight rows x 4 bytes.
-template <int G>
+// Every tile 16 rows x 64 bytes: tiles 0..3 int32 products [16 tokens][16 weight rows], tile 4
+// 16 tokens x 64 bytes of xq, tiles 5..7 16 rows of 16 weight rows x 4 bytes.
 void configure_tiles() {
   alignas(64) TileConfig c;
-  c.rows[0] = c.rows[1] = 16, c.colsb[0] = c.colsb[1] = 64;
-  c.rows[4] = 16, c.colsb[4] = G;
-  c.rows[5] = c.rows[6] = G / 4, c.colsb[5] = c.colsb[6] = 64;
+  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
   _tile_loadconfig(&c);
 }
 
@@ -72,45 +69,55 @@ constexpr int64_t kRows = 32;  // weight rows per block: two tiles' columns
 constexpr int64_t kItemBytes = 256 * 1024;   // a work item's blocks in the tiles' layout
 constexpr int64_t kPanelBytes = 512 * 1024;  // token rows of xq that the item's blocks reread
 
-// The per-type facts: G, the bytes of a scale group; whether q goes in signed (Q6_K: q - 32).
-template <class X> struct Amx { static constexpr int G = 32; static constexpr bool kSigned = false; };
-template <> struct Amx<minivllm_gguf_avx2::Q6_Kx> { static constexpr int G = 16; static constexpr bool kSigned = true; };
+// The per-type facts: G, the weights of a scale group; kParts, the scale's parts of kBits bits
+// (sc = Σ_p part_p << (kBits · p), the top part signed); whether q goes in as q - 32 (Q6_K).
+template <class X> struct Amx {
+  static constexpr int G = 32, kParts = 2, kBits = 3;  // sc in 0..63; q · 7 <= 217, a u8
+  static constexpr bool kSigned = false;
+};
+template <> struct Amx<minivllm_gguf_avx2::Q6_Kx> {
+  static constexpr int G = 16, kParts = 4, kBits = 2;  // sc in -128..127; (q - 32) · 3 a s8
+  static constexpr bool kSigned = true;
+};
 
-// A block of kRows weight rows in the tiles' layout (ns super-blocks of NG = 256 / G groups):
-//   q  [ns][NG][2][G / 4][16][4]  bytes (signed q - 32 for Q6_K)
-//   sc [ns][NG][2][16]            int32, each group's scale
-//   mn [ns][4][2][16][2]          int16, mins of sub-blocks 2i, 2i + 1 (Q4_K, Q5_K)
-//   d, dmin [ns][2][16]           float
+// A block of kRows weight rows in the tiles' layout, ns super-blocks:
+//   q  [ns][4 steps of 64][kParts][2][16][16][4]  bytes: q_k · part_p(sc of k's group), for weight
+//       rows 0..15 and 16..31, dword k / 4 of the step, row, byte k % 4 (q - 32 for Q6_K)
+//   mn [ns][4][2][16][2]  int16, mins of sub-blocks 2i, 2i + 1 (Q4_K, Q5_K)
+//   d, dmin [ns][2][16]   float
+// So one tile product per part and step gives Σ_k xq_k · q_k · part_p over the super-block, and
+// S = Σ_p (that << kBits · p), every product exact within a byte.
 template <class X>
 struct WeightBlock {
-  static constexpr int G = Amx<X>::G, NG = 256 / G;
+  static constexpr int G = Amx<X>::G, NG = 256 / G, P = Amx<X>::kParts;
   std::vector<uint8_t> q;
-  std::vector<int32_t> sc;
   std::vector<int16_t> mn;
   std::vector<float> d, dmin;
-  explicit WeightBlock(int64_t ns)
-      : q(ns * 256 * kRows), sc(ns * NG * kRows), mn(ns * 8 * kRows), d(ns * kRows), dmin(ns * kRows) {}
+  explicit WeightBlock(int64_t ns) : q(ns * 256 * P * kRows), mn(ns * 8 * kRows), d(ns * kRows), dmin(ns * kRows) {}
 
   // Rows [0, rows) of packed blocks w (row stride row_bytes); rows past them are zeros. Each
   // super-block of 16 rows is unpacked in weight order (qb), then turned into the tiles' layout
-  // 16 rows x 4 bytes at a time, one gather each.
+  // 16 rows x 4 bytes at a time (one gather), times each part of the rows' scales.
   void pack(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t ns) {
     alignas(64) uint8_t qb[16][256];
+    alignas(64) int32_t scale[NG][16];  // [group][row]
     alignas(32) int16_t scb[128], mnb[16];
     float db, dminb;
     const __m512i row_at = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(64));
+    const __m512i low_bytes = _mm512_set1_epi16(0x00FF);
     for (int64_t h = 0; h < 2; ++h)
       for (int64_t s = 0; s < ns; ++s) {
         for (int64_t nn = 0; nn < 16; ++nn) {
           const int64_t n = 16 * h + nn;
           if (n >= rows) {
             std::memset(qb[nn], Amx<X>::kSigned ? 32 : 0, 256);
+            for (int g = 0; g < NG; ++g) scale[g][nn] = 0;
             continue;
           }
           X::unpack(w + n * row_bytes + s * X::Q::kBytes, KBlock{qb[nn], scb, mnb, &db, &dminb});
           for (int g = 0; g < NG; ++g)  // chunk (g·G)/32's 16 int16 scales: 8 per 16 weights
-            sc[((s * NG + g) * 2 + h) * 16 + nn] = scb[(g * G / 32) * 16 + (g * G % 32) / 2];
+            scale[g][nn] = scb[(g * G / 32) * 16 + (g * G % 32) / 2];
           for (int i = 0; i < 4; ++i)
             for (int j = 0; j < 2; ++j) mn[(((s * 4 + i) * 2 + h) * 16 + nn) * 2 + j] = mnb[2 * (2 * i + j)];
           d[(s * 2 + h) * 16 + nn] = db, dmin[(s * 2 + h) * 16 + nn] = dminb;
@@ -118,59 +125,82 @@ struct WeightBlock {
         for (int k4 = 0; k4 < 64; ++k4) {  // bytes 4 k4 .. 4 k4 + 3 of the 16 rows
           __m512i v = _mm512_i32gather_epi32(row_at, reinterpret_cast<const int*>(&qb[0][0]) + k4, 4);
           if (Amx<X>::kSigned) v = _mm512_sub_epi8(v, _mm512_set1_epi8(32));
-          const int g = 4 * k4 / G;
-          _mm512_storeu_si512(q.data() + (((s * NG + g) * 2 + h) * (G / 4) + k4 % (G / 4)) * 64, v);
+          // each byte as an int16 (signed: q - 32, or q < 128), even bytes and odd apart
+          const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8), odd = _mm512_srai_epi16(v, 8);
+          const __m512i sc = _mm512_load_si512(scale[4 * k4 / G]);
+          for (int p = 0; p < P; ++p) {
+            __m512i part = _mm512_srai_epi32(sc, Amx<X>::kBits * p);  // the top part keeps the sign
+            if (p + 1 < P) part = _mm512_and_si512(part, _mm512_set1_epi32((1 << Amx<X>::kBits) - 1));
+            part = _mm512_or_si512(_mm512_and_si512(part, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(part, 16));
+            const __m512i bytes = _mm512_or_si512(_mm512_and_si512(_mm512_mullo_epi16(even, part), low_bytes),
+                                                  _mm512_slli_epi16(_mm512_mullo_epi16(odd, part), 8));
+            _mm512_storeu_si512(q.data() + ((((s * 4 + k4 / 16) * P + p) * 2 + h) * 16 + k4 % 16) * 64, bytes);
+          }
         }
       }
   }
+  const uint8_t* B(int64_t s, int step, int p, int h) const {
+    return q.data() + (((s * 4 + step) * P + p) * 2 + h) * 1024;
+  }
 };
 
-// out[t · ldo + n] for tokens t < tokens (<= 16, from token row 0 of xq: [16][K]) and weight rows
+// out[t · ldo + n] for tokens t < tokens (<= 16, from token row m0 of xq) and weight rows
 // n < rows (<= kRows) of the packed block.
 template <class X>
 void tile(const WeightBlock<X>& w, int64_t rows, const Tokens& x, const int32_t* bx, int64_t m0,
           int64_t tokens, int64_t ns, float* out, int64_t ldo) {
-  constexpr int G = Amx<X>::G, NG = 256 / G;
   const int64_t K = x.K;
-  alignas(64) int32_t D[2][16][16];  // one group's dots: [tile][token][weight row]
+  alignas(64) int32_t D[2][4][16][16];  // [weight rows / 16][part][token][weight row]
   __m512 acc[2][16];
   for (int h = 0; h < 2; ++h)
     for (int t = 0; t < 16; ++t) acc[h][t] = _mm512_setzero_ps();
   for (int64_t s = 0; s < ns; ++s) {
-    __m512i S[2][16];
-    for (int h = 0; h < 2; ++h)
-      for (int t = 0; t < 16; ++t) S[h][t] = _mm512_setzero_si512();
-    for (int g = 0; g < NG; ++g) {
-      const uint8_t* b = w.q.data() + (s * NG + g) * 2 * G * 16;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_loadd(4, x.xq.data() + m0 * K + 256 * s + G * g, K);
-      _tile_loadd(5, b, 64);
-      _tile_loadd(6, b + G * 16, 64);
-      if (Amx<X>::kSigned) {
-        _tile_dpbssd(0, 4, 5);
-        _tile_dpbssd(1, 4, 6);
-      } else {
+    const int8_t* xs = x.xq.data() + m0 * K + 256 * s;
+    if (Amx<X>::kParts == 2) {  // Q4_K, Q5_K: tiles 2 p + h, both halves against each x tile
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int step = 0; step < 4; ++step) {
+        _tile_loadd(4, xs + 64 * step, K);
+        _tile_loadd(5, w.B(s, step, 0, 0), 64);
+        _tile_loadd(6, w.B(s, step, 0, 1), 64);
+        _tile_loadd(7, w.B(s, step, 1, 0), 64);
         _tile_dpbsud(0, 4, 5);
         _tile_dpbsud(1, 4, 6);
+        _tile_dpbsud(2, 4, 7);
+        _tile_loadd(5, w.B(s, step, 1, 1), 64);
+        _tile_dpbsud(3, 4, 5);
       }
-      _tile_stored(0, D[0], 64);
-      _tile_stored(1, D[1], 64);
+      _tile_stored(0, D[0][0], 64); _tile_stored(1, D[1][0], 64);
+      _tile_stored(2, D[0][1], 64); _tile_stored(3, D[1][1], 64);
+    } else {  // Q6_K: tiles p, one half at a time
       for (int h = 0; h < 2; ++h) {
-        const __m512i scv = _mm512_loadu_si512(w.sc.data() + ((s * NG + g) * 2 + h) * 16);
-        for (int t = 0; t < 16; ++t)
-          S[h][t] = _mm512_add_epi32(S[h][t], _mm512_mullo_epi32(_mm512_load_si512(D[h][t]), scv));
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int step = 0; step < 4; ++step) {
+          _tile_loadd(4, xs + 64 * step, K);
+          _tile_loadd(5, w.B(s, step, 0, h), 64);
+          _tile_loadd(6, w.B(s, step, 1, h), 64);
+          _tile_loadd(7, w.B(s, step, 2, h), 64);
+          _tile_dpbssd(0, 4, 5);
+          _tile_dpbssd(1, 4, 6);
+          _tile_dpbssd(2, 4, 7);
+          _tile_loadd(5, w.B(s, step, 3, h), 64);
+          _tile_dpbssd(3, 4, 5);
+        }
+        _tile_stored(0, D[h][0], 64); _tile_stored(1, D[h][1], 64);
+        _tile_stored(2, D[h][2], 64); _tile_stored(3, D[h][3], 64);
       }
     }
-    // the float steps of `accumulate`, for 16 weight rows a vector
+    // S per token and weight row, then the float steps of `accumulate`, 16 weight rows a vector
     for (int h = 0; h < 2; ++h) {
       const __m512 dv = _mm512_loadu_ps(w.d.data() + (s * 2 + h) * 16);
       const __m512 dminv = _mm512_loadu_ps(w.dmin.data() + (s * 2 + h) * 16);
       __m512i mn[4];
       for (int i = 0; i < 4; ++i) mn[i] = _mm512_loadu_si512(w.mn.data() + ((s * 4 + i) * 2 + h) * 32);
       for (int t = 0; t < 16; ++t) {
+        __m512i S = _mm512_load_si512(D[h][0][t]);
+        for (int p = 1; p < Amx<X>::kParts; ++p)
+          S = _mm512_add_epi32(S, _mm512_slli_epi32(_mm512_load_si512(D[h][p][t]), Amx<X>::kBits * p));
         const __m512 dx = _mm512_set1_ps(x.dx[(m0 + t) * ns + s]);
-        acc[h][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[h][t]), _mm512_mul_ps(dv, dx), acc[h][t]);
+        acc[h][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(dv, dx), acc[h][t]);
         if (!X::kFoldMins) {
           __m512i M = _mm512_setzero_si512();
           for (int i = 0; i < 4; ++i)
@@ -203,10 +233,10 @@ void linear(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M
   // Work items of a few blocks (their tiles' layout in L2), run over panels of x that stay in L2
   // while every block of the item rereads them.
   const int64_t blocks = (N + kRows - 1) / kRows;
-  const int64_t per_item = std::clamp<int64_t>(kItemBytes / (kRows * K), 1, 16);
+  const int64_t per_item = std::clamp<int64_t>(kItemBytes / (Amx<X>::kParts * kRows * K), 1, 16);
   const int64_t panel = std::max<int64_t>(16, kPanelBytes / K / 16 * 16);
   at::parallel_for(0, (blocks + per_item - 1) / per_item, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles<Amx<X>::G>();
+    configure_tiles();
     std::vector<WeightBlock<X>> wb(per_item, WeightBlock<X>(ns));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b0 = item * per_item, b1 = std::min(blocks, b0 + per_item);
