@@ -47,7 +47,9 @@ def test_amx_rows_equal_the_vnni_kernel_s_bit_for_bit(qtype: T) -> None:
     for m in (1, 16, 17, 31, 33, 100):
         vnni, tiles = vnni_and_amx(x[:m], q, int(qtype))
         assert torch.equal(tiles, vnni), f"M = {m}"
-    alone = torch.cat([cpu_ops.gguf_linear(x[i : i + 1], q, int(qtype), "int8") for i in (0, 50, 99)])
+    alone = torch.cat(
+        [cpu_ops.gguf_linear(x[i : i + 1], q, int(qtype), "int8") for i in (0, 50, 99)]
+    )
     assert torch.equal(tiles[[0, 50, 99]], alone)
 
 

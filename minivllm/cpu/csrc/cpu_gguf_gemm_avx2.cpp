@@ -192,7 +192,8 @@ void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64
   const int8_t* xq = x.xq.data() + t0 * K;
   const float* dx = x.dx.data() + t0 * ns;
   const int16_t* bsums = x.bsums.data() + t0 * ns * 16;
-  float acc[R][T] = {};
+  __m256 acc[R];  // token t in lane t
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t s = 0; s < ns; ++s) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -211,13 +212,14 @@ void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64
         }
       }
       const KScales k{load32(w.mn + rs * 16), w.d[rs], w.dmin[rs]};
-#pragma GCC unroll 4
-      for (int t = 0; t < T; ++t)
-        acc[r][t] = accumulate<X>(acc[r][t], sumi[t], k, bsums + (t * ns + s) * 16, dx[t * ns + s]);
+      acc[r] = accumulate<X, T>(acc[r], sumi, k, bsums + s * 16, ns * 16, dx + s, ns);
     }
   }
-  for (int r = 0; r < rows; ++r)
-    for (int t = 0; t < T; ++t) out[t * ldo + r] = acc[r][t];
+  for (int r = 0; r < rows; ++r) {
+    alignas(32) float o[8];
+    _mm256_store_ps(o, acc[r]);
+    for (int t = 0; t < T; ++t) out[t * ldo + r] = o[t];
+  }
 }
 
 // Software prefetch of the weight stream, kPrefetchAhead bytes ahead of p and as many bytes as
@@ -245,7 +247,7 @@ void tileK_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, const
   const int16_t* bsums = x.bsums.data() + t0 * ns * 16;
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* wr = w + r * row_bytes;
-    float acc[T] = {};
+    __m256 acc = _mm256_setzero_ps();  // token t in lane t
     for (int64_t s = 0; s < ns; ++s) {
       prefetch_ahead<X::Q::kBytes>(wr + s * X::Q::kBytes);
       __m256i sumi[T];
@@ -255,10 +257,11 @@ void tileK_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, const
 #else
       const KScales k = X::template dot<T>(wr + s * X::Q::kBytes, xq + 256 * s, K, sumi);
 #endif
-      for (int t = 0; t < T; ++t)
-        acc[t] = accumulate<X>(acc[t], sumi[t], k, bsums + (t * ns + s) * 16, dx[t * ns + s]);
+      acc = accumulate<X, T>(acc, sumi, k, bsums + s * 16, ns * 16, dx + s, ns);
     }
-    for (int t = 0; t < T; ++t) out[t * ldo + r] = acc[t];
+    alignas(32) float o[8];
+    _mm256_store_ps(o, acc);
+    for (int t = 0; t < T; ++t) out[t * ldo + r] = o[t];
   }
 }
 

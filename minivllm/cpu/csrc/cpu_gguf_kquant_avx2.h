@@ -26,8 +26,6 @@
 
 #include "cpu_gguf_blocks.h"
 
-#include <cmath>
-
 #if defined(__AVX2__)
 #include <immintrin.h>
 
@@ -58,27 +56,36 @@ struct KScales {
 // One super-block of one row into one token's output, from its 8 int32 lanes `sumi`:
 //   S = Σ lanes sumi,  M = Σ_j mn_j · bsums_j   (integers, exact in any order)
 //   acc = fma(S, d · dx, acc);  acc = fma(-M, dmin · dx, acc)
-// or, for Q6_K (kFoldMins: dmin = d), acc = fma(S - M, d · dx, acc). The only float arithmetic of
+// or, for Q6_K (kFoldMins: dmin = d), acc = fma(S - M, d · dx, acc); several tokens at once, one
+// a float lane. The only float arithmetic of
 // a K-quant output, and per super-block on whole integers: whichever way the integers were summed
 // (AVX2's or VNNI's lanes, either tile, or AMX's tiles in cpu_gguf_amx.cpp, which do these same
 // float steps), a token's output is bit for bit the same.
-inline void totals(__m256i sumi, __m256i msum, int32_t& S, int32_t& M) {
-  const __m256i h = _mm256_hadd_epi32(sumi, msum);  // | S01 S23 M01 M23 | S45 S67 M45 M67 |
-  const __m128i q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-  const __m128i t = _mm_hadd_epi32(q, q);  // | S M S M |
-  S = _mm_cvtsi128_si32(t), M = _mm_extract_epi32(t, 1);
+// Lane t of the result: the sum of v[t]'s 8 int32 lanes (integers: exact in any order).
+inline __m256i lane_totals(const __m256i (&v)[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
 }
-template <bool kFoldMins>
-inline float k_step(float acc, int32_t S, int32_t M, float d, float dmin, float dx) {
-  if (kFoldMins) return std::fma(float(S - M), d * dx, acc);
-  acc = std::fma(float(S), d * dx, acc);
-  return std::fma(-float(M), dmin * dx, acc);
-}
-template <class X>
-inline float accumulate(float acc, __m256i sumi, const KScales& k, const int16_t* bsums, float dx) {
-  int32_t S, M;
-  totals(sumi, _mm256_madd_epi16(load32(bsums), k.mn), S, M);
-  return k_step<X::kFoldMins>(acc, S, M, k.d, k.dmin, dx);
+// `accumulate` for T <= 8 tokens at once, token t in lane t of acc: sumi[t] their lanes, bsums
+// and dx token t's at bsums + t · bstride and dx[t · dstride]. A token's float steps are the
+// same in any lane, so cpu_gguf_amx.cpp may run them 16 weight rows a vector instead.
+template <class X, int T>
+inline __m256 accumulate(__m256 acc, const __m256i (&sumi)[T], const KScales& k, const int16_t* bsums,
+                         int64_t bstride, const float* dx, int64_t dstride) {
+  __m256i sv[8], mv[8];
+  alignas(32) float dxs[8] = {};
+  for (int t = 0; t < 8; ++t) {
+    sv[t] = t < T ? sumi[t] : _mm256_setzero_si256();
+    mv[t] = t < T ? _mm256_madd_epi16(load32(bsums + t * bstride), k.mn) : _mm256_setzero_si256();
+    if (t < T) dxs[t] = dx[t * dstride];
+  }
+  const __m256i S = lane_totals(sv), M = lane_totals(mv);
+  const __m256 dxv = _mm256_load_ps(dxs);
+  if (X::kFoldMins)
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(S, M)), _mm256_mul_ps(_mm256_set1_ps(k.d), dxv), acc);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(_mm256_set1_ps(k.d), dxv), acc);
+  return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(M), _mm256_mul_ps(_mm256_set1_ps(k.dmin), dxv), acc);
 }
 
 // sumi += madd(maddubs(q, x), sc): 32 products of unsigned q and signed x, weighted pairwise by
