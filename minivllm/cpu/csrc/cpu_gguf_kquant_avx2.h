@@ -61,9 +61,17 @@ struct KScales {
 // a K-quant output, and per super-block on whole integers: whichever way the integers were summed
 // (AVX2's or VNNI's lanes, either tile, or AMX's tiles in cpu_gguf_amx.cpp, which do these same
 // float steps), a token's output is bit for bit the same.
-// Lane t of the result: the sum of v[t]'s 8 int32 lanes (integers: exact in any order).
+// Lane t of the result: the sum of v[t]'s 8 int32 lanes, t < T (integers: exact in any order).
+// One token: its sum in lane 0; up to 4: lanes 0..3; up to 8: all.
+template <int T>
 inline __m256i lane_totals(const __m256i (&v)[8]) {
+  if (T == 1) {
+    const __m256i h = _mm256_hadd_epi32(v[0], v[0]);
+    const __m128i q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    return _mm256_castsi128_si256(_mm_hadd_epi32(q, q));
+  }
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  if (T <= 4) return _mm256_castsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
   const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
 }
@@ -80,7 +88,7 @@ inline __m256 accumulate(__m256 acc, const __m256i (&sumi)[T], const KScales& k,
     mv[t] = t < T ? _mm256_madd_epi16(load32(bsums + t * bstride), k.mn) : _mm256_setzero_si256();
     if (t < T) dxs[t] = dx[t * dstride];
   }
-  const __m256i S = lane_totals(sv), M = lane_totals(mv);
+  const __m256i S = lane_totals<T>(sv), M = lane_totals<T>(mv);
   const __m256 dxv = _mm256_load_ps(dxs);
   if (X::kFoldMins)
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(S, M)), _mm256_mul_ps(_mm256_set1_ps(k.d), dxv), acc);
