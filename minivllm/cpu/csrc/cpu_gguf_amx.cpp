@@ -7,21 +7,25 @@
 //   S = Σ_g sc_g · Σ_{k in g} q_k · xq_k     M = Σ_j mn_j · bsums_j     (whole integers)
 //   acc = fma(S, d · dx, acc); acc = fma(-M, dmin · dx, acc)     (Q6_K: fma(S - M, d · dx, acc))
 // An integer sum is the same in any order, so AMX's TDPBSUD / TDPBSSD (16 tokens x 16 weight rows
-// x 64 bytes an instruction, int32 sums) may compute each scale group's dot Σ_{k in g} q_k · xq_k
-// for a whole tile of tokens and rows at once; AVX-512 then applies the integer scales (vpmulld),
-// the mins (vpdpwssd) and the same float steps, in the same super-block order, vectorized over 16
-// weight rows instead of over a tile's int32 lanes. llama.cpp's AMX backend (ggml-cpu/amx/mmq.cpp)
-// tiles its K-quants the same way, with its own float steps.
+// x 64 bytes an instruction, int32 sums) may compute S for a whole tile of tokens and rows at once;
+// AVX-512 then adds the mins (vpdpwssd) and runs the same float steps, in the same super-block
+// order, vectorized over 16 weight rows instead of over tokens. llama.cpp's AMX backend
+// (ggml-cpu/amx/mmq.cpp) also tiles its K-quants on TDPB*, with its own float steps.
 //
-// A scale group is the run of weights that share an integer scale: 32 for Q4_K and Q5_K (their
-// sub-blocks), 16 for Q6_K. Each gets its own tile product (K = 32 or 16 bytes), since the scale
-// multiplies the group's sum before the super-block's. Q6_K's offset of 32 goes into the weights
-// (q - 32, signed, TDPBSSD), which gives S - M directly. Q4_K and Q5_K keep unsigned q (TDPBSUD)
-// and their mins apart: M = Σ_c m_c · (Σ x over sub-block c), a vpdpwssd per two sub-blocks.
+// The scales inside S. sc_g multiplies its group's sum (32 weights for Q4_K and Q5_K, 16 for
+// Q6_K) before the super-block's, and q · sc does not fit a byte; so each scale is split into
+// parts of a few bits, sc = Σ_p part_p << (bits · p), and the packed weights hold q · part_p, one
+// copy per part (Q4_K, Q5_K: 2 parts of 3 bits, q · 7 <= 217 unsigned, TDPBSUD; Q6_K: 4 parts of
+// 2 bits on q - 32, the top part signed, TDPBSSD, which folds Q6_K's offset and gives S - M).
+// One tile product per part and 64-byte step then sums the whole super-block, and
+// S = Σ_p C_p << (bits · p): a shift and an add per part, no per-group multiply.
+// Q4_K and Q5_K keep their mins apart: M = Σ_c m_c · (Σ xq over sub-block c), a vpdpwssd per two
+// sub-blocks.
 //
-// Layout. Threads split the weight rows in blocks of 32 (two tiles of 16 columns sharing each x
-// tile); a thread unpacks its block once (the VNNI kernel's `unpack`) into the tiles' layout,
-// B[group][k / 4][row][4] bytes, then runs every 16 tokens of x (rows past M are zeros) over it.
+// Layout. Threads split the weight rows in items of a few blocks of 32 (two tiles of 16 columns
+// sharing each x tile); a thread unpacks its blocks once (the VNNI kernel's `unpack`, then one
+// gather per 16 rows x 4 bytes) into the tiles' layout, then runs L2-sized panels of x (token rows
+// past M are zeros) over them, 16 tokens a tile.
 // The tile registers are configured per thread (LDTILECFG is thread state), and only raw pointers
 // and std::vector are touched in the parallel region. Linux lends the tile registers to a
 // process that asks (arch_prctl ARCH_REQ_XCOMP_PERM), once; `gguf_has_amx` asks, and is false on
