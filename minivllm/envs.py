@@ -16,6 +16,11 @@ docs/concepts/quantization.md says what each costs.
 (a long prompt's chunk) dequantize each GGUF weight and run a dense GEMM, which is faster for long
 prompts but gives those rows other float sums than smaller steps (no longer batch-invariant).
 
+`MINIVLLM_CPU_AMX`: `1` (the default) lets the int8 product of the K-quants run prefill-sized
+calls on Intel AMX tiles where the CPU has AMX-INT8 (minivllm/cpu/csrc/cpu_gguf_amx.cpp, whose
+outputs equal the AVX512-VNNI kernel's bit for bit); `0` keeps every call on AVX512-VNNI. Read on
+every call, so a test may compare the two in one process.
+
 `MINIVLLM_CPU_ISA`: which instruction-set level of the CPU kernels a process runs: `auto` (the
 default: the best this CPU has), `reference`, `generic`, `avx2`, `avx512` or `avx512_bf16`; read
 by minivllm/cpu/isa.py, which refuses a level the CPU lacks.
@@ -75,6 +80,14 @@ def cpu_gguf_gemm_rows() -> int | None:
             f"MINIVLLM_CPU_GGUF_GEMM_ROWS must be a whole number of token rows (0: off), got {value!r}"
         )
     return int(value) or None
+
+
+def cpu_amx() -> bool:
+    """`$MINIVLLM_CPU_AMX`: "1" (default) or "0"; any other value is refused."""
+    value = os.environ.get("MINIVLLM_CPU_AMX", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"MINIVLLM_CPU_AMX must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def pp_layer_partition() -> list[int] | None:

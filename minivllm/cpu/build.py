@@ -6,7 +6,7 @@ with its float32 loops for AVX-512 and AVX2 in `cpu_attention_avx512.cpp` and
 (`cpu_encoder_attention.cpp`), the fused layer ops (`cpu_layernorm.cpp`: RMSNorm;
 `cpu_activation_rope.cpp`: SiLU-and-mul, RoPE), the skinny GEMM of decode's linears
 (`cpu_skinny_gemm.cpp`), the linears on GGUF's quantized blocks and their dequantization
-(`cpu_gguf_gemm*.cpp`), Punica's LoRA shrink and expand (`cpu_lora_punica.cpp`) and the loop that runs a decode step's layers in one call
+(`cpu_gguf_gemm*.cpp`; the K-quants' prefill on AMX tiles, `cpu_gguf_amx.cpp`), Punica's LoRA shrink and expand (`cpu_lora_punica.cpp`) and the loop that runs a decode step's layers in one call
 (`cpu_decode_layers.cpp`); all register under `torch.ops.minivllm_cpu`, so one build and one load
 serve them all.
 The library is built once per instruction-set level it has code for (minivllm/cpu/isa.py: a
@@ -84,6 +84,7 @@ SOURCES = tuple(
         "cpu_gguf_gemm.cpp",
         "cpu_gguf_gemm_avx2.cpp",
         "cpu_gguf_gemm_bf16.cpp",
+        "cpu_gguf_amx.cpp",
         "cpu_decode_layers.cpp",
         "cpu_lora_punica.cpp",
     )
@@ -91,7 +92,7 @@ SOURCES = tuple(
 # included by the GGUF sources
 HEADERS = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("cpu_gguf_blocks.h", "cpu_gguf_kquant_avx2.h")
+    for name in ("cpu_gguf_blocks.h", "cpu_gguf_kquant_avx2.h", "cpu_gguf_xq_avx2.h")
 )
 LDFLAGS = ("-lm", "-fopenmp")
 # How long a process waits for another one to finish compiling (a build takes about a minute on 2

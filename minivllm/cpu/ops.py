@@ -41,8 +41,11 @@ from collections.abc import Sequence
 import torch
 
 from minivllm.cpu.build import load_cpu_kernels, loaded_level
+from minivllm.envs import cpu_amx
 
 __all__ = [
+    "GGUF_AMX_MIN_ROWS",
+    "GGUF_AMX_TYPES",
     "GGUF_BLOCK_SIZES",
     "GGUF_DEQUANTIZE_CHUNK_BYTES",
     "GGUF_DEQUANTIZE_MIN_ROWS",
@@ -53,6 +56,7 @@ __all__ = [
     "fused_add_rms_norm",
     "gguf_dequantize",
     "gguf_dot_kind",
+    "gguf_has_amx",
     "gguf_has_bf16_dot",
     "gguf_has_int8_dot",
     "gguf_linear",
@@ -263,7 +267,9 @@ def gguf_linear(
     dot="bf16" the unpacked weights and x are rounded to bf16 and multiplied 32 pairs an
     instruction (cpu_gguf_gemm_bf16.cpp): twice the products a cycle, within 2^-8 · (|x| · |W|ᵀ).
     With dot="int8" x is rounded to 8-bit blocks and multiplied by 8-bit integer dots, as the AVX2
-    build's own product (cpu_gguf_gemm_avx2.cpp; on AVX-512 builds with AVX512-VNNI's dots)."""
+    build's own product (cpu_gguf_gemm_avx2.cpp; on AVX-512 builds with AVX512-VNNI's dots, and
+    for the K-quants' prefill-sized calls on AMX tiles, `gguf_amx_applies`, with the same outputs
+    bit for bit)."""
     load_cpu_kernels()
     if x.stride(-1) != 1:  # a linear's feature-major output: the kernel reads token rows
         x = x.contiguous()
@@ -272,11 +278,34 @@ def gguf_linear(
         torch.ops.minivllm_cpu.gguf_linear_bf16(out, x, qweight, qtype)
     elif dot == "float32":
         torch.ops.minivllm_cpu.gguf_linear(out, x, qweight, qtype)
+    elif dot == "int8" and gguf_amx_applies(x.shape[0], qtype):
+        torch.ops.minivllm_cpu.gguf_linear_amx(out, x, qweight, qtype)
     elif dot == "int8":
         torch.ops.minivllm_cpu.gguf_linear_int8(out, x, qweight, qtype)
     else:
         raise ValueError(f"gguf_linear: dot must be 'float32', 'bf16' or 'int8', got {dot!r}")
     return out
+
+
+# The types with an AMX kernel (Q4_K, Q5_K, Q6_K), and the fewest token rows it takes: a tile is
+# 16 tokens, and below that the VNNI kernel's in-register tiles cost less than a padded AMX tile.
+GGUF_AMX_TYPES = frozenset({12, 13, 14})
+GGUF_AMX_MIN_ROWS = 16
+
+
+@functools.cache
+def gguf_has_amx() -> bool:
+    """Whether the int8 product may run on AMX tiles: an AVX-512 build on a CPU with AMX-INT8,
+    whose tile registers Linux has granted to this process (cpu_gguf_amx.cpp)."""
+    load_cpu_kernels()
+    return bool(torch.ops.minivllm_cpu.gguf_has_amx())
+
+
+def gguf_amx_applies(rows: int, qtype: int) -> bool:
+    """Whether `gguf_linear(dot="int8")` runs these `rows` of a `qtype` weight on AMX tiles:
+    prefill-sized calls of the K-quants, where the CPU has AMX and `MINIVLLM_CPU_AMX` is not 0.
+    The outputs are the AVX512-VNNI kernel's bit for bit either way; only the speed differs."""
+    return rows >= GGUF_AMX_MIN_ROWS and qtype in GGUF_AMX_TYPES and cpu_amx() and gguf_has_amx()
 
 
 def gguf_dot_kind() -> str:

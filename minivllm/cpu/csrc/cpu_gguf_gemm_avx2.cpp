@@ -56,88 +56,10 @@
 #pragma GCC target("avx512vnni")
 #endif
 #include "cpu_gguf_kquant_avx2.h"
+#include "cpu_gguf_xq_avx2.h"
 
 namespace minivllm_gguf_avx2 {
 namespace {
-
-// ------------------------------------------------------------------------- x as 8-bit blocks
-// One block of n (32 or 256) floats: xq = rint(x · id), id = 127 / max|x| (0 for an all-zero
-// block); returns the scale dx = max|x| / 127. The divisions are intrinsics so that -ffast-math
-// cannot turn them into reciprocal products (which round differently from the reference).
-inline float quantize_block(const float* x, int n, int8_t* xq) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 amax = _mm256_setzero_ps();
-  for (int i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float mx = _mm_cvtss_f32(m);
-  const float d = _mm_cvtss_f32(_mm_div_ss(m, _mm_set_ss(127.0f)));
-  const float id = mx != 0.0f ? _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(127.0f), m)) : 0.0f;
-  const __m256 vid = _mm256_set1_ps(id);
-  for (int i = 0; i < n; i += 32) {  // 4 x 8 int32 -> 32 int8, in order
-    __m256i q[4];
-    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), vid));
-    // packs interleave 128-bit lanes: (0 1 | 2 3) -> bytes 0,2,1,3 ... ; permute puts them back
-    const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
-    const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-    const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i), ordered);
-  }
-  return d;
-}
-
-// Blocks rounded up to a multiple of 8: the offsets' per-block floats (B, sx) are padded with zeros
-// to whole vectors of 8 blocks, which the tiles multiply with one FMA each.
-inline int64_t padded8(int64_t blocks) { return (blocks + 7) / 8 * 8; }
-
-// The 32-weight tiles take two blocks a step (`tile32`): K padded to a multiple of 64 with zero
-// quants, and each pair's two scales in the lane order of _mm256_hadd_epi32 on the pair's sums,
-//   lanes | b b b+1 b+1 | b b b+1 b+1 |   (b even)
-inline int64_t padded64(int64_t K) { return (K + 63) / 64 * 64; }
-inline void pair_lanes(float* pairs, int64_t b, float v) {  // block b's scale into its lanes
-  float* p = pairs + (b / 2) * 8 + (b % 2) * 2;
-  p[0] = p[1] = p[4] = p[5] = v;
-}
-
-// x[M, K] (row stride ldx) as blocks of kBlock: xq [M][ldq] and
-// - kBlock 32: ldq = padded64(K) (zero quants past K), dx in block pairs [M][ldq / 64][8]
-//   (pair_lanes) and sx [M][padded8(K / 32)] (dx · Σ xq, zeros past the last block);
-// - kBlock 256: ldq = K, dx [M][K / 256] and bsums [M][K / 256][16] (Σ xq of each 16).
-struct Tokens {
-  int64_t K, ldq, blocks;
-  std::vector<int8_t> xq;
-  std::vector<float> dx, sx;
-  std::vector<int16_t> bsums;
-};
-
-Tokens quantize_tokens(const float* x, int64_t ldx, int64_t M, int64_t K, int block) {
-  const int64_t ldq = block == 32 ? padded64(K) : K, nbp = padded8(K / block);
-  Tokens t{K, ldq, K / block, std::vector<int8_t>(M * ldq, 0), {}, {}, {}};
-  if (block == 32) t.dx.assign(M * ldq / 8, 0.0f), t.sx.assign(M * nbp, 0.0f);
-  else t.dx.resize(M * t.blocks), t.bsums.resize(M * t.blocks * 16);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      for (int64_t b = 0; b < t.blocks; ++b) {
-        int8_t* q = t.xq.data() + m * ldq + b * block;
-        const float d = quantize_block(x + m * ldx + b * block, block, q);
-        if (block == 32) {
-          pair_lanes(t.dx.data() + m * ldq / 8, b, d);
-          int s = 0;
-          for (int k = 0; k < 32; ++k) s += q[k];
-          t.sx[m * nbp + b] = d * float(s);
-        } else {
-          t.dx[m * t.blocks + b] = d;
-          for (int j = 0; j < 16; ++j) {
-            int s = 0;
-            for (int k = 0; k < 16; ++k) s += q[16 * j + k];
-            t.bsums[(m * t.blocks + b) * 16 + j] = int16_t(s);
-          }
-        }
-      }
-  });
-  return t;
-}
 
 // ------------------------------------------------------------------- unpacking weight blocks
 // The nibbles of 16 bytes as 32 bytes: the low nibbles (weights 0..15), then the high (16..31).
@@ -262,7 +184,7 @@ void tile32(Rows32 w, int64_t rows, const Tokens& x, int64_t t0, float* out, int
 // mn [rows][K / 256][16], d and dmin [rows][K / 256].
 struct RowsK { const uint8_t* q; const int16_t* sc; const int16_t* mn; const float* d; const float* dmin; };
 
-template <int R, int T>
+template <class X, int R, int T>
 void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64_t ldo) {
   const int64_t K = x.K, ns = x.blocks;
   int64_t row[R];
@@ -270,9 +192,8 @@ void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64
   const int8_t* xq = x.xq.data() + t0 * K;
   const float* dx = x.dx.data() + t0 * ns;
   const int16_t* bsums = x.bsums.data() + t0 * ns * 16;
-  __m256 acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  __m256 acc[R];  // token t in lane t
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t s = 0; s < ns; ++s) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -291,13 +212,14 @@ void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64
         }
       }
       const KScales k{load32(w.mn + rs * 16), w.d[rs], w.dmin[rs]};
-#pragma GCC unroll 4
-      for (int t = 0; t < T; ++t)
-        acc[r][t] = accumulate(acc[r][t], sumi[t], k, bsums + (t * ns + s) * 16, dx[t * ns + s]);
+      acc[r] = accumulate<X, T>(acc[r], sumi, k, bsums + s * 16, ns * 16, dx + s, ns);
     }
   }
-  for (int r = 0; r < rows; ++r)
-    for (int t = 0; t < T; ++t) out[t * ldo + r] = hsum(acc[r][t]);
+  for (int r = 0; r < rows; ++r) {
+    alignas(32) float o[8];
+    _mm256_store_ps(o, acc[r]);
+    for (int t = 0; t < T; ++t) out[t * ldo + r] = o[t];
+  }
 }
 
 // Software prefetch of the weight stream, kPrefetchAhead bytes ahead of p and as many bytes as
@@ -325,8 +247,7 @@ void tileK_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, const
   const int16_t* bsums = x.bsums.data() + t0 * ns * 16;
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* wr = w + r * row_bytes;
-    __m256 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();  // token t in lane t
     for (int64_t s = 0; s < ns; ++s) {
       prefetch_ahead<X::Q::kBytes>(wr + s * X::Q::kBytes);
       __m256i sumi[T];
@@ -336,10 +257,11 @@ void tileK_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, const
 #else
       const KScales k = X::template dot<T>(wr + s * X::Q::kBytes, xq + 256 * s, K, sumi);
 #endif
-      for (int t = 0; t < T; ++t)
-        acc[t] = accumulate(acc[t], sumi[t], k, bsums + (t * ns + s) * 16, dx[t * ns + s]);
+      acc = accumulate<X, T>(acc, sumi, k, bsums + s * 16, ns * 16, dx + s, ns);
     }
-    for (int t = 0; t < T; ++t) out[t * ldo + r] = hsum(acc[t]);
+    alignas(32) float o[8];
+    _mm256_store_ps(o, acc);
+    for (int t = 0; t < T; ++t) out[t * ldo + r] = o[t];
   }
 }
 
@@ -482,7 +404,7 @@ void linearK(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t 
           const int64_t o = r0 * ns;
           const RowsK rw{q.data() + r0 * K, sc.data() + o * 128, mn.data() + o * 16, d.data() + o,
                          dmin.data() + o};
-          tileK<R, decltype(t_)::value>(rw, n, tok, t0, out + t0 * N + n0 + r0, N);
+          tileK<X, R, decltype(t_)::value>(rw, n, tok, t0, out + t0 * N + n0 + r0, N);
         });
       }
     });

@@ -10,8 +10,9 @@
 //
 // Both give the same int32 lanes: lane i of a 32-weight chunk's `madd(maddubs(q, xq), scale)` is
 // the sum of weights 4i..4i+3's products, whichever way q was made, and integer sums are exact in
-// any order. Both tiles then end each super-block with the same float operations (`accumulate`),
-// so a token's output is bit for bit the same whichever tile ran it: batch-invariant.
+// any order. Both tiles then end each super-block with the same float operations on the lanes'
+// whole-super-block totals (`accumulate`), so a token's output is bit for bit the same whichever
+// tile ran it: batch-invariant.
 //
 // Per super-block of 256 weights, with xq x's 8-bit quants, dx its scale and bsums[16] the sums of
 // each 16 of xq (cpu_gguf_gemm_avx2.cpp's `quantize_tokens`):
@@ -52,15 +53,47 @@ struct KScales {
   float d, dmin;
 };
 
-// acc += dx · (d · sumi - dmin · Σ_j mn_j · bsums_j), in 8 float lanes: one super-block of one
-// row into one token's sums. The only float arithmetic of a K-quant output before its final
-// horizontal sum; both tiles call it, in super-block order.
-inline __m256 accumulate(__m256 acc, __m256i sumi, const KScales& k, const int16_t* bsums,
-                         float dx) {
-  const __m256 summ = _mm256_cvtepi32_ps(_mm256_madd_epi16(load32(bsums), k.mn));
-  const __m256 dxv = _mm256_set1_ps(dx);
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(_mm256_set1_ps(k.d), dxv), acc);
-  return _mm256_fnmadd_ps(summ, _mm256_mul_ps(_mm256_set1_ps(k.dmin), dxv), acc);
+// One super-block of one row into one token's output, from its 8 int32 lanes `sumi`:
+//   S = Σ lanes sumi,  M = Σ_j mn_j · bsums_j   (integers, exact in any order)
+//   acc = fma(S, d · dx, acc);  acc = fma(-M, dmin · dx, acc)
+// or, for Q6_K (kFoldMins: dmin = d), acc = fma(S - M, d · dx, acc); several tokens at once, one
+// a float lane. The only float arithmetic of
+// a K-quant output, and per super-block on whole integers: whichever way the integers were summed
+// (AVX2's or VNNI's lanes, either tile, or AMX's tiles in cpu_gguf_amx.cpp, which do these same
+// float steps), a token's output is bit for bit the same.
+// Lane t of the result: the sum of v[t]'s 8 int32 lanes, t < T (integers: exact in any order).
+// One token: its sum in lane 0; up to 4: lanes 0..3; up to 8: all.
+template <int T>
+inline __m256i lane_totals(const __m256i (&v)[8]) {
+  if (T == 1) {
+    const __m256i h = _mm256_hadd_epi32(v[0], v[0]);
+    const __m128i q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    return _mm256_castsi128_si256(_mm_hadd_epi32(q, q));
+  }
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  if (T <= 4) return _mm256_castsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
+  const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
+}
+// `accumulate` for T <= 8 tokens at once, token t in lane t of acc: sumi[t] their lanes, bsums
+// and dx token t's at bsums + t · bstride and dx[t · dstride]. A token's float steps are the
+// same in any lane, so cpu_gguf_amx.cpp may run them 16 weight rows a vector instead.
+template <class X, int T>
+inline __m256 accumulate(__m256 acc, const __m256i (&sumi)[T], const KScales& k, const int16_t* bsums,
+                         int64_t bstride, const float* dx, int64_t dstride) {
+  __m256i sv[8], mv[8];
+  alignas(32) float dxs[8] = {};
+  for (int t = 0; t < 8; ++t) {
+    sv[t] = t < T ? sumi[t] : _mm256_setzero_si256();
+    mv[t] = t < T ? _mm256_madd_epi16(load32(bsums + t * bstride), k.mn) : _mm256_setzero_si256();
+    if (t < T) dxs[t] = dx[t * dstride];
+  }
+  const __m256i S = lane_totals<T>(sv), M = lane_totals<T>(mv);
+  const __m256 dxv = _mm256_load_ps(dxs);
+  if (X::kFoldMins)
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(S, M)), _mm256_mul_ps(_mm256_set1_ps(k.d), dxv), acc);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(_mm256_set1_ps(k.d), dxv), acc);
+  return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(M), _mm256_mul_ps(_mm256_set1_ps(k.dmin), dxv), acc);
 }
 
 // sumi += madd(maddubs(q, x), sc): 32 products of unsigned q and signed x, weighted pairwise by
@@ -140,6 +173,7 @@ inline void k_scales_to(const uint8_t* b, KBlock o) {  // the same, as `unpack` 
 //   high nibbles sub-block 2c + 1 (weights 64c + 32 + l); w = (d · sc_s) · q - dmin · m_s
 struct Q4_Kx {
   using Q = Q4_K;
+  static constexpr bool kFoldMins = false;
   static void unpack(const uint8_t* b, KBlock o) {
     const __m256i lo4 = _mm256_set1_epi8(0xF);
     for (int c = 0; c < 4; ++c) {
@@ -196,6 +230,7 @@ struct Q4_Kx {
 //   as Q4_K, and bit s of qh[l] is the 5th bit (16) of weight l of sub-block s
 struct Q5_Kx {
   using Q = Q5_K;
+  static constexpr bool kFoldMins = false;
   static void unpack(const uint8_t* b, KBlock o) {
     const __m256i lo4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
     const __m256i qh = load32(b + 16);
@@ -268,6 +303,7 @@ struct Q5_Kx {
 //   first 16 products take scale 2c, the next 16 scale 2c + 1; mn_j = 32 · sc_j and dmin = d.
 struct Q6_Kx {
   using Q = Q6_K;
+  static constexpr bool kFoldMins = true;  // mn_j = 32 · sc_j and dmin = d: S - M in integers
   static void unpack(const uint8_t* b, KBlock o) {
     const __m256i lo4 = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
     for (int H = 0; H < 2; ++H) {
