@@ -98,11 +98,27 @@ inline __m256i block_dot(__m256i q, const int8_t* xp) {
   return dot4(q, xv);
 }
 
+// A block pair's dots in pair_lanes' order, lanes | b b b+1 b+1 | b b b+1 b+1 |, each the sum of
+// 8 adjacent products (block b's weights 0..7, 8..15 in the low half, 16..23, 24..31 in the high).
+// _mm256_hadd_epi32 of the two blocks' dot4 gives them. Without VNNI the unsigned types add the
+// int16 pair sums of maddubs first (_mm256_hadd_epi16, then one madd for both blocks): the same
+// integers, one instruction fewer; they cannot wrap, |pair sum| <= 2 · 31 · 127, twice that < 2^15.
+// Q8_0 (signed, pair sums up to 2 · 127²) takes the int32 way.
+template <class X>
+inline __m256i pair_dot(__m256i q0, const int8_t* x0, __m256i q1, const int8_t* x1) {
+#if !defined(MINIVLLM_INT8_VNNI)
+  if constexpr (!X::kSigned) {
+    const __m256i p = _mm256_hadd_epi16(_mm256_maddubs_epi16(q0, load32(x0)), _mm256_maddubs_epi16(q1, load32(x1)));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+  }
+#endif
+  return _mm256_hadd_epi32(block_dot<X>(q0, x0), block_dot<X>(q1, x1));
+}
+
 // out[t · ldo + r] = Σ_b A_rb · dx_tb · (q_rb · xq_tb) + Σ_b B_rb · sx_tb, for r < rows (<= R),
 // t < T. Rows past `rows` repeat the last; their sums are dropped.
-// Two blocks a step: each block's dot is maddubs then madd (8 int32 sums); one hadd packs both
-// blocks' sums into one vector (pair_lanes' order), so that one conversion and one FMA with the
-// pair's scales serve 64 products. The offsets go into the same float lanes, 8 blocks an FMA, and
+// Two blocks a step: their dots in one vector of 8 int32 sums (`pair_dot`, pair_lanes' order), so
+// that one conversion and one FMA with the pair's scales serve 64 products. The offsets go into the same float lanes, 8 blocks an FMA, and
 // the tile ends with one horizontal sum per output.
 template <class X, int R, int T>
 void tile32(Rows32 w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64_t ldo) {
@@ -125,7 +141,7 @@ void tile32(Rows32 w, int64_t rows, const Tokens& x, int64_t t0, float* out, int
 #pragma GCC unroll 4
       for (int t = 0; t < T; ++t) {
         const int8_t* xt = xq + t * ldq + 64 * j;
-        const __m256i sums = _mm256_hadd_epi32(block_dot<X>(q0, xt), block_dot<X>(q1, xt + 32));
+        const __m256i sums = pair_dot<X>(q0, xt, q1, xt + 32);
         acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
                                     _mm256_mul_ps(A, _mm256_loadu_ps(dx + (t * pairs + j) * 8)), acc[r][t]);
       }
@@ -177,7 +193,7 @@ void tile32_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, cons
 #pragma GCC unroll 8
       for (int t = 0; t < T; ++t) {
         const int8_t* xt = xq + t * ldq + 64 * j;
-        const __m256i sums = _mm256_hadd_epi32(block_dot<X>(q0, xt), block_dot<X>(q1, xt + 32));
+        const __m256i sums = pair_dot<X>(q0, xt, q1, xt + 32);
         acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
                                     _mm256_mul_ps(A, _mm256_loadu_ps(dx + (t * pairs + j) * 8)), acc[r][t]);
       }

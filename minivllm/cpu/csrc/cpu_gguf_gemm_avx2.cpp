@@ -22,10 +22,14 @@
 // register tiles of R rows x T tokens run over the buffer, so that a 32-byte load of weights serves
 // T tokens and a load of x serves R rows; token panels keep the x rows that the tiles reread in L2.
 // The int8 buffer is a quarter of the float32 scratch that dequantize-then-multiply would write.
-// At decode's few token rows (kInRegisterTokens) the K-quants skip the buffer: writing and
-// rereading it costs more than the packed weight's own bytes, so each super-block is unpacked in
-// registers and dotted at once (tileK_in_registers, cpu_gguf_kquant_avx2.h), with the same int32
-// lanes and float steps as the buffered tile: a row's output does not depend on the batch size.
+// At decode's few token rows (kInRegisterTokens) every type skips the buffer: writing and
+// rereading it costs more than the packed weight's own bytes, so each block is unpacked in
+// registers and dotted at once (tileK_in_registers here, tile32_in_registers in
+// cpu_gguf_block32_avx2.h), with the same int32 lanes and float steps as the buffered tile: a
+// row's output does not depend on the batch size.
+// The file's parts: x's 8-bit blocks (cpu_gguf_tokens_avx2.h), the K-quants' unpacking
+// (cpu_gguf_kquant_avx2.h), the 32-weight types' unpacking and tiles (cpu_gguf_block32_avx2.h),
+// VNNI's own Q8_0 kernel (cpu_gguf_q8_0_vnni.h); here the K-quant tiles and the linears.
 //
 // Threads split the weight rows (at::parallel_for); inside the parallel regions only raw pointers
 // and std::vector are touched: ATen ops there would run without the caller's InferenceMode.
