@@ -162,7 +162,10 @@ void tile32(Rows32 w, int64_t rows, const Tokens& x, int64_t t0, float* out, int
 // and tokens [t0, t0 + T), with each block pair unpacked in registers and dotted at once into the
 // T tokens: the same int32 lanes, the pair's scales built in pair_lanes' order, and the offsets'
 // B gathered into Bs [R][padded8(K / 32)] (zeros past the last block: the caller's) for the same
-// 8-block FMAs after the pairs. The rows' bytes are read once, in order, each stream prefetched.
+// 8-block FMAs after the pairs. The rows' bytes are read once, in order; the tile's R rows are one
+// run of R · row_bytes, and each row prefetches its bytes in the tiles of whole runs at least
+// kPrefetchAhead on, so the later runs are asked for in full, whatever the row length (a fixed
+// distance ahead of each row fell inside the tile's own rows at K = 1536, unasked beyond).
 template <class X, int R, int T>
 void tile32_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, const Tokens& x,
                          int64_t t0, float* out, int64_t ldo, float* Bs) {
@@ -173,6 +176,7 @@ void tile32_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, cons
   const float* sx = x.sx.data() + t0 * nbp;
   const uint8_t* wr[R];
   for (int r = 0; r < R; ++r) wr[r] = w + std::min<int64_t>(r, rows - 1) * row_bytes;
+  const int64_t run = R * row_bytes, ahead = (kPrefetchAhead + run - 1) / run * run;
   __m256 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
@@ -183,7 +187,9 @@ void tile32_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, cons
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = wr[r] + 2 * j * Q::kBytes;
-      prefetch_ahead<2 * Q::kBytes>(p);
+#pragma GCC unroll 2
+      for (int l = 0; l < (2 * Q::kBytes + 63) / 64; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(p + ahead) + 64 * l, _MM_HINT_T0);
       float A0, A1 = 0.0f, B1;
       const __m256i q0 = X::quants(p);
       X::scales(p, A0, Bs[r * nbp + 2 * j]);
