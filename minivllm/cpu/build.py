@@ -92,7 +92,14 @@ SOURCES = tuple(
 # included by the GGUF sources
 HEADERS = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("cpu_gguf_blocks.h", "cpu_gguf_kquant_avx2.h", "cpu_gguf_xq_avx2.h")
+    for name in (
+        "cpu_gguf_blocks.h",
+        "cpu_gguf_kquant_avx2.h",
+        "cpu_gguf_xq_avx2.h",
+        "cpu_gguf_tile_avx2.h",
+        "cpu_gguf_block32_avx2.h",
+        "cpu_gguf_q8_0_vnni.h",
+    )
 )
 LDFLAGS = ("-lm", "-fopenmp")
 # How long a process waits for another one to finish compiling (a build takes about a minute on 2
