@@ -305,12 +305,8 @@ void gguf_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& qwe
 #if defined(MINIVLLM_AMX)
   with_type(qtype, op, [&](auto q) {
     using Q = decltype(q);
-    check_float(x, "x [M, K]", op, /*rows_strided=*/true);
-    check_float(out, "out [M, N]", op);
-    const int64_t M = x.size(0), K = x.size(1);
-    const int64_t N = check_weight(qweight, K, op, Q::kBlock, Q::kBytes);
-    TORCH_CHECK(out.size(0) == M && out.size(1) == N, op, ": out must be [", M, ", ", N,
-                "], got [", out.size(0), ", ", out.size(1), "]");
+    const LinearShape shape = check_linear<Q>(out, x, qweight, op);
+    const int64_t M = shape.M, N = shape.N, K = shape.K;
     if (M == 0 || N == 0) return;
     minivllm_gguf_amx::linear_amx(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0),
                                   qweight.data_ptr<uint8_t>(), M, N, K, qtype);

@@ -372,5 +372,20 @@ void check_float(const at::Tensor& t, const char* what, const char* op, bool row
               op, ": ", what, rows_strided ? " must have unit stride along K" : " must be contiguous");
 }
 
+// A GGUF linear's arguments, checked as every linear op checks them: x [M, K] (token rows of any
+// stride), out [M, N] contiguous, qweight N rows of K / Q::kBlock blocks of type Q.
+struct LinearShape { int64_t M, N, K; };
+template <class Q>
+LinearShape check_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                         const char* op) {
+  check_float(x, "x [M, K]", op, /*rows_strided=*/true);
+  check_float(out, "out [M, N]", op);
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t N = check_weight(qweight, K, op, Q::kBlock, Q::kBytes);
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, op, ": out must be [", M, ", ", N,
+              "], got [", out.size(0), ", ", out.size(1), "]");
+  return {M, N, K};
+}
+
 
 }  // namespace

@@ -264,12 +264,8 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
   const char* op = "minivllm_cpu::gguf_linear";
   with_type(qtype, op, [&](auto q) {
     using Q = decltype(q);
-    check_float(x, "x [M, K]", op, /*rows_strided=*/true);
-    check_float(out, "out [M, N]", op);
-    const int64_t M = x.size(0), K = x.size(1);
-    const int64_t N = check_weight(qweight, K, op, Q::kBlock, Q::kBytes);
-    TORCH_CHECK(out.size(0) == M && out.size(1) == N, op, ": out must be [", M, ", ", N,
-                "], got [", out.size(0), ", ", out.size(1), "]");
+    const LinearShape shape = check_linear<Q>(out, x, qweight, op);
+    const int64_t M = shape.M, N = shape.N, K = shape.K;
     if (M == 0 || N == 0) return;
     const uint8_t* w = qweight.data_ptr<uint8_t>();
     const float* xd = x.data_ptr<float>();
@@ -309,12 +305,8 @@ void gguf_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& qw
 #if defined(__AVX2__)
   with_type(qtype, op, [&](auto q) {
     using Q = decltype(q);
-    check_float(x, "x [M, K]", op, /*rows_strided=*/true);
-    check_float(out, "out [M, N]", op);
-    const int64_t M = x.size(0), K = x.size(1);
-    const int64_t N = check_weight(qweight, K, op, Q::kBlock, Q::kBytes);
-    TORCH_CHECK(out.size(0) == M && out.size(1) == N, op, ": out must be [", M, ", ", N,
-                "], got [", out.size(0), ", ", out.size(1), "]");
+    const LinearShape shape = check_linear<Q>(out, x, qweight, op);
+    const int64_t M = shape.M, N = shape.N, K = shape.K;
     if (M == 0 || N == 0) return;
     minivllm_gguf_avx2::gguf_linear_int8(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0),
                                          qweight.data_ptr<uint8_t>(), M, N, K, Q::kType);

@@ -204,12 +204,8 @@ void gguf_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& qw
 #if defined(__AVX512F__)
   with_type(qtype, op, [&](auto q) {
     using Q = decltype(q);
-    check_float(x, "x [M, K]", op, /*rows_strided=*/true);
-    check_float(out, "out [M, N]", op);
-    const int64_t M = x.size(0), K = x.size(1);
-    const int64_t N = check_weight(qweight, K, op, Q::kBlock, Q::kBytes);
-    TORCH_CHECK(out.size(0) == M && out.size(1) == N, op, ": out must be [", M, ", ", N,
-                "], got [", out.size(0), ", ", out.size(1), "]");
+    const LinearShape shape = check_linear<Q>(out, x, qweight, op);
+    const int64_t M = shape.M, N = shape.N, K = shape.K;
     if (M == 0 || N == 0) return;
     std::vector<uint16_t> packed(M * K);  // x as bf16 token tiles (pack_tokens)
     pack_tokens(x.data_ptr<float>(), x.stride(0), M, K, packed.data());
