@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from minivllm.cpu import precompiled_header
 from minivllm.cpu.isa import (
     ENV_VAR,
     Build,
@@ -99,6 +100,7 @@ HEADERS = tuple(
         "cpu_gguf_tile_avx2.h",
         "cpu_gguf_block32_avx2.h",
         "cpu_gguf_q8_0_vnni.h",
+        "torch_headers.h",  # precompiled once per build (precompiled_header.py)
     )
 )
 LDFLAGS = ("-lm", "-fopenmp")
@@ -108,10 +110,15 @@ LOCK_TIMEOUT_S = 600.0
 BUILT_STAMP = "built.txt"  # holds the library's file name; written once it has built and loaded
 
 
-def cflags(build: Build) -> list[str]:
-    """The compiler's flags for one build: its instruction sets, never `-march=native`, so that a
-    library built here runs on any CPU of its level (a cache folder may be shared by machines)."""
+def code_cflags(build: Build) -> list[str]:
+    """The flags that make one build's code: its instruction sets, never `-march=native`, so that
+    a library built here runs on any CPU of its level (a cache folder may be shared by machines)."""
     return ["-O3", "-ffast-math", "-fopenmp", *build.cflags]
+
+
+def cflags(build: Build) -> list[str]:
+    """Each source's flags: the build's code flags, then the precompiled torch headers'."""
+    return [*code_cflags(build), *precompiled_header.USE_FLAGS]
 
 
 def kernel_build_dir(build: Build) -> Path:
@@ -277,20 +284,24 @@ def torch_build_log() -> Iterator[list[str]]:
 
 
 def compile_kernel(build_dir: Path, build: Build) -> str:
-    """Run torch's build (`ninja`, then the C++ compiler) into `build_dir` and load the library;
-    returns the library's file name."""
+    """Precompile torch's headers into `build_dir`, then run torch's build (`ninja`, then the C++
+    compiler) there and load the library; returns the library's file name."""
     from torch.utils.cpp_extension import load
 
-    with ninja_on_path():
-        library = load(
-            name=EXTENSION_NAME,
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=cflags(build),
-            extra_ldflags=list(LDFLAGS),  # a copy: torch appends its own libraries to it
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+    precompiled_header.precompile(build_dir, EXTENSION_NAME, code_cflags(build))
+    try:
+        with ninja_on_path():
+            library = load(
+                name=EXTENSION_NAME,
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=cflags(build),
+                extra_ldflags=list(LDFLAGS),  # a copy: torch appends its own libraries to it
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
+    finally:
+        precompiled_header.remove(build_dir)
     return Path(str(library)).name
 
 

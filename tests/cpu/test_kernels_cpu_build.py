@@ -23,7 +23,7 @@ import pytest
 from minivllm.attention.backends import cpu as cpu_module
 from minivllm.attention.selector import get_attention_backend
 from minivllm.cpu import build as cpu_build
-from minivllm.cpu import isa
+from minivllm.cpu import isa, precompiled_header
 from minivllm.cpu.build import CpuKernelUnavailable
 from minivllm.cpu.isa import Build, selected_level
 
@@ -60,6 +60,8 @@ class FakeBuild:
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
+    # the torch headers' precompile runs the real compiler (tests/cpu/test_precompiled_header.py)
+    monkeypatch.setattr(precompiled_header, "precompile", lambda *args: False)
     return tmp_path
 
 
@@ -366,6 +368,7 @@ def test_each_level_builds_with_its_own_flags_in_its_own_folder(
     assert not any("native" in flag for flag in flags)
     assert any(flag.startswith("-mavx512") for flag in flags) == (level == "avx512")
     assert ("-mavx2" in flags) == (level != "generic")
+    assert flags[-len(precompiled_header.USE_FLAGS) :] == list(precompiled_header.USE_FLAGS)
     assert f"cpu_kernels-{level}-" in str(call["dir"])
 
 

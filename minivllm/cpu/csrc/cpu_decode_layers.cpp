@@ -31,7 +31,10 @@
 // linears call oneDNN, as the Python path does. A bfloat16 model's attention output is computed
 // in float32 and rounded to bf16, as the backend does.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
