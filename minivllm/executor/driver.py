@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -310,3 +311,29 @@ class ExecutorWithExternalLauncher(DistributedExecutor):
 
     def send_worker_config(self, wc: WorkerConfig) -> None:
         self.broadcast(wc)
+
+    def elsewhere(self) -> str | None:
+        """Over several torchrun nodes, the other nodes' ranks. A rank of node 0 that dies makes
+        node 0's torchrun stop rank 0 too, so a failed collective that rank 0 lives to report
+        came from another node, whose torchrun saw the rank die but does not tell node 0. torchrun
+        names its nodes `GROUP_RANK` 0..`GROUP_WORLD_SIZE`-1, each with `LOCAL_WORLD_SIZE`
+        consecutive ranks, node 0 first."""
+        nnodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
+        if nnodes == 1:
+            return None
+        if local * nnodes == self.world_size:  # the same --nproc-per-node on every node
+            return other_nodes(self.world_size, nnodes)
+        return "ranks " + ", ".join(str(r) for r in range(local, self.world_size))
+
+
+def other_nodes(world_size: int, nnodes: int) -> str:
+    """Nodes 1..nnodes-1 with their ranks (`node 1 (rank 1)`, `node 1 (ranks 2, 3)`), each node
+    running world_size / nnodes consecutive ranks (vLLM's layout, and torchrun's when every node
+    has the same --nproc-per-node)."""
+    local = world_size // nnodes
+    return ", ".join(
+        f"node {node} (rank{'s' if local > 1 else ''} "
+        f"{', '.join(str(r) for r in range(node * local, (node + 1) * local))})"
+        for node in range(1, nnodes)
+    )

@@ -44,7 +44,7 @@ import torch.multiprocessing as mp
 from minivllm.attention.abstract import AttentionBackend
 from minivllm.config import ParallelConfig
 from minivllm.distributed.process_group import destroy_distributed, free_loopback_port
-from minivllm.executor.driver import DistributedExecutor, WorkerStartError
+from minivllm.executor.driver import DistributedExecutor, WorkerStartError, other_nodes
 from minivllm.worker.worker_proc import WorkerConfig, serve_rank, spawned_worker_main
 
 STARTUP_TIMEOUT_S = 600.0  # a worker's imports and model load on a loaded machine
@@ -186,12 +186,7 @@ class MultiprocExecutor(DistributedExecutor):
         """The ranks no process of this node watches: those of the other nodes."""
         if self.parallel.nnodes == 1:
             return None
-        local = self.world_size // self.parallel.nnodes
-        return ", ".join(
-            f"node {node} (rank{'s' if local > 1 else ''} "
-            f"{', '.join(str(r) for r in range(node * local, (node + 1) * local))})"
-            for node in range(1, self.parallel.nnodes)
-        )
+        return other_nodes(self.world_size, self.parallel.nnodes)
 
     def end_workers(self, graceful: bool) -> None:
         end_workers(self.workers, graceful)

@@ -1,6 +1,6 @@
-"""Two pipeline stages of every family in the model registry give transformers' greedy tokens
-(paper §4.6; the issue's done-when for pipeline parallelism), spawned by the engine, and two
-tensor-parallel ranks by two stages of every family do under one torchrun launch.
+"""Two tensor-parallel ranks by two pipeline stages of every family in the model registry give
+transformers' greedy tokens (paper §4.6; the issue's done-when for pipeline parallelism), spawned
+by the engine and under one torchrun launch.
 
 Each family's whole module tree is built, and `keep_stage` (minivllm/model/pipeline.py) puts a
 `PPMissingLayer` where the other stage holds the part, so each family meets the split in its own
@@ -16,9 +16,13 @@ Gemmas 3 (2 + 1).
 
 Every family's model and transformers' tokens are made once for the module, for six prompts
 through a KV pool small enough to preempt, with chunked prefill and shared prefixes
-(SMALL_ENGINE of tests/model/test_model_families.py). Spawned, two stages: every family runs the
+(SMALL_ENGINE of tests/model/test_model_families.py). Spawned, 2 x 2 ranks: every family runs the
 first two, Gemma 2 all six. Under torchrun, 2 x 2 ranks: every family (and Llama's class, as
-Mistral) runs all six, then Llama's class over 4 tensor-parallel ranks. The tokens are held to transformers', not
+Mistral) runs all six, then Llama's class over 4 tensor-parallel ranks. Two stages of one rank
+each are not run again here: 2 x 2 ranks run every part of them (the split, the stages' sends,
+the last stage's output to the driver), and the stages alone, spawned, are held to one process
+on Llama's class (tests/distributed/test_pipeline_parallel.py) and on SmolLM2
+(tests/distributed/test_multinode.py). The tokens are held to transformers', not
 to a single-process run: tests/model/test_model_families.py and test_model_gemma.py hold the
 single-process engine to transformers on the same tiny models under the same kind of workload,
 so equal to transformers is equal to one process, at no extra engine. Each stage must hold
@@ -26,7 +30,8 @@ exactly its parts (asked of every rank).
 
 The torchrun launch is one for all families: its four ranks build one engine after another on
 the launch's one process group (minivllm/distributed/process_group.py: the first engine makes
-it, the later ones join it), so the ranks start once, not once a family. The Llama family's
+it, the later ones join it), so the ranks start once, not once a family; spawned, each engine
+starts its own three workers. The Llama family's
 stages (spawned with tensor parallelism, uneven partitions, batches in flight and failures) are
 tests/distributed/test_pipeline_parallel.py's; the bundled SmolLM2 (two stages spawned, and over
 two torchrun nodes) is tests/distributed/test_multinode.py's. A pooling model (BERT's encoder, a
@@ -64,8 +69,8 @@ from tests.utils.tp_utils import (
 pytestmark = pytest.mark.timeout(600)  # a hang guard for a broken send; no timing
 
 # One family per model class of the registry that generates (Mistral is Llama's class: see
-# test_pipeline_parallel.py), each with two prompts; Gemma 2, whose KV cache groups meet the
-# stages, with SMALL_ENGINE's workload, which preempts, chunks and hits the prefix cache (the
+# test_pipeline_parallel.py), each with two prompts when spawned; Gemma 2, whose KV cache groups
+# meet the stages, with SMALL_ENGINE's workload, which preempts, chunks and hits the prefix cache (the
 # Llama tests hold every stage layout to that too). The Gemmas' three groups need a larger pool.
 FAMILIES = ["qwen2-tied", "qwen3-hd32", "phi3", "mixtral", "qwen3-moe", "gemma2", "gemma3"]
 GEMMA_ENGINE = SMALL_ENGINE | dict(num_gpu_blocks_override=40, max_model_len=52)
@@ -101,7 +106,7 @@ def family_run(tmp_path: Path, family: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def family_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
-    """`family_run` of each family, made once for the module: the spawned stages run its first
+    """`family_run` of each family, made once for the module: the spawned ranks run its first
     two prompts (Gemma 2 all six), the torchrun launch all six."""
     made: dict[str, dict[str, Any]] = {}
 
@@ -122,17 +127,17 @@ def parts_of_stages(num_layers: int, tp: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_two_stages_give_transformers_greedy_tokens(
+def test_two_ranks_by_two_stages_spawned_by_the_engine_give_transformers_greedy_tokens(
     family_runs: Callable[[str], dict[str, Any]], family: str
 ) -> None:
     run = family_runs(family)
     if family != "gemma2":
         run = run | {k: run[k][:2] for k in ("prompts", "max_tokens", "expected")}
-    with tp_llm(run["path"], 1, pipeline_parallel_size=2, **run["engine"]) as llm:
+    with tp_llm(run["path"], 2, pipeline_parallel_size=2, **run["engine"]) as llm:
         parts = llm.llm_engine.executor.collective_rpc(stage_parts)
         got = greedy(llm, run["prompts"], run["max_tokens"])
         stats = llm.get_stats()
-    assert parts == parts_of_stages(run["layers"], tp=1)
+    assert parts == parts_of_stages(run["layers"], tp=2)
     assert got == run["expected"]
     if family == "gemma2":
         assert stats.num_preemptions > 0 and stats.num_prefix_cache_hit_tokens > 0

@@ -3,11 +3,11 @@
 
 Node 0 is this test's process (the engine, rank 0), node 1 a `minivllm serve --headless` process
 (rank 1); they meet at torch.distributed's TCPStore on 127.0.0.1. Two pipeline stages across them
-must give one process's greedy tokens (and the bundled SmolLM2's two stages, over two torchrun
-nodes and spawned by the engine); killing node 1 must fail node 0 with an error that names
+must give one process's greedy tokens; killing node 1 must fail node 0 with an error that names
 node 1's rank, answered by node 0's OpenAI server as a 500 in OpenAI's shape, and leave no
-process. The combinations this launch cannot serve are refused by
-name before any process starts. No test here may leave a process behind.
+process. The same holds for torchrun's launch of `minivllm serve` over two nodes, on the bundled
+SmolLM2 (whose two stages also run spawned by the engine). The combinations this launch cannot
+serve are refused by name before any process starts. No test here may leave a process behind.
 """
 
 from __future__ import annotations
@@ -25,9 +25,14 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.distributed.process_group import free_loopback_port
 from minivllm.entrypoints import cli
+from minivllm.executor.driver import ExecutorWithExternalLauncher
 from tests.utils.engine_utils import save_tiny_llama
-from tests.utils.server_utils import serve_in_process
-from tests.utils.tp_utils import live_descendants, no_leftover_processes, torchrun_tokens
+from tests.utils.server_utils import free_port, serve_in_process, wait_until_healthy
+from tests.utils.tp_utils import (
+    live_descendants,
+    no_leftover_processes,
+    torchrun_nodes,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [{"prompt_token_ids": [11 + i, 300 + 7 * i, 77, 5000 + i]} for i in range(2)]
@@ -140,37 +145,55 @@ def test_killing_node_one_fails_node_zero_by_rank_and_its_server_answers_openai_
 # one device only.
 SMOLLM2 = dict(quantization="none", num_gpu_blocks_override=32, max_model_len=128)
 TEXTS = ["The capital of France is", "def fibonacci(n):"]
-TORCHRUN_SCRIPT = f"""
-import os
-from minivllm import LLM, SamplingParams
-
-# torchrun runs this on every node's rank; on rank 1 building the LLM serves rank 0's steps, then
-# ends the process.
-llm = LLM(None, pipeline_parallel_size=2, **{SMOLLM2!r})
-assert os.environ["RANK"] == "0"
-tokenizer = llm.get_tokenizer()
-prompts = [{{"prompt_token_ids": tokenizer.encode(t)}} for t in {TEXTS!r}]
-greedy = SamplingParams(temperature=0.0, max_tokens={GREEDY.max_tokens}, ignore_eos=True)
-for out in llm.generate(prompts, greedy, use_tqdm=False):
-    print("tokens", *out.outputs[0].token_ids, flush=True)
-"""
 
 
-def test_smollm2_s_two_stages_spawned_and_over_two_torchrun_nodes_give_one_process_s_tokens(
+def test_smollm2_s_two_stages_over_two_torchrun_nodes_serving_then_killed_and_spawned(
     tmp_path: Path,
 ) -> None:
-    """Two `torchrun --nnodes 2 --node-rank R --nproc-per-node 1` invocations on loopback, one a
-    pipeline stage each: the ranks meet at torchrun's rendezvous (env://), rank 0 sends its
-    configuration, and every process ends with rank 0's shutdown (`torchrun_tokens` checks).
-    Then the same two stages spawned by the engine. (Two tensor-parallel ranks by two stages
-    cannot split SmolLM2's 9 heads: refused, tests/distributed/test_pipeline_parallel.py.)"""
-    script = tmp_path / "pp_two_nodes.py"
-    script.write_text(TORCHRUN_SCRIPT)
-    got = torchrun_tokens(script, None, nnodes=2)
-    one = LLM(None, **SMOLLM2)  # type: ignore[arg-type]
-    prompts = [{"prompt_token_ids": one.get_tokenizer().encode(t)} for t in TEXTS]
-    expected = tokens(one.generate(prompts, GREEDY, use_tqdm=False))
-    assert got == expected
+    """`torchrun --nnodes 2 --node-rank R --nproc-per-node 1 -m minivllm.entrypoints.cli serve
+    -pp 2`, twice on loopback, one pipeline stage each, as docs/distributed.md runs it on two
+    machines: the ranks meet at torchrun's rendezvous (env://), rank 0 sends its configuration
+    and serves OpenAI's API, rank 1 (node 1) serves rank 0's steps. Its completions give one
+    process's greedy tokens. Then node 1's rank is killed: node 1's torchrun fails, and node 0's
+    next completion is a 500 in OpenAI's shape naming node 1's rank (not a hang), /health turns
+    503, a later request fails at once; SIGTERM to node 0's torchrun ends its server, and no
+    process is left (`torchrun_nodes` checks). Then the same two stages spawned by the engine.
+    (Two tensor-parallel ranks by two stages cannot split SmolLM2's 9 heads: refused,
+    tests/distributed/test_pipeline_parallel.py.)"""
+    port = free_port()
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SMOLLM2.items()]
+    serve = ["-m", "minivllm.entrypoints.cli", "serve", "-pp", "2", *flags, f"--port={port}"]
+    url = f"http://127.0.0.1:{port}"
+    with torchrun_nodes(serve, nnodes=2, logs=tmp_path) as (node0, node1):
+        one = LLM(None, **SMOLLM2)  # type: ignore[arg-type]  # while the nodes start
+        prompts = [{"prompt_token_ids": one.get_tokenizer().encode(t)} for t in TEXTS]
+        expected = tokens(one.generate(prompts, GREEDY, use_tqdm=False))
+        wait_until_healthy(url, node0.agent, node0.log.read_text)
+        body = dict(max_tokens=GREEDY.max_tokens, temperature=0, ignore_eos=True)
+        got = [
+            httpx.post(
+                url + "/v1/completions",
+                json=body | dict(prompt=p["prompt_token_ids"], return_token_ids=True),
+                timeout=120,
+            ).json()["choices"][0]["token_ids"]
+            for p in prompts
+        ]
+        assert got == expected
+        node0.rank_process()  # seen, so that its end is checked
+        node1.rank_process().kill()
+        assert node1.agent.wait(timeout=NODE_WAIT_S) != 0  # torchrun saw its rank die
+        response = httpx.post(
+            url + "/v1/completions", json=body | dict(prompt=TEXTS[0]), timeout=120
+        )
+        assert response.status_code == 500, response.text
+        error = response.json()["error"]
+        assert {"message", "type", "code"} <= set(error) and error["code"] == 500
+        assert "other nodes: node 1 (rank 1)" in error["message"], error
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        again = httpx.post(url + "/v1/completions", json=body | dict(prompt="x"), timeout=30)
+        assert again.status_code in (500, 503) and "error" in again.json()
+        node0.agent.terminate()  # torchrun passes SIGTERM on to rank 0, whose server drains
+        node0.agent.wait(timeout=NODE_WAIT_S)
     stages = LLM(None, pipeline_parallel_size=2, **SMOLLM2)  # type: ignore[arg-type]
     try:
         assert tokens(stages.generate(prompts, GREEDY, use_tqdm=False)) == expected
@@ -207,6 +230,28 @@ def test_under_torchrun_the_engine_s_own_node_flags_are_refused(
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"under torchrun, torchrun starts every rank.*nnodes=2"):
         LLM(str(tiny), pipeline_parallel_size=2, nnodes=2)
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "per_node", "named"),
+    [
+        (1, 4, None),
+        (2, 2, "node 1 (ranks 2, 3)"),
+        (4, 1, "node 1 (rank 1), node 2 (rank 2), node 3 (rank 3)"),
+        (2, 3, "ranks 3"),
+    ],
+)
+def test_under_torchrun_rank_zero_names_the_other_nodes_ranks_from_torchrun_s_variables(
+    monkeypatch: pytest.MonkeyPatch, nnodes: int, per_node: int, named: str | None
+) -> None:
+    """What a failure that no rank of node 0 explains names (the kill itself: the torchrun test
+    above); node 0's own ranks are torchrun's to stop, rank 0 included. The last case has 3 ranks
+    on node 0 and 1 on node 1 (--nproc-per-node differs)."""
+    monkeypatch.setenv("GROUP_WORLD_SIZE", str(nnodes))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
+    executor = object.__new__(ExecutorWithExternalLauncher)  # no ranks: only the naming
+    executor.world_size = 4
+    assert executor.elsewhere() == named
 
 
 def test_ray_backend_without_ray_is_refused_with_the_install_line(

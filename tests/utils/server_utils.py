@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +64,23 @@ class RemoteServer:
         return total
 
 
+def wait_until_healthy(url: str, proc: subprocess.Popen[Any], log: Callable[[], str]) -> None:
+    """Wait until the server `proc` runs answers /health with a 200; fail with its `log()` if it
+    exits first or does not start in STARTUP_TIMEOUT_S."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}):\n{log()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start in time:\n{log()}")
+        time.sleep(0.2)
+
+
 @contextmanager
 def run_server(
     args: Sequence[str] = (), api_key: str | None = None, env: Mapping[str, str] | None = None
@@ -84,18 +101,7 @@ def run_server(
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ)
     server = RemoteServer(f"http://127.0.0.1:{port}", proc, log.name, api_key)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode}):\n{server.log()}")
-            try:
-                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start in time:\n{server.log()}")
-            time.sleep(0.5)
+        wait_until_healthy(server.url, proc, server.log)
         yield server
     finally:
         proc.send_signal(signal.SIGINT)

@@ -16,7 +16,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -102,48 +104,45 @@ def stage_parts(runner) -> dict[str, object]:
     }
 
 
-def torchrun_tokens(script: Path, model: Path | None, nnodes: int = 1) -> list[list[int]]:
-    """Run `script MODEL` (no MODEL: the bundled SmolLM2) under torchrun (`torchrun_stdout`) and
-    return the token ids of each line it prints as `tokens ID ID ...`."""
-    stdout = torchrun_stdout(script, [] if model is None else [str(model)], nnodes=nnodes)
+def torchrun_launches(nnodes: int, nproc: int) -> list[list[str]]:
+    """torchrun's flags for each invocation. One node: `--standalone --nproc-per-node NPROC`.
+    Several: one `--nnodes N --node-rank R --nproc-per-node 1 --master-addr 127.0.0.1
+    --master-port P` invocation per node, as on N machines, meeting at torchrun's static
+    rendezvous on loopback; node 0 last, since the others wait for it."""
+    if nnodes == 1:
+        return [["--standalone", "--nproc-per-node", str(nproc)]]
+    port = free_loopback_port()
     return [
-        [int(t) for t in line.split()[1:]]
-        for line in stdout.splitlines()
-        if line.startswith("tokens")
+        [
+            *("--nnodes", str(nnodes), "--node-rank", str(r), "--nproc-per-node", "1"),
+            *("--master-addr", "127.0.0.1", "--master-port", str(port)),
+        ]
+        for r in reversed(range(nnodes))
     ]
+
+
+def start_torchrun(launch: list[str], argv: list[str], **popen: Any) -> subprocess.Popen[str]:
+    """`torchrun LAUNCH ARGV...` in a process group of its own, so that a failure stops torchrun
+    and its ranks together."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen(
+        [str(TORCHRUN), *launch, *argv], text=True, env=env, start_new_session=True, **popen
+    )
+
+
+def descendants(proc: subprocess.Popen[str]) -> dict[int, psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return {c.pid: c for c in psutil.Process(proc.pid).children(recursive=True)}
+    return {}
 
 
 def torchrun_stdout(script: Path, args: list[str], nnodes: int = 1, nproc: int = 2) -> str:
-    """Run `script ARGS...` under torchrun and return what node 0 printed. One node: `torchrun
-    --standalone --nproc-per-node NPROC`. Several: one `torchrun --nnodes N --node-rank R
-    --nproc-per-node 1 --master-addr 127.0.0.1 --master-port P` invocation per node, as on N
-    machines, meeting at torchrun's static rendezvous on loopback. Each invocation runs in its own
-    process group (so that a failure stops torchrun and its ranks together); every process they
-    started, ranks included, must be gone when they are."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    """Run `script ARGS...` under torchrun (`torchrun_launches`) and return what node 0 printed;
+    every invocation must succeed, and every process they started, ranks included, must be gone
+    when they are."""
     argv = [str(script), *args]
-    if nnodes == 1:
-        launches = [["--standalone", "--nproc-per-node", str(nproc)]]
-    else:
-        port = free_loopback_port()
-        launches = [
-            [
-                *("--nnodes", str(nnodes), "--node-rank", str(r), "--nproc-per-node", "1"),
-                *("--master-addr", "127.0.0.1", "--master-port", str(port)),
-            ]
-            for r in reversed(range(nnodes))  # node 0 last: the others wait for it
-        ]
-    procs = [
-        subprocess.Popen(
-            [str(TORCHRUN), *launch, *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        for launch in launches
-    ]
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    procs = [start_torchrun(launch, argv, **pipes) for launch in torchrun_launches(nnodes, nproc)]
     started: dict[int, psutil.Process] = {}
     outputs: dict[int, tuple[str, str]] = {}
     try:
@@ -152,8 +151,7 @@ def torchrun_stdout(script: Path, args: list[str], nnodes: int = 1, nproc: int =
             for i, proc in enumerate(procs):
                 if i in outputs:
                     continue
-                with contextlib.suppress(psutil.Error):
-                    started |= {c.pid: c for c in psutil.Process(proc.pid).children(True)}
+                started |= descendants(proc)
                 with contextlib.suppress(subprocess.TimeoutExpired):  # retried: no output lost
                     outputs[i] = proc.communicate(timeout=0.2)
     finally:
@@ -166,3 +164,49 @@ def torchrun_stdout(script: Path, args: list[str], nnodes: int = 1, nproc: int =
         assert proc.returncode == 0, stdout + stderr[-4000:]
     assert_gone(started.values(), "after torchrun")
     return outputs[len(procs) - 1][0]  # node 0's: rank 0 prints
+
+
+@contextlib.contextmanager
+def torchrun_nodes(argv: list[str], nnodes: int, logs: Path) -> Iterator[list[TorchrunNode]]:
+    """`torchrun ARGV...` over `nnodes` loopback nodes (`torchrun_launches`), left running for the
+    caller (a server on node 0, say) and given node 0 first, each with its one rank's process
+    once it has started it; their output goes to `logs`/node{R}.log. At the end, whatever is left
+    of each invocation is killed, and every process it started must be gone."""
+    launches = torchrun_launches(nnodes, 1)
+    files = [(logs / f"node{nnodes - 1 - i}.log").open("w") for i in range(nnodes)]
+    procs = [
+        start_torchrun(launch, argv, stdout=f, stderr=subprocess.STDOUT)
+        for launch, f in zip(launches, files)
+    ]
+    nodes = [TorchrunNode(p, logs / f"node{nnodes - 1 - i}.log") for i, p in enumerate(procs)]
+    try:
+        yield nodes[::-1]
+    finally:
+        started = {pid: p for node in nodes for pid, p in node.started.items()}
+        for proc in procs:
+            started |= descendants(proc)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for f in files:
+            f.close()
+        assert_gone(started.values(), "after torchrun")
+
+
+@dataclass
+class TorchrunNode:
+    """One `torchrun` invocation of `torchrun_nodes`: the agent and its one rank's process."""
+
+    agent: subprocess.Popen[str]
+    log: Path
+    started: dict[int, psutil.Process] = field(default_factory=dict)  # every process seen
+
+    def rank_process(self, timeout_s: float = 120.0) -> psutil.Process:
+        """The process torchrun started for its rank (waited for)."""
+        deadline = time.monotonic() + timeout_s
+        while not (children := psutil.Process(self.agent.pid).children()):
+            assert self.agent.poll() is None, self.log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "torchrun started no rank"
+            time.sleep(0.05)
+        self.started |= descendants(self.agent)
+        return children[0]
