@@ -8,6 +8,7 @@ single-device engine.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import socket
@@ -73,7 +74,8 @@ def init_distributed(
     it and later engines join it (vLLM's external launcher joins a group that exists the same
     way). Making it again cannot work: torchrun's store still holds the first group's addresses,
     and the ranks would dial sockets that are closed. Each engine makes and, at its end
-    (`destroy_distributed`), destroys only its own groups over it."""
+    (`destroy_distributed`), destroys only its own groups over it; the launch's group ends when
+    the program does (`end_launch_group`)."""
     global _engine_on_launch_group
     check_no_process_group()
     _engine_on_launch_group = launched_by_torchrun()
@@ -85,6 +87,8 @@ def init_distributed(
             world_size=tp_size * pp_size,
             timeout=COLLECTIVE_TIMEOUT,
         )
+        if _engine_on_launch_group:
+            atexit.register(end_launch_group)
     # The timeout is each process's own: the driver never waits long, a worker waits for work.
     control = dist.new_group(
         backend="gloo", timeout=COLLECTIVE_TIMEOUT if rank == 0 else IDLE_TIMEOUT
@@ -106,6 +110,15 @@ def init_distributed(
             [0, pp.output_rank], backend="gloo", timeout=COLLECTIVE_TIMEOUT
         )
     return tp, pp, control
+
+
+def end_launch_group() -> None:
+    """At the exit of a program torchrun launched (`minivllm serve`'s ranks, a script's): end the
+    launch's group, which the engines left for the program's next one, while the interpreter is
+    whole. Left to the interpreter's teardown, gloo's group can abort the process ("terminate
+    called without an active exception") after a run that went well."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def destroy_distributed(

@@ -177,12 +177,9 @@ for run in runs:
         prefix_hits=stats.num_prefix_cache_hit_tokens,
     )
     print("family", json.dumps(got), flush=True)
-# torchrun's own group outlives the engines (each leaves only its groups): the program ends it, as
-# torchrun's programs do, rather than leave it to the interpreter's exit (which once aborted rank 0
-# under load with "terminate called without an active exception").
-import torch.distributed as dist
-if dist.is_initialized():
-    dist.destroy_process_group()
+# torchrun's own group outlives the engines (each leaves only its groups) and ends at the
+# program's exit (minivllm/distributed/process_group.py `end_launch_group`), not in the
+# interpreter's teardown, which once aborted rank 0 under load after a good run.
 """
 
 
