@@ -16,7 +16,7 @@ import pytest
 
 from minivllm.sampling_params import SamplingParams
 from tests.utils.engine_utils import checked_llm as _checked_llm
-from tests.utils.engine_utils import hf_greedy
+from tests.utils.engine_utils import hf_greedy_batch
 
 SYSTEM = (
     "You are a careful assistant. Answer briefly, in plain English, and never invent facts. "
@@ -53,9 +53,11 @@ def checked_llm(**kwargs: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def workload(smollm2_hf_tokenizer, smollm2_hf_model):
-    """18 chat prompts of different lengths with their own max_tokens, and the oracle's answers."""
+    """18 chat prompts of different lengths with their own max_tokens, and the oracle's answers
+    (transformers' greedy tokens, the 18 prompts in one batch: the same tokens as `hf_greedy`
+    gives one prompt at a time, checked when the oracle was batched)."""
     tok = smollm2_hf_tokenizer
-    prompts, max_tokens, expected = [], [], []
+    prompts, max_tokens = [], []
     for i, q in enumerate(QUESTIONS):
         msgs = [{"role": "user", "content": q}]
         if i % 3 == 0:  # every third request carries the long shared system prompt
@@ -65,7 +67,7 @@ def workload(smollm2_hf_tokenizer, smollm2_hf_model):
         n = 6 + (i * 7) % 20
         prompts.append(ids)
         max_tokens.append(n)
-        expected.append(hf_greedy(smollm2_hf_model, ids, n, tok.eos_token_id))
+    expected = hf_greedy_batch(smollm2_hf_model, prompts, max_tokens, tok.eos_token_id)
     return prompts, max_tokens, expected
 
 
