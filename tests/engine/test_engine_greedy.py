@@ -83,12 +83,12 @@ def _assert_matches(outputs, expected, n=1):
             assert completion.token_ids == exp, (out.request_id, completion.token_ids, exp)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_plain_batch_matches_transformers(workload, backend):
-    """On both CPU backends: the compiled decode kernel (the default) and the specification."""
+def test_plain_batch_on_the_reference_backend_matches_transformers(workload):
+    """The specification's attention; the plain batch on the default backend (the compiled
+    decode kernel) is test_the_default_cpu_path_runs_the_compiled_operators below."""
     prompts, max_tokens, expected = workload
-    with checked_llm(num_gpu_blocks_override=256, attention_backend=backend) as llm:
-        assert llm.llm_engine.attention_backend == backend
+    with checked_llm(num_gpu_blocks_override=256, attention_backend="reference") as llm:
+        assert llm.llm_engine.attention_backend == "reference"
         _assert_matches(_run(llm, prompts, max_tokens), expected)
 
 
@@ -202,13 +202,15 @@ def test_the_reference_path_runs_no_compiled_operator_and_matches_transformers(w
 
 
 def test_the_default_cpu_path_runs_the_compiled_operators(workload):
-    """The other side of the test above, so that it can fail: on the default backend the
-    profiler does see the C++ ops: paged attention, the fused layer ops, the skinny GEMM and the
-    decode-layers replay (the last two where the kernels have their AVX-512 path)."""
+    """The plain batch on the default backend gives transformers' tokens, and this is the
+    other side of the test above, so that it can fail: here the profiler does see the C++ ops:
+    paged attention, the fused layer ops, the skinny GEMM and the decode-layers replay (the last
+    two where the kernels have their AVX-512 path)."""
     from minivllm.cpu.ops import skinny_gemm_fast
 
-    prompts, max_tokens, expected = (part[:6] for part in workload)
+    prompts, max_tokens, expected = workload
     with checked_llm(num_gpu_blocks_override=256) as llm:
+        assert llm.llm_engine.attention_backend == "cpu"
         names, outputs = _profiled_op_names(llm, prompts, max_tokens)
     ours = {n.removeprefix("minivllm_cpu::") for n in names if n.startswith("minivllm_cpu::")}
     wanted = {"paged_decode", "reshape_and_cache", "rms_norm", "fused_add_rms_norm"}
