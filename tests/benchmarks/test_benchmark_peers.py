@@ -5,9 +5,12 @@ tiny random Llama. Never timing: the CPUs are shared."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,18 +26,27 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def test_throughput_reports_every_system_and_the_flops_fraction(
-    tiny_llama: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "throughput.json"
-    argv = ["--model", str(tiny_llama), "--num-prompts", "4", "--input-len", "8-24"]
-    argv += ["--output-len", "3-6", "--peers", "hf-static", "--hf-batch-sizes", "3"]
-    argv += ["--decode-roofline", "--matmul-size", "256", "--num-gpu-blocks-override", "64"]
-    argv += ["--json", str(out)]
-    assert peers_bench.main(parse(peers_bench, argv)) == 0
-    report = json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def run(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One run of the benchmark with every measurement but the vLLM peer (its own test, below):
+    both transformers peers, the decode roofline and the op profile; its JSON report and what it
+    printed. Each system runs in a fresh process of its own, so one run with all of them asks
+    the same of each as a run per measurement would."""
+    out = tmp_path_factory.mktemp("peers") / "throughput.json"
+    argv = ["--model", str(tiny_llama), "--num-prompts", "5", "--input-len", "8-40"]
+    argv += ["--output-len", "3-9", "--peers", "hf-static,hf-cb", "--hf-batch-sizes", "3"]
+    argv += ["--decode-roofline", "--profile", "--matmul-size", "256"]
+    argv += ["--num-gpu-blocks-override", "64", "--json", str(out)]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert peers_bench.main(parse(peers_bench, argv)) == 0
+    return {"report": json.loads(out.read_text()), "stdout": printed.getvalue()}
+
+
+def test_throughput_reports_every_system_and_the_flops_fraction(run: dict[str, Any]) -> None:
+    report = run["report"]
     systems = {s["system"]: s for s in report["systems"]}
-    assert set(systems) == {"minivllm", "hf-static (batch 3)"}
+    assert set(systems) == {"minivllm", "hf-static (batch 3)", "hf-cb"}
     wanted = report["workload"]["output_tokens"]
     assert all(s["output_tokens"] == wanted for s in systems.values())
     # Static batching pads every batch to its longest output: it generates at least the useful tokens.
@@ -48,14 +60,9 @@ def test_throughput_reports_every_system_and_the_flops_fraction(
 
 
 def test_throughput_reports_the_matmul_floor_of_the_shapes_the_run_computed_and_each_peak_rss(
-    tiny_llama: Path, tmp_path: Path
+    run: dict[str, Any],
 ) -> None:
-    out = tmp_path / "throughput.json"
-    argv = ["--model", str(tiny_llama), "--num-prompts", "5", "--input-len", "8-40"]
-    argv += ["--output-len", "3-9", "--peers", "hf-static,hf-cb", "--hf-batch-sizes", "2"]
-    argv += ["--matmul-size", "256", "--num-gpu-blocks-override", "64", "--json", str(out)]
-    assert peers_bench.main(parse(peers_bench, argv)) == 0
-    report = json.loads(out.read_text())
+    report = run["report"]
     work, floor = report["workload"], report["matmul_floor"]
     mini = report["systems"][0]
     # Every prompt token and every output token but each request's last passed the layers once
@@ -67,7 +74,7 @@ def test_throughput_reports_the_matmul_floor_of_the_shapes_the_run_computed_and_
     assert floor["weight_shapes"]["layers"] == 2
     assert 0 < floor["lm_head_seconds"] < floor["seconds"] < mini["seconds"]
     assert floor["minivllm_over_floor"] == pytest.approx(mini["seconds"] / floor["seconds"])
-    assert [s["system"] for s in report["systems"]] == ["minivllm", "hf-static (batch 2)", "hf-cb"]
+    assert [s["system"] for s in report["systems"]] == ["minivllm", "hf-static (batch 3)", "hf-cb"]
     for system in report["systems"]:
         assert system["peak_rss_bytes"] >= system["start_rss_bytes"] > 0
         # The ceiling: how much faster than this system minivllm would be at its floor.
@@ -75,15 +82,10 @@ def test_throughput_reports_the_matmul_floor_of_the_shapes_the_run_computed_and_
 
 
 def test_throughput_profile_puts_every_op_in_a_group_and_finds_the_matmuls(
-    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    run: dict[str, Any],
 ) -> None:
-    out = tmp_path / "throughput.json"
-    argv = ["--model", str(tiny_llama), "--num-prompts", "3", "--input-len", "8-24"]
-    argv += ["--output-len", "3-6", "--peers", "none", "--matmul-size", "128", "--profile"]
-    argv += ["--num-gpu-blocks-override", "64", "--json", str(out)]
-    assert peers_bench.main(parse(peers_bench, argv)) == 0
-    assert "vLLM peer: not run. To add it:" in capsys.readouterr().out  # how to get the peer
-    profile = json.loads(out.read_text())["profile"]
+    assert "vLLM peer: not run. To add it:" in run["stdout"]  # how to get the peer
+    profile = run["report"]["profile"]
     groups = {g["group"]: g for g in profile["groups"]}
     assert set(groups) <= set(op_profile.GROUP_ORDER)
     assert sum(g["share"] for g in groups.values()) == pytest.approx(1.0)

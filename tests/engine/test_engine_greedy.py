@@ -16,7 +16,7 @@ import pytest
 
 from minivllm.sampling_params import SamplingParams
 from tests.utils.engine_utils import checked_llm as _checked_llm
-from tests.utils.engine_utils import hf_greedy
+from tests.utils.engine_utils import hf_greedy_batch
 
 SYSTEM = (
     "You are a careful assistant. Answer briefly, in plain English, and never invent facts. "
@@ -53,9 +53,11 @@ def checked_llm(**kwargs: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def workload(smollm2_hf_tokenizer, smollm2_hf_model):
-    """18 chat prompts of different lengths with their own max_tokens, and the oracle's answers."""
+    """18 chat prompts of different lengths with their own max_tokens, and the oracle's answers
+    (transformers' greedy tokens, the 18 prompts in one batch: the same tokens as `hf_greedy`
+    gives one prompt at a time, checked when the oracle was batched)."""
     tok = smollm2_hf_tokenizer
-    prompts, max_tokens, expected = [], [], []
+    prompts, max_tokens = [], []
     for i, q in enumerate(QUESTIONS):
         msgs = [{"role": "user", "content": q}]
         if i % 3 == 0:  # every third request carries the long shared system prompt
@@ -65,7 +67,7 @@ def workload(smollm2_hf_tokenizer, smollm2_hf_model):
         n = 6 + (i * 7) % 20
         prompts.append(ids)
         max_tokens.append(n)
-        expected.append(hf_greedy(smollm2_hf_model, ids, n, tok.eos_token_id))
+    expected = hf_greedy_batch(smollm2_hf_model, prompts, max_tokens, tok.eos_token_id)
     return prompts, max_tokens, expected
 
 
@@ -81,12 +83,12 @@ def _assert_matches(outputs, expected, n=1):
             assert completion.token_ids == exp, (out.request_id, completion.token_ids, exp)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_plain_batch_matches_transformers(workload, backend):
-    """On both CPU backends: the compiled decode kernel (the default) and the specification."""
+def test_plain_batch_on_the_reference_backend_matches_transformers(workload):
+    """The specification's attention; the plain batch on the default backend (the compiled
+    decode kernel) is test_the_default_cpu_path_runs_the_compiled_operators below."""
     prompts, max_tokens, expected = workload
-    with checked_llm(num_gpu_blocks_override=256, attention_backend=backend) as llm:
-        assert llm.llm_engine.attention_backend == backend
+    with checked_llm(num_gpu_blocks_override=256, attention_backend="reference") as llm:
+        assert llm.llm_engine.attention_backend == "reference"
         _assert_matches(_run(llm, prompts, max_tokens), expected)
 
 
@@ -200,13 +202,15 @@ def test_the_reference_path_runs_no_compiled_operator_and_matches_transformers(w
 
 
 def test_the_default_cpu_path_runs_the_compiled_operators(workload):
-    """The other side of the test above, so that it can fail: on the default backend the
-    profiler does see the C++ ops: paged attention, the fused layer ops, the skinny GEMM and the
-    decode-layers replay (the last two where the kernels have their AVX-512 path)."""
+    """The plain batch on the default backend gives transformers' tokens, and this is the
+    other side of the test above, so that it can fail: here the profiler does see the C++ ops:
+    paged attention, the fused layer ops, the skinny GEMM and the decode-layers replay (the last
+    two where the kernels have their AVX-512 path)."""
     from minivllm.cpu.ops import skinny_gemm_fast
 
-    prompts, max_tokens, expected = (part[:6] for part in workload)
+    prompts, max_tokens, expected = workload
     with checked_llm(num_gpu_blocks_override=256) as llm:
+        assert llm.llm_engine.attention_backend == "cpu"
         names, outputs = _profiled_op_names(llm, prompts, max_tokens)
     ours = {n.removeprefix("minivllm_cpu::") for n in names if n.startswith("minivllm_cpu::")}
     wanted = {"paged_decode", "reshape_and_cache", "rms_norm", "fused_add_rms_norm"}

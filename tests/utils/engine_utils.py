@@ -50,6 +50,40 @@ def hf_greedy(
     return out[0, len(prompt_ids) :].tolist()
 
 
+def hf_greedy_batch(
+    model: Any, prompts: list[list[int]], max_new_tokens: list[int], eos_token_id: int | None
+) -> list[list[int]]:
+    """transformers' greedy `generate` for many prompts in one call: left-padded to one length,
+    the padding masked out (transformers derives each row's positions from the mask), each row
+    cut at its own max_new_tokens and after its first EOS (with `eos_token_id=None`, none: the
+    engine's `ignore_eos`, as in `hf_greedy`). A decode step then reads the weights
+    once for the whole batch instead of once per prompt. A batched step sums in other orders
+    than a one-row one (other GEMM shapes), so a row could differ from `hf_greedy`'s at a
+    near-tie: a caller checks its workload equal to `hf_greedy`'s once, when it starts to use
+    this."""
+    length, longest = max(len(p) for p in prompts), max(max_new_tokens)
+    pad = eos_token_id if eos_token_id is not None else 0
+    ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts])  # (B, length)
+    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])  # (B, length)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=longest,
+            do_sample=False,
+            min_new_tokens=longest if eos_token_id is None else 0,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad,
+        )
+    rows = []
+    for row, n in zip(out[:, length:].tolist(), max_new_tokens):
+        row = row[:n]
+        if eos_token_id in row:
+            row = row[: row.index(eos_token_id) + 1]
+        rows.append(row)
+    return rows
+
+
 def save_tiny_llama(out: Path, seed: int = 0, **overrides: Any) -> Path:
     """A random 2-layer Llama with SmolLM2's tokenizer, saved with `save_pretrained`: it loads in
     well under a second. Its weights are drawn wider than transformers' default so that its
