@@ -77,11 +77,16 @@ def cpu_linear(
 def onednn_packs(weight: torch.Tensor) -> bool:
     """Whether a linear's `weight` is prepacked for oneDNN and runs there: float32 wherever oneDNN
     is built in; bfloat16 where the CPU also has bf16 dot-product instructions (AVX512-BF16 or AMX),
-    which oneDNN's bf16 GEMM uses and MKL's `aten::mm` does not."""
+    which oneDNN's bf16 GEMM uses and MKL's `aten::mm` does not; float16 where it has AVX512-FP16
+    or AMX-FP16 (a pooling model's default dtype, vLLM's): there oneDNN returns token-major rows,
+    which BERT's fused epilogues and the encoder attention kernel read, where MKL's float16
+    product is a transposed view that every later op reads strided."""
     if not torch.backends.mkldnn.is_available():
         return False
     if weight.dtype == torch.float32:
         return True
+    if weight.dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
