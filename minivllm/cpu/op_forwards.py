@@ -14,7 +14,8 @@ commands):
   float32) for the skinny GEMM's small lead at a handful of float32 rows. `forward_native` and
   `state_dict()` read it back plain, exactly. bfloat16 weights are packed where the CPU has bf16
   dot-product instructions (AVX512-BF16, AMX): MKL's bf16 `aten::mm` does not use them, oneDNN
-  does. oneDNN's output is token-major. A weight oneDNN does not pack (no oneDNN, float16) stays
+  does; float16 weights where it has AVX512-FP16 or AMX-FP16, for the same reason. oneDNN's
+  output is token-major. A weight oneDNN does not pack (no oneDNN, float16 on other CPUs) stays
   plain: up to `SKINNY_GEMM_MAX_ROWS` float32 rows go to the skinny GEMM (`cpu_skinny_gemm.cpp`,
   which streams the weight once; token-major rows), more to MKL as (W · xᵀ)ᵀ, the operand order
   MKL runs faster than `F.linear`'s, whose result is a transposed ("feature-major") view that the
