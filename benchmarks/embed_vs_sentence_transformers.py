@@ -13,13 +13,16 @@ tokens each. Each engine runs in a process of its own with the same threads; the
 `--rounds` rounds (each the fastest of `--repeats` timed passes after a warm-up pass), and the
 medians and their ratio are printed with the CPU model and the load.
 
-Each `--pairs` entry is `minivllm_dtype:sentence_transformers_dtype`: the same dtype on both sides
-measures the engines; `auto:float32` measures each engine's default (minivllm's `dtype="auto"`,
-sentence-transformers' float32). Every pair also prints how close the two engines' embeddings are
-(cosine, the minimum over the sentences), which is what a narrower dtype costs where they differ.
+Each `--pairs` entry is `minivllm_dtype:sentence_transformers_dtype`. By default: each engine's
+default against the other's (`auto:float32`: minivllm's `dtype="auto"`, which for a pooling model is
+vLLM's float16, against sentence-transformers' float32), then the same dtype on both sides, which
+measures the engines (float32, bfloat16, float16). Every pair also prints how close the two
+engines' embeddings are (cosine, the minimum over the sentences), which is what a narrower dtype
+costs where they differ, and a table of every pair closes the run. A ratio between different
+dtypes is labelled a dtype mismatch: it measures the dtypes as much as the engines.
 
-    python -m benchmarks.embed_vs_sentence_transformers --rounds 3 --threads 2
-    python -m benchmarks.embed_vs_sentence_transformers --pairs float32:float32,bfloat16:bfloat16,auto:float32
+    python -m benchmarks.embed_vs_sentence_transformers --rounds 3 --threads 1
+    python -m benchmarks.embed_vs_sentence_transformers --pairs bfloat16:bfloat16 --repeats 3
 """
 
 from __future__ import annotations
@@ -163,9 +166,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--pairs",
-        default="float32:float32",
-        help="comma-separated minivllm_dtype:sentence_transformers_dtype pairs, e.g. "
-        "float32:float32,bfloat16:bfloat16,auto:float32",
+        default="auto:float32,float32:float32,bfloat16:bfloat16,float16:float16",
+        help="comma-separated minivllm_dtype:sentence_transformers_dtype pairs (the default: "
+        "each engine's default, then each dtype on both sides)",
     )
     parser.add_argument(
         "--one", choices=["minivllm", "sentence-transformers"], help=argparse.SUPPRESS
@@ -201,16 +204,21 @@ def main() -> None:
         f"{len(sentences)} sentences, {tokens} tokens; {args.threads} threads; {args.rounds} rounds "
         f"of {args.repeats} timed passes (the fastest counts)"
     )
-    for pair in pairs:
-        compare_pair(pair, args, sentences, tokens)
+    summary = [compare_pair(pair, args, sentences, tokens) for pair in pairs]
     print(f"load after: {os.getloadavg()[:3]}")
+    print(
+        "\n| minivllm | sentence-transformers | minivllm ÷ sentence-transformers | cosine (min) |"
+    )
+    print("|---|---|---|---|")
+    for line in summary:
+        print(line)
 
 
 def compare_pair(
     pair: tuple[str, ...], args: argparse.Namespace, sentences: list[str], tokens: int
-) -> None:
+) -> str:
     """One dtype pair: the engines alternated for `args.rounds` rounds, then the medians, the
-    throughput ratio and the embeddings' closeness."""
+    throughput ratio and the embeddings' closeness; returns the pair's row of the summary."""
     import tempfile
 
     import torch
@@ -246,10 +254,14 @@ def compare_pair(
             f"{engine:>22} ({ran[engine]}): median {median:.2f} s, "
             f"{len(sentences) / median:.1f} sentences/s, {tokens / median:.0f} tokens/s"
         )
+    mismatch = "" if ran["minivllm"] == ran["sentence-transformers"] else ", a dtype mismatch"
     print(
         f"minivllm {pair[0]} ({ran['minivllm']}) / sentence-transformers {pair[1]}: "
-        f"throughput {ratio:.2f}x; embeddings' cosine, min over sentences: {cosine:.6f}"
+        f"throughput {ratio:.2f}x{mismatch}; embeddings' cosine, min over sentences: {cosine:.7f}"
     )
+    mine, theirs = (f"{ran[e]} {medians[e]:.2f} s" for e in seconds)
+    label = "auto: " if pair[0] == "auto" else ""
+    return f"| {label}{mine} | {theirs} | **{ratio:.2f}x**{mismatch} | {cosine:.7f} |"
 
 
 if __name__ == "__main__":

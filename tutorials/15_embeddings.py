@@ -68,7 +68,10 @@ st.save(str(folder / "st"))
 print(f"a BERT of {sum(p.numel() for p in st.parameters()):,} parameters, mean pooling")
 
 # --- 2. Embed: one prefill per text, then the pooler ----------------------------------------------
-llm = LLM(str(folder / "st"))
+# dtype "auto" would be float16 for a pooling model, as in vLLM (a float32 checkpoint is downcast to
+# float16, whose 10-bit mantissa keeps embeddings close); float32 here, to compare with
+# sentence-transformers' float32 vectors digit for digit.
+llm = LLM(str(folder / "st"), dtype="float32")
 pooler = llm.llm_engine.pooler
 sched = llm.llm_engine.config.scheduler
 print(

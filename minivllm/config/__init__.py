@@ -320,6 +320,11 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # LoRA adapters (minivllm/lora/); None: enable_lora off
 
     def __post_init__(self) -> None:
+        self.check_cache_dtype()
+
+    def check_cache_dtype(self) -> None:
+        """Refuse a KV cache dtype wider than the model's (again after a pooling model's dtype
+        is settled: minivllm/engine/arg_utils.py)."""
         # A cache wider than the model stores nothing the model computed (its K and V are already
         # rounded to the model's dtype) and the fast kernels widen only on read: refuse it here,
         # before any weight loads, rather than at the first attention call.

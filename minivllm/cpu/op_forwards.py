@@ -14,7 +14,8 @@ commands):
   float32) for the skinny GEMM's small lead at a handful of float32 rows. `forward_native` and
   `state_dict()` read it back plain, exactly. bfloat16 weights are packed where the CPU has bf16
   dot-product instructions (AVX512-BF16, AMX): MKL's bf16 `aten::mm` does not use them, oneDNN
-  does. oneDNN's output is token-major. A weight oneDNN does not pack (no oneDNN, float16) stays
+  does; float16 weights where it has AVX512-FP16 or AMX-FP16, for the same reason. oneDNN's
+  output is token-major. A weight oneDNN does not pack (no oneDNN, float16 on other CPUs) stays
   plain: up to `SKINNY_GEMM_MAX_ROWS` float32 rows go to the skinny GEMM (`cpu_skinny_gemm.cpp`,
   which streams the weight once; token-major rows), more to MKL as (W · xᵀ)ᵀ, the operand order
   MKL runs faster than `F.linear`'s, whose result is a transposed ("feature-major") view that the
@@ -77,11 +78,16 @@ def cpu_linear(
 def onednn_packs(weight: torch.Tensor) -> bool:
     """Whether a linear's `weight` is prepacked for oneDNN and runs there: float32 wherever oneDNN
     is built in; bfloat16 where the CPU also has bf16 dot-product instructions (AVX512-BF16 or AMX),
-    which oneDNN's bf16 GEMM uses and MKL's `aten::mm` does not."""
+    which oneDNN's bf16 GEMM uses and MKL's `aten::mm` does not; float16 where it has AVX512-FP16
+    or AMX-FP16 (a pooling model's default dtype, vLLM's): there oneDNN returns token-major rows,
+    which BERT's fused epilogues and the encoder attention kernel read, where MKL's float16
+    product is a transposed view that every later op reads strided."""
     if not torch.backends.mkldnn.is_available():
         return False
     if weight.dtype == torch.float32:
         return True
+    if weight.dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

@@ -48,7 +48,13 @@ from minivllm.config.lora import LoRAConfig
 from minivllm.config.speculative import SpeculativeConfig
 from minivllm.model.hf_overrides import HfOverrides, parse_hf_overrides
 from minivllm.model.loader import load_config, load_tokenizer
-from minivllm.model.resolver import load_generation_defaults, resolve_dtype, resolve_model
+from minivllm.model.resolver import (
+    checkpoint_dtype,
+    load_generation_defaults,
+    resolve_dtype,
+    resolve_model,
+    resolve_pooling_dtype,
+)
 from minivllm.model.source import ModelSource
 from minivllm.pooling.config import (
     CONVERTS,
@@ -409,8 +415,8 @@ class EngineArgs:
 
     def _resolve_pooler(self, config: EngineConfig) -> PoolerConfig | None:
         """The pooling runner's pooler, and what it implies for the cache and the scheduler
-        (minivllm/pooling/config.py): no prefix cache where a hit would skip hidden states the
-        pooler reads, and an encoder's prompts whole in one step."""
+        (minivllm/pooling/config.py): vLLM's "auto" dtype for pooling, no prefix cache where a hit
+        would skip hidden states the pooler reads, and an encoder's prompts whole in one step."""
         resolved = config.resolved
         pooler = resolve_pooler_config(
             self.runner,
@@ -438,6 +444,10 @@ class EngineArgs:
             )
         if config.speculative is not None:
             raise ValueError("speculative_config is not supported with runner='pooling'")
+        if self.dtype == "auto":  # vLLM's pooling default (resolve_pooling_dtype says why)
+            dtype = resolve_pooling_dtype(checkpoint_dtype(resolved.source), resolved.device)
+            config.resolved = dataclasses.replace(resolved, dtype=dtype)
+            config.check_cache_dtype()
         if not pooler.supports_prefix_caching and config.cache.enable_prefix_caching:
             logger.info("prefix caching is off: %s pooling reads every token", pooler.pooling_type)
             config.cache.enable_prefix_caching = False

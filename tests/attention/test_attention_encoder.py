@@ -120,8 +120,8 @@ def test_encoder_attention_touches_no_cache_and_ignores_block_tables() -> None:
 
 
 def test_cpu_encoder_attention_reads_feature_major_views() -> None:
-    """A float16 model's linears return (W · xᵀ)ᵀ, a transposed view (minivllm/cpu/op_forwards.py):
-    the CPU backend takes q/k/v in that layout too (through the reference's SDPA)."""
+    """A float16 model's linears on a CPU without AVX512-FP16 return (W · xᵀ)ᵀ, a transposed view (minivllm/cpu/op_forwards.py):
+    the CPU backend takes q/k/v in that layout too (copied token-major for its kernel)."""
     lens = [6, 11]
     q, k, v, meta = encoder_step(lens, 2, 2, 8, torch.float32, seed=9)
     qkv_t = torch.cat([q, k, v], dim=1).reshape(sum(lens), -1).t().contiguous().t()  # [T, 3HD]

@@ -30,6 +30,7 @@ from minivllm.model.models.bert import BertConfig, BertIntermediate, BertOutput
 from minivllm.platforms.cpu import CpuPlatform
 
 BF16_HW = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+FP16_HW = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_fp16_supported()
 needs_bf16_hw = pytest.mark.skipif(not BF16_HW, reason="no AVX512-BF16/AMX: bf16 stays on MKL")
 
 SHAPES = [(1, 960, 576), (3, 5, 15), (7, 17, 40), (64, 3072, 576), (130, 576, 1536)]  # M, N, K
@@ -91,7 +92,7 @@ def test_cpu_dispatch_packs_weights_and_keeps_each_op_s_result(
     dtype: torch.dtype, rows: int
 ) -> None:
     """Dispatched to the CPU, each linear and the LM head packs its weight exactly where oneDNN
-    runs it (float32 wherever oneDNN is built in, bf16 where it has the hardware, never float16),
+    runs it (float32 wherever oneDNN is built in, bf16 and float16 where it has the hardware),
     and computes what its `forward_native` does, to the dtype's rounding, at every row count."""
     platform = CpuPlatform()
     for op in build_ops(dtype):
@@ -102,7 +103,7 @@ def test_cpu_dispatch_packs_weights_and_keeps_each_op_s_result(
             expected = op.forward_native(x).float()
             assert op.dispatch_forward(platform.device_type)
             got = op(x)
-        hardware = {torch.float32: True, torch.bfloat16: BF16_HW, torch.float16: False}[dtype]
+        hardware = {torch.float32: True, torch.bfloat16: BF16_HW, torch.float16: FP16_HW}[dtype]
         assert (
             packs is hardware and op.weight.is_mkldnn is packs
         )  # packed: in the plain one's place
@@ -112,12 +113,12 @@ def test_cpu_dispatch_packs_weights_and_keeps_each_op_s_result(
         assert (got.float() - expected).abs().max().item() <= tol * scale
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_bert_sublayer_ends_fuse_gelu_and_the_residual_add_into_onednn(dtype: torch.dtype) -> None:
     """BERT's up projection + GELU, and its output projection + residual add + LayerNorm, on the
     CPU: the elementwise work rides in oneDNN's GEMM as post-ops (on the float32 accumulator)
     wherever the weight is packed, and the result is `forward_native`'s: float32 to the sums'
-    rounding; bfloat16 within one ulp of the output, which native rounds twice (the GEMM's result,
+    rounding; bfloat16 and float16 within one ulp of the output, which native rounds twice (the GEMM's result,
     then the GELU's or the sum's) where the fused op rounds once."""
     config = BertConfig.from_hf_dict(
         {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
@@ -140,5 +141,5 @@ def test_bert_sublayer_ends_fuse_gelu_and_the_residual_add_into_onednn(dtype: to
         assert up.dense.weight.is_mkldnn is packs and down.dense.weight.is_mkldnn is packs
         got = down(up(x), x)
     assert got.dtype == dtype and got.shape == expected.shape
-    tol = {torch.float32: 1e-5, torch.bfloat16: 2**-6}[dtype]  # LayerNorm's output: ~1 in size
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2**-6, torch.float16: 2**-9}[dtype]  # LN: ~1
     assert (got.float() - expected).abs().max().item() <= tol * expected.abs().max().item()

@@ -29,7 +29,11 @@ def st_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(st_model: Path) -> Iterator[InProcessServer]:
-    args = {"pooler_config": {"matryoshka_dimensions": [16, 32]}, "enforce_eager": True}
+    args = {
+        "pooler_config": {"matryoshka_dimensions": [16, 32]},
+        "enforce_eager": True,
+        "dtype": "float32",  # held to sentence-transformers' float32 vectors
+    }
     with serve_tiny_model(st_model, args, served_model_names=["embedder"]) as s:
         yield s
 

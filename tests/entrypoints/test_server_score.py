@@ -21,7 +21,7 @@ from tests.utils.server_utils import InProcessServer, serve_tiny_model
 
 QUERY = "what is the capital of france"
 DOCS = ["the cat sat on the mat", "paris is the capital of france", "rome is in italy", "a"]
-ARGS = {"enforce_eager": True}
+ARGS = {"enforce_eager": True, "dtype": "float32"}  # held to float32 references
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@ encoder-only attention of every backend, minivllm/attention/)."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from minivllm import LLM, PoolingParams
+from minivllm.engine.arg_utils import EngineArgs
 from tests.utils.engine_utils import assert_no_blocks_held
-from tests.utils.pooling_utils import save_st_model, save_tiny_bert, st_encode
+from tests.utils.pooling_utils import save_st_model, save_tiny_bert, save_tiny_decoder, st_encode
 
 TEXTS = [
     "hello world",
@@ -27,7 +30,8 @@ TEXTS = [
 ]
 QUERY = "what is the capital of france"
 DOCS = ["paris is the capital of france", "the cat sat on the mat", "rome is in italy", "a"]
-SMALL = {"num_gpu_blocks_override": 64, "enforce_eager": True}
+# float32, not the pooling default (float16, vLLM's): the tests hold it to float32 references
+SMALL = {"num_gpu_blocks_override": 64, "enforce_eager": True, "dtype": "float32"}
 BACKENDS = ["reference", "cpu"]
 
 
@@ -64,6 +68,31 @@ def test_bert_mean_embeddings_equal_sentence_transformers(minilm_llm: LLM, minil
     assert F.cosine_similarity(ours, ref).min() >= 0.99999
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)  # not normalized: same length
     assert_no_blocks_held(minilm_llm)
+
+
+def test_pooling_dtype_auto_is_vllm_s_float16_and_stays_near_float32(
+    minilm: Path, tmp_path: Path
+) -> None:
+    """vLLM's `dtype="auto"` for a pooling model (vllm/config/model.py `_resolve_auto_dtype`): a
+    float32 checkpoint runs in float16 on the CPU too, a bfloat16 one in bfloat16; an explicit
+    dtype is kept, and a generator's "auto" is unchanged. The float16 run's embeddings stay within
+    float16's rounding of sentence-transformers' float32 ones, through the CPU backend's kernels
+    (its linears hand feature-major q/k/v to the encoder attention)."""
+    resolved = EngineArgs(model=str(minilm)).create_engine_config().resolved
+    assert resolved.dtype == torch.float16
+    explicit = EngineArgs(model=str(minilm), dtype="float32").create_engine_config()
+    assert explicit.resolved.dtype == torch.float32
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(minilm, bf16)
+    config = json.loads((bf16 / "config.json").read_text())
+    (bf16 / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    assert EngineArgs(model=str(bf16)).create_engine_config().resolved.dtype == torch.bfloat16
+    generator = EngineArgs(model=str(save_tiny_decoder(tmp_path / "lm", "llama")))
+    assert generator.create_engine_config().resolved.dtype == torch.float32
+    llm = LLM(str(minilm), **{**SMALL, "dtype": "auto"})
+    ours = embeddings(llm, TEXTS)
+    llm.shutdown()
+    assert F.cosine_similarity(ours, st_encode(minilm, TEXTS)).min() >= 0.9999
 
 
 def test_bert_embeddings_on_the_triton_backend_equal_sentence_transformers(minilm: Path) -> None:

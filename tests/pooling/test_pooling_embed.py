@@ -22,7 +22,8 @@ TEXTS = [
     " ".join(f"word{i}" for i in range(60)),  # ~200 tokens: many chunks at a small budget
     "Embeddings map text to vectors.",
 ]
-SMALL = {"num_gpu_blocks_override": 128, "enforce_eager": True}
+# float32, not the pooling default (float16, vLLM's): the tests hold it to float32 references
+SMALL = {"num_gpu_blocks_override": 128, "enforce_eager": True, "dtype": "float32"}
 
 
 def cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,13 @@ QWEN3_RERANKER = {
     "is_original_qwen3_reranker": True,
 }
 # Every prompt is ~90 tokens: in chunks of at most 32, several prompts in one step.
-CHUNKED = {"num_gpu_blocks_override": 64, "max_num_batched_tokens": 32, "max_num_seqs": 4}
+# float32, not the pooling default (float16, vLLM's): the scores are held to float32 logits
+CHUNKED = {
+    "num_gpu_blocks_override": 64,
+    "max_num_batched_tokens": 32,
+    "max_num_seqs": 4,
+    "dtype": "float32",
+}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +108,7 @@ def test_two_ranks_score_as_transformers(reranker: Path, expected_scores: torch.
             hf_overrides=QWEN3_RERANKER,
             tensor_parallel_size=2,
             cpu_kv_cache_space=0.01,
+            dtype="float32",
             max_num_batched_tokens=32,
             max_num_seqs=4,
         )
@@ -115,7 +122,7 @@ def test_single_token_classifier_is_the_sigmoid_of_its_logit(tmp_path: Path) -> 
     path = save_tiny_decoder(tmp_path / "tied", seed=2)
     overrides = {**QWEN3_RERANKER, "classifier_from_token": ["yes"], "method": "no_post_processing"}
     del overrides["is_original_qwen3_reranker"]
-    llm = LLM(str(path), hf_overrides=overrides, num_gpu_blocks_override=64)
+    llm = LLM(str(path), hf_overrides=overrides, num_gpu_blocks_override=64, dtype="float32")
     prompts = [QUERY + d for d in DOCS[:2]]
     probs = torch.tensor([o.outputs.probs for o in llm.classify(prompts, use_tqdm=False)])
     llm.shutdown()

@@ -127,10 +127,12 @@ class CpuBackend(ReferenceBackend):
         meta: AttentionMetadata,  # query_start_loc: each request's rows, its whole prompt
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        if any(x.stride(-1) != 1 for x in (query, key, value)):
-            # Feature-major views (a float16 model's linears run on MKL, whose (W · xᵀ)ᵀ is a
-            # transposed view): the kernel reads rows, the reference's SDPA any strides.
-            return super().attend_encoder(query, key, value, meta, scale)
+        # Feature-major views (a float16 model's linears on a CPU without AVX512-FP16 run on MKL,
+        # whose (W · xᵀ)ᵀ is a transposed view) are copied token-major first: the kernel reads rows, and one copy of
+        # the step's q, k and v costs less than SDPA once per prompt, the reference's way.
+        query, key, value = (
+            x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value)
+        )
         return encoder_attention(query, key, value, meta.query_start_loc, scale)
 
     def attend(
