@@ -52,7 +52,8 @@ from minivllm.model.quantization.gguf.linear import (
     merge_parts,
 )
 from minivllm.model.quantization.gguf.moe import GGUFMoEMethod, moe_parts
-from minivllm.model.quantization.gguf.reader import GGUFReadError, hf_name, hf_tensors, open_gguf
+from minivllm.model.quantization.gguf.reader import GGUFReadError, hf_name, hf_tensors
+from minivllm.model.quantization.gguf.tensor_table import read_tensor_table
 from minivllm.model.weights import check_checkpoint, target_of
 
 logger = logging.getLogger("minivllm")
@@ -68,10 +69,13 @@ def read_tensors(path: Path, config: LlamaConfig) -> tuple[dict[str, torch.Tenso
     """Every tensor the model loads, under HuggingFace names (`hf_tensors`: one per expert, a
     Phi-3 fused tensor as its parts): uint8 blocks [rows, row_bytes] (q/k rows unpermuted) or
     float32 for plain types; and each tensor's GGML type."""
-    reader = open_gguf(path)
+    try:  # the tensor table only: the metadata was read once, when the file was converted
+        table = read_tensor_table(path)
+    except (ValueError, OSError) as exc:
+        raise GGUFReadError(f"cannot read GGUF file {path} (truncated or corrupt?): {exc}") from exc
     tensors: dict[str, torch.Tensor] = {}
     types: dict[str, int] = {}
-    for t in reader.tensors:
+    for t in table:
         if hf_name(t.name, config.architecture) is None:
             continue
         qtype = int(t.tensor_type)
