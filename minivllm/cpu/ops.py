@@ -287,9 +287,9 @@ def gguf_linear(
     return out
 
 
-# The types with an AMX kernel (Q4_K, Q5_K, Q6_K), and the fewest token rows it takes: a tile is
+# The types with an AMX kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), and the fewest token rows it takes: a tile is
 # 16 tokens, and below that the VNNI kernel's in-register tiles cost less than a padded AMX tile.
-GGUF_AMX_TYPES = frozenset({12, 13, 14})
+GGUF_AMX_TYPES = frozenset({2, 3, 6, 7, 12, 13, 14})
 GGUF_AMX_MIN_ROWS = 16
 
 
