@@ -18,8 +18,8 @@
 // token: the two rows' lanes side by side, so that AVX-512 runs tile32's 256-bit float steps for
 // both rows at once, lane for lane on the same operands. Seven of every eight bytes multiplied are
 // zeros; the tiles still do 4x the useful products of VNNI's 32-byte dots, and the float steps
-// (3 a token row per pair, as tile32's) bound the speed. The zeros stay where they are: a
-// thread's buffer is zeroed once and packing writes only the quants' places.
+// (3 a token row per pair, as tile32's) bound the speed. Packing writes each tile row whole, one
+// masked permute of the two rows' quants.
 //
 // Layout. Threads split the weight rows in items of blocks of 16 rows (8 groups of 2 rows); a
 // thread packs an item's blocks once and runs L2-sized panels of x over them (token rows past M
@@ -81,36 +81,46 @@ struct WeightBlock {
   std::vector<uint8_t> q;
   std::vector<float> A, B;
   WeightBlock(int64_t pairs, int64_t nbp)
-      : pairs(pairs), nbp(nbp), q(8 * pairs * 1024, 0), A(8 * pairs * 16), B(8 * nbp * 2) {}
+      : pairs(pairs), nbp(nbp), q(8 * pairs * 1024), A(8 * pairs * 16), B(8 * nbp * 2, 0.0f) {}
 
-  // Rows [0, rows) of packed blocks w (row stride row_bytes); rows past them are zeros.
+  // Rows [0, rows) of packed blocks w (row stride row_bytes); rows past them are zeros. A group's
+  // pair is two 64-byte vectors of quants (rows 2g, 2g + 1, in weight order), and each of the
+  // tile's 16 rows of 64 bytes (dword kd of every column) one masked permute of them: dword kd of
+  // row 2g into column lane_of(kd), of row 2g + 1 into column 8 + lane_of(kd), zeros elsewhere.
   template <class X>
   void pack(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t nb) {
     using Q = typename X::Q;
-    alignas(32) uint8_t qr[64];
-    std::vector<float> Ar(pairs * 8), Br(nbp);  // one row's, in tile32's buffer layout
-    for (int64_t n = 0; n < kRows; ++n) {
-      const int64_t g = n / 2, half = n % 2;
-      std::fill(Ar.begin(), Ar.end(), 0.0f), std::fill(Br.begin(), Br.end(), 0.0f);
+    __m512i idx[16];
+    __mmask16 keep[16];
+    for (int kd = 0; kd < 16; ++kd) {
+      idx[kd] = _mm512_add_epi32(_mm512_set1_epi32(kd), _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16,
+                                                                          16, 16, 16, 16, 16, 16));
+      keep[kd] = __mmask16((1u << lane_of(kd)) | (1u << (8 + lane_of(kd))));
+    }
+    for (int64_t g = 0; g < 8; ++g)
       for (int64_t j = 0; j < pairs; ++j) {
-        for (int64_t i = 0; i < 2; ++i) {  // block 2j + i's quants, or zeros past the row's end
-          const int64_t b = 2 * j + i;
-          if (n < rows && b < nb) {
-            float a;
-            minivllm_gguf_avx2::unpack<X>(w + n * row_bytes + b * Q::kBytes, qr + 32 * i, a, Br[b]);
-            minivllm_gguf_avx2::pair_lanes(Ar.data(), b, a);
-          } else {
-            std::memset(qr + 32 * i, 0, 32);
+        __m512i qv[2];
+        for (int64_t h = 0; h < 2; ++h) {
+          const int64_t n = 2 * g + h;
+          __m256i q[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+          float a[2] = {0.0f, 0.0f}, b[2] = {0.0f, 0.0f};
+          for (int64_t i = 0; i < 2; ++i)
+            if (n < rows && 2 * j + i < nb) {
+              const uint8_t* p = w + n * row_bytes + (2 * j + i) * Q::kBytes;
+              q[i] = X::quants(p), X::scales(p, a[i], b[i]);
+            }
+          qv[h] = _mm512_inserti64x4(_mm512_castsi256_si512(q[0]), q[1], 1);
+          _mm256_storeu_ps(A.data() + (g * pairs + j) * 16 + 8 * h,  // pair_lanes' order
+                           _mm256_setr_ps(a[0], a[0], a[1], a[1], a[0], a[0], a[1], a[1]));
+          for (int64_t i = 0; i < 2; ++i) {
+            const int64_t blk = 2 * j + i;  // zeros past the last block stay as constructed
+            B[(g * (nbp / 8) + blk / 8) * 16 + 8 * h + blk % 8] = b[i];
           }
         }
         uint8_t* tile = q.data() + (g * pairs + j) * 1024;
         for (int kd = 0; kd < 16; ++kd)
-          std::memcpy(tile + (kd * 16 + 8 * half + lane_of(kd)) * 4, qr + 4 * kd, 4);
-        std::memcpy(A.data() + (g * pairs + j) * 16 + 8 * half, Ar.data() + j * 8, 8 * sizeof(float));
+          _mm512_storeu_si512(tile + 64 * kd, _mm512_maskz_permutex2var_epi32(keep[kd], qv[0], idx[kd], qv[1]));
       }
-      for (int64_t b8 = 0; b8 < nbp / 8; ++b8)
-        std::memcpy(B.data() + (g * (nbp / 8) + b8) * 16 + 8 * half, Br.data() + b8 * 8, 8 * sizeof(float));
-    }
   }
 };
 
