@@ -138,9 +138,9 @@ def op_linear(
 # where it is the "float32" product too): the K-quants Q4_K, Q5_K, Q6_K, whose integer code dots
 # each super-block in registers at decode's rows and applies the sub-block scales to int32 sums;
 # Q8_0, whose bytes are dotted where they lie; and Q4_0 and Q4_1 (the bundled SmolLM2), whose
-# blocks are dotted in registers at up to 8 token rows and, from 16, on AMX tiles where the CPU
-# has them (cpu_gguf_amx32.cpp): measured faster end to end than their bf16 dot, one request and
-# 32 at once (docs/performance.md). Q5_0 and Q5_1 keep the float32 tiles (or the bf16 dot).
+# blocks are dotted in registers at up to 8 token rows (`tile32_in_registers`), which measured
+# faster end to end than their bf16 dot (docs/performance.md, "Q4_1 on the 8-bit dot"). Q5_0 and
+# Q5_1 keep the float32 tiles (or the bf16 dot): not measured.
 # cpu_gguf_gemm.cpp's header has the reasoning; benchmarks/gguf_small_m.py times the three dots
 # side by side.
 INT8_BY_DEFAULT = frozenset({2, 3, 8, 12, 13, 14})

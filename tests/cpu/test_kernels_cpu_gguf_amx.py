@@ -1,10 +1,9 @@
-"""The AMX kernels (minivllm/cpu/csrc/cpu_gguf_amx.cpp for the K-quants, cpu_gguf_amx32.cpp for
-Q4_0, Q4_1, Q5_0, Q5_1) against the AVX512-VNNI one, bit for bit.
+"""The K-quants' AMX kernel (minivllm/cpu/csrc/cpu_gguf_amx.cpp) against the AVX512-VNNI one, bit
+for bit.
 
 The AMX tiles sum each scale group's integer products in another order than the VNNI lanes, and
-then run the same float steps on the same whole-super-block integers (the C++ header says why);
-the 32-weight kernel gives each of the VNNI kernel's int32 lanes a tile column of its own and runs
-its float steps lane for lane. So every output must equal the VNNI kernel's exactly (`torch.equal`), at any token count: partial
+then run the same float steps on the same whole-super-block integers (the C++ header says why), so
+every output must equal the VNNI kernel's exactly (`torch.equal`), at any token count: partial
 token tiles (M not a multiple of 16), a partial block of 32 weight rows (N = 37), and on two
 threads, whose workers each configure their own tile registers. Rows computed one at a time (the
 decode path) are the same numbers again: what keeps greedy output the same under batching.
@@ -22,7 +21,6 @@ from minivllm.cpu.build import load_cpu_kernels
 from tests.cpu.test_kernels_cpu_gguf import T, random_blocks
 
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
-BLOCK32 = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
 N = 37
 
 
@@ -55,25 +53,7 @@ def test_amx_rows_equal_the_vnni_kernel_s_bit_for_bit(qtype: T) -> None:
     assert torch.equal(tiles[[0, 50, 99]], alone)
 
 
-@pytest.mark.parametrize("qtype", BLOCK32, ids=lambda t: t.name)
-def test_amx_rows_of_32_weight_blocks_equal_the_vnni_kernel_s_bit_for_bit(qtype: T) -> None:
-    # K = 96: an odd number of blocks (the last pair half zeros) and fewer than 8 (the offsets'
-    # padding); K = 576, SmolLM2's hidden size, 9 pairs (4 accumulator tiles, then 4, then 1).
-    for K in (96, 576):
-        q = torch.from_numpy(random_blocks(qtype, N, K, seed=7))
-        x = torch.randn(100, K, generator=torch.Generator().manual_seed(7))
-        x[3] = 0.0  # an all-zero row: its blocks' scale is 0
-        x[4, :32] *= 1e4  # one block far larger than the others
-        for m in (1, 16, 17, 31, 33, 100):
-            vnni, tiles = vnni_and_amx(x[:m], q, int(qtype))
-            assert torch.equal(tiles, vnni), f"K = {K}, M = {m}"
-    alone = torch.cat(
-        [cpu_ops.gguf_linear(x[i : i + 1], q, int(qtype), "int8") for i in (0, 50, 99)]
-    )
-    assert torch.equal(tiles[[0, 50, 99]], alone)
-
-
-@pytest.mark.parametrize("qtype", [*K_QUANTS, T.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 def test_amx_on_two_threads_in_inference_mode(qtype: T) -> None:
     # Each worker loads its tile configuration (thread state); N = 300 gives each several blocks.
     q = torch.from_numpy(random_blocks(qtype, 300, 512, seed=6))
@@ -95,8 +75,7 @@ def test_the_int8_dot_takes_amx_for_prefill_rows_unless_switched_off(
     rows = cpu_ops.GGUF_AMX_MIN_ROWS
     assert cpu_ops.gguf_amx_applies(rows, int(T.Q4_K))
     assert not cpu_ops.gguf_amx_applies(rows - 1, int(T.Q4_K))  # decode: the in-register tiles
-    assert cpu_ops.gguf_amx_applies(rows, int(T.Q4_1))
-    assert not cpu_ops.gguf_amx_applies(rows, int(T.Q8_0))  # no AMX kernel: its own VNNI one
+    assert not cpu_ops.gguf_amx_applies(rows, int(T.Q4_1))  # no AMX kernel for the 32-weight types
     monkeypatch.setenv("MINIVLLM_CPU_AMX", "0")
     assert not cpu_ops.gguf_amx_applies(rows, int(T.Q4_K))
     monkeypatch.setenv("MINIVLLM_CPU_AMX", "yes")
@@ -106,5 +85,5 @@ def test_the_int8_dot_takes_amx_for_prefill_rows_unless_switched_off(
 
 def test_amx_refuses_a_type_without_a_kernel_by_number() -> None:
     x, q = torch.zeros(16, 64), torch.zeros(4, 40, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="GGML type 8 has no AMX kernel"):
-        torch.ops.minivllm_cpu.gguf_linear_amx(torch.empty(16, 4), x, q, 8)
+    with pytest.raises(RuntimeError, match="GGML type 3 has no AMX kernel"):
+        torch.ops.minivllm_cpu.gguf_linear_amx(torch.empty(16, 4), x, q, 3)

@@ -272,19 +272,13 @@ bool has_amx() {
   return has;
 }
 
-// The 32-weight types' kernel (Q4_0, Q4_1, Q5_0, Q5_1): cpu_gguf_amx32.cpp.
-void linear_amx32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M, int64_t N,
-                  int64_t K, int64_t qtype);
-
 void linear_amx(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M, int64_t N,
                 int64_t K, int64_t qtype) {
   switch (qtype) {
-    case Q4_0::kType: case Q4_1::kType: case Q5_0::kType: case Q5_1::kType:
-      return linear_amx32(out, x, ldx, w, M, N, K, qtype);
     case Q4_K::kType: return linear<minivllm_gguf_avx2::Q4_Kx>(out, x, ldx, w, M, N, K);
     case Q5_K::kType: return linear<minivllm_gguf_avx2::Q5_Kx>(out, x, ldx, w, M, N, K);
     case Q6_K::kType: return linear<minivllm_gguf_avx2::Q6_Kx>(out, x, ldx, w, M, N, K);
-    default: TORCH_CHECK(false, "gguf_linear_amx: GGML type ", qtype, " has no AMX kernel");
+    default: TORCH_CHECK(false, "gguf_linear_amx: GGML type ", qtype, " has no AMX kernel (12, 13, 14)");
   }
 }
 
@@ -302,14 +296,12 @@ bool gguf_has_amx() {
 #endif
 }
 
-// out[M, N] = x[M, K] · Wᵀ on AMX tiles, for the K-quants and the 32-weight types Q4_0 ... Q5_1;
-// equal to gguf_linear_int8's out.
+// out[M, N] = x[M, K] · Wᵀ on AMX tiles, for the K-quants; equal to gguf_linear_int8's out.
 void gguf_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype) {
   const char* op = "minivllm_cpu::gguf_linear_amx";
   TORCH_CHECK(gguf_has_amx(), op, ": this CPU (or this build, or the OS) has no AMX-INT8");
-  TORCH_CHECK((qtype >= 2 && qtype <= 3) || (qtype >= 6 && qtype <= 7) || (qtype >= 12 && qtype <= 14),
-              op, ": GGML type ", qtype,
-              " has no AMX kernel (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 12 Q4_K, 13 Q5_K, 14 Q6_K)");
+  TORCH_CHECK(qtype == 12 || qtype == 13 || qtype == 14, op, ": GGML type ", qtype,
+              " has no AMX kernel (12 Q4_K, 13 Q5_K, 14 Q6_K)");
 #if defined(MINIVLLM_AMX)
   with_type(qtype, op, [&](auto q) {
     using Q = decltype(q);
