@@ -201,16 +201,16 @@ def test_decode_steps_run_the_blocks_in_the_cpp_loop_as_in_the_python_one(
         other = "bf16" if cpu_ops.gguf_has_bf16_dot() else "float32"
         other = "int8" if gguf_dot_env == "int8" else other
         assert dots == {(True, DOT_CODES["int8"]), (False, DOT_CODES[other])}
-        # from 16 rows (the 18 prompts' decode steps) the int8 types with AMX tiles take them
+        # from 16 rows (the 16 prompts' decode steps) the int8 types with AMX tiles take them
         amx = {t for t, d in zip(loop.qtypes, loop.dots) if d == DOT_INT8_AMX}
         int8 = {t for t in loop.qtypes if t in INT8_BY_DEFAULT or gguf_dot_env == "int8"}
         on_amx = cpu_ops.gguf_amx_applies(cpu_ops.GGUF_AMX_MIN_ROWS, 12)
         assert amx == (int8 & cpu_ops.GGUF_AMX_TYPES if on_amx else set())
-    # 18 prompts: decode steps of 18 rows, past GGUF_AMX_MIN_ROWS
-    prompts = [{"prompt_token_ids": (PROMPT * 2)[i : i + 3 + i % 12]} for i in range(18)]
-    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
+    # 16 prompts: decode steps of GGUF_AMX_MIN_ROWS rows, the fewest the AMX tiles take
+    prompts = [{"prompt_token_ids": (PROMPT * 2)[i : i + 3 + i % 12]} for i in range(16)]
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True)
     fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert len(calls) == 7  # one prefill step, then 7 decode steps
+    assert len(calls) == 4  # one prefill step, then 4 decode steps
     llm.llm_engine.runner.decode_loop = None
     python = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in fused] == [o.token_ids for o in python]
