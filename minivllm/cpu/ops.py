@@ -289,6 +289,7 @@ def gguf_linear(
 
 # The types with an AMX kernel (Q4_K, Q5_K, Q6_K), and the fewest token rows it takes: a tile is
 # 16 tokens, and below that the VNNI kernel's in-register tiles cost less than a padded AMX tile.
+# The C++ decode loop takes the same bound (cpu_decode_layers.cpp `kAmxMinRows`).
 GGUF_AMX_TYPES = frozenset({12, 13, 14})
 GGUF_AMX_MIN_ROWS = 16
 
@@ -303,7 +304,8 @@ def gguf_has_amx() -> bool:
 
 def gguf_amx_applies(rows: int, qtype: int) -> bool:
     """Whether `gguf_linear(dot="int8")` runs these `rows` of a `qtype` weight on AMX tiles:
-    prefill-sized calls of the K-quants, where the CPU has AMX and `MINIVLLM_CPU_AMX` is not 0.
+    16 or more rows of the K-quants (prefills, and decode steps of many requests), where the CPU
+    has AMX and `MINIVLLM_CPU_AMX` is not 0.
     The outputs are the AVX512-VNNI kernel's bit for bit either way; only the speed differs."""
     return rows >= GGUF_AMX_MIN_ROWS and qtype in GGUF_AMX_TYPES and cpu_amx() and gguf_has_amx()
 

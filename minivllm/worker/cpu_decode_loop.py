@@ -50,7 +50,7 @@ from minivllm.cpu.op_forwards import (
     gguf_dot,
     gguf_gemm_rows,
 )
-from minivllm.cpu.ops import SKINNY_GEMM_MAX_ROWS
+from minivllm.cpu.ops import GGUF_AMX_MIN_ROWS, SKINNY_GEMM_MAX_ROWS, gguf_amx_applies
 from minivllm.lora.layers import (
     BaseLinearLayerWithLoRA,
 )
@@ -70,8 +70,19 @@ logger = logging.getLogger("minivllm")
 
 
 # A GGUF part's products (`gguf_dot`) as the op numbers them (cpu_decode_layers.cpp `kDot*`): the
-# ops gguf_linear, gguf_linear_bf16, gguf_linear_int8.
+# ops gguf_linear, gguf_linear_bf16, gguf_linear_int8; and "int8" on AMX tiles from
+# GGUF_AMX_MIN_ROWS rows where `gguf_amx_applies` to the type (gguf_linear_amx: the same outputs).
 DOT_CODES = {"float32": 0, "bf16": 1, "int8": 2}
+DOT_INT8_AMX = 3
+
+
+def dot_code(qtype: int) -> int:
+    """The C++ loop's code for a GGUF part of `qtype`: its `gguf_dot`, and the AMX tiles for as
+    many rows as the Python path takes them (`minivllm.cpu.ops.gguf_linear`)."""
+    dot = gguf_dot(qtype)
+    if dot == "int8" and gguf_amx_applies(GGUF_AMX_MIN_ROWS, qtype):
+        return DOT_INT8_AMX
+    return DOT_CODES[dot]
 
 
 # ---------------------------------------------------------------------------------- the weights
@@ -148,7 +159,7 @@ class CpuDecodeLoop:
         self.weights = [w for tensors, _ in slots for w in tensors]
         self.qtypes = [t for _, types in slots for t in types]
         self.parts = [len(tensors) for tensors, _ in slots]
-        self.dots = [DOT_CODES[gguf_dot(t)] if t >= 0 else 0 for t in self.qtypes]
+        self.dots = [dot_code(t) if t >= 0 else 0 for t in self.qtypes]
         # From this many rows a GGUF linear's CPU forward dequantizes and runs one GEMM (opt-in),
         # which the C++ loop does not: such a step stays in Python.
         self.gguf_gemm_rows = gguf_gemm_rows() if any(t >= 0 for t in self.qtypes) else None

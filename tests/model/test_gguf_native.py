@@ -171,14 +171,14 @@ def test_decode_steps_run_the_blocks_in_the_cpp_loop_as_in_the_python_one(
     tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, gguf_dot_env: str
 ) -> None:
     """The C++ decode loop (minivllm/worker/cpu_decode_loop.py) takes a GGUF model's block parts, mixed
-    types included, each with its type's products (auto: the K-quants' 8-bit dots where the CPU
-    has them, the others' bf16 or float32; or int8 for every type), and gives the Python loop's
-    logprobs bit for bit."""
+    types included, each with its type's products (auto: 8-bit dots for `INT8_BY_DEFAULT`'s types
+    where the CPU has them, on AMX tiles from 16 rows where it has those, the others' bf16 or
+    float32; or int8 for every type), and gives the Python loop's logprobs bit for bit."""
     from minivllm.cpu import ops as cpu_ops
     from minivllm.cpu.op_forwards import INT8_BY_DEFAULT
     from minivllm.llm import LLM
     from minivllm.sampling_params import SamplingParams
-    from minivllm.worker.cpu_decode_loop import DOT_CODES, CpuDecodeLoop
+    from minivllm.worker.cpu_decode_loop import DOT_CODES, DOT_INT8_AMX, CpuDecodeLoop
 
     calls = []
     inner = CpuDecodeLoop.__call__
@@ -191,15 +191,26 @@ def test_decode_steps_run_the_blocks_in_the_cpp_loop_as_in_the_python_one(
     llm = LLM(str(tiny_gguf), skip_tokenizer_init=True, num_gpu_blocks_override=32)
     loop = llm.llm_engine.runner.decode_loop
     assert isinstance(loop, CpuDecodeLoop) and max(loop.parts) > 1  # a layer of several types
-    dots = {(t in INT8_BY_DEFAULT, d) for t, d in zip(loop.qtypes, loop.dots) if t >= 0}
-    if cpu_ops.gguf_has_int8_dot():  # the K-quants and Q8_0 take 8-bit dots; the others their own
+    # the AMX tiles count as int8: the same outputs, from GGUF_AMX_MIN_ROWS rows
+    dots = {
+        (t in INT8_BY_DEFAULT, DOT_CODES["int8"] if d == DOT_INT8_AMX else d)
+        for t, d in zip(loop.qtypes, loop.dots)
+        if t >= 0
+    }
+    if cpu_ops.gguf_has_int8_dot():  # INT8_BY_DEFAULT's types take 8-bit dots; the others their own
         other = "bf16" if cpu_ops.gguf_has_bf16_dot() else "float32"
         other = "int8" if gguf_dot_env == "int8" else other
         assert dots == {(True, DOT_CODES["int8"]), (False, DOT_CODES[other])}
-    prompts = [{"prompt_token_ids": PROMPT[:n]} for n in (3, 8, 14)]
-    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True)
+        # from 16 rows (the 16 prompts' decode steps) the int8 types with AMX tiles take them
+        amx = {t for t, d in zip(loop.qtypes, loop.dots) if d == DOT_INT8_AMX}
+        int8 = {t for t in loop.qtypes if t in INT8_BY_DEFAULT or gguf_dot_env == "int8"}
+        on_amx = cpu_ops.gguf_amx_applies(cpu_ops.GGUF_AMX_MIN_ROWS, 12)
+        assert amx == (int8 & cpu_ops.GGUF_AMX_TYPES if on_amx else set())
+    # 16 prompts: decode steps of GGUF_AMX_MIN_ROWS rows, the fewest the AMX tiles take
+    prompts = [{"prompt_token_ids": (PROMPT * 2)[i : i + 3 + i % 12]} for i in range(16)]
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True)
     fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert len(calls) == 7  # one prefill step, then 7 decode steps
+    assert len(calls) == 4  # one prefill step, then 4 decode steps
     llm.llm_engine.runner.decode_loop = None
     python = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in fused] == [o.token_ids for o in python]

@@ -51,8 +51,11 @@ using at::Tensor;
 using CT = const Tensor&;
 
 // A GGUF linear's products (`dots`), as minivllm/worker/cpu_decode_loop.py numbers them: the
-// ops gguf_linear, gguf_linear_bf16 and gguf_linear_int8.
-constexpr int64_t kDotFloat32 = 0, kDotBf16 = 1, kDotInt8 = 2;
+// ops gguf_linear, gguf_linear_bf16 and gguf_linear_int8, and gguf_linear_int8 that takes AMX
+// tiles (gguf_linear_amx, the same outputs) from kAmxMinRows rows, as `gguf_amx_applies` in
+// minivllm/cpu/ops.py picks them (GGUF_AMX_MIN_ROWS there).
+constexpr int64_t kDotFloat32 = 0, kDotBf16 = 1, kDotInt8 = 2, kDotInt8Amx = 3;
+constexpr int64_t kAmxMinRows = 16;
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> find_op(const char* name) {
@@ -82,6 +85,8 @@ struct Kernels {
       find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear_bf16");
   c10::TypedOperatorHandle<void(Tensor&, CT, CT, int64_t)> gguf_linear_int8 =
       find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear_int8");
+  c10::TypedOperatorHandle<void(Tensor&, CT, CT, int64_t)> gguf_linear_amx =
+      find_op<void(Tensor&, CT, CT, int64_t)>("minivllm_cpu::gguf_linear_amx");
   c10::TypedOperatorHandle<void(Tensor&, CT, at::TensorList, at::TensorList, CT, CT)>
       add_lora_linear = find_op<void(Tensor&, CT, at::TensorList, at::TensorList, CT, CT)>(
           "minivllm_cpu::add_lora_linear");
@@ -115,10 +120,13 @@ struct Kernels {
     return out;
   }
 
-  // The GGUF op of a dot kind (`dots`: kDotFloat32, kDotBf16, kDotInt8).
-  const c10::TypedOperatorHandle<void(Tensor&, CT, CT, int64_t)>& gguf_op(int64_t dot) const {
-    TORCH_CHECK(dot >= kDotFloat32 && dot <= kDotInt8, "minivllm_cpu::decode_layers: dot kind ",
-                dot, " is none of 0 (float32), 1 (bf16), 2 (int8)");
+  // The GGUF op of a dot kind (`dots`: kDotFloat32, kDotBf16, kDotInt8, kDotInt8Amx) for `rows`.
+  const c10::TypedOperatorHandle<void(Tensor&, CT, CT, int64_t)>& gguf_op(int64_t dot,
+                                                                         int64_t rows) const {
+    TORCH_CHECK(dot >= kDotFloat32 && dot <= kDotInt8Amx, "minivllm_cpu::decode_layers: dot kind ",
+                dot, " is none of 0 (float32), 1 (bf16), 2 (int8), 3 (int8, AMX from ",
+                kAmxMinRows, " rows)");
+    if (dot == kDotInt8Amx) return rows >= kAmxMinRows ? gguf_linear_amx : gguf_linear_int8;
     return dot == kDotBf16 ? gguf_linear_bf16 : dot == kDotInt8 ? gguf_linear_int8 : gguf_linear;
   }
 
@@ -133,7 +141,7 @@ struct Kernels {
     std::vector<Tensor> outs;
     for (int64_t i = 0; i < n; ++i) {
       Tensor out = at::empty({x.size(0), w[i].size(0)}, xf.options());  // [T, rows of part i]
-      gguf_op(dots[i]).call(out, xf, w[i], qtypes[i]);
+      gguf_op(dots[i], x.size(0)).call(out, xf, w[i], qtypes[i]);
       outs.push_back(std::move(out));
     }
     Tensor y = n == 1 ? outs[0] : at::cat(outs, 1);

@@ -26,11 +26,10 @@
 // batch around it. There the K-quants (Q4_K, Q5_K, Q6_K) take it by default, in the Python path
 // and the C++ decode loop alike (minivllm/cpu/op_forwards.py `gguf_dot`): at decode's rows each
 // super-block is dotted in registers, its sub-block scales applied to int32 sums, not to every
-// weight. So is Q8_0, whose bytes need no unpacking (dotted where they lie, at every M). The other
-// 32-weight types (Q4_0 ... Q5_1) keep the float32 tiles here (or the bf16 dot): their int8 code
-// unpacks each group of weight rows into a buffer first, which decode's few token rows do not
-// repay, where the float32 tiles unpack in registers. benchmarks/gguf_small_m.py times the three
-// dots side by side; MINIVLLM_CPU_GGUF_DOT=float32|bf16|int8 forces one kind for every type.
+// weight. So is Q8_0, whose bytes need no unpacking (dotted where they lie, at every M), and so
+// are Q4_0 and Q4_1, whose block pairs are dotted in registers at decode's few rows (measured
+// faster than their bf16 dot, docs/performance.md). Q5_0 and Q5_1 keep the float32 tiles here (or
+// the bf16 dot). benchmarks/gguf_small_m.py times the three dots side by side; MINIVLLM_CPU_GGUF_DOT=float32|bf16|int8 forces one kind for every type.
 //
 // The block formats (their layouts, dequantization and unpacking) are in cpu_gguf_blocks.h.
 //
