@@ -40,9 +40,10 @@
 // instruction (`dot4`: vpdpbusd; `dot32`: maddubs then vpdpwssd) that gives the int32 lanes of
 // AVX2's maddubs/madd pair, exactly: maddubs's int16 pair sums cannot saturate for these quants,
 // so the outputs equal the AVX2 build's for the same x and weights. The K-quants' in-register
-// tiles dot two 32-byte chunks an instruction there (512 bits, `dot512`) and hold all 8 decode
-// tokens at once (32 registers), but fold each super-block's lanes back to AVX2's 8 before the
-// float steps, which stay 256 bits wide: the same outputs. Q8_0 on VNNI has a kernel of its own
+// tiles dot two 32-byte chunks an instruction there (512 bits, `dot512`), but fold each
+// super-block's lanes back to AVX2's 8 before the float steps (cpu_gguf_kfloat_avx2.h), which
+// stay 256 bits wide: the same outputs. On both, the K-quants' in-register tile holds all 8
+// decode tokens at once. Q8_0 on VNNI has a kernel of its own
 // (`linearQ8_0`: its bytes dotted where they lie, at every M), whose float steps are its own, so
 // its outputs differ from the AVX2 build's within the bound below (and are batch-invariant).
 // tests/cpu/test_kernels_cpu_gguf.py holds this to a numpy model of the same integer scheme and
