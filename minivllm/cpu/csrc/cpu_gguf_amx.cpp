@@ -6,7 +6,7 @@
 // (cpu_gguf_kfloat_avx2.h `KSums`):
 //   S = Σ_g sc_g · Σ_{k in g} q_k · xq_k     M = Σ_j mn_j · bsums_j     (whole integers)
 //   p = fma(S, d · dx, p); p = fma(-M, dmin · dx, p)     (Q6_K: fma(S - M, d · dx, p))
-// into partial p = s mod 8 of the output, and the 8 partials' fixed tree at the end
+// into the output's partial p number s mod 8, and the 8 partials' fixed tree at the end
 // (cpu_gguf_kfloat_avx2.h).
 // An integer sum is the same in any order, so AMX's TDPBSUD / TDPBSSD (16 tokens x 16 weight rows
 // x 64 bytes an instruction, int32 sums) may compute S for a whole tile of tokens and rows at once;
