@@ -96,6 +96,7 @@ HEADERS = tuple(
     for name in (
         "cpu_gguf_blocks.h",
         "cpu_gguf_kquant_avx2.h",
+        "cpu_gguf_kfloat_avx2.h",
         "cpu_gguf_xq_avx2.h",
         "cpu_gguf_tile_avx2.h",
         "cpu_gguf_block32_avx2.h",

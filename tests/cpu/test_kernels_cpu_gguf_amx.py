@@ -40,8 +40,9 @@ def vnni_and_amx(x: torch.Tensor, q: torch.Tensor, qtype: int) -> tuple[torch.Te
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 def test_amx_rows_equal_the_vnni_kernel_s_bit_for_bit(qtype: T) -> None:
-    q = torch.from_numpy(random_blocks(qtype, N, 768, seed=5))
-    x = torch.randn(100, 768, generator=torch.Generator().manual_seed(5))
+    # 11 super-blocks a row: the 8 float partials wrap around and the last group is partial
+    q = torch.from_numpy(random_blocks(qtype, N, 2816, seed=5))
+    x = torch.randn(100, 2816, generator=torch.Generator().manual_seed(5))
     x[3] = 0.0  # an all-zero row: its blocks' scale is 0
     x[4, :256] *= 1e4  # one block far larger than the others
     for m in (1, 16, 17, 31, 33, 100):

@@ -3,9 +3,11 @@
 //
 // Why it can be exact. The int8 product rounds x to 8-bit blocks (cpu_gguf_xq_avx2.h, the same
 // code here) and, per super-block of 256 weights, sums integer products before any float step
-// (cpu_gguf_kquant_avx2.h `accumulate`):
+// (cpu_gguf_kfloat_avx2.h `KSums`):
 //   S = Σ_g sc_g · Σ_{k in g} q_k · xq_k     M = Σ_j mn_j · bsums_j     (whole integers)
-//   acc = fma(S, d · dx, acc); acc = fma(-M, dmin · dx, acc)     (Q6_K: fma(S - M, d · dx, acc))
+//   p = fma(S, d · dx, p); p = fma(-M, dmin · dx, p)     (Q6_K: fma(S - M, d · dx, p))
+// into the output's partial p number s mod 8, and the 8 partials' fixed tree at the end
+// (cpu_gguf_kfloat_avx2.h).
 // An integer sum is the same in any order, so AMX's TDPBSUD / TDPBSSD (16 tokens x 16 weight rows
 // x 64 bytes an instruction, int32 sums) may compute S for a whole tile of tokens and rows at once;
 // AVX-512 then adds the mins (vpdpwssd) and runs the same float steps, in the same super-block
@@ -54,6 +56,7 @@ namespace {
 
 using minivllm_gguf_avx2::KBlock;
 using minivllm_gguf_avx2::Tokens;
+using minivllm_gguf_avx2::partials_tree;
 
 // LDTILECFG's 64 bytes: palette 1, then each tile's bytes per row and rows.
 struct TileConfig {
@@ -155,9 +158,10 @@ void tile(const WeightBlock<X>& w, int64_t rows, const Tokens& x, const int32_t*
           int64_t tokens, int64_t ns, float* out, int64_t ldo) {
   const int64_t K = x.K;
   alignas(64) int32_t D[2][4][16][16];  // [weight rows / 16][part][token][weight row]
-  __m512 acc[2][16];
+  __m512 acc[2][16][8];  // [weight rows / 16][token][partial s mod 8] (cpu_gguf_kfloat_avx2.h)
   for (int h = 0; h < 2; ++h)
-    for (int t = 0; t < 16; ++t) acc[h][t] = _mm512_setzero_ps();
+    for (int t = 0; t < 16; ++t)
+      for (int l = 0; l < 8; ++l) acc[h][t][l] = _mm512_setzero_ps();
   for (int64_t s = 0; s < ns; ++s) {
     const int8_t* xs = x.xq.data() + m0 * K + 256 * s;
     if (Amx<X>::kParts == 2) {  // Q4_K, Q5_K: tiles 2 p + h, both halves against each x tile
@@ -193,7 +197,7 @@ void tile(const WeightBlock<X>& w, int64_t rows, const Tokens& x, const int32_t*
         _tile_stored(2, D[h][2], 64); _tile_stored(3, D[h][3], 64);
       }
     }
-    // S per token and weight row, then the float steps of `accumulate`, 16 weight rows a vector
+    // S per token and weight row, then the float steps of `KSums`, 16 weight rows a vector
     for (int h = 0; h < 2; ++h) {
       const __m512 dv = _mm512_loadu_ps(w.d.data() + (s * 2 + h) * 16);
       const __m512 dminv = _mm512_loadu_ps(w.dmin.data() + (s * 2 + h) * 16);
@@ -204,21 +208,23 @@ void tile(const WeightBlock<X>& w, int64_t rows, const Tokens& x, const int32_t*
         for (int p = 1; p < Amx<X>::kParts; ++p)
           S = _mm512_add_epi32(S, _mm512_slli_epi32(_mm512_load_si512(D[h][p][t]), Amx<X>::kBits * p));
         const __m512 dx = _mm512_set1_ps(x.dx[(m0 + t) * ns + s]);
-        acc[h][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(dv, dx), acc[h][t]);
+        __m512& p = acc[h][t][s % 8];
+        p = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(dv, dx), p);
         if (!X::kFoldMins) {
           __m512i M = _mm512_setzero_si512();
           for (int i = 0; i < 4; ++i)
             M = _mm512_dpwssd_epi32(M, _mm512_set1_epi32(bx[((m0 + t) * ns + s) * 4 + i]), mn[i]);
-          acc[h][t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(M), _mm512_mul_ps(dminv, dx), acc[h][t]);
+          p = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(M), _mm512_mul_ps(dminv, dx), p);
         }
       }
     }
   }
   const __mmask16 lo = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
   const __mmask16 hi = rows >= 32 ? __mmask16(0xFFFF) : rows <= 16 ? 0 : __mmask16((1u << (rows - 16)) - 1);
+  const auto add = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
   for (int64_t t = 0; t < tokens; ++t) {
-    _mm512_mask_storeu_ps(out + t * ldo, lo, acc[0][t]);
-    _mm512_mask_storeu_ps(out + t * ldo + 16, hi, acc[1][t]);
+    _mm512_mask_storeu_ps(out + t * ldo, lo, partials_tree(acc[0][t], add));
+    _mm512_mask_storeu_ps(out + t * ldo + 16, hi, partials_tree(acc[1][t], add));
   }
 }
 

@@ -40,9 +40,10 @@
 // instruction (`dot4`: vpdpbusd; `dot32`: maddubs then vpdpwssd) that gives the int32 lanes of
 // AVX2's maddubs/madd pair, exactly: maddubs's int16 pair sums cannot saturate for these quants,
 // so the outputs equal the AVX2 build's for the same x and weights. The K-quants' in-register
-// tiles dot two 32-byte chunks an instruction there (512 bits, `dot512`) and hold all 8 decode
-// tokens at once (32 registers), but fold each super-block's lanes back to AVX2's 8 before the
-// float steps, which stay 256 bits wide: the same outputs. Q8_0 on VNNI has a kernel of its own
+// tiles dot two 32-byte chunks an instruction there (512 bits, `dot512`), but fold each
+// super-block's lanes back to AVX2's 8 before the float steps (cpu_gguf_kfloat_avx2.h), which
+// stay 256 bits wide: the same outputs. On both, the K-quants' in-register tile holds all 8
+// decode tokens at once. Q8_0 on VNNI has a kernel of its own
 // (`linearQ8_0`: its bytes dotted where they lie, at every M), whose float steps are its own, so
 // its outputs differ from the AVX2 build's within the bound below (and are batch-invariant).
 // tests/cpu/test_kernels_cpu_gguf.py holds this to a numpy model of the same integer scheme and
@@ -83,8 +84,7 @@ void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64
   const int8_t* xq = x.xq.data() + t0 * K;
   const float* dx = x.dx.data() + t0 * ns;
   const int16_t* bsums = x.bsums.data() + t0 * ns * 16;
-  __m256 acc[R];  // token t in lane t
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  KSums<X, T> acc[R];
   for (int64_t s = 0; s < ns; ++s) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -103,14 +103,10 @@ void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64
         }
       }
       const KScales k{load32(w.mn + rs * 16), w.d[rs], w.dmin[rs]};
-      acc[r] = accumulate<X, T>(acc[r], sumi, k, bsums + s * 16, ns * 16, dx + s, ns);
+      acc[r].add(s, ns, sumi, k, bsums + s * 16, ns * 16, dx + s, ns);
     }
   }
-  for (int r = 0; r < rows; ++r) {
-    alignas(32) float o[8];
-    _mm256_store_ps(o, acc[r]);
-    for (int t = 0; t < T; ++t) out[t * ldo + r] = o[t];
-  }
+  for (int r = 0; r < rows; ++r) acc[r].finish(out + r, ldo);
 }
 
 
@@ -127,7 +123,7 @@ void tileK_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, const
   const int16_t* bsums = x.bsums.data() + t0 * ns * 16;
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* wr = w + r * row_bytes;
-    __m256 acc = _mm256_setzero_ps();  // token t in lane t
+    KSums<X, T> acc;
     for (int64_t s = 0; s < ns; ++s) {
       prefetch_ahead<X::Q::kBytes>(wr + s * X::Q::kBytes);
       __m256i sumi[T];
@@ -137,11 +133,9 @@ void tileK_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, const
 #else
       const KScales k = X::template dot<T>(wr + s * X::Q::kBytes, xq + 256 * s, K, sumi);
 #endif
-      acc = accumulate<X, T>(acc, sumi, k, bsums + s * 16, ns * 16, dx + s, ns);
+      acc.add(s, ns, sumi, k, bsums + s * 16, ns * 16, dx + s, ns);
     }
-    alignas(32) float o[8];
-    _mm256_store_ps(o, acc);
-    for (int t = 0; t < T; ++t) out[t * ldo + r] = o[t];
+    acc.finish(out + r, ldo);
   }
 }
 
@@ -154,30 +148,30 @@ constexpr int64_t kGroupBytes = 128 * 1024;  // a thread's unpacked rows (1 to 2
 // rereading the unpacked rows. Work items of kInRegisterRows rows, whose packed bytes stay in L2
 // while each token tile rereads them.
 constexpr int64_t kInRegisterTokens = 8, kInRegisterRows = 16;
-// Tokens per in-register tile: AVX-512's 32 vector registers hold all 8 tokens' sums, so that
-// each super-block is unpacked once a step; AVX2's 16 hold 4.
+// Tokens per in-register tile of the 32-weight types: AVX-512's 32 vector registers hold all 8
+// tokens' sums, so that each block is unpacked once a step; AVX2's 16 hold 4. The K-quants' tile
+// holds 8 tokens on AVX2 too (kInRegisterTileK): 8 int32 sums, a 32-byte chunk's two unpacked
+// halves and their two scale vectors fit 16 registers, x is a memory operand of each dot, and
+// each super-block is unpacked once a step instead of once per 4 tokens.
 #if defined(MINIVLLM_INT8_VNNI)
 constexpr int kInRegisterTile = 8;
 #else
 constexpr int kInRegisterTile = 4;
 #endif
+constexpr int kInRegisterTileK = 8;
 
-// f(integral_constant<T>) for the next in-register tile's token count T = min(n, kInRegisterTile).
-template <class F>
+// f(integral_constant<T>) for the next in-register tile's token count T = min(n, kMax).
+template <int kMax, class F>
 void with_tile_tokens(int64_t n, F&& f) {
-  switch (std::min<int64_t>(kInRegisterTile, n)) {
+  switch (std::min<int64_t>(kMax, n)) {
     case 1: return f(std::integral_constant<int, 1>{});
     case 2: return f(std::integral_constant<int, 2>{});
     case 3: return f(std::integral_constant<int, 3>{});
-#if defined(MINIVLLM_INT8_VNNI)
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, 8>{});
-#else
-    default: return f(std::integral_constant<int, 4>{});
-#endif
+    case 4: return f(std::integral_constant<int, 4 <= kMax ? 4 : 1>{});
+    case 5: return f(std::integral_constant<int, 5 <= kMax ? 5 : 1>{});
+    case 6: return f(std::integral_constant<int, 6 <= kMax ? 6 : 1>{});
+    case 7: return f(std::integral_constant<int, 7 <= kMax ? 7 : 1>{});
+    default: return f(std::integral_constant<int, kMax>{});
   }
 }
 
@@ -233,7 +227,7 @@ void linear32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t
       for (int64_t n0 = begin * kInRegisterRows; n0 < std::min(N, end * kInRegisterRows); n0 += kInRegisterRows) {
         const int64_t rows = std::min(kInRegisterRows, N - n0);
         for (int64_t t0 = 0; t0 < M; t0 += kInRegisterTile)
-          with_tile_tokens(M - t0, [&](auto t_) {
+          with_tile_tokens<kInRegisterTile>(M - t0, [&](auto t_) {
             rows32_in_registers<X, decltype(t_)::value>(w + n0 * row_bytes, row_bytes, rows, tok, t0,
                                                         out + t0 * N + n0, N, Bs.data());
           });
@@ -276,8 +270,8 @@ void linearK(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t 
     at::parallel_for(0, (N + kInRegisterRows - 1) / kInRegisterRows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t n0 = begin * kInRegisterRows; n0 < std::min(N, end * kInRegisterRows); n0 += kInRegisterRows) {
         const int64_t rows = std::min(kInRegisterRows, N - n0);
-        for (int64_t t0 = 0; t0 < M; t0 += kInRegisterTile)
-          with_tile_tokens(M - t0, [&](auto t_) {
+        for (int64_t t0 = 0; t0 < M; t0 += kInRegisterTileK)
+          with_tile_tokens<kInRegisterTileK>(M - t0, [&](auto t_) {
             tileK_in_registers<X, decltype(t_)::value>(w + n0 * row_bytes, row_bytes, rows, tok, t0,
                                                        out + t0 * N + n0, N);
           });

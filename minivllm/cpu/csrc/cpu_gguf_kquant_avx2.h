@@ -11,8 +11,8 @@
 // Both give the same int32 lanes: lane i of a 32-weight chunk's `madd(maddubs(q, xq), scale)` is
 // the sum of weights 4i..4i+3's products, whichever way q was made, and integer sums are exact in
 // any order. Both tiles then end each super-block with the same float operations on the lanes'
-// whole-super-block totals (`accumulate`), so a token's output is bit for bit the same whichever
-// tile ran it: batch-invariant.
+// whole-super-block totals (cpu_gguf_kfloat_avx2.h's `KSums`), so a token's output is bit for bit
+// the same whichever tile ran it: batch-invariant.
 //
 // Per super-block of 256 weights, with xq x's 8-bit quants, dx its scale and bsums[16] the sums of
 // each 16 of xq (cpu_gguf_gemm_avx2.cpp's `quantize_tokens`):
@@ -25,6 +25,7 @@
 #pragma once
 
 #include "cpu_gguf_blocks.h"
+#include "cpu_gguf_kfloat_avx2.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -38,62 +39,12 @@ inline float half(const uint8_t* p) {
   std::memcpy(&bits, p, 2);
   return _cvtsh_ss(bits);
 }
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline void store32(uint8_t* dst, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v); }
 // A shuffle control that copies 16-bit element e of each 128-bit half into all 8 of its lanes.
 inline __m256i pick16(int e) { return _mm256_set1_epi16(short(((2 * e + 1) << 8) | (2 * e))); }
 inline __m256i pick16(int e_low, int e_high) {  // element e_low in the low half, e_high in the high
   return _mm256_setr_m128i(_mm_set1_epi16(short(((2 * e_low + 1) << 8) | (2 * e_low))),
                            _mm_set1_epi16(short(((2 * e_high + 1) << 8) | (2 * e_high))));
-}
-
-// A super-block's min coefficients (mn_j, 16 int16) and float scales.
-struct KScales {
-  __m256i mn;
-  float d, dmin;
-};
-
-// One super-block of one row into one token's output, from its 8 int32 lanes `sumi`:
-//   S = Σ lanes sumi,  M = Σ_j mn_j · bsums_j   (integers, exact in any order)
-//   acc = fma(S, d · dx, acc);  acc = fma(-M, dmin · dx, acc)
-// or, for Q6_K (kFoldMins: dmin = d), acc = fma(S - M, d · dx, acc); several tokens at once, one
-// a float lane. The only float arithmetic of
-// a K-quant output, and per super-block on whole integers: whichever way the integers were summed
-// (AVX2's or VNNI's lanes, either tile, or AMX's tiles in cpu_gguf_amx.cpp, which do these same
-// float steps), a token's output is bit for bit the same.
-// Lane t of the result: the sum of v[t]'s 8 int32 lanes, t < T (integers: exact in any order).
-// One token: its sum in lane 0; up to 4: lanes 0..3; up to 8: all.
-template <int T>
-inline __m256i lane_totals(const __m256i (&v)[8]) {
-  if (T == 1) {
-    const __m256i h = _mm256_hadd_epi32(v[0], v[0]);
-    const __m128i q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-    return _mm256_castsi128_si256(_mm_hadd_epi32(q, q));
-  }
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  if (T <= 4) return _mm256_castsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)));
-  const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
-}
-// `accumulate` for T <= 8 tokens at once, token t in lane t of acc: sumi[t] their lanes, bsums
-// and dx token t's at bsums + t · bstride and dx[t · dstride]. A token's float steps are the
-// same in any lane, so cpu_gguf_amx.cpp may run them 16 weight rows a vector instead.
-template <class X, int T>
-inline __m256 accumulate(__m256 acc, const __m256i (&sumi)[T], const KScales& k, const int16_t* bsums,
-                         int64_t bstride, const float* dx, int64_t dstride) {
-  __m256i sv[8], mv[8];
-  alignas(32) float dxs[8] = {};
-  for (int t = 0; t < 8; ++t) {
-    sv[t] = t < T ? sumi[t] : _mm256_setzero_si256();
-    mv[t] = t < T ? _mm256_madd_epi16(load32(bsums + t * bstride), k.mn) : _mm256_setzero_si256();
-    if (t < T) dxs[t] = dx[t * dstride];
-  }
-  const __m256i S = lane_totals<T>(sv), M = lane_totals<T>(mv);
-  const __m256 dxv = _mm256_load_ps(dxs);
-  if (X::kFoldMins)
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(S, M)), _mm256_mul_ps(_mm256_set1_ps(k.d), dxv), acc);
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(_mm256_set1_ps(k.d), dxv), acc);
-  return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(M), _mm256_mul_ps(_mm256_set1_ps(k.dmin), dxv), acc);
 }
 
 // sumi += madd(maddubs(q, x), sc): 32 products of unsigned q and signed x, weighted pairwise by
@@ -119,7 +70,7 @@ inline __m256i dot4(__m256i q, __m256i x) {
 // The same dots 512 bits wide, two 32-byte chunks an instruction (`dot64`). Chunk pairs put one
 // chunk in each 256-bit half, so `fold`, the halves' int32 lanes added, gives the lanes that the
 // two chunks' 256-bit dots sum to: integers, exact in any order, so the float steps after them
-// (`accumulate`) see AVX2's lanes.
+// (`KSums`) see AVX2's lanes.
 inline __m512i load64(const void* p) { return _mm512_loadu_si512(p); }
 // Both 256-bit halves the 32 bytes at p: one broadcast load, which each half then unpacks its way.
 inline __m512i twice32(const void* p) { return _mm512_broadcast_i64x4(load32(p)); }
