@@ -394,9 +394,10 @@ def loaded_level() -> IsaLevel:
 def main(argv: list[str] | None = None) -> None:
     """`python -m minivllm.cpu.build [LEVEL ...]`: compile the library of each level now (default:
     the level this process would run and every lower one `make test` runs the kernel tests at),
-    each in a process of its own, since a process loads one library. `make install` compiles the
-    selected level while pip installs the rest, `make test` the lower ones beside mypy, so that no
-    test waits for a compiler."""
+    each in a process of its own, since a process loads one library, and all at once: a build's
+    compiles wait on its precompiled header and its longest source, and the others' fill the
+    cores meanwhile. `make install` compiles the selected level while pip installs the rest, and
+    under `make test` every level, so that no test waits for a compiler."""
     parser = argparse.ArgumentParser(prog="python -m minivllm.cpu.build", description=main.__doc__)
     parser.add_argument("levels", nargs="*", help="level names (minivllm/cpu/isa.py)")
     parser.add_argument(
@@ -406,14 +407,17 @@ def main(argv: list[str] | None = None) -> None:
     levels = [level_named(n) for n in args.levels] or [selected_level()]
     if not args.levels and not args.selected_only:
         levels += lower_builds()
-    for level in levels:
-        if level.build is None:
-            continue
-        code = "from minivllm.cpu.build import load_cpu_kernels; load_cpu_kernels()"
-        env = {**os.environ, ENV_VAR: level.name}
-        done = subprocess.run([sys.executable, "-c", code], env=env, check=False)
-        if done.returncode != 0:  # the failure is remembered; the tests fall back and say why
-            print(f"the CPU kernels for {level.name} did not build; see the lines above")
+    code = "from minivllm.cpu.build import load_cpu_kernels; load_cpu_kernels()"
+    builds = {
+        level.name: subprocess.Popen(
+            [sys.executable, "-c", code], env={**os.environ, ENV_VAR: level.name}
+        )
+        for level in levels
+        if level.build is not None
+    }
+    for name, process in builds.items():
+        if process.wait() != 0:  # the failure is remembered; the tests fall back and say why
+            print(f"the CPU kernels for {name} did not build; see the lines above")
 
 
 if __name__ == "__main__":
