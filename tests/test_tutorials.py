@@ -266,7 +266,13 @@ def test_10_beams_share_blocks_fork_copy_and_prune(tmp_path: Path) -> None:
     assert re.search(r"beam +\d+: \[\d+\*4", out)  # a block shared by all four beams
     assert number(r"copy-on-write copies: (\d+)", out) > 0
     assert len(re.findall(r"^  +-?[\d.]+  '", out, re.M)) == 4  # four beams, with scores
-    assert re.search(r"a dip to one block: all 4 survivors of step \d+ extend the same parent", out)
+    # A dip to one block happens or not with the model's logits (the CPU's dot product): the
+    # tutorial says which, with the step.
+    assert re.search(
+        r"a dip to one block: all 4 survivors of step \d+ extend the same parent"
+        r"|no dip to one block in this run: the fewest blocks .* were \d+, at step \d+",
+        out,
+    )
     picture = re.search(r"^picture: (.*)$", out, re.M)[1]
     assert Path(picture).is_absolute()  # a path the reader can open from anywhere
     assert_ends_with_a_picture_and_an_exercise(out, tmp_path / "10_beam_blocks.png")

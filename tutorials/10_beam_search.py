@@ -58,6 +58,7 @@ engine.add_request("beams", prompt, BeamSearchParams(WIDTH, max_tokens=MAX_TOKEN
 held, separate = [], []
 result = None
 step = 0
+dipped = False
 while engine.has_unfinished_requests():
     outputs = engine.step()
     step += 1
@@ -69,6 +70,7 @@ while engine.has_unfinished_requests():
         print(f"step {step}: {held[-1]} blocks held, {separate[-1]} if every beam had its own copy")
         print(block_map() or "    (search over: every block freed)")
     if dip:
+        dipped = True
         print(
             f"    a dip to one block: all {WIDTH} survivors of step {step} extend the same parent "
             "beam.\n    The other parents were pruned and their blocks freed; the survivors are "
@@ -78,6 +80,13 @@ while engine.has_unfinished_requests():
     result = next((o for o in outputs if o.finished), result)
 
 assert result is not None
+if not dipped:  # whether all survivors ever share one parent so early depends on the logits
+    fewest = min(held[1:])
+    print(
+        f"no dip to one block in this run: the fewest blocks the beams held after step 1 were "
+        f"{fewest}, at step {held.index(fewest, 1) + 1}\n    (their histories had split into "
+        "different parents before they left the first block)"
+    )
 print(f"\nthe {WIDTH} beams, best first (score = mean log-probability per token):")
 n_prompt = len(result.prompt_token_ids)
 for c in result.outputs:

@@ -1,7 +1,7 @@
 """A GGUF file's tensor table, read without building its metadata: what every load needs.
 
 A GGUF file is a header, key-value metadata, a table of tensor infos (name, shape, GGML type,
-offset) and the aligned tensor data (llama.cpp's docs/gguf.md). The `gguf` library's
+offset) and the aligned tensor data (the GGUF specification, in ggml's repository). The `gguf` library's
 `GGUFReader` turns every metadata value into numpy views, one per element of an array: for a
 tokenizer of 49,152 tokens that is some 150,000 small views, made on every load although a load
 reads only the tensors (the metadata is read once per file, when minivllm converts the file's
