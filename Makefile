@@ -60,18 +60,26 @@ PYTEST_ARGS ?= -n auto --dist loadfile --no-loadscope-reorder
 # machine avx2 and generic, each with PyTorch's and oneDNN's kernels held to it too), so the code
 # an AVX2 or ARM user runs is built and tested here. ISA_PASSES=none skips them. Those passes
 # collect only the test files that name the marker (ISA_TEST_FILES), not all ~200: collecting the
-# rest, only to deselect them, cost each worker ~6 s a pass.
+# rest, only to deselect them, cost each worker ~6 s a pass. The passes run at once, one worker
+# each (ISA_WORKERS), each printing when it ends: two one-worker passes share the cores without
+# the idle tail each two-worker pass had behind its longest file.
 ISA_PASSES ?= auto
+ISA_WORKERS ?= -n 1
 ISA_TEST_FILES = $(shell grep -rlw --include='test_*.py' cpu_isa tests)
 unit: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	@passes="$(ISA_PASSES)"; \
 	if [ "$$passes" = auto ]; then passes=$$($(PY) -m minivllm.cpu.isa --test-passes | tr ' ' ','); fi; \
 	if [ "$$passes" = none ]; then passes=; fi; \
-	for pass in $$passes; do \
-		echo "== cpu_isa tests at $$pass" | tr ',' ' '; \
-		env $$(echo $$pass | tr ',' ' ') $(PY) -m pytest -q $(PYTEST_ARGS) -m cpu_isa $(ISA_TEST_FILES) || exit 1; \
-	done
+	runs=; for pass in $$passes; do \
+		log=$$(mktemp); \
+		( echo "== cpu_isa tests at $$pass" | tr ',' ' '; \
+		  env $$(echo $$pass | tr ',' ' ') $(PY) -m pytest -q $(PYTEST_ARGS) $(ISA_WORKERS) \
+			-m cpu_isa $(ISA_TEST_FILES) ) > $$log 2>&1 & runs="$$runs $$!:$$log"; \
+	done; \
+	status=0; for run in $$runs; do \
+		wait $${run%%:*} || status=1; cat $${run#*:}; rm -f $${run#*:}; \
+	done; exit $$status
 
 docs: install
 	$(VENV)/bin/mkdocs build --strict --site-dir site
@@ -88,11 +96,13 @@ docs-serve: install
 kernels: install
 	$(PY) -m minivllm.cpu.build
 
-# The docs build needs nothing the tests make: it fills whichever core lint or kernels leaves first.
+# The kernels are checked built (and the docs built) before any test runs; then the linters run
+# beside the tests: mypy, the longest, keeps one core busy for most of a minute, and the tests
+# fill the other. A lint failure fails `make test` all the same.
 test: KERNEL_LEVELS =
 test: install
-	$(MAKE) --no-print-directory -j2 lint kernels docs
-	$(MAKE) --no-print-directory unit
+	$(MAKE) --no-print-directory -j2 kernels docs
+	$(MAKE) --no-print-directory -j2 lint unit
 
 serve: install
 	$(VENV)/bin/minivllm serve $(MODEL) $(SERVE_ARGS)
