@@ -16,13 +16,10 @@ Gemmas 3 (2 + 1).
 
 Every family's model and transformers' tokens are made once for the module, for six prompts
 through a KV pool small enough to preempt, with chunked prefill and shared prefixes
-(SMALL_ENGINE of tests/model/test_model_families.py). Spawned, 2 x 2 ranks: every family runs the
-first two, Gemma 2 all six. Under torchrun, 2 x 2 ranks: every family (and Llama's class, as
-Mistral) runs all six, then Llama's class over 4 tensor-parallel ranks. Two stages of one rank
-each are not run again here: 2 x 2 ranks run every part of them (the split, the stages' sends,
-the last stage's output to the driver), and the stages alone, spawned, are held to one process
-on Llama's class (tests/distributed/test_pipeline_parallel.py) and on SmolLM2
-(tests/distributed/test_multinode.py). The tokens are held to transformers', not
+(SMALL_ENGINE of tests/model/test_model_families.py). Spawned, two stages of one rank and of two
+tensor-parallel ranks each: every family runs the first two, Gemma 2 all six. Under torchrun,
+2 x 2 ranks: every family (and Llama's class, as Mistral) runs all six, then Llama's class over 4
+tensor-parallel ranks. The tokens are held to transformers', not
 to a single-process run: tests/model/test_model_families.py and test_model_gemma.py hold the
 single-process engine to transformers on the same tiny models under the same kind of workload,
 so equal to transformers is equal to one process, at no extra engine. Each stage must hold
@@ -31,7 +28,7 @@ exactly its parts (asked of every rank).
 The torchrun launch is one for all families: its four ranks build one engine after another on
 the launch's one process group (minivllm/distributed/process_group.py: the first engine makes
 it, the later ones join it), so the ranks start once, not once a family; spawned, each engine
-starts its own three workers. The Llama family's
+starts its own workers. The Llama family's
 stages (spawned with tensor parallelism, uneven partitions, batches in flight and failures) are
 tests/distributed/test_pipeline_parallel.py's; the bundled SmolLM2 (two stages spawned, and over
 two torchrun nodes) is tests/distributed/test_multinode.py's. A pooling model (BERT's encoder, a
@@ -126,18 +123,19 @@ def parts_of_stages(num_layers: int, tp: int) -> list[dict[str, Any]]:
     return [stage0] * tp + [stage1] * tp
 
 
+@pytest.mark.parametrize("tp", [1, 2], ids=["2-stages", "2-ranks-x-2-stages"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_two_ranks_by_two_stages_spawned_by_the_engine_give_transformers_greedy_tokens(
-    family_runs: Callable[[str], dict[str, Any]], family: str
+def test_stages_spawned_by_the_engine_give_transformers_greedy_tokens(
+    family_runs: Callable[[str], dict[str, Any]], family: str, tp: int
 ) -> None:
     run = family_runs(family)
     if family != "gemma2":
         run = run | {k: run[k][:2] for k in ("prompts", "max_tokens", "expected")}
-    with tp_llm(run["path"], 2, pipeline_parallel_size=2, **run["engine"]) as llm:
+    with tp_llm(run["path"], tp, pipeline_parallel_size=2, **run["engine"]) as llm:
         parts = llm.llm_engine.executor.collective_rpc(stage_parts)
         got = greedy(llm, run["prompts"], run["max_tokens"])
         stats = llm.get_stats()
-    assert parts == parts_of_stages(run["layers"], tp=2)
+    assert parts == parts_of_stages(run["layers"], tp=tp)
     assert got == run["expected"]
     if family == "gemma2":
         assert stats.num_preemptions > 0 and stats.num_prefix_cache_hit_tokens > 0
