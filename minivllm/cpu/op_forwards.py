@@ -145,9 +145,10 @@ def op_linear(
 # each super-block in registers at decode's rows and applies the sub-block scales to int32 sums;
 # and Q8_0, whose bytes are dotted where they lie. Q4_0 and Q4_1 (the bundled SmolLM2) keep the
 # bf16 dot where the CPU has one: their 8-bit dot measured faster (docs/performance.md, "Q4_1 on
-# the 8-bit dot"), but on the bundled model it changed chat answers' first tokens where the bf16
-# dot keeps the dequantized model's, which is not understood yet. Q5_0 and Q5_1 keep the float32
-# tiles (or the bf16 dot).
+# the 8-bit dot"), but on the bundled model it changes a chat answer's knife-edge first token
+# where the bf16 dot keeps the dequantized model's (llama.cpp's q4_1 x q8_1 answers as the 8-bit
+# dot does: 8-bit activations, not a kernel fault; the same page, "Understood"). Q5_0 and Q5_1
+# keep the float32 tiles (or the bf16 dot).
 # cpu_gguf_gemm.cpp's header has the reasoning; benchmarks/gguf_small_m.py times the three dots
 # side by side.
 INT8_BY_DEFAULT = frozenset({8, 12, 13, 14})

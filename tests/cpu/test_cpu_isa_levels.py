@@ -34,6 +34,11 @@ PROMPTS = [
     "Write a haiku about the sea.",
     "def fibonacci(n):",
 ]
+# A chat turn whose first answer token sits on a knife's edge: in the dequantized model "The"
+# leads "L" by 0.08 nats, and 8-bit activations (the int8 dot here, and llama.cpp's own q4_1 x q8_1
+# on the same file) answer "L'Étoile, la Marseillaise," instead of "The capital of France is Paris."
+# Closeness as vLLM judges it must hold there too: each side's token in the other's top 5.
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_the_library_loaded_is_the_level_asked_for() -> None:
@@ -65,7 +70,8 @@ def test_the_bundled_model_on_its_blocks_is_close_to_its_dequantized_self(
     outs = {}
     for quantization in ("gguf", "none"):
         llm = LLM(str(smollm2_gguf), quantization=quantization, cpu_kv_cache_space=0.25)
-        outs[quantization] = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        prompts: list = [*PROMPTS, {"prompt_token_ids": llm.apply_chat_template(CHAT, True)}]
+        outs[quantization] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert all(
             o.finish_reason == "length" and len(o.token_ids) == 16 for o in outs[quantization]
         )
