@@ -14,7 +14,9 @@
 // Batch-invariance. Each output is the same chain of `vdpbf16ps` over K in order, whatever M is
 // and whichever path (on the fly or chunked) ran it: a request's logits do not depend on what else
 // is in the batch, so greedy output with speculative decoding or chunked prefill equals greedy
-// output without it.
+// output without it. The chunked path computes that chain with float32 FMAs (`split_tile`: the
+// same bits, faster on this project's CPU), and both paths fold their lanes as
+// `_mm512_reduce_add_ps` does (`store_sums`).
 //
 // The functions that use AVX512-BF16 carry its `target` attribute, and the op refuses to run where
 // the CPU lacks it (`gguf_has_bf16_dot`), so the library still loads on any AVX-512 CPU.
@@ -36,19 +38,10 @@ bool cpu_has_bf16_dot() {
 constexpr int kGroup = 4;      // weight rows per work item
 constexpr int kMaxTokens = 8;  // tokens per register tile
 
-// Bf16 rows (the chunked path's scratch) as a block type of their own, for the same tiles.
-struct BF16Rows {
-  static constexpr int kBlock = 32, kBytes = 64;
-};
-
 // Weights [32 i, 32 i + 32) of block b as one bf16 vector, in order (round to nearest even).
 template <class Q>
 BF16_TARGET inline __m512bh pair(const uint8_t* b, int i) {
   return _mm512_cvtne2ps_pbh(Q::weights(b, 2 * i + 1), Q::weights(b, 2 * i));
-}
-template <>
-BF16_TARGET inline __m512bh pair<BF16Rows>(const uint8_t* b, int) {
-  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(b));
 }
 
 // x's rows as bf16 in tiles of up to kMaxTokens tokens, each tile [K / 32][TB][32] (as
@@ -63,6 +56,51 @@ BF16_TARGET void pack_tokens(const float* x, int64_t ldx, int64_t M, int64_t K, 
         const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
         _mm512_storeu_si512(dst + (c * tb + t) * 32, reinterpret_cast<__m512i>(v));
       }
+  }
+}
+
+// The lanes of 16 vectors summed at once, each sum the same bits as `_mm512_reduce_add_ps`'s:
+// that one adds lane i to lane i + 8, then i + 4, then i + 2, then lanes 0 and 1 (GCC's
+// avx512fintrin.h). Here each of the four rounds takes those same pairs for two vectors with two
+// shuffles and one add, so 16 sums cost 45 instructions instead of 16 reductions of 7 and the
+// tile's outputs keep their bits. Float addition is commutative, so the shuffles' operand order
+// does not matter; its grouping does, and it is the reduction's. Lane 4 L + m of the result is
+// the sum of a[4 m + L].
+inline __m512 fold16(const __m512* a) {
+  __m512 b[8];  // b[j]: 128-bit lanes [a[2j] (i, i + 8) for i < 4, i in 4..8, a[2j + 1] same]
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)
+    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xEE));
+  __m512 c[4];  // c[i]: 128-bit lane L the four partials (then + 4) of a[4 i + L]
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  __m512 d[2];  // d[k]: 128-bit lane L the two partials (then + 2) of a[8 k + L], a[8 k + 4 + L]
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k) {
+    const __m512d lo = _mm512_castps_pd(c[2 * k]), hi = _mm512_castps_pd(c[2 * k + 1]);
+    d[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+
+// out[t, r] = the sum of acc[r][t]'s lanes for r < rows, t < TB (`_mm512_reduce_add_ps`'s bits).
+template <int R, int TB>
+inline void store_sums(const __m512 (&acc)[R][TB], int64_t rows, float* out, int64_t ldo) {
+  if constexpr (R * TB == 16) {  // the 8-token and 4-token tiles: 16 sums in one fold
+    alignas(64) float sums[16];  // lane 4 L + m holds the sum of acc's i = 4 m + L (r * TB + t)
+    _mm512_store_ps(sums, fold16(&acc[0][0]));
+    for (int r = 0; r < rows; ++r)
+      for (int t = 0; t < TB; ++t) {
+        const int i = r * TB + t;
+        out[t * ldo + r] = sums[4 * (i % 4) + i / 4];
+      }
+  } else {
+    for (int r = 0; r < rows; ++r)
+      for (int t = 0; t < TB; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(acc[r][t]);
   }
 }
 
@@ -96,8 +134,7 @@ BF16_TARGET void tile(const uint8_t* w, int64_t row_bytes, int64_t rows, const u
       }
     }
   }
-  for (int r = 0; r < rows; ++r)
-    for (int t = 0; t < TB; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(acc[r][t]);
+  store_sums<R, TB>(acc, rows, out, ldo);
 }
 
 // A group's rows against TB tokens: 4 rows per tile up to 4 tokens, 2 rows up to 8.
@@ -108,6 +145,107 @@ BF16_TARGET void group_tile(const uint8_t* w, int64_t row_bytes, int64_t rows, c
   for (int64_t r0 = 0; r0 < rows; r0 += R)
     tile<Q, R, TB>(w + r0 * row_bytes, row_bytes, std::min<int64_t>(R, rows - r0), xp, out + r0,
                    ldo, blocks);
+}
+
+// ---- The chunked path's tile: vdpbf16ps's sums by float32 FMAs, the same bits.
+// On this project's CPU a loop of independent `vdpbf16ps` retires about one every 2 cycles and
+// one of 512-bit FMAs about 2 a cycle (docs/performance.md): 32 pairs a token cost 2 cycles one
+// way and 1 the other. Intel specifies the instruction as two float32 additions of exact products
+// per lane, the odd element's first, with denormals read and written as zero, so fma(w_odd,
+// x_odd, acc) then fma(w_even, x_even, acc) under FTZ and DAZ give the same bits
+// (tests/cpu/test_kernels_cpu_gguf.py holds a row's bits alone and in chunked batches). So past the on-the-fly bound the weights are unpacked once to bf16 and
+// widened to float32 split by parity ([even 16][odd 16] for each 32, bf16's bits in float32's top
+// half: exact), the tokens too, and the tiles run FMAs: the same sums, in the same order.
+constexpr int kSplitTokens = 4;  // tokens per FMA tile
+
+// A bf16 pair vector (32 elements) as its even and odd elements in float32, stored [even][odd].
+inline void store_split(float* dst, __m512i pair_bits) {
+  _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(pair_bits, 16)));
+  _mm512_storeu_ps(dst + 16, _mm512_castsi512_ps(
+                                 _mm512_and_si512(pair_bits, _mm512_set1_epi32(int(0xFFFF0000)))));
+}
+
+// x's rows rounded to bf16 and split, in tiles of up to kSplitTokens tokens: [K / 32][TB][32].
+BF16_TARGET void pack_tokens_split(const float* x, int64_t ldx, int64_t M, int64_t K, float* xs) {
+  for (int64_t t0 = 0; t0 < M; t0 += kSplitTokens) {
+    const int64_t tb = std::min<int64_t>(kSplitTokens, M - t0);
+    float* dst = xs + t0 * K;
+    for (int64_t c = 0; c < K / 32; ++c)
+      for (int64_t t = 0; t < tb; ++t) {
+        const float* src = x + (t0 + t) * ldx + c * 32;
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+        store_split(dst + (c * tb + t) * 32, reinterpret_cast<__m512i>(v));
+      }
+  }
+}
+
+// Rows of `blocks` blocks each, rounded to bf16 and split (row stride K floats).
+template <class Q>
+BF16_TARGET void dequantize_rows_split(const uint8_t* w, int64_t rows, int64_t blocks, float* y) {
+  const int64_t K = blocks * Q::kBlock;
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = w + (n * blocks + b) * Q::kBytes;
+#pragma GCC unroll 8
+      for (int i = 0; i < Q::kBlock / 32; ++i)
+        store_split(y + n * K + b * Q::kBlock + 32 * i, reinterpret_cast<__m512i>(pair<Q>(blk, i)));
+    }
+}
+
+// out[t, r] = dot(w row r, x row t) for r < rows (<= R), t < TB, on split rows and tokens: per
+// lane the chain of `tile`'s vdpbf16ps, as FMAs (odd, then even), then the same reduction.
+template <int R, int TB>
+void split_tile(const float* w, int64_t K, int64_t rows, const float* xs, float* out,
+                int64_t ldo) {
+  const float* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = w + std::min<int64_t>(r, rows - 1) * K;
+  __m512 acc[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
+  const unsigned int csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x8040);  // FTZ and DAZ for the FMAs, as vdpbf16ps; not for the reduction
+  for (int64_t s = 0; s < K / 32; ++s) {
+    __m512 we[R], wo[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      we[r] = _mm512_loadu_ps(wr[r] + 32 * s);
+      wo[r] = _mm512_loadu_ps(wr[r] + 32 * s + 16);
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < TB; ++t) {
+      const float* xt = xs + (s * TB + t) * 32;
+      const __m512 xe = _mm512_loadu_ps(xt), xo = _mm512_loadu_ps(xt + 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        acc[r][t] = _mm512_fmadd_ps(wo[r], xo, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(we[r], xe, acc[r][t]);
+      }
+    }
+  }
+  _mm_setcsr(csr);
+  store_sums<R, TB>(acc, rows, out, ldo);
+}
+
+// out[t, n] for n < rows, t < M on split rows: kSplitRows rows at a time (in L1 while every
+// token tile passes over them; the tokens stream from L2), token tiles innermost.
+constexpr int kSplitRows = 4;
+void split_rows_by_tokens(const float* w, int64_t K, int64_t rows, const float* xs, int64_t M,
+                          float* out, int64_t ldo) {
+  constexpr int R = kSplitRows;
+  for (int64_t r0 = 0; r0 < rows; r0 += R) {
+    const float* wr = w + r0 * K;
+    const int64_t n = std::min<int64_t>(R, rows - r0);
+    for (int64_t t0 = 0; t0 < M; t0 += kSplitTokens) {
+      const float* xt = xs + t0 * K;
+      float* ot = out + t0 * ldo + r0;
+      switch (std::min<int64_t>(kSplitTokens, M - t0)) {
+        case 1: split_tile<R, 1>(wr, K, n, xt, ot, ldo); break;
+        case 2: split_tile<R, 2>(wr, K, n, xt, ot, ldo); break;
+        case 3: split_tile<R, 3>(wr, K, n, xt, ot, ldo); break;
+        default: split_tile<R, 4>(wr, K, n, xt, ot, ldo); break;
+      }
+    }
+  }
 }
 
 // out[t, n] = dot(w row n, x row t) for n < rows, t < M; token tiles innermost.
@@ -135,24 +273,11 @@ BF16_TARGET void rows_by_tokens(const uint8_t* w, int64_t row_bytes, int64_t row
   }
 }
 
-// Rows of `blocks` blocks each into bf16 (row stride ldy elements).
-template <class Q>
-BF16_TARGET void dequantize_rows_bf16(const uint8_t* w, int64_t rows, int64_t blocks, uint16_t* y,
-                                      int64_t ldy) {
-  for (int64_t n = 0; n < rows; ++n)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* blk = w + (n * blocks + b) * Q::kBytes;
-      uint16_t* dst = y + n * ldy + b * Q::kBlock;
-#pragma GCC unroll 8
-      for (int i = 0; i < Q::kBlock / 32; ++i)
-        _mm512_storeu_si512(dst + 32 * i, reinterpret_cast<__m512i>(pair<Q>(blk, i)));
-    }
-}
-
 // Whether M token rows are unpacked on the fly. A tile of 8 tokens unpacks its weights again, and
 // with a dot twice as cheap that unpacking is soon the larger part: past these bounds each thread
-// rounds a chunk of rows to a bf16 scratch in L2 once and runs the same tiles over it (measured at
-// SmolLM2's shapes; K-quants unpack more slowly, so they stop sooner).
+// rounds a chunk of rows to bf16 once, split into a float32 scratch in L2 (`dequantize_rows_split`),
+// and runs the FMA tiles over it (measured at SmolLM2's shapes; K-quants unpack more slowly, so
+// they stop sooner).
 template <class Q>
 bool on_the_fly(int64_t M, int64_t K) {
   return M <= (Q::kBlock == 256 ? 16 : 24) && M * K * int64_t(sizeof(uint16_t)) <= (1 << 20);
@@ -161,29 +286,32 @@ constexpr int64_t kScratchBytes = 256 * 1024;
 constexpr int64_t kTokensPerPass = 64;
 
 template <class Q>
-void linear(float* out, const uint16_t* xp, const uint8_t* w, int64_t M, int64_t N, int64_t K) {
+void linear_on_the_fly(float* out, const uint16_t* xp, const uint8_t* w, int64_t M, int64_t N,
+                       int64_t K) {
   const int64_t row_bytes = K / Q::kBlock * Q::kBytes;
-  if (on_the_fly<Q>(M, K)) {
-    at::parallel_for(0, (N + kGroup - 1) / kGroup, 1, [&](int64_t begin, int64_t end) {
-      const int64_t n0 = begin * kGroup, n1 = std::min(N, end * kGroup);
-      rows_by_tokens<Q>(w + n0 * row_bytes, row_bytes, n1 - n0, xp, M, K, out + n0, N);
-    });
-    return;
-  }
+  at::parallel_for(0, (N + kGroup - 1) / kGroup, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * kGroup, n1 = std::min(N, end * kGroup);
+    rows_by_tokens<Q>(w + n0 * row_bytes, row_bytes, n1 - n0, xp, M, K, out + n0, N);
+  });
+}
+
+template <class Q>
+void linear_chunked(float* out, const float* xs, const uint8_t* w, int64_t M, int64_t N,
+                    int64_t K) {
+  const int64_t row_bytes = K / Q::kBlock * Q::kBytes;
   // Chunks of rows, their count a multiple of the thread count so that the threads split evenly.
   const int64_t threads = at::get_num_threads();
-  const int64_t target = std::clamp<int64_t>(kScratchBytes / (2 * K), 16, 256);
+  const int64_t target = std::clamp<int64_t>(kScratchBytes / (4 * K), 16, 256);
   const int64_t chunks = threads * ((N + threads * target - 1) / (threads * target));
   const int64_t rows_per = std::max<int64_t>(1, (N + chunks - 1) / chunks);
   at::parallel_for(0, (N + rows_per - 1) / rows_per, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> scratch(rows_per * K);  // [rows_per, K] bf16
+    std::vector<float> scratch(rows_per * K);  // [rows_per, K] bf16 values, split
     for (int64_t c = begin; c < end; ++c) {
       const int64_t n0 = c * rows_per, rows = std::min(rows_per, N - n0);
-      dequantize_rows_bf16<Q>(w + n0 * row_bytes, rows, K / Q::kBlock, scratch.data(), K);
+      dequantize_rows_split<Q>(w + n0 * row_bytes, rows, K / Q::kBlock, scratch.data());
       for (int64_t t0 = 0; t0 < M; t0 += kTokensPerPass)
-        rows_by_tokens<BF16Rows>(reinterpret_cast<const uint8_t*>(scratch.data()), 2 * K, rows,
-                                 xp + t0 * K, std::min(kTokensPerPass, M - t0), K,
-                                 out + t0 * N + n0, N);
+        split_rows_by_tokens(scratch.data(), K, rows, xs + t0 * K,
+                             std::min(kTokensPerPass, M - t0), out + t0 * N + n0, N);
     }
   });
 }
@@ -207,9 +335,17 @@ void gguf_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& qw
     const LinearShape shape = check_linear<Q>(out, x, qweight, op);
     const int64_t M = shape.M, N = shape.N, K = shape.K;
     if (M == 0 || N == 0) return;
-    std::vector<uint16_t> packed(M * K);  // x as bf16 token tiles (pack_tokens)
-    pack_tokens(x.data_ptr<float>(), x.stride(0), M, K, packed.data());
-    linear<Q>(out.data_ptr<float>(), packed.data(), qweight.data_ptr<uint8_t>(), M, N, K);
+    if (on_the_fly<Q>(M, K)) {
+      std::vector<uint16_t> packed(M * K);  // x as bf16 token tiles (pack_tokens)
+      pack_tokens(x.data_ptr<float>(), x.stride(0), M, K, packed.data());
+      linear_on_the_fly<Q>(out.data_ptr<float>(), packed.data(), qweight.data_ptr<uint8_t>(), M,
+                           N, K);
+    } else {
+      std::vector<float> split(M * K);  // x as bf16 values, split (pack_tokens_split)
+      pack_tokens_split(x.data_ptr<float>(), x.stride(0), M, K, split.data());
+      linear_chunked<Q>(out.data_ptr<float>(), split.data(), qweight.data_ptr<uint8_t>(), M, N,
+                        K);
+    }
   });
 #endif
 }
