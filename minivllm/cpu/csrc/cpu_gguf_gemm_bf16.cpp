@@ -22,6 +22,7 @@
 // the CPU lacks it (`gguf_has_bf16_dot`), so the library still loads on any AVX-512 CPU.
 
 #include "cpu_gguf_blocks.h"
+#include "cpu_gguf_sum16.h"
 
 #include <vector>
 
@@ -38,10 +39,20 @@ bool cpu_has_bf16_dot() {
 constexpr int kGroup = 4;      // weight rows per work item
 constexpr int kMaxTokens = 8;  // tokens per register tile
 
+// Bf16 rows (the long rows' chunked scratch) as a block type of their own, for the same tiles.
+struct BF16Rows {
+  static constexpr int kBlock = 32, kBytes = 64;
+};
+
 // Weights [32 i, 32 i + 32) of block b as one bf16 vector, in order (round to nearest even).
 template <class Q>
 BF16_TARGET inline __m512bh pair(const uint8_t* b, int i) {
   return _mm512_cvtne2ps_pbh(Q::weights(b, 2 * i + 1), Q::weights(b, 2 * i));
+}
+
+template <>
+BF16_TARGET inline __m512bh pair<BF16Rows>(const uint8_t* b, int) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(b));
 }
 
 // x's rows as bf16 in tiles of up to kMaxTokens tokens, each tile [K / 32][TB][32] (as
@@ -56,51 +67,6 @@ BF16_TARGET void pack_tokens(const float* x, int64_t ldx, int64_t M, int64_t K, 
         const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
         _mm512_storeu_si512(dst + (c * tb + t) * 32, reinterpret_cast<__m512i>(v));
       }
-  }
-}
-
-// The lanes of 16 vectors summed at once, each sum the same bits as `_mm512_reduce_add_ps`'s:
-// that one adds lane i to lane i + 8, then i + 4, then i + 2, then lanes 0 and 1 (GCC's
-// avx512fintrin.h). Here each of the four rounds takes those same pairs for two vectors with two
-// shuffles and one add, so 16 sums cost 45 instructions instead of 16 reductions of 7 and the
-// tile's outputs keep their bits. Float addition is commutative, so the shuffles' operand order
-// does not matter; its grouping does, and it is the reduction's. Lane 4 L + m of the result is
-// the sum of a[4 m + L].
-inline __m512 fold16(const __m512* a) {
-  __m512 b[8];  // b[j]: 128-bit lanes [a[2j] (i, i + 8) for i < 4, i in 4..8, a[2j + 1] same]
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j)
-    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xEE));
-  __m512 c[4];  // c[i]: 128-bit lane L the four partials (then + 4) of a[4 i + L]
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  __m512 d[2];  // d[k]: 128-bit lane L the two partials (then + 2) of a[8 k + L], a[8 k + 4 + L]
-#pragma GCC unroll 2
-  for (int k = 0; k < 2; ++k) {
-    const __m512d lo = _mm512_castps_pd(c[2 * k]), hi = _mm512_castps_pd(c[2 * k + 1]);
-    d[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
-  }
-  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-}
-
-// out[t, r] = the sum of acc[r][t]'s lanes for r < rows, t < TB (`_mm512_reduce_add_ps`'s bits).
-template <int R, int TB>
-inline void store_sums(const __m512 (&acc)[R][TB], int64_t rows, float* out, int64_t ldo) {
-  if constexpr (R * TB == 16) {  // the 8-token and 4-token tiles: 16 sums in one fold
-    alignas(64) float sums[16];  // lane 4 L + m holds the sum of acc's i = 4 m + L (r * TB + t)
-    _mm512_store_ps(sums, fold16(&acc[0][0]));
-    for (int r = 0; r < rows; ++r)
-      for (int t = 0; t < TB; ++t) {
-        const int i = r * TB + t;
-        out[t * ldo + r] = sums[4 * (i % 4) + i / 4];
-      }
-  } else {
-    for (int r = 0; r < rows; ++r)
-      for (int t = 0; t < TB; ++t) out[t * ldo + r] = _mm512_reduce_add_ps(acc[r][t]);
   }
 }
 
@@ -273,6 +239,19 @@ BF16_TARGET void rows_by_tokens(const uint8_t* w, int64_t row_bytes, int64_t row
   }
 }
 
+// Rows of `blocks` blocks each into bf16 (row stride K elements).
+template <class Q>
+BF16_TARGET void dequantize_rows_bf16(const uint8_t* w, int64_t rows, int64_t blocks, uint16_t* y) {
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = w + (n * blocks + b) * Q::kBytes;
+#pragma GCC unroll 8
+      for (int i = 0; i < Q::kBlock / 32; ++i)
+        _mm512_storeu_si512(y + (n * blocks + b) * Q::kBlock + 32 * i,
+                            reinterpret_cast<__m512i>(pair<Q>(blk, i)));
+    }
+}
+
 // Whether M token rows are unpacked on the fly. A tile of 8 tokens unpacks its weights again, and
 // with a dot twice as cheap that unpacking is soon the larger part: past these bounds each thread
 // rounds a chunk of rows to bf16 once, split into a float32 scratch in L2 (`dequantize_rows_split`),
@@ -284,6 +263,10 @@ bool on_the_fly(int64_t M, int64_t K) {
 }
 constexpr int64_t kScratchBytes = 256 * 1024;
 constexpr int64_t kTokensPerPass = 64;
+// Rows up to this long take the FMA tiles; longer ones keep vdpbf16ps on a bf16 scratch: 4 split
+// rows and 4 split tokens of SmolLM2's down projection (K = 1,536) are 48 KB, more than L1 holds
+// beside the rest, and there the FMA tiles measured slower (docs/performance.md). Same bits.
+constexpr int64_t kSplitMaxK = 1024;
 
 template <class Q>
 void linear_on_the_fly(float* out, const uint16_t* xp, const uint8_t* w, int64_t M, int64_t N,
@@ -292,6 +275,27 @@ void linear_on_the_fly(float* out, const uint16_t* xp, const uint8_t* w, int64_t
   at::parallel_for(0, (N + kGroup - 1) / kGroup, 1, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * kGroup, n1 = std::min(N, end * kGroup);
     rows_by_tokens<Q>(w + n0 * row_bytes, row_bytes, n1 - n0, xp, M, K, out + n0, N);
+  });
+}
+
+template <class Q>
+void linear_chunked_bf16(float* out, const uint16_t* xp, const uint8_t* w, int64_t M, int64_t N,
+                         int64_t K) {
+  const int64_t row_bytes = K / Q::kBlock * Q::kBytes;
+  const int64_t threads = at::get_num_threads();  // chunks as linear_chunked's, bf16 rows
+  const int64_t target = std::clamp<int64_t>(kScratchBytes / (2 * K), 16, 256);
+  const int64_t chunks = threads * ((N + threads * target - 1) / (threads * target));
+  const int64_t rows_per = std::max<int64_t>(1, (N + chunks - 1) / chunks);
+  at::parallel_for(0, (N + rows_per - 1) / rows_per, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> scratch(rows_per * K);  // [rows_per, K] bf16
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t n0 = c * rows_per, rows = std::min(rows_per, N - n0);
+      dequantize_rows_bf16<Q>(w + n0 * row_bytes, rows, K / Q::kBlock, scratch.data());
+      for (int64_t t0 = 0; t0 < M; t0 += kTokensPerPass)
+        rows_by_tokens<BF16Rows>(reinterpret_cast<const uint8_t*>(scratch.data()), 2 * K, rows,
+                                 xp + t0 * K, std::min(kTokensPerPass, M - t0), K,
+                                 out + t0 * N + n0, N);
+    }
   });
 }
 
@@ -335,11 +339,11 @@ void gguf_linear_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& qw
     const LinearShape shape = check_linear<Q>(out, x, qweight, op);
     const int64_t M = shape.M, N = shape.N, K = shape.K;
     if (M == 0 || N == 0) return;
-    if (on_the_fly<Q>(M, K)) {
+    if (on_the_fly<Q>(M, K) || K > kSplitMaxK) {
       std::vector<uint16_t> packed(M * K);  // x as bf16 token tiles (pack_tokens)
       pack_tokens(x.data_ptr<float>(), x.stride(0), M, K, packed.data());
-      linear_on_the_fly<Q>(out.data_ptr<float>(), packed.data(), qweight.data_ptr<uint8_t>(), M,
-                           N, K);
+      (on_the_fly<Q>(M, K) ? linear_on_the_fly<Q> : linear_chunked_bf16<Q>)(
+          out.data_ptr<float>(), packed.data(), qweight.data_ptr<uint8_t>(), M, N, K);
     } else {
       std::vector<float> split(M * K);  // x as bf16 values, split (pack_tokens_split)
       pack_tokens_split(x.data_ptr<float>(), x.stride(0), M, K, split.data());
