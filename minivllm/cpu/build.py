@@ -95,6 +95,7 @@ HEADERS = tuple(
     Path(__file__).with_name("csrc") / name
     for name in (
         "cpu_gguf_blocks.h",
+        "cpu_gguf_sum16.h",
         "cpu_gguf_kquant_avx2.h",
         "cpu_gguf_kfloat_avx2.h",
         "cpu_gguf_xq_avx2.h",

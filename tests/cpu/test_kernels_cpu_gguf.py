@@ -320,6 +320,20 @@ def test_bad_arguments_name_the_problem(
         torch.ops.minivllm_cpu.gguf_linear(torch.empty(x.shape[0], q.shape[0]), x, q, qtype)
 
 
+def test_bf16_chunks_flush_denormals_as_the_bf16_dot_does() -> None:
+    # Past the on-the-fly bound the bf16 products run as float32 FMAs (cpu_gguf_gemm_bf16.cpp),
+    # which must read and write denormals as zero, as vdpbf16ps does, to keep a row's bits: tiny
+    # activations put many partial sums below float32's smallest normal.
+    if not cpu_ops.gguf_has_bf16_dot():
+        pytest.skip("this CPU (or build) has no AVX512-BF16")
+    q = torch.from_numpy(random_blocks(T.Q4_1, N, 256, seed=5))
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(5)).sign() * 2e-38
+    alone = torch.cat([gguf_linear(x[i : i + 1], q, int(T.Q4_1), "bf16") for i in range(40)])
+    batch = gguf_linear(x, q, int(T.Q4_1), "bf16")
+    assert (alone.abs() < 2**-126).any() and (alone.abs() >= 2**-126).any()
+    assert torch.equal(batch, alone)
+
+
 @pytest.mark.parametrize("dot", ["float32", "bf16", "int8"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_row_s_output_does_not_depend_on_the_batch_around_it(qtype: T, dot: str) -> None:
