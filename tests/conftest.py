@@ -93,6 +93,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # microsecond op into milliseconds.
     os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads sleep at a barrier instead of spinning there (libgomp reads the variable once, when
+# torch loads it: hence here, before torch's import below; the servers, ranks and tutorials the
+# tests start inherit it). The suite shares two cores between two workers, the linters and the
+# processes it starts, and some tests run two threads on purpose (the cpu_isa engine and server
+# tests, the kernels' two-thread cases); a thread that spins holds a core its teammate needs, so
+# every barrier waits out time slices (docs/performance.md, "Threads on a shared CPU"): the
+# bundled model's 16 tokens took 17 s beside a busy core, 2 s with this. Only how an idle thread
+# waits changes: the same threads run the same code to the same results.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Triton kernels run on CPU tensors through Triton's interpreter when no GPU is present. The
 # variable must be set before Triton is first imported, which is why it is set here, at collection.
