@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -26,36 +27,50 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def smollm2_hf_folder(gguf: Path) -> Path:
+def smollm2_hf_folder(gguf_file: Path) -> Path:
     """transformers' own reading of the GGUF file (its float32 weights and tokenizer), saved once
     as a plain checkpoint under the cache and reused: transformers dequantizes a GGUF file in
     Python (~30 s a process), and every pytest worker that needs the reference would pay it.
     Keyed by the file and transformers' version; built under a lock, so two workers build it once."""
+    import gguf
     import torch
     import transformers
     from filelock import FileLock
 
     from minivllm.envs import cache_root
 
-    stat = gguf.stat()
-    key = f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
+    stat = gguf_file.stat()
+    key = (
+        f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
+    )
     folder = cache_root() / "tests" / key
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):
         if (folder / "complete").exists():
             return folder
-        read = transformers.AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
+        # transformers maps GGUF names to its own by walking the model's ~400 modules, and builds
+        # gguf's name table for the architecture anew at each (6 ms apiece, 2.5 s a read): the
+        # table depends only on (architecture, layer count), so one is built and shared.
+        name_map = gguf.get_tensor_name_map
+        gguf.get_tensor_name_map = functools.cache(name_map)
+        try:
+            read = transformers.AutoModelForCausalLM.from_pretrained(
+                str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+            )
+        finally:
+            gguf.get_tensor_name_map = name_map
         config = read.config.to_dict()
         for k in ("architectures", "model_type", "quantization_config", "transformers_version"):
             config.pop(k, None)
-        # transformers will not save a model it read from GGUF: its weights go into a fresh one.
-        plain = type(read)(type(read.config)(**config))
-        plain.load_state_dict(read.state_dict())
+        # transformers will not save a model it read from GGUF: its weights go into a fresh one,
+        # made on the meta device (no random initialization to overwrite: 2.3 s) and given the
+        # read tensors themselves.
+        with torch.device("meta"):
+            plain = type(read)(type(read.config)(**config))
+        plain.load_state_dict(read.state_dict(), assign=True)
         plain.save_pretrained(folder)
         tokenizer = transformers.AutoTokenizer.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name
+            str(gguf_file.parent), gguf_file=gguf_file.name
         )
         tokenizer.save_pretrained(folder)
         (folder / "complete").touch()
@@ -78,6 +93,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # microsecond op into milliseconds.
     os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads sleep at a barrier instead of spinning there (libgomp reads the variable once, when
+# torch loads it: hence here, before torch's import below; the servers, ranks and tutorials the
+# tests start inherit it). The suite shares two cores between two workers, the linters and the
+# processes it starts, and some tests run two threads on purpose (the cpu_isa engine and server
+# tests, the kernels' two-thread cases); a thread that spins holds a core its teammate needs, so
+# every barrier waits out time slices (docs/performance.md, "Threads on a shared CPU"): the
+# bundled model's 16 tokens took 17 s beside a busy core, 2 s with this. Only how an idle thread
+# waits changes: the same threads run the same code to the same results.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Triton kernels run on CPU tensors through Triton's interpreter when no GPU is present. The
 # variable must be set before Triton is first imported, which is why it is set here, at collection.
