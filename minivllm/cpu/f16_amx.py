@@ -92,6 +92,7 @@ def f16_amx_linear(
     activation: str | None = None,  # F.gelu's approximate ("none": erf, "tanh"), or None
 ) -> torch.Tensor:  # [M, N] float16, token-major
     """act(x · Wᵀ + bias) + residual, rounded once to float16, on AMX-BF16 tiles."""
+    load_cpu_kernels()
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((x.shape[0], out_features), dtype=torch.float16)

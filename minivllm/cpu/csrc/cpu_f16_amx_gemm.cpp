@@ -18,11 +18,10 @@
 // Layout. The weight is split and packed once, at load (minivllm/cpu/ops.py `f16_amx_pack`):
 // [N / 16, K / 32, 2 (hi, lo), 16, 32] bfloat16, one 1 KiB tile per (16 output columns, 32 inputs,
 // hi or lo), in the tiles' pair-interleaved order (row r holds inputs 2r and 2r + 1 of each of the
-// 16 columns). Each call splits x into hi and lo rows ([M rounded up to 16, K rounded up to 32],
-// zero padded), then work items of (a panel of kPanelRows rows, a run of kPairsPerItem column
-// pairs) go over PyTorch's pool: a panel's hi and lo rows stay in L2 while the item walks its
-// columns, 16 rows by 32 columns at a time (two float32 accumulator tiles, one hi and one lo tile
-// of x, the hi and lo tiles of both column blocks: the 8 tile registers).
+// 16 columns). Work items of (a panel of kPanelRows rows of x, a run of kPairsPerItem column
+// pairs) go over PyTorch's pool; a thread splits a panel's rows into hi and lo when its first item
+// of the panel comes (zero padded to whole tiles), and the split stays in L2 while its items walk
+// the columns, 32 rows by 32 columns at a time (`gemm` says how the 8 tile registers are used).
 // The tile registers are configured per thread (LDTILECFG is thread state), and Linux lends them to
 // a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM), once; `f16_amx_available` asks, and is
 // false on CPUs without AMX-BF16 or kernels that refuse, where oneDNN's float16 GEMM runs instead.
@@ -52,6 +51,7 @@ namespace minivllm_f16_amx {
 namespace {
 
 constexpr int64_t kTileRows = 16;       // rows of x (and of y) per tile
+constexpr int64_t kBlockRows = 32;      // rows per block: two tiles' rows
 constexpr int64_t kTileCols = 16;       // output columns per tile
 constexpr int64_t kKStep = 32;          // inputs per tile product (16 rows x 64 bytes of bfloat16)
 constexpr int64_t kTileElems = 512;     // bfloat16 per packed weight tile
@@ -67,8 +67,9 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0, 1: float32 sums [16 rows][16 columns] of the two column blocks; 2, 3: x's hi and lo
-// [16 rows][32 inputs]; 4, 5: block 0's weight hi and lo; 6, 7: block 1's. All 16 x 64 bytes.
+// Tiles 0-3: float32 sums [16 rows][16 columns] of a 32 x 32 block; 4, 5: the two column
+// halves' weight tiles [16 input pairs][16 columns x 2]; 6, 7: the two row halves' x tiles
+// [16 rows][32 inputs]. All 16 x 64 bytes.
 void configure_tiles() {
   alignas(64) TileConfig c;
   for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
@@ -103,8 +104,31 @@ struct Epilogue {
   int64_t activation;        // an Activation
 };
 
-// One 16 x 32 block of sums: + bias, the activation, + residual, rounded once to float16.
-void finish_block(const float* sums,  // [16][32]
+// GELU on float32 sums, as plain loops the compiler vectorizes (exp: glibc's vector expf).
+// erf by Abramowitz and Stegun's 7.1.26 (absolute error below 1.5e-7, far under float16's
+// rounding), where glibc's vector erff took several times the GEMM's own time; tanh as
+// 1 - 2 / (exp(2u) + 1), which saturates to ±1 correctly at either infinity of exp.
+void gelu_erf(float* v, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float z = std::fabs(v[j]) * 0.70710678118654752f;
+    const float t = 1.f / (1.f + 0.3275911f * z);
+    const float poly =
+        t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f +
+                                                     t * (-1.453152027f + t * 1.061405429f))));
+    const float e = 1.f - poly * std::exp(-z * z);  // erf(|x| / √2)
+    v[j] = 0.5f * v[j] * (1.f + std::copysign(e, v[j]));
+  }
+}
+
+void gelu_tanh(float* v, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float u = 0.79788456080286536f * (v[j] + 0.044715f * v[j] * v[j] * v[j]);
+    v[j] = 0.5f * v[j] * (2.f - 2.f / (std::exp(2.f * u) + 1.f));  // 1 + tanh(u)
+  }
+}
+
+// One block of sums [rows][32]: + bias, the activation, + residual, rounded once to float16.
+void finish_block(const float* sums,  // [kBlockRows][32]
                   int64_t rows, int64_t cols, int64_t m0, int64_t n0, const Epilogue& e,
                   uint16_t* out, int64_t ldo) {
   const __mmask16 masks[2] = {
@@ -118,18 +142,10 @@ void finish_block(const float* sums,  // [16][32]
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float v[2 * kTileCols];  // plain loops: the compiler vectorizes them (erf, tanh: libmvec)
+    float v[2 * kTileCols];
     for (int64_t j = 0; j < 2 * kTileCols; ++j) v[j] = sums[r * 2 * kTileCols + j] + bias[j];
-    if (e.activation == kGeluErf) {
-      for (int64_t j = 0; j < 2 * kTileCols; ++j) {
-        v[j] = 0.5f * v[j] * (1.f + std::erf(v[j] * 0.70710678118654752f));
-      }
-    } else if (e.activation == kGeluTanh) {
-      for (int64_t j = 0; j < 2 * kTileCols; ++j) {
-        const float u = 0.79788456080286536f * (v[j] + 0.044715f * v[j] * v[j] * v[j]);
-        v[j] = 0.5f * v[j] * (1.f + std::tanh(u));
-      }
-    }
+    if (e.activation == kGeluErf) gelu_erf(v, 2 * kTileCols);
+    if (e.activation == kGeluTanh) gelu_tanh(v, 2 * kTileCols);
     for (int half = 0; half < 2; ++half) {
       __m512 y = _mm512_loadu_ps(v + 16 * half);
       if (e.residual != nullptr) {
@@ -142,46 +158,79 @@ void finish_block(const float* sums,  // [16][32]
   }
 }
 
-// y[M, N] = epilogue(x · Wᵀ) from x's hi and lo rows ([m_pad, k_pad]) and the packed weight.
-void gemm(uint16_t* out, int64_t ldo, const uint16_t* hi, const uint16_t* lo, const uint16_t* w,
-          int64_t M, int64_t N, int64_t k_pad, const Epilogue& e) {
+// y[M, N] = epilogue(x · Wᵀ) from x [M, K] float16 and the packed weight.
+// A block is 32 rows by 32 columns: four float32 accumulators (tiles 0-3), so that each tile
+// product's latency hides behind three others, and per 32-input step the x tiles of both row
+// halves and the weight tiles of both column halves (tiles 4-7), hi and lo in turn: ten tile
+// loads for twelve tile products.
+void gemm(uint16_t* out, int64_t ldo, const uint16_t* x, int64_t ldx, const uint16_t* w,
+          int64_t M, int64_t N, int64_t K, int64_t k_pad, const Epilogue& e) {
   const int64_t k_steps = k_pad / kKStep;
   const int64_t pairs = (N + 2 * kTileCols - 1) / (2 * kTileCols);  // the pack pads N to 32
   const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
   const int64_t runs = (pairs + kPairsPerItem - 1) / kPairsPerItem;
   const int64_t block_stride = k_steps * 2 * kTileElems;  // one 16-column block's tiles
+  const int64_t lda = k_pad * 2;                          // bytes between x's rows
   at::parallel_for(0, panels * runs, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    alignas(64) float sums[kTileRows * 2 * kTileCols];
+    alignas(64) float sums[kBlockRows * 2 * kTileCols];
+    // The panel's x split into hi and lo rows ([kPanelRows, k_pad] each), by this thread, when
+    // its first item of the panel comes: the split stays in L2 for the panel's items.
+    std::vector<uint16_t> split(2 * kPanelRows * k_pad);
+    uint16_t* hi = split.data();
+    uint16_t* lo = hi + kPanelRows * k_pad;
+    int64_t split_panel = -1;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t panel = item / runs, run = item % runs;
-      const int64_t m_end = std::min(M, (panel + 1) * kPanelRows);
+      const int64_t m_begin = panel * kPanelRows, m_end = std::min(M, m_begin + kPanelRows);
+      if (panel != split_panel) {
+        split_rows(x + m_begin * ldx, ldx, M - m_begin, K, k_pad, 0, kPanelRows, hi, lo);
+        split_panel = panel;
+      }
       const int64_t p_end = std::min(pairs, (run + 1) * kPairsPerItem);
       for (int64_t p = run * kPairsPerItem; p < p_end; ++p) {
         const uint16_t* w0 = w + 2 * p * block_stride;  // column block 2p's tiles
         const uint16_t* w1 = w0 + block_stride;          // and 2p + 1's
-        for (int64_t m0 = panel * kPanelRows; m0 < m_end; m0 += kTileRows) {
-          const uint16_t* xh = hi + m0 * k_pad;
-          const uint16_t* xl = lo + m0 * k_pad;
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += kBlockRows) {
+          const uint16_t* h0 = hi + (m0 - m_begin) * k_pad;  // rows m0.. and m0 + 16..
+          const uint16_t* h1 = h0 + kTileRows * k_pad;
+          const uint16_t* l0 = lo + (m0 - m_begin) * k_pad;
+          const uint16_t* l1 = l0 + kTileRows * k_pad;
           _tile_zero(0);
           _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
           for (int64_t s = 0; s < k_steps; ++s) {
-            _tile_loadd(2, xh + s * kKStep, k_pad * 2);
-            _tile_loadd(3, xl + s * kKStep, k_pad * 2);
-            _tile_loadd(4, w0 + s * 2 * kTileElems, 64);
-            _tile_loadd(5, w0 + s * 2 * kTileElems + kTileElems, 64);
-            _tile_loadd(6, w1 + s * 2 * kTileElems, 64);
-            _tile_loadd(7, w1 + s * 2 * kTileElems + kTileElems, 64);
-            _tile_dpbf16ps(0, 2, 4);  // hi · hi
-            _tile_dpbf16ps(1, 2, 6);
-            _tile_dpbf16ps(0, 2, 5);  // hi · lo
-            _tile_dpbf16ps(1, 2, 7);
-            _tile_dpbf16ps(0, 3, 4);  // lo · hi
-            _tile_dpbf16ps(1, 3, 6);
+            const int64_t k = s * kKStep, t = s * 2 * kTileElems;
+            _tile_loadd(4, w0 + t, 64);  // hi · hi
+            _tile_loadd(5, w1 + t, 64);
+            _tile_loadd(6, h0 + k, lda);
+            _tile_loadd(7, h1 + k, lda);
+            _tile_dpbf16ps(0, 6, 4);
+            _tile_dpbf16ps(1, 6, 5);
+            _tile_dpbf16ps(2, 7, 4);
+            _tile_dpbf16ps(3, 7, 5);
+            _tile_loadd(6, l0 + k, lda);  // lo · hi
+            _tile_loadd(7, l1 + k, lda);
+            _tile_dpbf16ps(0, 6, 4);
+            _tile_dpbf16ps(1, 6, 5);
+            _tile_dpbf16ps(2, 7, 4);
+            _tile_dpbf16ps(3, 7, 5);
+            _tile_loadd(4, w0 + t + kTileElems, 64);  // hi · lo
+            _tile_loadd(5, w1 + t + kTileElems, 64);
+            _tile_loadd(6, h0 + k, lda);
+            _tile_loadd(7, h1 + k, lda);
+            _tile_dpbf16ps(0, 6, 4);
+            _tile_dpbf16ps(1, 6, 5);
+            _tile_dpbf16ps(2, 7, 4);
+            _tile_dpbf16ps(3, 7, 5);
           }
-          _tile_stored(0, sums, 2 * kTileCols * sizeof(float));
-          _tile_stored(1, sums + kTileCols, 2 * kTileCols * sizeof(float));
-          finish_block(sums, std::min(kTileRows, M - m0), N - 2 * p * kTileCols, m0,
+          constexpr int64_t ld = 2 * kTileCols * sizeof(float);  // bytes between rows of sums
+          _tile_stored(0, sums, ld);
+          _tile_stored(1, sums + kTileCols, ld);
+          _tile_stored(2, sums + kTileRows * 2 * kTileCols, ld);
+          _tile_stored(3, sums + kTileRows * 2 * kTileCols + kTileCols, ld);
+          finish_block(sums, std::min(kBlockRows, M - m0), N - 2 * p * kTileCols, m0,
                        2 * p * kTileCols, e, out, ldo);
         }
       }
@@ -210,14 +259,7 @@ bool available() {
 
 void linear(uint16_t* out, int64_t ldo, const uint16_t* x, int64_t ldx, const uint16_t* w,
             int64_t M, int64_t N, int64_t K, int64_t k_pad, const Epilogue& e) {
-  const int64_t m_pad = (M + kTileRows - 1) / kTileRows * kTileRows;
-  std::vector<uint16_t> split(2 * m_pad * k_pad);  // x's hi rows, then its lo rows
-  uint16_t* hi = split.data();
-  uint16_t* lo = hi + m_pad * k_pad;
-  at::parallel_for(0, m_pad, 16, [&](int64_t begin, int64_t end) {
-    split_rows(x, ldx, M, K, k_pad, begin, end, hi, lo);
-  });
-  gemm(out, ldo, hi, lo, w, M, N, k_pad, e);
+  gemm(out, ldo, x, ldx, w, M, N, K, k_pad, e);
 }
 
 }  // namespace minivllm_f16_amx
