@@ -106,8 +106,9 @@ def prepack_linear(op: ColumnParallelLinear | RowParallelLinear | ParallelLMHead
         return  # a GGUF file's blocks, multiplied as they are
     weight = op.weight  # [out, in]
     if op.prefill_only and not weight.is_mkldnn and f16_amx_applies(weight):
-        # float16 on AMX-BF16 tiles (f16_amx.py); the plain weight stays for forward_native
-        op.register_buffer("f16_amx_weight", f16_amx_pack(weight.detach()), persistent=False)
+        # float16 on AMX-BF16 tiles (f16_amx.py); the plain weight stays for forward_native. A
+        # plain attribute, not a buffer: `Module.to(dtype)` must not cast the bfloat16 tiles.
+        op.f16_amx_weight = f16_amx_pack(weight.detach())
         return
     tied = isinstance(op, ParallelLMHead) and op.tied
     # weight.is_mkldnn: packed by an earlier dispatch already
@@ -258,7 +259,7 @@ def amx_f16_linear(layer: object) -> bool:
     )
 
 
-def amx_pack(layer: nn.Module) -> torch.Tensor:  # the buffer `prepack_linear` registered
+def amx_pack(layer: nn.Module) -> torch.Tensor:  # the tiles `prepack_linear` packed
     pack = layer.f16_amx_weight
     assert isinstance(pack, torch.Tensor)
     return pack

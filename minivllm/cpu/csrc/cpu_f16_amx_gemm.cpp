@@ -15,7 +15,7 @@
 // that XLA and cuBLAS use to run float32 on bfloat16 units). The GEMM rounds once, to float16, after
 // the epilogue (bias, GELU, residual add) has run on the float32 sums, as oneDNN's post-ops do.
 //
-// Layout. The weight is split and packed once, at load (minivllm/cpu/ops.py `f16_amx_pack`):
+// Layout. The weight is split and packed once, at load (minivllm/cpu/f16_amx.py `f16_amx_pack`):
 // [N / 16, K / 32, 2 (hi, lo), 16, 32] bfloat16, one 1 KiB tile per (16 output columns, 32 inputs,
 // hi or lo), in the tiles' pair-interleaved order (row r holds inputs 2r and 2r + 1 of each of the
 // 16 columns). Work items of (a panel of kPanelRows rows of x, a run of kPairsPerItem column
