@@ -6,7 +6,8 @@ with its float32 loops for AVX-512 and AVX2 in `cpu_attention_avx512.cpp` and
 (`cpu_encoder_attention.cpp`), the fused layer ops (`cpu_layernorm.cpp`: RMSNorm;
 `cpu_activation_rope.cpp`: SiLU-and-mul, RoPE), the skinny GEMM of decode's linears
 (`cpu_skinny_gemm.cpp`), the linears on GGUF's quantized blocks and their dequantization
-(`cpu_gguf_gemm*.cpp`; the K-quants' prefill on AMX tiles, `cpu_gguf_amx.cpp`), Punica's LoRA shrink and expand (`cpu_lora_punica.cpp`) and the loop that runs a decode step's layers in one call
+(`cpu_gguf_gemm*.cpp`; the K-quants' prefill on AMX tiles, `cpu_gguf_amx.cpp`), float16 linears
+on AMX-BF16 tiles (`cpu_f16_amx_gemm.cpp`), Punica's LoRA shrink and expand (`cpu_lora_punica.cpp`) and the loop that runs a decode step's layers in one call
 (`cpu_decode_layers.cpp`); all register under `torch.ops.minivllm_cpu`, so one build and one load
 serve them all.
 The library is built once per instruction-set level it has code for (minivllm/cpu/isa.py: a
@@ -86,6 +87,7 @@ SOURCES = tuple(
         "cpu_gguf_gemm_avx2.cpp",
         "cpu_gguf_gemm_bf16.cpp",
         "cpu_gguf_amx.cpp",
+        "cpu_f16_amx_gemm.cpp",
         "cpu_decode_layers.cpp",
         "cpu_lora_punica.cpp",
     )

@@ -14,7 +14,10 @@ commands):
   float32) for the skinny GEMM's small lead at a handful of float32 rows. `forward_native` and
   `state_dict()` read it back plain, exactly. bfloat16 weights are packed where the CPU has bf16
   dot-product instructions (AVX512-BF16, AMX): MKL's bf16 `aten::mm` does not use them, oneDNN
-  does; float16 weights where it has AVX512-FP16 or AMX-FP16, for the same reason. oneDNN's
+  does; float16 weights where it has AVX512-FP16 or AMX-FP16, for the same reason. A
+  prefill-only float16 layer (an encoder's, `LinearBase.prefill_only`) on a CPU with AMX-BF16
+  but no AMX-FP16 runs on the AMX-BF16 tiles instead, its weight split exactly into two bfloat16
+  (f16_amx.py), with BERT's epilogues in the tile kernel's. oneDNN's
   output is token-major. A weight oneDNN does not pack (no oneDNN, float16 on other CPUs) stays
   plain: up to `SKINNY_GEMM_MAX_ROWS` float32 rows go to the skinny GEMM (`cpu_skinny_gemm.cpp`,
   which streams the weight once; token-major rows), more to MKL as (W · xᵀ)ᵀ, the operand order
@@ -45,6 +48,7 @@ import torch
 from torch import nn
 
 from minivllm.cpu import ops as cpu_ops
+from minivllm.cpu.f16_amx import f16_amx_applies, f16_amx_linear, f16_amx_pack
 from minivllm.envs import cpu_gguf_dot, cpu_gguf_gemm_rows
 from minivllm.model.custom_op import register_forward
 from minivllm.model.layers.layernorm import RMSNorm, SiluAndMul
@@ -101,6 +105,11 @@ def prepack_linear(op: ColumnParallelLinear | RowParallelLinear | ParallelLMHead
     if op.quant_method is not None:
         return  # a GGUF file's blocks, multiplied as they are
     weight = op.weight  # [out, in]
+    if op.prefill_only and not weight.is_mkldnn and f16_amx_applies(weight):
+        # float16 on AMX-BF16 tiles (f16_amx.py); the plain weight stays for forward_native. A
+        # plain attribute, not a buffer: `Module.to(dtype)` must not cast the bfloat16 tiles.
+        op.f16_amx_weight = f16_amx_pack(weight.detach())
+        return
     tied = isinstance(op, ParallelLMHead) and op.tied
     # weight.is_mkldnn: packed by an earlier dispatch already
     if not weight.is_mkldnn and not tied and onednn_packs(weight):
@@ -134,6 +143,8 @@ def op_linear(
 ) -> torch.Tensor:  # [M, in] -> [M, out]
     if op.quant_method is not None:
         return gguf_linear_cpu(op, x, bias)
+    if hasattr(op, "f16_amx_weight"):  # float16 on AMX-BF16 tiles (prepack_linear)
+        return f16_amx_linear(x, amx_pack(op), op.weight.shape[0], bias)
     if op.weight.is_mkldnn:  # [out, in] in oneDNN's layout (prepack_linear): every row count
         return packed_linear(x, op.weight, bias)
     return cpu_linear(x, op.weight, bias)
@@ -239,10 +250,30 @@ def onednn_linear(layer: object) -> bool:
     )
 
 
+def amx_f16_linear(layer: object) -> bool:
+    """Whether `layer` is a plain linear whose float16 weight `prepack_linear` packed for AMX-BF16
+    tiles (f16_amx.py), whose epilogue the tile kernel's may take over."""
+    return (
+        isinstance(layer, (ColumnParallelLinear, RowParallelLinear))
+        and layer.quant_method is None
+        and hasattr(layer, "f16_amx_weight")
+    )
+
+
+def amx_pack(layer: nn.Module) -> torch.Tensor:  # the tiles `prepack_linear` packed
+    pack = layer.f16_amx_weight
+    assert isinstance(pack, torch.Tensor)
+    return pack
+
+
 @register_forward(BertIntermediate, "cpu")
 def bert_intermediate_forward_cpu(op: BertIntermediate, hidden: torch.Tensor) -> torch.Tensor:
     """gelu(x · Wᵀ + b) in one oneDNN call: GELU as the GEMM's post-op ("none": erf, as F.gelu)."""
     dense = op.dense
+    if amx_f16_linear(dense):
+        return f16_amx_linear(
+            hidden, amx_pack(dense), dense.weight.shape[0], dense.bias, None, op.approximate
+        )
     if not onednn_linear(dense):
         return op.forward_native(hidden)
     return torch.ops.mkldnn._linear_pointwise(
@@ -259,6 +290,9 @@ def bert_output_forward_cpu(
     """LayerNorm(x · Wᵀ + b + residual): the residual add as the GEMM's binary post-op."""
     dense = op.dense
     # Over several ranks the residual comes after the all-reduce of partial sums: unfused.
+    if amx_f16_linear(dense) and dense.tp.world_size == 1:
+        n = dense.weight.shape[0]
+        return op.LayerNorm(f16_amx_linear(hidden, amx_pack(dense), n, dense.bias, residual))
     if not onednn_linear(dense) or dense.tp.world_size > 1:
         return op.forward_native(hidden, residual)
     y = torch.ops.mkldnn._linear_pointwise.binary(

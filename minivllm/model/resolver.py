@@ -197,9 +197,15 @@ def resolve_pooling_dtype(checkpoint: torch.dtype, device: torch.device) -> torc
     and aarch64 CPU (`CpuPlatform.supported_dtypes`) as on CUDA. A 16-bit checkpoint runs in its
     own dtype, except bfloat16 on a GPU without it (float16, vLLM's fall-back).
 
-    Speed is not the reason: on a CPU with no float16 matrix instructions (AMX-FP16) oneDNN
-    multiplies float16 at float32's speed (docs/performance.md). A generator's "auto" stays the
+    One deviation: a float32 checkpoint stays float32 on a device that only emulates float16
+    (a CPU without AVX512-FP16 or AMX-FP16, e.g. AVX2: `slow_dtype_note`), where float16 runs
+    many times slower than float32 (docs/performance.md) and would only lose precision. Where the CPU has
+    AVX512-FP16, oneDNN runs float16 at float32's speed, and an encoder's float16 linears run on
+    AMX-BF16 tiles where it has them (minivllm/cpu/f16_amx.py). A generator's "auto" stays the
     platform's default (`resolve_dtype`)."""
-    if checkpoint == torch.bfloat16 and platform_for(device).default_dtype() != torch.float16:
+    platform = platform_for(device)
+    if checkpoint == torch.bfloat16 and platform.default_dtype() != torch.float16:
         return torch.bfloat16
+    if checkpoint == torch.float32 and platform.slow_dtype_note(torch.float16) is not None:
+        return torch.float32
     return torch.float16

@@ -34,6 +34,12 @@ class CpuPlatform(Platform):
         return torch.float32
 
     def slow_dtype_note(self, dtype: torch.dtype) -> str | None:
+        if dtype == torch.float16 and not float16_matmul():
+            return (
+                "dtype=float16 on a CPU without float16 matrix instructions (AVX512-FP16 or "
+                "AMX-FP16): its matmuls are emulated, many times slower than float32 here; "
+                "float32 is the faster choice"
+            )
         # float32 stays the default everywhere; bfloat16 is the user's choice, and on a CPU with
         # no bf16 dot products (AVX512-BF16 or AMX) PyTorch and oneDNN convert every operand to
         # float32 and back, which costs more than it saves.
@@ -66,3 +72,12 @@ class CpuPlatform(Platform):
         resolve_obj_by_qualname("minivllm.cpu.build.load_cpu_kernels")()
         importlib.import_module("minivllm.cpu.op_forwards")
         importlib.import_module("minivllm.cpu.moe")  # the fused MoE op (torch and oneDNN)
+
+
+def float16_matmul() -> bool:
+    """Whether float16 matmuls run on this CPU's own instructions: oneDNN's float16 GEMM, which
+    needs AVX512-FP16 or AMX-FP16 (and honours `ONEDNN_MAX_CPU_ISA`). Without them PyTorch's
+    float16 matmul is emulated, many times float32's time (docs/performance.md)."""
+    return torch.backends.mkldnn.is_available() and bool(
+        torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    )

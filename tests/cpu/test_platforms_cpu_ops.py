@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minivllm.cpu.f16_amx import f16_amx_applies
 from minivllm.cpu.op_forwards import onednn_packs, packed_linear
 from minivllm.distributed.parallel_state import SINGLE_DEVICE
 from minivllm.model.layers.linear import (
@@ -113,13 +114,25 @@ def test_cpu_dispatch_packs_weights_and_keeps_each_op_s_result(
         assert (got.float() - expected).abs().max().item() <= tol * scale
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_bert_sublayer_ends_fuse_gelu_and_the_residual_add_into_onednn(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "prefill_only"),
+    [
+        (torch.float32, False),
+        (torch.bfloat16, False),
+        (torch.float16, False),
+        (torch.float16, True),
+    ],
+)
+def test_bert_sublayer_ends_fuse_gelu_and_the_residual_add_into_onednn(
+    dtype: torch.dtype, prefill_only: bool
+) -> None:
     """BERT's up projection + GELU, and its output projection + residual add + LayerNorm, on the
     CPU: the elementwise work rides in oneDNN's GEMM as post-ops (on the float32 accumulator)
     wherever the weight is packed, and the result is `forward_native`'s: float32 to the sums'
     rounding; bfloat16 and float16 within one ulp of the output, which native rounds twice (the GEMM's result,
-    then the GELU's or the sum's) where the fused op rounds once."""
+    then the GELU's or the sum's) where the fused op rounds once. A prefill-only float16 layer (an
+    encoder's) runs on AMX-BF16 tiles where `f16_amx_applies`, epilogues in the tile kernel, with
+    the same result; its plain weight stays for `forward_native`."""
     config = BertConfig.from_hf_dict(
         {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
          "num_attention_heads": 4, "hidden_act": "gelu"}
@@ -132,13 +145,17 @@ def test_bert_sublayer_ends_fuse_gelu_and_the_residual_add_into_onednn(dtype: to
             for p in op.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     up, down = up.to(dtype), down.to(dtype)
+    up.dense.prefill_only = down.dense.prefill_only = prefill_only
     x = torch.randn(70, 64, generator=gen).to(dtype)  # [T, hidden]
     with torch.no_grad():
         expected = down.forward_native(up.forward_native(x), x).float()
+        tiles = prefill_only and f16_amx_applies(up.dense.weight)
+        packs = onednn_packs(up.dense.weight) and not tiles
         for op in (up, down, up.dense, down.dense):
             assert op.dispatch_forward("cpu")
-        packs = onednn_packs(up.dense.weight)
         assert up.dense.weight.is_mkldnn is packs and down.dense.weight.is_mkldnn is packs
+        assert hasattr(up.dense, "f16_amx_weight") is tiles
+        assert hasattr(down.dense, "f16_amx_weight") is tiles
         got = down(up(x), x)
     assert got.dtype == dtype and got.shape == expected.shape
     tol = {torch.float32: 1e-5, torch.bfloat16: 2**-6, torch.float16: 2**-9}[dtype]  # LN: ~1

@@ -18,6 +18,9 @@ import torch.nn.functional as F
 
 from minivllm import LLM, PoolingParams
 from minivllm.engine.arg_utils import EngineArgs
+from minivllm.model.resolver import resolve_pooling_dtype
+from minivllm.platforms import cpu as cpu_platform
+from minivllm.platforms.cpu import CpuPlatform
 from tests.utils.engine_utils import assert_no_blocks_held
 from tests.utils.pooling_utils import save_st_model, save_tiny_bert, save_tiny_decoder, st_encode
 
@@ -71,15 +74,23 @@ def test_bert_mean_embeddings_equal_sentence_transformers(minilm_llm: LLM, minil
 
 
 def test_pooling_dtype_auto_is_vllm_s_float16_and_stays_near_float32(
-    minilm: Path, tmp_path: Path
+    minilm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """vLLM's `dtype="auto"` for a pooling model (vllm/config/model.py `_resolve_auto_dtype`): a
     float32 checkpoint runs in float16 on the CPU too, a bfloat16 one in bfloat16; an explicit
-    dtype is kept, and a generator's "auto" is unchanged. The float16 run's embeddings stay within
-    float16's rounding of sentence-transformers' float32 ones, through the CPU backend's kernels
-    (its linears hand feature-major q/k/v to the encoder attention)."""
+    dtype is kept, and a generator's "auto" is unchanged. The one deviation: a CPU that only
+    emulates float16 (no AVX512-FP16 or AMX-FP16) keeps the float32 checkpoint's float32. The
+    float16 run's embeddings stay within float16's rounding of sentence-transformers' float32
+    ones, through the CPU backend's kernels (on AMX-BF16 tiles where the CPU has them)."""
+    emulated = CpuPlatform().slow_dtype_note(torch.float16) is not None
     resolved = EngineArgs(model=str(minilm)).create_engine_config().resolved
-    assert resolved.dtype == torch.float16
+    assert resolved.dtype == (torch.float32 if emulated else torch.float16)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_platform, "float16_matmul", lambda: False)
+        assert resolve_pooling_dtype(torch.float32, torch.device("cpu")) == torch.float32
+        assert resolve_pooling_dtype(torch.bfloat16, torch.device("cpu")) == torch.bfloat16
+        patch.setattr(cpu_platform, "float16_matmul", lambda: True)
+        assert resolve_pooling_dtype(torch.float32, torch.device("cpu")) == torch.float16
     explicit = EngineArgs(model=str(minilm), dtype="float32").create_engine_config()
     assert explicit.resolved.dtype == torch.float32
     bf16 = tmp_path / "bf16"

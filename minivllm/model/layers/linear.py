@@ -110,6 +110,10 @@ class LinearBase(CustomOp):
 
     quant_method: Any = None  # a LinearMethodBase where the checkpoint stores blocks
     weight: nn.Parameter  # [out, in]; a platform may hold it in its kernels' layout
+    # True for a layer that only ever runs prompts, never a decode step's few rows (an encoder's:
+    # BERT sets it): a platform may then pack its weight for many rows only (the CPU's float16
+    # linears on AMX-BF16 tiles, minivllm/cpu/f16_amx.py).
+    prefill_only: bool = False
 
 
 class ColumnParallelLinear(LinearBase):

@@ -40,6 +40,7 @@ from minivllm.model.custom_op import CustomOp
 from minivllm.model.errors import CorruptCheckpointError
 from minivllm.model.layers.linear import (
     ColumnParallelLinear,
+    LinearBase,
     QKVParallelLinear,
     RowParallelLinear,
     Sliceable,
@@ -215,6 +216,9 @@ class BertModel(nn.Module):
         )
         # One pipeline stage holds them all (pooling refuses pipeline parallelism).
         self.start_layer, self.end_layer = 0, config.num_hidden_layers
+        for module in self.modules():  # an encoder runs prompts only, never a decode step
+            if isinstance(module, LinearBase):
+                module.prefill_only = True
 
     def forward(
         self,
