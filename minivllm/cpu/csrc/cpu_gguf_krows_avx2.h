@@ -114,7 +114,8 @@ void tile_octet(const uint8_t* pk, int64_t ns, int64_t rows, const Tokens& x, in
         const __m256i wv = load32(q + 32 * g);
         for (int t = 0; t < T; ++t) {
           const __m256i p = _mm256_maddubs_epi16(wv, broadcast4(xs + t * K + 4 * g));
-          P[t] = i == 0 ? p : _mm256_add_epi16(P[t], p);
+          // kept: without it GCC reassociates the unrolled adds into a tree and spills the products
+          P[t] = i == 0 ? p : kept(_mm256_add_epi16(P[t], p));
         }
       }
       for (int t = 0; t < T; ++t) S[t] = scaled_sum(S[t], P[t], sc + 16 * j);
