@@ -100,6 +100,7 @@ HEADERS = tuple(
         "cpu_gguf_sum16.h",
         "cpu_gguf_kquant_avx2.h",
         "cpu_gguf_kfloat_avx2.h",
+        "cpu_gguf_krows_avx2.h",
         "cpu_gguf_xq_avx2.h",
         "cpu_gguf_tile_avx2.h",
         "cpu_gguf_block32_avx2.h",

@@ -289,6 +289,25 @@ def test_int8_dots_are_the_8bit_block_scheme() -> None:
         assert ((out - int8_reference(x, w, qtype)).abs() <= bound).all(), qtype.name
 
 
+@pytest.mark.parametrize("qtype", sorted(K_QUANTS), ids=lambda t: t.name)
+def test_int8_k_quant_prefill_tile_holds_the_largest_products(qtype: T) -> None:
+    # The K-quants' many-token tile (cpu_gguf_krows_avx2.h) adds a sub-scale's products in int16
+    # before scaling them; every quant at its largest (all bits set) and |xq| = 127 everywhere
+    # give the sums nearest int16's range, which must still come out exact. M = 12 takes that tile.
+    if not cpu_ops.gguf_has_int8_dot():
+        pytest.skip("this build (or CPU) has no int8 dot")
+    q = random_blocks(qtype, N, 512, seed=5).reshape(N, 2, -1)
+    quants = {T.Q4_K: slice(16, 144), T.Q5_K: slice(16, 176), T.Q6_K: slice(0, 192)}[qtype]
+    q[:, :, quants] = 0xFF
+    q = q.reshape(N, -1)
+    x = torch.ones(12, 512)
+    x[1::2] = -1.0
+    w = dequantize(q, qtype)
+    out = gguf_linear(x, torch.from_numpy(q), int(qtype), "int8").double()
+    magnitude = torch.from_numpy(np.abs(w)).double().sum(dim=1) * x.abs().max()
+    assert ((out - int8_reference(x, w, qtype)).abs() <= 4 * EPS32 * magnitude).all()
+
+
 def test_zero_tokens() -> None:
     q = torch.from_numpy(random_blocks(T.Q8_0, N, 256, seed=5))
     assert gguf_linear(torch.empty(0, 256), q, int(T.Q8_0)).shape == (0, N)

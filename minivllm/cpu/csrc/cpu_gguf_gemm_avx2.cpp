@@ -22,6 +22,9 @@
 // register tiles of R rows x T tokens run over the buffer, so that a 32-byte load of weights serves
 // T tokens and a load of x serves R rows; token panels keep the x rows that the tiles reread in L2.
 // The int8 buffer is a quarter of the float32 scratch that dequantize-then-multiply would write.
+// The K-quants' buffer interleaves 8 rows, one a lane (cpu_gguf_krows_avx2.h's `tile_octet`): x's
+// 4 bytes broadcast against 4 weights of each row, products summed in int16 before their scale,
+// and no horizontal sums.
 // At decode's few token rows (kInRegisterTokens) every type skips the buffer: writing and
 // rereading it costs more than the packed weight's own bytes, so each block is unpacked in
 // registers and dotted at once (tileK_in_registers here, tile32_in_registers in
@@ -29,8 +32,9 @@
 // row's output does not depend on the batch size.
 // The file's parts: x's 8-bit blocks (cpu_gguf_xq_avx2.h, shared with the AMX kernel), the
 // tiles' shared helpers (cpu_gguf_tile_avx2.h), the K-quants' unpacking
-// (cpu_gguf_kquant_avx2.h), the 32-weight types' unpacking and tiles (cpu_gguf_block32_avx2.h),
-// VNNI's own Q8_0 kernel (cpu_gguf_q8_0_vnni.h); here the K-quant tiles and the linears.
+// (cpu_gguf_kquant_avx2.h) and many-token tile (cpu_gguf_krows_avx2.h), the 32-weight types'
+// unpacking and tiles (cpu_gguf_block32_avx2.h), VNNI's own Q8_0 kernel (cpu_gguf_q8_0_vnni.h);
+// here the K-quants' decode tile and the linears.
 //
 // Threads split the weight rows (at::parallel_for); inside the parallel regions only raw pointers
 // and std::vector are touched: ATen ops there would run without the caller's InferenceMode.
@@ -64,6 +68,7 @@
 #include "cpu_gguf_kquant_avx2.h"
 #include "cpu_gguf_xq_avx2.h"
 #include "cpu_gguf_tile_avx2.h"
+#include "cpu_gguf_krows_avx2.h"
 #include "cpu_gguf_block32_avx2.h"
 #include "cpu_gguf_q8_0_vnni.h"
 
@@ -72,45 +77,7 @@ namespace {
 
 // ------------------------------------------------------------------------------ K-quant tiles
 
-// A group of unpacked rows, K-quants: q [rows][K] bytes, sc [rows][K / 256][8][16],
-// mn [rows][K / 256][16], d and dmin [rows][K / 256].
-struct RowsK { const uint8_t* q; const int16_t* sc; const int16_t* mn; const float* d; const float* dmin; };
-
-template <class X, int R, int T>
-void tileK(RowsK w, int64_t rows, const Tokens& x, int64_t t0, float* out, int64_t ldo) {
-  const int64_t K = x.K, ns = x.blocks;
-  int64_t row[R];
-  for (int r = 0; r < R; ++r) row[r] = std::min<int64_t>(r, rows - 1);
-  const int8_t* xq = x.xq.data() + t0 * K;
-  const float* dx = x.dx.data() + t0 * ns;
-  const int16_t* bsums = x.bsums.data() + t0 * ns * 16;
-  KSums<X, T> acc[R];
-  for (int64_t s = 0; s < ns; ++s) {
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const int64_t rs = row[r] * ns + s;
-      const uint8_t* q = w.q + row[r] * K + 256 * s;
-      const int16_t* sc = w.sc + rs * 128;
-      __m256i sumi[T];
-      for (int t = 0; t < T; ++t) sumi[t] = _mm256_setzero_si256();
-#pragma GCC unroll 2  // a full unroll lets GCC hoist all 32 dots, and spill them
-      for (int c = 0; c < 8; ++c) {
-        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
-        const __m256i scv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16 * c));
-#pragma GCC unroll 4
-        for (int t = 0; t < T; ++t) {
-          sumi[t] = dot32(sumi[t], qv, xq + t * K + 256 * s + 32 * c, scv);
-        }
-      }
-      const KScales k{load32(w.mn + rs * 16), w.d[rs], w.dmin[rs]};
-      acc[r].add(s, ns, sumi, k, bsums + s * 16, ns * 16, dx + s, ns);
-    }
-  }
-  for (int r = 0; r < rows; ++r) acc[r].finish(out + r, ldo);
-}
-
-
-// The same outputs as tileK, for rows [0, rows) of packed blocks w (row stride row_bytes) and
+// The same outputs as tile_octet (cpu_gguf_krows_avx2.h), for rows [0, rows) of packed blocks w (row stride row_bytes) and
 // tokens [t0, t0 + T), with every super-block unpacked in registers (X::dot) and dotted into the
 // T tokens at once: no buffer is written or reread. Each row's weight bytes are read once, in
 // order, so that a thread's rows are one stream that the hardware prefetcher follows.
@@ -184,6 +151,19 @@ int64_t group_rows(int64_t N, int64_t K, int64_t bytes_per_weight) {
   return (std::max<int64_t>(1, (N + groups - 1) / groups) + 3) / 4 * 4;
 }
 
+// The K-quants' many-token tiles (tile_octet): tokens a tile, x's bytes a token panel kept in L2,
+// and a work item's packed octets (about kOctetGroupBytes, also kept in L2).
+constexpr int kOctetTokens = 4;  // 4 int32 sums and 4 int16 ones live; 6 measured no faster, 8 slower
+constexpr int64_t kOctetPanelBytes = 256 * 1024, kOctetGroupBytes = 256 * 1024;
+// Rows per work item: whole octets of about kOctetGroupBytes, in a number of items that splits
+// evenly over the threads.
+int64_t octet_group_rows(int64_t N, int64_t octet_bytes) {
+  const int64_t threads = at::get_num_threads(), octets = (N + kOctet - 1) / kOctet;
+  const int64_t target = std::max<int64_t>(1, kOctetGroupBytes / octet_bytes);
+  const int64_t groups = threads * ((octets + threads * target - 1) / (threads * target));
+  return kOctet * std::max<int64_t>(1, (octets + groups - 1) / groups);
+}
+
 // The tiles over one group of unpacked rows: token panels of x that stay in L2; in a panel, each
 // R rows (their buffer in L1) against every tile of kTokens tokens. `tile(r0, rows, t0, T)` runs
 // the register tile of rows [r0, r0 + rows) and tokens [t0, t0 + T).
@@ -205,9 +185,8 @@ void over_group(int64_t rows, int64_t M, int64_t K, Tile&& tile) {
   }
 }
 
-// Rows per register tile: one token (decode): 4 rows share each load of x. More tokens: `many`
-// rows x 4 tokens, 2 for the 32-weight types (8 float sums); 1 for the K-quants, which also keep
-// 4 int32 sums of a super-block live, and whose x loads are memory operands of their dots.
+// Rows per register tile of the 32-weight types: one token (decode): 4 rows share each load of
+// x. More tokens: `many` rows x 4 tokens (2: 8 float sums).
 template <class F>
 void with_rows(int64_t M, int many, F&& f) {
   if (M == 1) f(std::integral_constant<int, 4>{});
@@ -265,7 +244,7 @@ void linearK(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t 
              int64_t K) {
   using Q = typename X::Q;
   const Tokens tok = quantize_tokens(x, ldx, M, K, 256);
-  const int64_t ns = K / 256, row_bytes = ns * Q::kBytes, G = group_rows(N, K, 3);
+  const int64_t ns = K / 256, row_bytes = ns * Q::kBytes;
   if (M <= kInRegisterTokens) {  // each kInRegisterRows rows against every tile of tokens
     at::parallel_for(0, (N + kInRegisterRows - 1) / kInRegisterRows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t n0 = begin * kInRegisterRows; n0 < std::min(N, end * kInRegisterRows); n0 += kInRegisterRows) {
@@ -279,30 +258,28 @@ void linearK(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t 
     });
     return;
   }
-  with_rows(M, 1, [&](auto r_) {
-    constexpr int R = decltype(r_)::value;
-    at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
-      std::vector<uint8_t> q(G * K);             // [G][K]
-      std::vector<int16_t> sc(G * ns * 128);     // [G][K / 256][8][16]
-      std::vector<int16_t> mn(G * ns * 16);      // [G][K / 256][16]
-      std::vector<float> d(G * ns), dmin(G * ns);  // [G][K / 256]
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t n0 = g * G, rows = std::min(G, N - n0);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t s = 0; s < ns; ++s) {
-            const int64_t rs = r * ns + s;
-            X::unpack(w + (n0 + r) * row_bytes + s * Q::kBytes,
-                      KBlock{q.data() + r * K + 256 * s, sc.data() + rs * 128, mn.data() + rs * 16,
-                             d.data() + rs, dmin.data() + rs});
-          }
-        over_group<R>(rows, M, K, [&](auto t_, int64_t r0, int64_t n, int64_t t0) {
-          const int64_t o = r0 * ns;
-          const RowsK rw{q.data() + r0 * K, sc.data() + o * 128, mn.data() + o * 16, d.data() + o,
-                         dmin.data() + o};
-          tileK<X, R, decltype(t_)::value>(rw, n, tok, t0, out + t0 * N + n0 + r0, N);
-        });
+  // Work items of G rows, packed octet by octet (tile_octet's layout), then token panels that stay
+  // in L2 against each octet, kOctetTokens tokens a tile.
+  const int64_t octet_bytes = ns * kOctetBytes<X>;
+  const int64_t G = octet_group_rows(N, octet_bytes);
+  const int64_t panel = std::max<int64_t>(kOctetTokens, kOctetPanelBytes / K / kOctetTokens * kOctetTokens);
+  at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> pk(G / kOctet * octet_bytes);  // [G / 8][ns][kOctetBytes<X>]
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * G, rows = std::min(G, N - n0), octets = (rows + kOctet - 1) / kOctet;
+      for (int64_t o = 0; o < octets; ++o)
+        pack_octet<X>(w + (n0 + kOctet * o) * row_bytes, row_bytes, std::min<int64_t>(kOctet, rows - kOctet * o), ns,
+                      pk.data() + o * octet_bytes);
+      for (int64_t p0 = 0; p0 < M; p0 += panel) {
+        const int64_t p1 = std::min(M, p0 + panel);
+        for (int64_t o = 0; o < octets; ++o)
+          for (int64_t t0 = p0; t0 < p1; t0 += kOctetTokens)
+            with_tile_tokens<kOctetTokens>(p1 - t0, [&](auto t_) {
+              tile_octet<X, decltype(t_)::value>(pk.data() + o * octet_bytes, ns, std::min<int64_t>(kOctet, rows - kOctet * o),
+                                                 tok, t0, out + t0 * N + n0 + kOctet * o, N);
+            });
       }
-    });
+    }
   });
 }
 

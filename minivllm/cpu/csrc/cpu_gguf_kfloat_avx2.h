@@ -67,6 +67,15 @@ inline V partials_tree(const V (&p)[8], Add add) {
   return add(kept(add(a, b)), kept(add(c, e)));
 }
 
+// The float steps on 8 outputs' partials at once (one output a lane): S, M their super-block's
+// integer totals, d, dmin, dx their scales.
+template <class X>
+inline __m256 k_step(__m256 acc, __m256i S, __m256i M, __m256 d, __m256 dmin, __m256 dx) {
+  if (X::kFoldMins) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(S, M)), _mm256_mul_ps(d, dx), acc);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(d, dx), acc);
+  return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(M), _mm256_mul_ps(dmin, dx), acc);
+}
+
 // One weight row's outputs for T <= 8 tokens, super-block by super-block (`add`), then `finish`.
 // T >= 2: partial l of token t is lane t of acc[l], and each super-block's totals come from one
 // transposition over the tokens. T = 1: partial l is lane l of acc[0], and 8 super-blocks' lanes
@@ -120,11 +129,8 @@ struct KSums {
   }
 
  private:
-  // The float steps on 8 outputs' partials at once: S, M their totals, d, dmin, dx their scales.
   static inline __m256 step(__m256 acc, __m256i S, __m256i M, __m256 d, __m256 dmin, __m256 dx) {
-    if (X::kFoldMins) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(S, M)), _mm256_mul_ps(d, dx), acc);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_mul_ps(d, dx), acc);
-    return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(M), _mm256_mul_ps(dmin, dx), acc);
+    return k_step<X>(acc, S, M, d, dmin, dx);
   }
   // T = 1: the n waiting super-blocks (lanes 0..n-1), dx their token's scales; lanes past n add
   // zero products (S = M = 0, scales 0), which leave their partials as they are.

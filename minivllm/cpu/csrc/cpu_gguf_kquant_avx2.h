@@ -125,6 +125,7 @@ inline void k_scales_to(const uint8_t* b, KBlock o) {  // the same, as `unpack` 
 struct Q4_Kx {
   using Q = Q4_K;
   static constexpr bool kFoldMins = false;
+  static constexpr int kSumGroups = 8;  // q <= 15: 8 pair sums of 2 · 15 · 127 fit int16
   static void unpack(const uint8_t* b, KBlock o) {
     const __m256i lo4 = _mm256_set1_epi8(0xF);
     for (int c = 0; c < 4; ++c) {
@@ -182,6 +183,7 @@ struct Q4_Kx {
 struct Q5_Kx {
   using Q = Q5_K;
   static constexpr bool kFoldMins = false;
+  static constexpr int kSumGroups = 4;  // q <= 31: 4 pair sums of 2 · 31 · 127 fit int16
   static void unpack(const uint8_t* b, KBlock o) {
     const __m256i lo4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
     const __m256i qh = load32(b + 16);
@@ -255,6 +257,7 @@ struct Q5_Kx {
 struct Q6_Kx {
   using Q = Q6_K;
   static constexpr bool kFoldMins = true;  // mn_j = 32 · sc_j and dmin = d: S - M in integers
+  static constexpr int kSumGroups = 2;  // q <= 63: 2 pair sums of 2 · 63 · 127 fit int16
   static void unpack(const uint8_t* b, KBlock o) {
     const __m256i lo4 = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
     for (int H = 0; H < 2; ++H) {
