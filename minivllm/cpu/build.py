@@ -96,6 +96,7 @@ SOURCES = tuple(
 HEADERS = tuple(
     Path(__file__).with_name("csrc") / name
     for name in (
+        "cpu_amx_tiles.h",
         "cpu_gguf_blocks.h",
         "cpu_gguf_sum16.h",
         "cpu_gguf_kquant_avx2.h",

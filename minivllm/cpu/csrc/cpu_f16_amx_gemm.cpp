@@ -46,6 +46,7 @@
 #include <unistd.h>
 #pragma GCC push_options
 #pragma GCC target("avx512bf16,amx-tile,amx-bf16")
+#include "cpu_amx_tiles.h"
 
 namespace minivllm_f16_amx {
 namespace {
@@ -60,21 +61,9 @@ constexpr int64_t kPairsPerItem = 4;    // column pairs (32 columns each) per wo
 
 enum Activation : int64_t { kNone = 0, kGeluErf = 1, kGeluTanh = 2 };
 
-// LDTILECFG's 64 bytes: palette 1, then each tile's bytes per row and rows.
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: float32 sums [16 rows][16 columns] of a 32 x 32 block; 4, 5: the two column
-// halves' weight tiles [16 input pairs][16 columns x 2]; 6, 7: the two row halves' x tiles
-// [16 rows][32 inputs]. All 16 x 64 bytes.
-void configure_tiles() {
-  alignas(64) TileConfig c;
-  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
-}
+// The tiles (minivllm_amx::configure_tiles: all 16 x 64 bytes): 0-3 float32 sums [16 rows][16
+// columns] of a 32 x 32 block; 4, 5: the two column halves' weight tiles [16 input pairs][16
+// columns x 2]; 6, 7: the two row halves' x tiles [16 rows][32 inputs].
 
 // x's rows [m_begin, m_end) split into bfloat16 hi and lo ([rows, k_pad] each, row-major):
 // hi = bf16(x) rounded to nearest even, lo = bf16(x - hi), exact. Rows past M and inputs past K
@@ -172,7 +161,7 @@ void gemm(uint16_t* out, int64_t ldo, const uint16_t* x, int64_t ldx, const uint
   const int64_t block_stride = k_steps * 2 * kTileElems;  // one 16-column block's tiles
   const int64_t lda = k_pad * 2;                          // bytes between x's rows
   at::parallel_for(0, panels * runs, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    minivllm_amx::configure_tiles();
     alignas(64) float sums[kBlockRows * 2 * kTileCols];
     // The panel's x split into hi and lo rows ([kPanelRows, k_pad] each), by this thread, when
     // its first item of the panel comes: the split stays in L2 for the panel's items.
@@ -250,9 +239,7 @@ bool available() {
     unsigned a1, b1, c1, d1;
     if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) return false;
     const bool avx512_bf16 = a1 & (1u << 5);
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return amx_bf16 && tile && avx512_bf16 &&
-           syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+    return amx_bf16 && tile && avx512_bf16 && minivllm_amx::tile_data_granted();
   }();
   return has;
 }

@@ -47,6 +47,7 @@
 #include <unistd.h>
 #pragma GCC push_options
 #pragma GCC target("avx512vnni,amx-tile,amx-int8")
+#include "cpu_amx_tiles.h"
 #define MINIVLLM_INT8_VNNI 1
 #include "cpu_gguf_kquant_avx2.h"
 #include "cpu_gguf_xq_avx2.h"
@@ -58,20 +59,9 @@ using minivllm_gguf_avx2::KBlock;
 using minivllm_gguf_avx2::Tokens;
 using minivllm_gguf_avx2::partials_tree;
 
-// LDTILECFG's 64 bytes: palette 1, then each tile's bytes per row and rows.
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-// Every tile 16 rows x 64 bytes: tiles 0..3 int32 products [16 tokens][16 weight rows], tile 4
-// 16 tokens x 64 bytes of xq, tiles 5..7 16 rows of 16 weight rows x 4 bytes.
-void configure_tiles() {
-  alignas(64) TileConfig c;
-  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
-}
-
+// The tiles (minivllm_amx::configure_tiles: every tile 16 rows x 64 bytes): 0..3 int32 products
+// [16 tokens][16 weight rows], 4 16 tokens x 64 bytes of xq, 5..7 16 rows of 16 weight rows x 4
+// bytes.
 constexpr int64_t kRows = 32;  // weight rows per block: two tiles' columns
 constexpr int64_t kItemBytes = 256 * 1024;   // a work item's blocks in the tiles' layout
 constexpr int64_t kPanelBytes = 512 * 1024;  // token rows of xq that the item's blocks reread
@@ -246,7 +236,7 @@ void linear(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M
   const int64_t per_item = std::clamp<int64_t>(kItemBytes / (Amx<X>::kParts * kRows * K), 1, 16);
   const int64_t panel = std::max<int64_t>(16, kPanelBytes / K / 16 * 16);
   at::parallel_for(0, (blocks + per_item - 1) / per_item, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    minivllm_amx::configure_tiles();
     std::vector<WeightBlock<X>> wb(per_item, WeightBlock<X>(ns));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b0 = item * per_item, b1 = std::min(blocks, b0 + per_item);
@@ -272,8 +262,7 @@ bool has_amx() {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     const bool tile = d & (1u << 24), int8 = d & (1u << 25), vnni = c & (1u << 11);
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return tile && int8 && vnni && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+    return tile && int8 && vnni && minivllm_amx::tile_data_granted();
   }();
   return has;
 }
