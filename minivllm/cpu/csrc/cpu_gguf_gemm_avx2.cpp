@@ -185,15 +185,6 @@ void over_group(int64_t rows, int64_t M, int64_t K, Tile&& tile) {
   }
 }
 
-// Rows per register tile of the 32-weight types: one token (decode): 4 rows share each load of
-// x. More tokens: `many` rows x 4 tokens (2: 8 float sums).
-template <class F>
-void with_rows(int64_t M, int many, F&& f) {
-  if (M == 1) f(std::integral_constant<int, 4>{});
-  else if (many == 2) f(std::integral_constant<int, 2>{});
-  else f(std::integral_constant<int, 1>{});
-}
-
 template <class X>
 void linear32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M, int64_t N,
               int64_t K) {
@@ -214,28 +205,27 @@ void linear32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t
     });
     return;
   }
-  const int64_t G = group_rows(N, K, 2);
-  with_rows(M, 2, [&](auto r_) {
-    constexpr int R = decltype(r_)::value;
-    at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
-      std::vector<uint8_t> q(G * ldq, 0);  // [G][padded64(K)] this thread's rows, a byte a weight
-      std::vector<float> A(G * ldq / 8, 0.0f);  // [G][padded64(K) / 64][8]   (pair_lanes)
-      std::vector<float> B(G * nbp, 0.0f);  // [G][padded8(K / 32)]
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t n0 = g * G, rows = std::min(G, N - n0);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t b = 0; b < nb; ++b) {
-            float a;
-            unpack<X>(w + (n0 + r) * row_bytes + b * Q::kBytes, q.data() + r * ldq + 32 * b, a,
-                      B[r * nbp + b]);
-            pair_lanes(A.data() + r * ldq / 8, b, a);
-          }
-        over_group<R>(rows, M, K, [&](auto t_, int64_t r0, int64_t n, int64_t t0) {
-          const Rows32 rw{q.data() + r0 * ldq, A.data() + r0 * ldq / 8, B.data() + r0 * nbp};
-          tile32<X, R, decltype(t_)::value>(rw, n, tok, t0, out + t0 * N + n0 + r0, N);
-        });
-      }
-    });
+  // Past the in-register tokens: 2 weight rows x 4 tokens a register tile (8 float sums).
+  constexpr int R = 2;
+  const int64_t G = group_rows(N, K, R);
+  at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> q(G * ldq, 0);  // [G][padded64(K)] this thread's rows, a byte a weight
+    std::vector<float> A(G * ldq / 8, 0.0f);  // [G][padded64(K) / 64][8]   (pair_lanes)
+    std::vector<float> B(G * nbp, 0.0f);  // [G][padded8(K / 32)]
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * G, rows = std::min(G, N - n0);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+          float a;
+          unpack<X>(w + (n0 + r) * row_bytes + b * Q::kBytes, q.data() + r * ldq + 32 * b, a,
+                    B[r * nbp + b]);
+          pair_lanes(A.data() + r * ldq / 8, b, a);
+        }
+      over_group<R>(rows, M, K, [&](auto t_, int64_t r0, int64_t n, int64_t t0) {
+        const Rows32 rw{q.data() + r0 * ldq, A.data() + r0 * ldq / 8, B.data() + r0 * nbp};
+        tile32<X, R, decltype(t_)::value>(rw, n, tok, t0, out + t0 * N + n0 + r0, N);
+      });
+    }
   });
 }
 
