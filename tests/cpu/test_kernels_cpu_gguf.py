@@ -363,9 +363,10 @@ def test_a_row_s_output_does_not_depend_on_the_batch_around_it(qtype: T, dot: st
         pytest.skip("this CPU (or build) has no AVX512-BF16")
     if dot == "int8" and (gguf_dot_kind() == "int8" or not cpu_ops.gguf_has_int8_dot()):
         pytest.skip("no int8 dot apart from this build's own product")
-    # K-quants: 11 super-blocks a row, so that their 8 float partials (cpu_gguf_kfloat_avx2.h)
-    # wrap around and the last group of 8 is partial
-    k = 2816 if qtype in K_QUANTS else 512
+    # 11 super-blocks (K-quants) or 19 blocks (the others) a row, so that their 8 float partials
+    # (cpu_gguf_kfloat_avx2.h, cpu_gguf_block32_avx2.h) wrap around and the last group of 8 is
+    # partial; 19 blocks also leave a pair of one block
+    k = 2816 if qtype in K_QUANTS else 608
     q = torch.from_numpy(random_blocks(qtype, N, k, seed=3))
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([gguf_linear(x[i : i + 1], q, int(qtype), dot) for i in range(9)])
