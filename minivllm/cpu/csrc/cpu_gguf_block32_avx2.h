@@ -187,8 +187,8 @@ void tile32(Rows32 w, int64_t rows, const Tokens& x, int64_t t0, float* out, int
 // The same outputs as tile32, for rows [0, rows) (<= R) of packed blocks w (row stride row_bytes)
 // and tokens [t0, t0 + T), with each block pair unpacked in registers and dotted at once into the
 // T tokens: the same int32 lanes, the group's scales gathered into A and B vectors, the same float
-// steps. Each (row, token) keeps its group's first two pairs' lanes (hadd) while the last two are
-// dotted. The rows' bytes are read once, in order; the tile's R rows are one run of R · row_bytes,
+// steps. Row by row, each token keeps the row's group's first two pairs' lanes (hadd) while the
+// last two are dotted. The rows' bytes are read once, in order; the tile's R rows are one run of R · row_bytes,
 // and each row prefetches its bytes in the tiles of whole runs at least kPrefetchAhead on, so the
 // later runs are asked for in full, whatever the row length (a fixed distance ahead of each row
 // fell inside the tile's own rows at K = 1536, unasked beyond).
@@ -206,38 +206,37 @@ void tile32_in_registers(const uint8_t* w, int64_t row_bytes, int64_t rows, cons
   __m256 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < nbp / 8; ++g) {
-    alignas(32) float A[R][8] = {}, B[R][8] = {};  // the group's scales, zeros past the last block
-    __m256i lo[R][T], v0[R][T];  // hadd(pair 0, pair 1); the group's pair 0 or 2
+  for (int64_t g = 0; g < nbp / 8; ++g)
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const int64_t b = 8 * g + 2 * i;  // the pair's first block
+    for (int r = 0; r < R; ++r) {  // a row's group, then the next row's: few sums wait at once
+      alignas(32) float A[8] = {}, B[8] = {};  // the group's scales, zeros past the last block
+      __m256i lo[T], v0[T];  // hadd(pair 0, pair 1); the group's pair 0 or 2
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < 4; ++i) {
+        const int64_t b = 8 * g + 2 * i;  // the pair's first block
         __m256i q0 = _mm256_setzero_si256(), q1 = _mm256_setzero_si256();
         if (b < nb) {  // a missing second block: zero quants and scales, as tile32's buffer pads it
           const uint8_t* p = wr[r] + b * Q::kBytes;
 #pragma GCC unroll 2
           for (int l = 0; l < (2 * Q::kBytes + 63) / 64; ++l)
             _mm_prefetch(reinterpret_cast<const char*>(p + ahead) + 64 * l, _MM_HINT_T0);
-          q0 = X::quants(p), X::scales(p, A[r][2 * i], B[r][2 * i]);
-          if (b + 1 < nb) q1 = X::quants(p + Q::kBytes), X::scales(p + Q::kBytes, A[r][2 * i + 1], B[r][2 * i + 1]);
+          q0 = X::quants(p), X::scales(p, A[2 * i], B[2 * i]);
+          if (b + 1 < nb) q1 = X::quants(p + Q::kBytes), X::scales(p + Q::kBytes, A[2 * i + 1], B[2 * i + 1]);
         }
 #pragma GCC unroll 8
         for (int t = 0; t < T; ++t) {
           const int8_t* xt = xq + t * ldq + 32 * b;
           const __m256i v = b < nb ? pair_dot<X>(q0, xt, q1, xt + 32) : _mm256_setzero_si256();
-          if (i % 2 == 0) v0[r][t] = v;
-          else if (i == 1) lo[r][t] = _mm256_hadd_epi32(v0[r][t], v);
+          if (i % 2 == 0) v0[t] = v;
+          else if (i == 1) lo[t] = _mm256_hadd_epi32(v0[t], v);
           else {
-            const __m256i S = block_totals(lo[r][t], _mm256_hadd_epi32(v0[r][t], v));
-            acc[r][t] = block_step<X>(acc[r][t], S, _mm256_load_ps(A[r]), _mm256_loadu_ps(dx + t * nbp + 8 * g),
-                                      _mm256_load_ps(B[r]), _mm256_loadu_ps(sx + t * nbp + 8 * g));
+            const __m256i S = block_totals(lo[t], _mm256_hadd_epi32(v0[t], v));
+            acc[r][t] = block_step<X>(acc[r][t], S, _mm256_load_ps(A), _mm256_loadu_ps(dx + t * nbp + 8 * g),
+                                      _mm256_load_ps(B), _mm256_loadu_ps(sx + t * nbp + 8 * g));
           }
         }
       }
     }
-  }
   for (int r = 0; r < rows; ++r)
     for (int t = 0; t < T; ++t) out[t * ldo + r] = block_output(acc[r][t]);
 }
