@@ -67,7 +67,9 @@ def test_amx_32_weight_rows_equal_the_vnni_kernel_s_bit_for_bit(qtype: T) -> Non
     for m in (1, 8, 15, 16, 17, 40):
         vnni, tiles = vnni_and_amx(x[:m], q, int(qtype))
         assert torch.equal(tiles, vnni), f"M = {m}"
-    alone = torch.cat([cpu_ops.gguf_linear(x[i : i + 1], q, int(qtype), "int8") for i in (0, 4, 39)])
+    alone = torch.cat(
+        [cpu_ops.gguf_linear(x[i : i + 1], q, int(qtype), "int8") for i in (0, 4, 39)]
+    )
     assert torch.equal(tiles[[0, 4, 39]], alone)
 
 
