@@ -33,6 +33,8 @@
 // process that asks (arch_prctl ARCH_REQ_XCOMP_PERM), once; `gguf_has_amx` asks, and is false on
 // CPUs without AMX-INT8 or kernels that refuse, where the VNNI kernel runs instead.
 // tests/cpu/test_kernels_cpu_gguf_amx.py holds every output to the VNNI kernel's, bit for bit.
+// Q4_0, Q4_1, Q5_0 and Q5_1 run the same idea per block of 32 weights (cpu_gguf_amx32.h, included
+// below): whole-block integer sums from 32-byte tile products, then the VNNI kernel's float steps.
 
 #include "cpu_gguf_blocks.h"
 
