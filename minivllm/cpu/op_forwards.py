@@ -154,22 +154,24 @@ def op_linear(
 # (`cpu_ops.gguf_has_int8_dot()`: AVX-512 builds on a CPU with AVX512-VNNI, and every AVX2 build,
 # where it is the "float32" product too): the K-quants Q4_K, Q5_K, Q6_K, whose integer code dots
 # each super-block in registers at decode's rows and applies the sub-block scales to int32 sums;
-# and Q8_0, whose bytes are dotted where they lie. Q4_0 and Q4_1 (the bundled SmolLM2) keep the
-# bf16 dot where the CPU has one: their 8-bit dot measured faster (docs/performance.md, "Q4_1 on
-# the 8-bit dot"), but on the bundled model it changes a chat answer's knife-edge first token
-# where the bf16 dot keeps the dequantized model's (llama.cpp's q4_1 x q8_1 answers as the 8-bit
-# dot does: 8-bit activations, not a kernel fault; the same page, "Understood"). Q5_0 and Q5_1
-# keep the float32 tiles (or the bf16 dot).
+# Q8_0, whose bytes are dotted where they lie; and Q4_0, Q4_1 (the bundled SmolLM2), whose blocks
+# are dotted in registers at decode's rows and on AMX tiles from 16 rows (whole-block integer
+# sums, cpu_gguf_amx32.h): faster than their bf16 dot at one row, 32 and thousands
+# (docs/performance.md, "Q4_0 and Q4_1 on whole-block sums"). On the bundled model the 8-bit dot
+# changes a chat answer's knife-edge first token where the bf16 dot keeps the dequantized model's;
+# llama.cpp's q4_1 x q8_1 answers as the 8-bit dot does (8-bit activations, not a kernel fault:
+# the same page, "Understood"), and `MINIVLLM_CPU_GGUF_DOT=bf16` keeps the other.
+# Q5_0 and Q5_1 keep the float32 tiles (or the bf16 dot): not measured.
 # cpu_gguf_gemm.cpp's header has the reasoning; benchmarks/gguf_small_m.py times the three dots
 # side by side.
-INT8_BY_DEFAULT = frozenset({8, 12, 13, 14})
+INT8_BY_DEFAULT = frozenset({2, 3, 8, 12, 13, 14})
 
 
 @functools.cache
 def gguf_dot(qtype: int) -> str:
     """The quantized GEMM's products for weights of GGML type `qtype`, "bf16", "float32" or
     "int8": MINIVLLM_CPU_GGUF_DOT for every type where it is set, else (auto) "int8" for the
-    K-quants and Q8_0 (`INT8_BY_DEFAULT`) where the library has 8-bit dots, and for the others bf16 on a
+    K-quants, Q8_0, Q4_0 and Q4_1 (`INT8_BY_DEFAULT`) where the library has 8-bit dots, and for the others bf16 on a
     CPU with AVX512-BF16 (twice the products a cycle; within 2^-8 of float32's each, as llama.cpp's
     8-bit activations are within theirs), else "float32". Read once per process and type.
     "float32" is the library's own product: float32 on AVX-512 and generic builds, 8-bit integer

@@ -363,9 +363,10 @@ def test_a_row_s_output_does_not_depend_on_the_batch_around_it(qtype: T, dot: st
         pytest.skip("this CPU (or build) has no AVX512-BF16")
     if dot == "int8" and (gguf_dot_kind() == "int8" or not cpu_ops.gguf_has_int8_dot()):
         pytest.skip("no int8 dot apart from this build's own product")
-    # K-quants: 11 super-blocks a row, so that their 8 float partials (cpu_gguf_kfloat_avx2.h)
-    # wrap around and the last group of 8 is partial
-    k = 2816 if qtype in K_QUANTS else 512
+    # 11 super-blocks (K-quants) or 19 blocks (the others) a row, so that their 8 float partials
+    # (cpu_gguf_kfloat_avx2.h, cpu_gguf_block32_avx2.h) wrap around and the last group of 8 is
+    # partial; 19 blocks also leave a pair of one block
+    k = 2816 if qtype in K_QUANTS else 608
     q = torch.from_numpy(random_blocks(qtype, N, k, seed=3))
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([gguf_linear(x[i : i + 1], q, int(qtype), dot) for i in range(9)])
@@ -377,8 +378,8 @@ def test_a_row_s_output_does_not_depend_on_the_batch_around_it(qtype: T, dot: st
 def test_auto_gives_the_k_quants_int8_where_there_are_8bit_dots_and_a_missing_kind_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The engine's choice per block type (op_forwards.gguf_dot), on each kind of CPU: the K-quants
-    # and Q8_0 take 8-bit dots where the library has them, the other 32-weight types bf16 or
+    # The engine's choice per block type (op_forwards.gguf_dot), on each kind of CPU: the K-quants,
+    # Q8_0, Q4_0 and Q4_1 take 8-bit dots where the library has them, Q5_0 and Q5_1 bf16 or
     # float32; a forced kind holds for every type, and one the CPU lacks is refused by name.
     from minivllm.cpu import op_forwards
 
@@ -388,7 +389,7 @@ def test_auto_gives_the_k_quants_int8_where_there_are_8bit_dots_and_a_missing_ki
         monkeypatch.setattr(cpu_ops, "gguf_has_bf16_dot", lambda: bf16)
         op_forwards.gguf_dot.cache_clear()
 
-    int8_types, others = (8, 12, 13, 14), (2, 3, 6, 7)
+    int8_types, others = (2, 3, 8, 12, 13, 14), (6, 7)
     try:
         for int8, bf16, k_dot, other_dot in [
             (True, True, "int8", "bf16"),  # AVX512-BF16 and VNNI
@@ -396,8 +397,8 @@ def test_auto_gives_the_k_quants_int8_where_there_are_8bit_dots_and_a_missing_ki
             (False, False, "float32", "float32"),  # AVX-512 without VNNI, generic, ARM
         ]:
             cpu("auto", int8, bf16)
-            assert [op_forwards.gguf_dot(t) for t in int8_types] == [k_dot] * 4
-            assert [op_forwards.gguf_dot(t) for t in others] == [other_dot] * 4
+            assert [op_forwards.gguf_dot(t) for t in int8_types] == [k_dot] * 6
+            assert [op_forwards.gguf_dot(t) for t in others] == [other_dot] * 2
         cpu("bf16", True, True)
         assert {op_forwards.gguf_dot(t) for t in int8_types + others} == {"bf16"}
         cpu("int8", False, True)

@@ -1,8 +1,9 @@
-"""The K-quants' AMX kernel (minivllm/cpu/csrc/cpu_gguf_amx.cpp) against the AVX512-VNNI one, bit
-for bit.
+"""The AMX kernels (minivllm/cpu/csrc/cpu_gguf_amx.cpp: the K-quants; cpu_gguf_amx32.h: Q4_0, Q4_1,
+Q5_0, Q5_1) against the AVX512-VNNI one, bit for bit.
 
-The AMX tiles sum each scale group's integer products in another order than the VNNI lanes, and
-then run the same float steps on the same whole-super-block integers (the C++ header says why), so
+The AMX tiles sum each scale group's (or 32-weight block's) integer products in another order than
+the VNNI lanes, and then run the same float steps on the same whole-super-block (whole-block)
+integers (the C++ headers say why), so
 every output must equal the VNNI kernel's exactly (`torch.equal`), at any token count: partial
 token tiles (M not a multiple of 16), a partial block of 32 weight rows (N = 37), and on two
 threads, whose workers each configure their own tile registers. Rows computed one at a time (the
@@ -21,6 +22,7 @@ from minivllm.cpu.build import load_cpu_kernels
 from tests.cpu.test_kernels_cpu_gguf import T, random_blocks
 
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
+BLOCK32 = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
 N = 37
 
 
@@ -54,7 +56,24 @@ def test_amx_rows_equal_the_vnni_kernel_s_bit_for_bit(qtype: T) -> None:
     assert torch.equal(tiles[[0, 50, 99]], alone)
 
 
-@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", BLOCK32, ids=lambda t: t.name)
+def test_amx_32_weight_rows_equal_the_vnni_kernel_s_bit_for_bit(qtype: T) -> None:
+    # K = 608: 19 blocks a row, so that the 8 float partials wrap around, the last group of 8 is
+    # partial and the last pair one block (an odd count)
+    q = torch.from_numpy(random_blocks(qtype, N, 608, seed=7))
+    x = torch.randn(40, 608, generator=torch.Generator().manual_seed(7))
+    x[3] = 0.0  # an all-zero row: its blocks' scale is 0
+    x[4, :32] *= 1e4  # one block far larger than the others
+    for m in (1, 8, 15, 16, 17, 40):
+        vnni, tiles = vnni_and_amx(x[:m], q, int(qtype))
+        assert torch.equal(tiles, vnni), f"M = {m}"
+    alone = torch.cat(
+        [cpu_ops.gguf_linear(x[i : i + 1], q, int(qtype), "int8") for i in (0, 4, 39)]
+    )
+    assert torch.equal(tiles[[0, 4, 39]], alone)
+
+
+@pytest.mark.parametrize("qtype", [*K_QUANTS, T.Q4_1], ids=lambda t: t.name)
 def test_amx_on_two_threads_in_inference_mode(qtype: T) -> None:
     # Each worker loads its tile configuration (thread state); N = 300 gives each several blocks.
     q = torch.from_numpy(random_blocks(qtype, 300, 512, seed=6))
@@ -76,7 +95,8 @@ def test_the_int8_dot_takes_amx_for_prefill_rows_unless_switched_off(
     rows = cpu_ops.GGUF_AMX_MIN_ROWS
     assert cpu_ops.gguf_amx_applies(rows, int(T.Q4_K))
     assert not cpu_ops.gguf_amx_applies(rows - 1, int(T.Q4_K))  # decode: the in-register tiles
-    assert not cpu_ops.gguf_amx_applies(rows, int(T.Q4_1))  # no AMX kernel for the 32-weight types
+    assert cpu_ops.gguf_amx_applies(rows, int(T.Q4_1))
+    assert not cpu_ops.gguf_amx_applies(rows, int(T.Q8_0))  # its VNNI kernel is its own
     monkeypatch.setenv("MINIVLLM_CPU_AMX", "0")
     assert not cpu_ops.gguf_amx_applies(rows, int(T.Q4_K))
     monkeypatch.setenv("MINIVLLM_CPU_AMX", "yes")
@@ -85,6 +105,6 @@ def test_the_int8_dot_takes_amx_for_prefill_rows_unless_switched_off(
 
 
 def test_amx_refuses_a_type_without_a_kernel_by_number() -> None:
-    x, q = torch.zeros(16, 64), torch.zeros(4, 40, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="GGML type 3 has no AMX kernel"):
-        torch.ops.minivllm_cpu.gguf_linear_amx(torch.empty(16, 4), x, q, 3)
+    x, q = torch.zeros(16, 64), torch.zeros(4, 68, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="GGML type 8 has no AMX kernel"):
+        torch.ops.minivllm_cpu.gguf_linear_amx(torch.empty(16, 4), x, q, 8)

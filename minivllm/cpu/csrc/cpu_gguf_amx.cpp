@@ -33,6 +33,8 @@
 // process that asks (arch_prctl ARCH_REQ_XCOMP_PERM), once; `gguf_has_amx` asks, and is false on
 // CPUs without AMX-INT8 or kernels that refuse, where the VNNI kernel runs instead.
 // tests/cpu/test_kernels_cpu_gguf_amx.py holds every output to the VNNI kernel's, bit for bit.
+// Q4_0, Q4_1, Q5_0 and Q5_1 run the same idea per block of 32 weights (cpu_gguf_amx32.h, included
+// below): whole-block integer sums from 32-byte tile products, then the VNNI kernel's float steps.
 
 #include "cpu_gguf_blocks.h"
 
@@ -51,6 +53,8 @@
 #define MINIVLLM_INT8_VNNI 1
 #include "cpu_gguf_kquant_avx2.h"
 #include "cpu_gguf_xq_avx2.h"
+#include "cpu_gguf_tile_avx2.h"
+#include "cpu_gguf_block32_avx2.h"
 
 namespace minivllm_gguf_amx {
 namespace {
@@ -254,6 +258,8 @@ void linear(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M
   });
 }
 
+#include "cpu_gguf_amx32.h"
+
 }  // namespace
 
 // AMX-INT8 on this CPU, and the tile registers granted to this process by Linux (asked once).
@@ -273,7 +279,11 @@ void linear_amx(float* out, const float* x, int64_t ldx, const uint8_t* w, int64
     case Q4_K::kType: return linear<minivllm_gguf_avx2::Q4_Kx>(out, x, ldx, w, M, N, K);
     case Q5_K::kType: return linear<minivllm_gguf_avx2::Q5_Kx>(out, x, ldx, w, M, N, K);
     case Q6_K::kType: return linear<minivllm_gguf_avx2::Q6_Kx>(out, x, ldx, w, M, N, K);
-    default: TORCH_CHECK(false, "gguf_linear_amx: GGML type ", qtype, " has no AMX kernel (12, 13, 14)");
+    case Q4_0::kType: return linear32<minivllm_gguf_avx2::Q4_0x>(out, x, ldx, w, M, N, K);
+    case Q4_1::kType: return linear32<minivllm_gguf_avx2::Q4_1x>(out, x, ldx, w, M, N, K);
+    case Q5_0::kType: return linear32<minivllm_gguf_avx2::Q5_0x>(out, x, ldx, w, M, N, K);
+    case Q5_1::kType: return linear32<minivllm_gguf_avx2::Q5_1x>(out, x, ldx, w, M, N, K);
+    default: TORCH_CHECK(false, "gguf_linear_amx: GGML type ", qtype, " has no AMX kernel (2, 3, 6, 7, 12, 13, 14)");
   }
 }
 
@@ -291,12 +301,12 @@ bool gguf_has_amx() {
 #endif
 }
 
-// out[M, N] = x[M, K] · Wᵀ on AMX tiles, for the K-quants; equal to gguf_linear_int8's out.
+// out[M, N] = x[M, K] · Wᵀ on AMX tiles, for the K-quants and the 32-weight types but Q8_0; equal to gguf_linear_int8's out.
 void gguf_linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t qtype) {
   const char* op = "minivllm_cpu::gguf_linear_amx";
   TORCH_CHECK(gguf_has_amx(), op, ": this CPU (or this build, or the OS) has no AMX-INT8");
-  TORCH_CHECK(qtype == 12 || qtype == 13 || qtype == 14, op, ": GGML type ", qtype,
-              " has no AMX kernel (12 Q4_K, 13 Q5_K, 14 Q6_K)");
+  TORCH_CHECK(qtype == 2 || qtype == 3 || qtype == 6 || qtype == 7 || qtype == 12 || qtype == 13 || qtype == 14,
+              op, ": GGML type ", qtype, " has no AMX kernel (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 12 Q4_K, 13 Q5_K, 14 Q6_K)");
 #if defined(MINIVLLM_AMX)
   with_type(qtype, op, [&](auto q) {
     using Q = decltype(q);

@@ -193,13 +193,12 @@ void linear32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t
   const int64_t nb = K / 32, nbp = padded8(nb), ldq = padded64(K), row_bytes = nb * Q::kBytes;
   if (M <= kInRegisterTokens) {  // each kInRegisterRows rows against every tile of tokens
     at::parallel_for(0, (N + kInRegisterRows - 1) / kInRegisterRows, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> Bs(4 * nbp, 0.0f);  // [4][padded8(K / 32)] a tile's offsets, zeros past K
       for (int64_t n0 = begin * kInRegisterRows; n0 < std::min(N, end * kInRegisterRows); n0 += kInRegisterRows) {
         const int64_t rows = std::min(kInRegisterRows, N - n0);
         for (int64_t t0 = 0; t0 < M; t0 += kInRegisterTile)
           with_tile_tokens<kInRegisterTile>(M - t0, [&](auto t_) {
             rows32_in_registers<X, decltype(t_)::value>(w + n0 * row_bytes, row_bytes, rows, tok, t0,
-                                                        out + t0 * N + n0, N, Bs.data());
+                                                        out + t0 * N + n0, N);
           });
       }
     });
@@ -210,19 +209,15 @@ void linear32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t
   const int64_t G = group_rows(N, K, R);
   at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> q(G * ldq, 0);  // [G][padded64(K)] this thread's rows, a byte a weight
-    std::vector<float> A(G * ldq / 8, 0.0f);  // [G][padded64(K) / 64][8]   (pair_lanes)
-    std::vector<float> B(G * nbp, 0.0f);  // [G][padded8(K / 32)]
+    std::vector<float> A(G * nbp, 0.0f), B(G * nbp, 0.0f);  // [G][padded8(K / 32)]
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * G, rows = std::min(G, N - n0);
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t b = 0; b < nb; ++b) {
-          float a;
-          unpack<X>(w + (n0 + r) * row_bytes + b * Q::kBytes, q.data() + r * ldq + 32 * b, a,
-                    B[r * nbp + b]);
-          pair_lanes(A.data() + r * ldq / 8, b, a);
-        }
+        for (int64_t b = 0; b < nb; ++b)
+          unpack<X>(w + (n0 + r) * row_bytes + b * Q::kBytes, q.data() + r * ldq + 32 * b,
+                    A[r * nbp + b], B[r * nbp + b]);
       over_group<R>(rows, M, K, [&](auto t_, int64_t r0, int64_t n, int64_t t0) {
-        const Rows32 rw{q.data() + r0 * ldq, A.data() + r0 * ldq / 8, B.data() + r0 * nbp};
+        const Rows32 rw{q.data() + r0 * ldq, A.data() + r0 * nbp, B.data() + r0 * nbp};
         tile32<X, R, decltype(t_)::value>(rw, n, tok, t0, out + t0 * N + n0 + r0, N);
       });
     }

@@ -47,18 +47,13 @@ inline float quantize_block(const float* x, int n, int8_t* xq) {
 // to whole vectors of 8 blocks, which the tiles multiply with one FMA each.
 inline int64_t padded8(int64_t blocks) { return (blocks + 7) / 8 * 8; }
 
-// The 32-weight tiles take two blocks a step (`tile32`): K padded to a multiple of 64 with zero
-// quants, and each pair's two scales in the lane order of _mm256_hadd_epi32 on the pair's sums,
-//   lanes | b b b+1 b+1 | b b b+1 b+1 |   (b even)
+// The 32-weight tiles dot two blocks a step (`pair_dot`): K padded to a multiple of 64 with zero
+// quants.
 inline int64_t padded64(int64_t K) { return (K + 63) / 64 * 64; }
-inline void pair_lanes(float* pairs, int64_t b, float v) {  // block b's scale into its lanes
-  float* p = pairs + (b / 2) * 8 + (b % 2) * 2;
-  p[0] = p[1] = p[4] = p[5] = v;
-}
 
 // x[M, K] (row stride ldx) as blocks of kBlock: xq [M][ldq] and
-// - kBlock 32: ldq = padded64(K) (zero quants past K), dx in block pairs [M][ldq / 64][8]
-//   (pair_lanes) and sx [M][padded8(K / 32)] (dx · Σ xq, zeros past the last block);
+// - kBlock 32: ldq = padded64(K) (zero quants past K), dx [M][padded8(K / 32)] and sx (dx · Σ xq)
+//   alike, zeros past the last block;
 // - kBlock 256: ldq = K, dx [M][K / 256] and bsums [M][K / 256][16] (Σ xq of each 16).
 struct Tokens {
   int64_t K, ldq, blocks;
@@ -70,7 +65,7 @@ struct Tokens {
 Tokens quantize_tokens(const float* x, int64_t ldx, int64_t M, int64_t K, int block) {
   const int64_t ldq = block == 32 ? padded64(K) : K, nbp = padded8(K / block);
   Tokens t{K, ldq, K / block, std::vector<int8_t>(M * ldq, 0), {}, {}, {}};
-  if (block == 32) t.dx.assign(M * ldq / 8, 0.0f), t.sx.assign(M * nbp, 0.0f);
+  if (block == 32) t.dx.assign(M * nbp, 0.0f), t.sx.assign(M * nbp, 0.0f);
   else t.dx.resize(M * t.blocks), t.bsums.resize(M * t.blocks * 16);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
@@ -78,7 +73,7 @@ Tokens quantize_tokens(const float* x, int64_t ldx, int64_t M, int64_t K, int bl
         int8_t* q = t.xq.data() + m * ldq + b * block;
         const float d = quantize_block(x + m * ldx + b * block, block, q);
         if (block == 32) {
-          pair_lanes(t.dx.data() + m * ldq / 8, b, d);
+          t.dx[m * nbp + b] = d;
           int s = 0;
           for (int k = 0; k < 32; ++k) s += q[k];
           t.sx[m * nbp + b] = d * float(s);
