@@ -14,7 +14,8 @@
 //   sums per vector (even and odd tokens) so that 8 chains of FMAs are in flight, as 64 has.
 //
 // Both walk the block table as cpu_attention.cpp's `for_each_cached_token` does and prefetch the
-// next block while this one is computed. Results differ from the portable loops' only in the
+// next block while this one is computed; the scores pass also starts the values pass's stream of
+// V blocks into L2 before it ends (`kValueLead`, half the AVX-512 file's). Results differ from the portable loops' only in the
 // order of the float32 sums; tests/cpu/test_kernels_cpu_attention_avx512.py holds both to the
 // reference backend at each instruction-set level.
 //

@@ -16,7 +16,8 @@
 //
 // Both walk the block table as cpu_attention.cpp's `for_each_cached_token` does, and prefetch the
 // next block while this one is computed (blocks are scattered, so the hardware prefetcher cannot
-// guess where the next one starts). Results differ from the portable loops' only in the order of
+// guess where the next one starts); the scores pass also starts the values pass's stream of V
+// blocks into L2 before it ends (`kValueLead`). Results differ from the portable loops' only in the order of
 // the float32 sums; tests/cpu/test_kernels_cpu_attention.py holds both to the reference backend.
 //
 // The loops also read a bfloat16 cache (kv_cache_dtype="bfloat16" under float32 weights): half the
