@@ -15,9 +15,10 @@
 //
 // Both walk the block table as cpu_attention.cpp's `for_each_cached_token` does and prefetch the
 // next block while this one is computed; the scores pass also starts the values pass's stream of
-// V blocks into L2 before it ends (`kValueLead`, half the AVX-512 file's). Results differ from the portable loops' only in the
-// order of the float32 sums; tests/cpu/test_kernels_cpu_attention_avx512.py holds both to the
-// reference backend at each instruction-set level.
+// V blocks into L2 before it ends (`kValueLead`, half the AVX-512 file's). Results differ from
+// the portable loops' only in the order of the float32 sums;
+// tests/cpu/test_kernels_cpu_attention_avx512.py holds both to the reference backend at each
+// instruction-set level.
 //
 // A bfloat16 cache (kv_cache_dtype="bfloat16" under float32 weights) is read as 16-bit patterns
 // and widened on load: zero-extend 8 of them to 32 bits, shift left by 16 (`load8`), exact.
