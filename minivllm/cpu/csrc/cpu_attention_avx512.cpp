@@ -17,8 +17,9 @@
 // Both walk the block table as cpu_attention.cpp's `for_each_cached_token` does, and prefetch the
 // next block while this one is computed (blocks are scattered, so the hardware prefetcher cannot
 // guess where the next one starts); the scores pass also starts the values pass's stream of V
-// blocks into L2 before it ends (`kValueLead`). Results differ from the portable loops' only in the order of
-// the float32 sums; tests/cpu/test_kernels_cpu_attention.py holds both to the reference backend.
+// blocks into L2 before it ends (`kValueLead`). Results differ from the portable loops' only in
+// the order of the float32 sums; tests/cpu/test_kernels_cpu_attention.py holds both to the
+// reference backend.
 //
 // The loops also read a bfloat16 cache (kv_cache_dtype="bfloat16" under float32 weights): half the
 // bytes per token. bfloat16 is float32's top 16 bits, so widening 16 of them is one zero-extend to
