@@ -113,3 +113,19 @@ def test_simd_loops_on_two_threads_under_inference_mode_match_reference(
         torch.set_num_threads(threads)
     assert torch.equal(b.k_cache, ref_k) and torch.equal(b.v_cache, ref_v)
     torch.testing.assert_close(out, expected, **TOLERANCES[F32])
+
+
+@pytest.mark.parametrize("cache_dtype", [F32, BF16], ids=lambda d: str(d).removeprefix("torch."))
+def test_simd_loops_match_reference_where_the_value_stream_leads_from_mid_context(
+    cache_dtype: torch.dtype,
+) -> None:
+    """Blocks of 64 KB (8 KV heads of 128, float32), so that the scores pass starts pulling a long
+    request's first V blocks into L2 part-way through its keys, and the values pass's lead reaches
+    past its last block; a short request's V fits the lead from its first block on."""
+    b = make_paged_batch(
+        [1100, 300, 17], [1, 1, 1], 16, 8, 128, 16, F32, seed=11, cache_dtype=cache_dtype
+    )
+    ref, cpu = ReferenceBackend(), CpuBackend()
+    expected = ref.attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale)
+    out = cpu.attend(b.query, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out, expected, **TOLERANCES[F32])

@@ -53,32 +53,32 @@
 // cpu_attention_avx2.cpp in the avx2 build; in any other build `decode_<isa>_applies` is false.
 namespace minivllm_cpu_avx512 {
 bool decode_avx512_applies(int64_t head_dim);
-void decode_scores(const float* q, const float* k_cache, const int32_t* table, int64_t seq_len,
-                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   float* scores);
+void decode_scores(const float* q, const float* k_cache, const float* v_cache,
+                   const int32_t* table, int64_t seq_len, int64_t block_size, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, float* scores);
 void decode_values(const float* p, const float* v_cache, const int32_t* table, int64_t seq_len,
                    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    float* acc);
 // The same loops over a bfloat16 cache (its raw 16-bit patterns), widened to float32 on load.
-void decode_scores(const float* q, const uint16_t* k_cache, const int32_t* table, int64_t seq_len,
-                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   float* scores);
+void decode_scores(const float* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                   const int32_t* table, int64_t seq_len, int64_t block_size, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, float* scores);
 void decode_values(const float* p, const uint16_t* v_cache, const int32_t* table, int64_t seq_len,
                    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    float* acc);
 }  // namespace minivllm_cpu_avx512
 namespace minivllm_cpu_avx2 {
 bool decode_avx2_applies(int64_t head_dim);
-void decode_scores(const float* q, const float* k_cache, const int32_t* table, int64_t seq_len,
-                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   float* scores);
+void decode_scores(const float* q, const float* k_cache, const float* v_cache,
+                   const int32_t* table, int64_t seq_len, int64_t block_size, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, float* scores);
 void decode_values(const float* p, const float* v_cache, const int32_t* table, int64_t seq_len,
                    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    float* acc);
 // The same loops over a bfloat16 cache (its raw 16-bit patterns), widened to float32 on load.
-void decode_scores(const float* q, const uint16_t* k_cache, const int32_t* table, int64_t seq_len,
-                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   float* scores);
+void decode_scores(const float* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                   const int32_t* table, int64_t seq_len, int64_t block_size, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, float* scores);
 void decode_values(const float* p, const uint16_t* v_cache, const int32_t* table, int64_t seq_len,
                    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    float* acc);
@@ -136,17 +136,18 @@ DecodeLoops decode_loops(at::ScalarType query, at::ScalarType cache, int64_t hea
 template <typename cache_t>
 using simd_elem_t = std::conditional_t<std::is_same_v<cache_t, c10::BFloat16>, uint16_t, float>;
 
-// scores[h * seq_len + t] = q[h] · k_t by the loops `loops` names (avx2 or avx512).
+// scores[h * seq_len + t] = q[h] · k_t by the loops `loops` names (avx2 or avx512); the first
+// blocks of v_cache, which the values pass reads next, are pulled into L2 meanwhile.
 template <typename elem_t>
 void simd_decode_scores(DecodeLoops loops, const float* q, const elem_t* k_cache,
-                        const int32_t* table, int64_t seq_len, int64_t block_size,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                        float* scores) {
+                        const elem_t* v_cache, const int32_t* table, int64_t seq_len,
+                        int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, float* scores) {
   if (loops == DecodeLoops::avx512)
-    minivllm_cpu_avx512::decode_scores(q, k_cache, table, seq_len, block_size, num_heads,
+    minivllm_cpu_avx512::decode_scores(q, k_cache, v_cache, table, seq_len, block_size, num_heads,
                                        num_kv_heads, head_dim, scores);
   else
-    minivllm_cpu_avx2::decode_scores(q, k_cache, table, seq_len, block_size, num_heads,
+    minivllm_cpu_avx2::decode_scores(q, k_cache, v_cache, table, seq_len, block_size, num_heads,
                                      num_kv_heads, head_dim, scores);
 }
 
@@ -226,8 +227,9 @@ void paged_decode_kernel(
       scores.resize(num_heads * seq_len);
 
       if (loops != DecodeLoops::portable) {
-        simd_decode_scores(loops, q.data(), reinterpret_cast<const simd_t*>(k_cache), table,
-                           seq_len, block_size, num_heads, num_kv_heads, head_dim, scores.data());
+        simd_decode_scores(loops, q.data(), reinterpret_cast<const simd_t*>(k_cache),
+                           reinterpret_cast<const simd_t*>(v_cache), table, seq_len, block_size,
+                           num_heads, num_kv_heads, head_dim, scores.data());
       } else {
         // --8<-- [start:scores]
         // Scores: q · k for every cached token. A request is one work item, so each block is read

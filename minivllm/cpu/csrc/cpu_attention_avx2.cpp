@@ -14,9 +14,11 @@
 //   sums per vector (even and odd tokens) so that 8 chains of FMAs are in flight, as 64 has.
 //
 // Both walk the block table as cpu_attention.cpp's `for_each_cached_token` does and prefetch the
-// next block while this one is computed. Results differ from the portable loops' only in the
-// order of the float32 sums; tests/cpu/test_kernels_cpu_attention_avx512.py holds both to the
-// reference backend at each instruction-set level.
+// next block while this one is computed; the scores pass also starts the values pass's stream of
+// V blocks into L2 before it ends (`kValueLead`, half the AVX-512 file's). Results differ from
+// the portable loops' only in the order of the float32 sums;
+// tests/cpu/test_kernels_cpu_attention_avx512.py holds both to the reference backend at each
+// instruction-set level.
 //
 // A bfloat16 cache (kv_cache_dtype="bfloat16" under float32 weights) is read as 16-bit patterns
 // and widened on load: zero-extend 8 of them to 32 bits, shift left by 16 (`load8`), exact.
@@ -72,6 +74,7 @@ inline __m256 fold8(const __m256 (&a)[kTokens]) {
 // Prefetches the next block a slice at a time, as cpu_attention_avx512.cpp's does: each of the
 // block's passes asks for the next `step` bytes, so the whole block is on its way by the time
 // this one is done and the requests in flight never pile up.
+template <bool kToL2>  // true: into L2 (_MM_HINT_T1), false: into L1
 struct BlockPrefetcher {
   const char* next = nullptr;  // the next block, or null
   int64_t bytes = 0, done = 0, step = 0;  // its size, how much is asked for, bytes per pass
@@ -85,9 +88,24 @@ struct BlockPrefetcher {
   }
   void pass() {
     const int64_t end = std::min(bytes, done + step);
-    for (; done < end; done += 64) _mm_prefetch(next + done, _MM_HINT_T0);
+    for (; done < end; done += 64) {
+      if constexpr (kToL2) _mm_prefetch(next + done, _MM_HINT_T1);
+      else _mm_prefetch(next + done, _MM_HINT_T0);
+    }
   }
 };
+
+// The values pass reads V right after the scores pass has read K, and one block ahead is too
+// little to hide the memory's latency when it starts: asked for only as the pass reaches them,
+// its first blocks arrive one at a time. So the scores pass of a request's last blocks also
+// pulls its first V blocks into L2 (`kValueLead` bytes of them, which a core's L2 holds beside
+// the rest), and the values pass keeps asking that far ahead; L1 still gets the next block.
+constexpr int64_t kValueLead = 128 << 10;  // an AVX2 client part's L2 may be 256 KB
+
+// How many blocks of `block_bytes` the V stream runs ahead of the values pass.
+inline int64_t value_lead_blocks(int64_t num_blocks, int64_t block_bytes) {
+  return std::min(num_blocks, std::max<int64_t>(1, kValueLead / block_bytes));
+}
 
 // Scores of one query head (C vectors, at q) against n <= 8 consecutive rows of a block. A whole
 // tile runs over the head's vectors outside and the tokens inside, so that one vector of the
@@ -121,19 +139,26 @@ inline __m256 scores8(const float* q, const T* k, int64_t row_elems, int64_t n) 
 }
 
 template <int C, typename T>
-void scores_kernel(const float* q, const T* k_cache, const int32_t* table, int64_t seq_len,
-                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, float* scores) {
+void scores_kernel(const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
+                   int64_t seq_len, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                   float* scores) {
   constexpr int64_t hd = 8 * C;
   const int64_t group = num_heads / num_kv_heads, row_elems = num_kv_heads * hd;
   const int64_t block_elems = block_size * row_elems;
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  const int64_t lead = value_lead_blocks(num_blocks, block_elems * int64_t(sizeof(T)));
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t j = 0; j < num_blocks; ++j) {
     const T* block = k_cache + int64_t(table[j]) * block_elems;  // [block_size, kv, hd]
     const int64_t t0 = j * block_size, n_block = std::min(block_size, seq_len - t0);
-    BlockPrefetcher prefetch;
+    BlockPrefetcher<false> prefetch;
     prefetch.start(j + 1 < num_blocks ? k_cache + int64_t(table[j + 1]) * block_elems : nullptr,
                    block_elems, num_heads * ((n_block + kTokens - 1) / kTokens));
+    // V block jv: the first blocks of V while the last blocks of K are scored.
+    const int64_t jv = j - (num_blocks - lead);
+    BlockPrefetcher<true> prefetch_v;
+    prefetch_v.start(jv >= 0 ? v_cache + int64_t(table[jv]) * block_elems : nullptr, block_elems,
+                     num_heads * ((n_block + kTokens - 1) / kTokens));
     for (int64_t r = 0; r < n_block; r += kTokens) {
       const int64_t n = std::min<int64_t>(kTokens, n_block - r);
       const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lanes);  // lanes < n
@@ -141,6 +166,7 @@ void scores_kernel(const float* q, const T* k_cache, const int32_t* table, int64
         const T* k = block + r * row_elems + kv * hd;  // token r's K row of this KV head
         for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
           prefetch.pass();
+          prefetch_v.pass();
           const __m256 s = scores8<C>(q + h * hd, k, row_elems, n);
           float* dst = scores + h * seq_len + t0 + r;
           // A masked store is slow on some AVX2 CPUs (AMD's): only a short tile takes it.
@@ -198,16 +224,22 @@ void values_kernel(const float* p, const T* v_cache, const int32_t* table, int64
   const int64_t group = num_heads / num_kv_heads, row_elems = num_kv_heads * hd;
   const int64_t block_elems = block_size * row_elems;
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  const int64_t lead = value_lead_blocks(num_blocks, block_elems * int64_t(sizeof(T)));
   for (int64_t j = 0; j < num_blocks; ++j) {
     const T* block = v_cache + int64_t(table[j]) * block_elems;  // [block_size, kv, hd]
     const int64_t t0 = j * block_size, n_block = std::min(block_size, seq_len - t0);
-    BlockPrefetcher prefetch;
+    BlockPrefetcher<false> prefetch;
     prefetch.start(j + 1 < num_blocks ? v_cache + int64_t(table[j + 1]) * block_elems : nullptr,
                    block_elems, num_heads);
+    BlockPrefetcher<true> prefetch_lead;  // the V stream, `lead` blocks ahead, into L2
+    prefetch_lead.start(j + lead < num_blocks ? v_cache + int64_t(table[j + lead]) * block_elems
+                                              : nullptr,
+                        block_elems, num_heads);
     for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
       const T* v = block + kv * hd;  // row 0 of this KV head
       for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
         prefetch.pass();
+        prefetch_lead.pass();
         for (int64_t d = 0; d < hd; d += 8 * W)  // a head of 128: two halves
           add_rows<W>(p + h * seq_len + t0, v + d, row_elems, n_block, acc + h * hd + d);
       }
@@ -231,29 +263,30 @@ bool decode_avx2_applies(int64_t head_dim) {
 // t < seq_len; q is [num_heads, head_dim] (already scaled), the cache
 // [num_blocks, block_size, num_kv_heads, head_dim], table the request's block table.
 template <typename T>
-static void decode_scores_impl(const float* q, const T* k_cache, const int32_t* table,
-                               int64_t seq_len, int64_t block_size, int64_t num_heads,
-                               int64_t num_kv_heads, int64_t head_dim, float* scores) {
+static void decode_scores_impl(const float* q, const T* k_cache, const T* v_cache,
+                               const int32_t* table, int64_t seq_len, int64_t block_size,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               float* scores) {
 #if defined(MINIVLLM_ATTENTION_AVX2)
   auto kernel = head_dim == 32 ? scores_kernel<4, T> : head_dim == 64 ? scores_kernel<8, T>
                                                                       : scores_kernel<16, T>;
-  kernel(q, k_cache, table, seq_len, block_size, num_heads, num_kv_heads, scores);
+  kernel(q, k_cache, v_cache, table, seq_len, block_size, num_heads, num_kv_heads, scores);
 #endif
 }
 
-void decode_scores(const float* q, const float* k_cache, const int32_t* table, int64_t seq_len,
-                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   float* scores) {
-  decode_scores_impl(q, k_cache, table, seq_len, block_size, num_heads, num_kv_heads, head_dim,
-                     scores);
+void decode_scores(const float* q, const float* k_cache, const float* v_cache,
+                   const int32_t* table, int64_t seq_len, int64_t block_size, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, float* scores) {
+  decode_scores_impl(q, k_cache, v_cache, table, seq_len, block_size, num_heads, num_kv_heads,
+                     head_dim, scores);
 }
 
 // The same over a bfloat16 cache, given as its 16-bit patterns.
-void decode_scores(const float* q, const uint16_t* k_cache, const int32_t* table, int64_t seq_len,
-                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   float* scores) {
-  decode_scores_impl(q, k_cache, table, seq_len, block_size, num_heads, num_kv_heads, head_dim,
-                     scores);
+void decode_scores(const float* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                   const int32_t* table, int64_t seq_len, int64_t block_size, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, float* scores) {
+  decode_scores_impl(q, k_cache, v_cache, table, seq_len, block_size, num_heads, num_kv_heads,
+                     head_dim, scores);
 }
 
 // acc[h] += Σ_t p[h * seq_len + t] · v_t over the request's cached tokens; acc is

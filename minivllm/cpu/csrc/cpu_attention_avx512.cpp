@@ -16,8 +16,10 @@
 //
 // Both walk the block table as cpu_attention.cpp's `for_each_cached_token` does, and prefetch the
 // next block while this one is computed (blocks are scattered, so the hardware prefetcher cannot
-// guess where the next one starts). Results differ from the portable loops' only in the order of
-// the float32 sums; tests/cpu/test_kernels_cpu_attention.py holds both to the reference backend.
+// guess where the next one starts); the scores pass also starts the values pass's stream of V
+// blocks into L2 before it ends (`kValueLead`). Results differ from the portable loops' only in
+// the order of the float32 sums; tests/cpu/test_kernels_cpu_attention.py holds both to the
+// reference backend.
 //
 // The loops also read a bfloat16 cache (kv_cache_dtype="bfloat16" under float32 weights): half the
 // bytes per token. bfloat16 is float32's top 16 bits, so widening 16 of them is one zero-extend to
@@ -78,6 +80,7 @@ inline __m512 fold16(const __m512 (&a)[kTokens]) {
 // and 16 tokens) asks for the next `lines` cache lines, so the whole block is on its way by the
 // time this one is done and the requests in flight never pile up (a block is 192 lines on
 // SmolLM2; asked for at once, most of them were dropped).
+template <bool kToL2>  // true: into L2 (_MM_HINT_T1), false: into L1
 struct BlockPrefetcher {
   const char* next = nullptr;  // the next block, or null
   int64_t bytes = 0, done = 0, step = 0;  // its size, how much is asked for, bytes per pass
@@ -91,9 +94,24 @@ struct BlockPrefetcher {
   }
   void pass() {
     const int64_t end = std::min(bytes, done + step);
-    for (; done < end; done += 64) _mm_prefetch(next + done, _MM_HINT_T0);
+    for (; done < end; done += 64) {
+      if constexpr (kToL2) _mm_prefetch(next + done, _MM_HINT_T1);
+      else _mm_prefetch(next + done, _MM_HINT_T0);
+    }
   }
 };
+
+// The values pass reads V right after the scores pass has read K, and one block ahead is too
+// little to hide the memory's latency when it starts: asked for only as the pass reaches them,
+// its first blocks arrive one at a time. So the scores pass of a request's last blocks also
+// pulls its first V blocks into L2 (`kValueLead` bytes of them, which a core's L2 holds beside
+// the rest), and the values pass keeps asking that far ahead; L1 still gets the next block.
+constexpr int64_t kValueLead = 256 << 10;
+
+// How many blocks of `block_bytes` the V stream runs ahead of the values pass.
+inline int64_t value_lead_blocks(int64_t num_blocks, int64_t block_bytes) {
+  return std::min(num_blocks, std::max<int64_t>(1, kValueLead / block_bytes));
+}
 
 // Scores of one query head (C vectors) against n <= 16 consecutive rows of a block.
 template <int C, typename T>
@@ -112,18 +130,25 @@ inline __m512 scores16(const __m512 (&q)[C], const T* k, int64_t row_elems, int6
 }
 
 template <int C, typename T>
-void scores_kernel(const float* q, const T* k_cache, const int32_t* table, int64_t seq_len,
-                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, float* scores) {
+void scores_kernel(const float* q, const T* k_cache, const T* v_cache, const int32_t* table,
+                   int64_t seq_len, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                   float* scores) {
   constexpr int64_t hd = 16 * C;
   const int64_t group = num_heads / num_kv_heads, row_elems = num_kv_heads * hd;
   const int64_t block_elems = block_size * row_elems;
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  const int64_t lead = value_lead_blocks(num_blocks, block_elems * int64_t(sizeof(T)));
   for (int64_t j = 0; j < num_blocks; ++j) {
     const T* block = k_cache + int64_t(table[j]) * block_elems;  // [block_size, kv, hd]
     const int64_t t0 = j * block_size, n_block = std::min(block_size, seq_len - t0);
-    BlockPrefetcher prefetch;
+    BlockPrefetcher<false> prefetch;
     prefetch.start(j + 1 < num_blocks ? k_cache + int64_t(table[j + 1]) * block_elems : nullptr,
                    block_elems, num_heads * ((n_block + kTokens - 1) / kTokens));
+    // V block jv: the first blocks of V while the last blocks of K are scored.
+    const int64_t jv = j - (num_blocks - lead);
+    BlockPrefetcher<true> prefetch_v;
+    prefetch_v.start(jv >= 0 ? v_cache + int64_t(table[jv]) * block_elems : nullptr, block_elems,
+                     num_heads * ((n_block + kTokens - 1) / kTokens));
     for (int64_t r = 0; r < n_block; r += kTokens) {
       const int64_t n = std::min<int64_t>(kTokens, n_block - r);
       const __mmask16 mask = __mmask16((1u << n) - 1);
@@ -134,6 +159,7 @@ void scores_kernel(const float* q, const T* k_cache, const int32_t* table, int64
 #pragma GCC unroll 8
           for (int c = 0; c < C; ++c) qh[c] = _mm512_loadu_ps(q + h * hd + 16 * c);
           prefetch.pass();
+          prefetch_v.pass();
           _mm512_mask_storeu_ps(scores + h * seq_len + t0 + r, mask,
                                 scores16<C>(qh, k, row_elems, n));
         }
@@ -149,12 +175,17 @@ void values_kernel(const float* p, const T* v_cache, const int32_t* table, int64
   const int64_t group = num_heads / num_kv_heads, row_elems = num_kv_heads * hd;
   const int64_t block_elems = block_size * row_elems;
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  const int64_t lead = value_lead_blocks(num_blocks, block_elems * int64_t(sizeof(T)));
   for (int64_t j = 0; j < num_blocks; ++j) {
     const T* block = v_cache + int64_t(table[j]) * block_elems;  // [block_size, kv, hd]
     const int64_t t0 = j * block_size, n_block = std::min(block_size, seq_len - t0);
-    BlockPrefetcher prefetch;
+    BlockPrefetcher<false> prefetch;
     prefetch.start(j + 1 < num_blocks ? v_cache + int64_t(table[j + 1]) * block_elems : nullptr,
                    block_elems, num_heads);
+    BlockPrefetcher<true> prefetch_lead;  // the V stream, `lead` blocks ahead, into L2
+    prefetch_lead.start(j + lead < num_blocks ? v_cache + int64_t(table[j + lead]) * block_elems
+                                              : nullptr,
+                        block_elems, num_heads);
     for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
       for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
         const float* ph = p + h * seq_len + t0;  // this block's weights for head h
@@ -168,6 +199,7 @@ void values_kernel(const float* p, const T* v_cache, const int32_t* table, int64
         }
         const T* v = block + kv * hd;  // row 0 of this KV head
         prefetch.pass();
+        prefetch_lead.pass();
         int64_t t = 0;
         for (; t + 2 <= n_block; t += 2) {
           const __m512 p0 = _mm512_set1_ps(ph[t]), p1 = _mm512_set1_ps(ph[t + 1]);
@@ -207,29 +239,30 @@ bool decode_avx512_applies(int64_t head_dim) {
 // t < seq_len; q is [num_heads, head_dim] (already scaled), the cache
 // [num_blocks, block_size, num_kv_heads, head_dim], table the request's block table.
 template <typename T>
-static void decode_scores_impl(const float* q, const T* k_cache, const int32_t* table,
-                               int64_t seq_len, int64_t block_size, int64_t num_heads,
-                               int64_t num_kv_heads, int64_t head_dim, float* scores) {
+static void decode_scores_impl(const float* q, const T* k_cache, const T* v_cache,
+                               const int32_t* table, int64_t seq_len, int64_t block_size,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               float* scores) {
 #if defined(__AVX512F__)
   auto kernel = head_dim == 32 ? scores_kernel<2, T> : head_dim == 64 ? scores_kernel<4, T>
                                                                       : scores_kernel<8, T>;
-  kernel(q, k_cache, table, seq_len, block_size, num_heads, num_kv_heads, scores);
+  kernel(q, k_cache, v_cache, table, seq_len, block_size, num_heads, num_kv_heads, scores);
 #endif
 }
 
-void decode_scores(const float* q, const float* k_cache, const int32_t* table, int64_t seq_len,
-                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   float* scores) {
-  decode_scores_impl(q, k_cache, table, seq_len, block_size, num_heads, num_kv_heads, head_dim,
-                     scores);
+void decode_scores(const float* q, const float* k_cache, const float* v_cache,
+                   const int32_t* table, int64_t seq_len, int64_t block_size, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, float* scores) {
+  decode_scores_impl(q, k_cache, v_cache, table, seq_len, block_size, num_heads, num_kv_heads,
+                     head_dim, scores);
 }
 
 // The same over a bfloat16 cache, given as its 16-bit patterns.
-void decode_scores(const float* q, const uint16_t* k_cache, const int32_t* table, int64_t seq_len,
-                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   float* scores) {
-  decode_scores_impl(q, k_cache, table, seq_len, block_size, num_heads, num_kv_heads, head_dim,
-                     scores);
+void decode_scores(const float* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                   const int32_t* table, int64_t seq_len, int64_t block_size, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, float* scores) {
+  decode_scores_impl(q, k_cache, v_cache, table, seq_len, block_size, num_heads, num_kv_heads,
+                     head_dim, scores);
 }
 
 // acc[h] += Σ_t p[h * seq_len + t] · v_t over the request's cached tokens; acc is
