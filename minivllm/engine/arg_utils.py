@@ -52,6 +52,7 @@ from minivllm.model.resolver import (
     checkpoint_dtype,
     load_generation_defaults,
     resolve_dtype,
+    resolve_kv_cache_dtype,
     resolve_model,
     resolve_pooling_dtype,
 )
@@ -147,7 +148,8 @@ class EngineArgs:
     )
     kv_cache_dtype: str = _arg(
         "auto",
-        "what the KV cache stores (vLLM's flag); auto: the model's dtype. bfloat16 under float32 "
+        "what the KV cache stores (vLLM's flag); auto: the model's dtype (bfloat16 for a GGUF "
+        "file's own blocks on a CPU, as vLLM's and llama.cpp's 16-bit caches). bfloat16 under float32 "
         "weights holds 2x the blocks in the same memory and halves the bytes attention reads; "
         "keys and values are rounded to it on write and attention still computes in float32. "
         "fp8 is not supported",
@@ -411,6 +413,11 @@ class EngineArgs:
         )
         config.draft = _resolve_draft(speculative, config.resolved)  # read after the target's
         config.pooler = self._resolve_pooler(config)
+        if config.pooler is None:  # a generator's "auto" cache (a pooling model keeps its dtype)
+            resolved = config.resolved
+            config.cache.cache_dtype = resolve_kv_cache_dtype(
+                self.kv_cache_dtype, resolved.dtype, resolved.device, resolved.quantization
+            )
         return config
 
     def _resolve_pooler(self, config: EngineConfig) -> PoolerConfig | None:

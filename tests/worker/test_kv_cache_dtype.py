@@ -160,3 +160,17 @@ def test_a_cache_wider_than_the_model_is_refused_before_loading(tiny_llama: Path
     args = EngineArgs(model=str(tiny_llama), dtype="bfloat16", kv_cache_dtype="float32")
     with pytest.raises(ValueError, match=r"kv_cache_dtype='float32' is wider than .*bfloat16"):
         args.create_engine_config()
+
+
+def test_auto_is_bfloat16_for_a_gguf_file_s_own_blocks_on_a_cpu_only(tiny_llama: Path) -> None:
+    """vLLM's and llama.cpp's caches of a GGUF model are 16-bit; minivllm's float32 CPU default
+    dtype would give it a float32 cache (resolve_kv_cache_dtype says why "auto" is bfloat16)."""
+
+    def cache_dtype(**kwargs: object) -> str:
+        return EngineArgs(device="cpu", **kwargs).create_engine_config().cache.cache_dtype  # type: ignore[arg-type]
+
+    assert cache_dtype() == "bfloat16"  # the bundled Q4_1 file on its blocks
+    assert cache_dtype(kv_cache_dtype="float32") == "float32"  # asked for: kept
+    assert cache_dtype(quantization="none") == "auto"  # dequantized: float32, token-exact
+    assert cache_dtype(dtype="bfloat16", quantization="none") == "auto"
+    assert cache_dtype(model=str(tiny_llama)) == "auto"  # a float checkpoint: its dtype
