@@ -106,9 +106,8 @@ inline __m512 reciprocal(__m512 q) {
 }
 
 inline __m512 gelu_erf(__m512 v) {
-  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f)),
-                                               _mm512_set1_ps(-4.f)),
-                                 _mm512_set1_ps(4.f));  // v / √2
+  const __m512 scaled = _mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f));  // v / √2
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(scaled, _mm512_set1_ps(-4.f)), _mm512_set1_ps(4.f));
   const __m512 x2 = _mm512_mul_ps(x, x);
   __m512 p = _mm512_fmadd_ps(x2, _mm512_set1_ps(-2.72614225801306e-10f),
                              _mm512_set1_ps(2.77068142495902e-08f));
@@ -151,7 +150,8 @@ void finish_block(float* sums,  // [kBlockRows][32], overwritten by the tanh GEL
     for (int64_t r = 0; r < rows; ++r) {
       float* row = sums + r * 2 * kTileCols;
       for (int half = 0; half < 2; ++half) {
-        _mm512_store_ps(row + 16 * half, _mm512_add_ps(_mm512_load_ps(row + 16 * half), bias[half]));
+        float* part = row + 16 * half;
+        _mm512_store_ps(part, _mm512_add_ps(_mm512_load_ps(part), bias[half]));
       }
       gelu_tanh(row, 2 * kTileCols);
     }
