@@ -7,10 +7,11 @@
 // its heads small (MiniLM: 12 of 32), so per prompt and layer SDPA's work is a few 16-128-row
 // problems, and its fixed cost per call (views, dispatch, its own thread team, the copy back into
 // the flat batch) outweighs the arithmetic, which is a few percent of the layer's linears. Here one
-// call per layer does the whole step: the work items are (prompt, head) pairs over PyTorch's
-// intra-op pool (at::parallel_for), and the worker threads touch raw pointers only, no ATen.
+// call per layer does the whole step: the work items are runs of the step's prompts of about
+// equal work, one a thread of PyTorch's intra-op pool (at::parallel_for), and the worker threads
+// touch raw pointers only, no ATen.
 //
-// Per item, the prompt's keys are turned into float32 columns (kᵀ: [head_dim, L], keys
+// Per prompt, its keys are turned into float32 columns (kᵀ: [head_dim, L], keys
 // contiguous) and its values into float32 rows ([L, head_dim]), in a buffer of the thread's that
 // stays in L1/L2 (L <= the model's positions: 512 x 32 x 4 B = 64 KiB for MiniLM's K and V
 // each); then blocks of `kRows` query rows: their scores against every key, `kKeys` keys at a
@@ -33,6 +34,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -60,6 +65,62 @@ inline float* align(float* p) {  // the first 64-byte boundary at or after p
   const auto address = reinterpret_cast<std::uintptr_t>(p);
   return reinterpret_cast<float*>((address + 63) / 64 * 64);
 }
+
+// dst[i] = float(src[i]) * scale for one head's row, as vector conversions: a float16 row eight
+// values an instruction (F16C; the generic build converts one at a time), a bfloat16 row as
+// 16-bit shifts the compiler vectorizes. The products are the scalar conversions' bit for bit.
+template <typename scalar_t>
+inline void widen(const scalar_t* __restrict__ src, float* __restrict__ dst, int64_t n,
+                  float scale) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]) * scale;
+}
+
+template <>
+inline void widen<at::BFloat16>(const at::BFloat16* __restrict__ src, float* __restrict__ dst,
+                                int64_t n, float scale) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t wide = uint32_t(bits[i]) << 16;
+    float f;
+    std::memcpy(&f, &wide, sizeof(f));
+    dst[i] = f * scale;
+  }
+}
+
+#if defined(__F16C__)
+template <>
+inline void widen<at::Half>(const at::Half* __restrict__ src, float* __restrict__ dst, int64_t n,
+                            float scale) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(scale)));
+  }
+  for (; i < n; ++i) dst[i] = float(src[i]) * scale;
+}
+#endif
+
+// dst[i] = scalar_t(src[i] * scale), one output row of a head: float16 eight values an
+// instruction where F16C is (round to nearest even, as the scalar conversion).
+template <typename scalar_t>
+inline void narrow(const float* __restrict__ src, scalar_t* __restrict__ dst, int64_t n,
+                   float scale) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = scalar_t(src[i] * scale);
+}
+
+#if defined(__F16C__)
+template <>
+inline void narrow<at::Half>(const float* __restrict__ src, at::Half* __restrict__ dst, int64_t n,
+                             float scale) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(src + i), _mm256_set1_ps(scale));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i < n; ++i) dst[i] = at::Half(src[i] * scale);
+}
+#endif
 
 // Where a prompt's rows are: q, k, v and out are [T, heads, head_dim] views, rows stride[0]
 // apart, heads stride[1] apart, head_dim contiguous.
@@ -91,17 +152,18 @@ void attend_head(scalar_t* __restrict__ out,     // [len, ...] rows out_stride a
       }
       for (int64_t r = 0; r < kRows; ++r) store(s + r * padded + j0, tile[r]);
     }
-    // Softmax over the row's len keys (the padding's scores are never read).
+    // Softmax over the row's len keys. exp runs over whole tiles (the padding's scores are 0,
+    // finite), so that every key takes the vector expf and no scalar tail is left; the padding's
+    // weights are then zeroed before the sum.
     float inv_sum[kRows];
     for (int64_t r = 0; r < kRows; ++r) {
       float* sr = s + r * padded;
       float m = sr[0];
       for (int64_t j = 1; j < len; ++j) m = std::max(m, sr[j]);
+      for (int64_t j = 0; j < padded; ++j) sr[j] = std::exp(sr[j] - m);
+      for (int64_t j = len; j < padded; ++j) sr[j] = 0.f;
       float sum = 0.f;
-      for (int64_t j = 0; j < len; ++j) {
-        sr[j] = std::exp(sr[j] - m);
-        sum += sr[j];
-      }
+      for (int64_t j = 0; j < padded; ++j) sum += sr[j];
       inv_sum[r] = 1.f / sum;
     }
     // The weighted sum of the value rows, each row loaded once for the block: kKeys dims at a
@@ -123,15 +185,16 @@ void attend_head(scalar_t* __restrict__ out,     // [len, ...] rows out_stride a
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      scalar_t* o = out + (i0 + r) * out_stride;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] = scalar_t(acc[r * head_dim + d] * inv_sum[r]);
+      narrow(acc + r * head_dim, out + (i0 + r) * out_stride, head_dim, inv_sum[r]);
     }
   }
 }
 
 // One prompt, every head. Its rows are widened to float32 first, row after row: a row holds
 // every head's q, k and v side by side, so the prompt streams in once; read a head at a time,
-// each row's few bytes of that head would be a cache miss of their own.
+// each row's few bytes of that head would be a cache miss of their own. Each head's q, k and v
+// are widened by vector conversions (`widen`); k's row then goes into kt's columns from a
+// float32 row that stays in L1, one scalar store a value.
 template <typename scalar_t>
 void attend_prompt(scalar_t* out, const scalar_t* q, const scalar_t* k, const scalar_t* v,
                    int64_t len, const Layout& x, float scale, std::vector<float>& buffer) {
@@ -143,25 +206,22 @@ void attend_prompt(scalar_t* out, const scalar_t* q, const scalar_t* k, const sc
   const int64_t kv_elems = x.num_kv_heads * d_ * padded;
   const int64_t v_elems = round_up(x.num_kv_heads * len * d_, kKeys);
   const int64_t q_elems = round_up(x.num_heads * len * d_, kKeys);
-  buffer.resize(kv_elems + v_elems + q_elems + kRows * padded + round_up(kRows * d_, kKeys) +
+  buffer.resize(kv_elems + v_elems + q_elems + kRows * padded + round_up(kRows * d_, kKeys) + d_ +
                 kAlign);
   float* kt = align(buffer.data());            // [num_kv_heads, head_dim, padded]  keys as columns
   float* vf = kt + kv_elems;                   // [num_kv_heads, len, head_dim]
   float* qf = vf + v_elems;                    // [num_heads, len, head_dim]  scaled
   float* s = qf + q_elems;                     // [kRows, padded]
   float* acc = s + kRows * padded;             // [kRows, head_dim]
+  float* kf = acc + round_up(kRows * d_, kKeys);  // [head_dim]  one key row, widened
   for (int64_t j = 0; j < len; ++j) {
     for (int64_t h = 0; h < x.num_kv_heads; ++h) {
-      const scalar_t* kj = k + j * x.k_stride[0] + h * x.k_stride[1];  // [head_dim]
-      const scalar_t* vj = v + j * x.v_stride[0] + h * x.v_stride[1];
-      for (int64_t d = 0; d < d_; ++d) {
-        kt[(h * d_ + d) * padded + j] = float(kj[d]);
-        vf[(h * len + j) * d_ + d] = float(vj[d]);
-      }
+      widen(k + j * x.k_stride[0] + h * x.k_stride[1], kf, d_, 1.f);
+      for (int64_t d = 0; d < d_; ++d) kt[(h * d_ + d) * padded + j] = kf[d];
+      widen(v + j * x.v_stride[0] + h * x.v_stride[1], vf + (h * len + j) * d_, d_, 1.f);
     }
     for (int64_t h = 0; h < x.num_heads; ++h) {
-      const scalar_t* qj = q + j * x.q_stride[0] + h * x.q_stride[1];
-      for (int64_t d = 0; d < d_; ++d) qf[(h * len + j) * d_ + d] = float(qj[d]) * scale;
+      widen(q + j * x.q_stride[0] + h * x.q_stride[1], qf + (h * len + j) * d_, d_, scale);
     }
   }
   for (int64_t row = 0; row < x.num_kv_heads * d_; ++row) {  // padding keys: 0, finite scores
@@ -175,13 +235,36 @@ void attend_prompt(scalar_t* out, const scalar_t* q, const scalar_t* k, const sc
   }
 }
 
+// The step's prompts split into at most `parts` runs of consecutive prompts of about equal work:
+// a prompt of L rows costs about L² (its scores and weighted sums) plus L (its widening), so an
+// even split of the prompts would leave a thread with the long ones working while the other
+// waits. first[p] is run p's first prompt; first[parts] = num_prompts.
+std::vector<int64_t> split_by_work(const int32_t* starts, int64_t num_prompts, int64_t parts) {
+  std::vector<double> work(num_prompts + 1, 0.0);  // work[b]: prompts 0..b-1's, in order
+  for (int64_t b = 0; b < num_prompts; ++b) {
+    const double len = starts[b + 1] - starts[b];
+    work[b + 1] = work[b] + len * len + 32.0 * len;
+  }
+  std::vector<int64_t> first(parts + 1, num_prompts);
+  first[0] = 0;
+  for (int64_t p = 1; p < parts; ++p) {  // the first prompt that ends past p / parts of the work
+    const double target = work[num_prompts] * double(p) / double(parts);
+    int64_t b = std::lower_bound(work.begin(), work.end(), target) - work.begin();
+    if (b > 0 && target - work[b - 1] < work[b] - target) --b;  // the nearer boundary
+    first[p] = std::clamp(b, first[p - 1], num_prompts);
+  }
+  return first;
+}
+
 template <typename scalar_t>
 void encoder_attention_kernel(scalar_t* out, const scalar_t* q, const scalar_t* k,
                               const scalar_t* v, const int32_t* starts, int64_t num_prompts,
                               const Layout& x, float scale) {
-  at::parallel_for(0, num_prompts, 1, [&](int64_t begin, int64_t end) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_prompts));
+  const std::vector<int64_t> first = split_by_work(starts, num_prompts, parts);
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<float> buffer;  // the thread's, reused across its prompts
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t b = first[part_begin]; b < first[part_end]; ++b) {
       const int64_t start = starts[b], len = starts[b + 1] - starts[b];
       if (len == 0) continue;
       attend_prompt<scalar_t>(out + start * x.out_stride[0], q + start * x.q_stride[0],
