@@ -24,7 +24,8 @@
 // The int8 buffer is a quarter of the float32 scratch that dequantize-then-multiply would write.
 // The K-quants' buffer interleaves 8 rows, one a lane (cpu_gguf_krows_avx2.h's `tile_octet`): x's
 // 4 bytes broadcast against 4 weights of each row, products summed in int16 before their scale,
-// and no horizontal sums.
+// and no horizontal sums; so does the unsigned 32-weight types' (cpu_gguf_rows32_avx2.h's
+// `tile_octet32`). Q8_0 keeps the row-major buffer (`tile32`).
 // At decode's few token rows (kInRegisterTokens) every type skips the buffer: writing and
 // rereading it costs more than the packed weight's own bytes, so each block is unpacked in
 // registers and dotted at once (tileK_in_registers here, tile32_in_registers in
@@ -33,7 +34,8 @@
 // The file's parts: x's 8-bit blocks (cpu_gguf_xq_avx2.h, shared with the AMX kernel), the
 // tiles' shared helpers (cpu_gguf_tile_avx2.h), the K-quants' unpacking
 // (cpu_gguf_kquant_avx2.h) and many-token tile (cpu_gguf_krows_avx2.h), the 32-weight types'
-// unpacking and tiles (cpu_gguf_block32_avx2.h), VNNI's own Q8_0 kernel (cpu_gguf_q8_0_vnni.h);
+// unpacking and tiles (cpu_gguf_block32_avx2.h) and many-token tile (cpu_gguf_rows32_avx2.h),
+// VNNI's own Q8_0 kernel (cpu_gguf_q8_0_vnni.h);
 // here the K-quants' decode tile and the linears.
 //
 // Threads split the weight rows (at::parallel_for); inside the parallel regions only raw pointers
