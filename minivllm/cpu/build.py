@@ -105,6 +105,7 @@ HEADERS = tuple(
         "cpu_gguf_xq_avx2.h",
         "cpu_gguf_tile_avx2.h",
         "cpu_gguf_block32_avx2.h",
+        "cpu_gguf_rows32_avx2.h",
         "cpu_gguf_amx32.h",
         "cpu_gguf_q8_0_vnni.h",
         "torch_headers.h",  # precompiled once per build (precompiled_header.py)

@@ -365,12 +365,14 @@ def test_a_row_s_output_does_not_depend_on_the_batch_around_it(qtype: T, dot: st
         pytest.skip("no int8 dot apart from this build's own product")
     # 11 super-blocks (K-quants) or 19 blocks (the others) a row, so that their 8 float partials
     # (cpu_gguf_kfloat_avx2.h, cpu_gguf_block32_avx2.h) wrap around and the last group of 8 is
-    # partial; 19 blocks also leave a pair of one block
+    # partial; 19 blocks also leave a pair of one block. N = 37 rows: the interleaved tiles
+    # (tile_octet, tile_octet32) end on an octet of 5 rows; M = 13 and 40 end on a tile of 1 and 4
+    # tokens.
     k = 2816 if qtype in K_QUANTS else 608
     q = torch.from_numpy(random_blocks(qtype, N, k, seed=3))
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([gguf_linear(x[i : i + 1], q, int(qtype), dot) for i in range(9)])
-    for m in (2, 3, 4, 5, 8, 9, 64, 300):
+    for m in (2, 3, 4, 5, 8, 9, 13, 40, 64, 300):
         batch = gguf_linear(x[:m], q, int(qtype), dot)[:9]
         assert torch.equal(batch, alone[:m]), f"M = {m}"
 

@@ -3,6 +3,8 @@
 //
 // - `tile32`: over a buffer of unpacked rows (a byte a weight, the scales beside), which the
 //   many-token tiles reread for every token. Unpacking once pays when many tokens share it.
+//   Q8_0 only on AVX2: the unsigned types' many tokens take 8 interleaved rows, one a lane
+//   (`tile_octet32`, cpu_gguf_rows32_avx2.h), with the same integers and float steps.
 // - `tile32_in_registers`: each block pair unpacked in registers and dotted at once into a few
 //   tokens (decode), never stored. At one token the buffer's write and reread cost more than the
 //   packed weight's own bytes (0.56 to 1.06 a weight) from memory, as llama.cpp's

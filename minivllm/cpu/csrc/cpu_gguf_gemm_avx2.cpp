@@ -24,7 +24,8 @@
 // The int8 buffer is a quarter of the float32 scratch that dequantize-then-multiply would write.
 // The K-quants' buffer interleaves 8 rows, one a lane (cpu_gguf_krows_avx2.h's `tile_octet`): x's
 // 4 bytes broadcast against 4 weights of each row, products summed in int16 before their scale,
-// and no horizontal sums.
+// and no horizontal sums; so does the unsigned 32-weight types' (cpu_gguf_rows32_avx2.h's
+// `tile_octet32`). Q8_0 keeps the row-major buffer (`tile32`).
 // At decode's few token rows (kInRegisterTokens) every type skips the buffer: writing and
 // rereading it costs more than the packed weight's own bytes, so each block is unpacked in
 // registers and dotted at once (tileK_in_registers here, tile32_in_registers in
@@ -33,7 +34,8 @@
 // The file's parts: x's 8-bit blocks (cpu_gguf_xq_avx2.h, shared with the AMX kernel), the
 // tiles' shared helpers (cpu_gguf_tile_avx2.h), the K-quants' unpacking
 // (cpu_gguf_kquant_avx2.h) and many-token tile (cpu_gguf_krows_avx2.h), the 32-weight types'
-// unpacking and tiles (cpu_gguf_block32_avx2.h), VNNI's own Q8_0 kernel (cpu_gguf_q8_0_vnni.h);
+// unpacking and tiles (cpu_gguf_block32_avx2.h) and many-token tile (cpu_gguf_rows32_avx2.h),
+// VNNI's own Q8_0 kernel (cpu_gguf_q8_0_vnni.h);
 // here the K-quants' decode tile and the linears.
 //
 // Threads split the weight rows (at::parallel_for); inside the parallel regions only raw pointers
@@ -70,6 +72,7 @@
 #include "cpu_gguf_tile_avx2.h"
 #include "cpu_gguf_krows_avx2.h"
 #include "cpu_gguf_block32_avx2.h"
+#include "cpu_gguf_rows32_avx2.h"
 #include "cpu_gguf_q8_0_vnni.h"
 
 namespace minivllm_gguf_avx2 {
@@ -185,6 +188,34 @@ void over_group(int64_t rows, int64_t M, int64_t K, Tile&& tile) {
   }
 }
 
+// The unsigned 32-weight types past the in-register tokens, as linearK's octets: work items of G
+// rows packed octet by octet (tile_octet32's layout, cpu_gguf_rows32_avx2.h), then token panels
+// that stay in L2 against each octet, kOctetTokens tokens a tile.
+template <class X>
+void linear32_octets(float* out, const Tokens& tok, const uint8_t* w, int64_t M, int64_t N, int64_t K) {
+  const int64_t nb = K / 32, row_bytes = nb * X::Q::kBytes, octet_bytes = nb * kOctetBytes32;
+  const int64_t G = octet_group_rows(N, octet_bytes);
+  const int64_t panel = std::max<int64_t>(kOctetTokens, kOctetPanelBytes / tok.ldq / kOctetTokens * kOctetTokens);
+  at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> pk(G / kOctet * octet_bytes);  // [G / 8][nb][kOctetBytes32]
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * G, rows = std::min(G, N - n0), octets = (rows + kOctet - 1) / kOctet;
+      for (int64_t o = 0; o < octets; ++o)
+        pack_octet32<X>(w + (n0 + kOctet * o) * row_bytes, row_bytes, std::min<int64_t>(kOctet, rows - kOctet * o), nb,
+                        pk.data() + o * octet_bytes);
+      for (int64_t p0 = 0; p0 < M; p0 += panel) {
+        const int64_t p1 = std::min(M, p0 + panel);
+        for (int64_t o = 0; o < octets; ++o)
+          for (int64_t t0 = p0; t0 < p1; t0 += kOctetTokens)
+            with_tile_tokens<kOctetTokens>(p1 - t0, [&](auto t_) {
+              tile_octet32<X, decltype(t_)::value>(pk.data() + o * octet_bytes, nb, std::min<int64_t>(kOctet, rows - kOctet * o),
+                                                   tok, t0, out + t0 * N + n0 + kOctet * o, N);
+            });
+      }
+    }
+  });
+}
+
 template <class X>
 void linear32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M, int64_t N,
               int64_t K) {
@@ -204,7 +235,11 @@ void linear32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t
     });
     return;
   }
-  // Past the in-register tokens: 2 weight rows x 4 tokens a register tile (8 float sums).
+  if constexpr (!X::kSigned) {  // the unsigned types: octets of interleaved rows (tile_octet32)
+    linear32_octets<X>(out, tok, w, M, N, K);
+    return;
+  }
+  // Q8_0 past the in-register tokens: 2 weight rows x 4 tokens a register tile (8 float sums).
   constexpr int R = 2;
   const int64_t G = group_rows(N, K, R);
   at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
