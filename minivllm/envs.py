@@ -6,10 +6,11 @@ converted to safetensors, the compiled CPU kernels). Like `VLLM_CACHE_ROOT`, it 
 
 `MINIVLLM_CPU_GGUF_DOT`: how the CPU multiplies a GGUF model's quantized weights: `auto` (the
 default, per block type: `int8` for the K-quants, Q8_0, Q4_0 and Q4_1 where the library has
-8-bit dots, and for the other types bf16 dot products where the CPU has AVX512-BF16, else float32), or one kind for every
-type: `bf16`, `float32` (products exact in float32, half as many a cycle) or `int8` (x rounded to
-8-bit blocks and 8-bit integer dots, as llama.cpp's CPU backend: the AVX2 build's own product, and
-on AVX-512 builds AVX512-VNNI's); a kind the CPU lacks is refused.
+8-bit dots, and for the other types bf16 dot products where the CPU has AVX512-BF16, else
+float32), or one kind for every type: `bf16`, `float32` (products exact in float32, half as many
+a cycle) or `int8` (x rounded to 8-bit blocks and 8-bit integer dots, as llama.cpp's CPU backend:
+the AVX2 build's own product, and on AVX-512 builds AVX512-VNNI's); a kind the CPU lacks is
+refused.
 docs/concepts/quantization.md says what each costs.
 
 `MINIVLLM_CPU_GGUF_GEMM_ROWS`: off by default; a number N makes a CPU step of N or more token rows
@@ -18,9 +19,9 @@ prompts but gives those rows other float sums than smaller steps (no longer batc
 
 `MINIVLLM_CPU_AMX`: `1` (the default) lets the int8 product of the K-quants and of Q4_0 to Q5_1
 run prefill-sized calls on Intel AMX tiles where the CPU has AMX-INT8
-(minivllm/cpu/csrc/cpu_gguf_amx.cpp and cpu_gguf_amx32.h, whose
-outputs equal the AVX512-VNNI kernel's bit for bit); `0` keeps every call on AVX512-VNNI. Read on
-every call, so a test may compare the two in one process.
+(minivllm/cpu/csrc/cpu_gguf_amx.cpp and cpu_gguf_amx32.h, whose outputs equal the AVX512-VNNI
+kernel's bit for bit); `0` keeps every call on AVX512-VNNI. Read on every call, so a test may
+compare the two in one process.
 
 `MINIVLLM_CPU_ISA`: which instruction-set level of the CPU kernels a process runs: `auto` (the
 default: the best this CPU has), `reference`, `generic`, `avx2`, `avx512` or `avx512_bf16`; read

@@ -171,9 +171,9 @@ INT8_BY_DEFAULT = frozenset({2, 3, 8, 12, 13, 14})
 def gguf_dot(qtype: int) -> str:
     """The quantized GEMM's products for weights of GGML type `qtype`, "bf16", "float32" or
     "int8": MINIVLLM_CPU_GGUF_DOT for every type where it is set, else (auto) "int8" for the
-    K-quants, Q8_0, Q4_0 and Q4_1 (`INT8_BY_DEFAULT`) where the library has 8-bit dots, and for the others bf16 on a
-    CPU with AVX512-BF16 (twice the products a cycle; within 2^-8 of float32's each, as llama.cpp's
-    8-bit activations are within theirs), else "float32". Read once per process and type.
+    K-quants, Q8_0, Q4_0 and Q4_1 (`INT8_BY_DEFAULT`) where the library has 8-bit dots, and for
+    the others bf16 on a CPU with AVX512-BF16 (twice the products a cycle; within 2^-8 of
+    float32's each, as llama.cpp's 8-bit activations are within theirs), else "float32". Read once per process and type.
     "float32" is the library's own product: float32 on AVX-512 and generic builds, 8-bit integer
     dots on the AVX2 build (`cpu_ops.gguf_dot_kind()`); "int8" is the AVX2 build's code, with
     AVX512-VNNI's instructions on AVX-512 builds (cpu_gguf_gemm_avx2.cpp). A kind this CPU or

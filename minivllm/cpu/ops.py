@@ -268,8 +268,8 @@ def gguf_linear(
     instruction (cpu_gguf_gemm_bf16.cpp): twice the products a cycle, within 2^-8 · (|x| · |W|ᵀ).
     With dot="int8" x is rounded to 8-bit blocks and multiplied by 8-bit integer dots, as the AVX2
     build's own product (cpu_gguf_gemm_avx2.cpp; on AVX-512 builds with AVX512-VNNI's dots, and
-    for prefill-sized calls of the K-quants and Q4_0 to Q5_1 on AMX tiles, `gguf_amx_applies`, with the same outputs
-    bit for bit)."""
+    for prefill-sized calls of the K-quants and Q4_0 to Q5_1 on AMX tiles, `gguf_amx_applies`,
+    with the same outputs bit for bit)."""
     load_cpu_kernels()
     if x.stride(-1) != 1:  # a linear's feature-major output: the kernel reads token rows
         x = x.contiguous()
@@ -288,7 +288,8 @@ def gguf_linear(
 
 
 # The types with an AMX kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: not Q8_0, whose VNNI
-# kernel is its own), and the fewest token rows it takes: a tile is 16 tokens, and below that the VNNI kernel's in-register tiles cost less than a padded AMX tile.
+# kernel is its own), and the fewest token rows it takes: a tile is 16 tokens, and below that the
+# VNNI kernel's in-register tiles cost less than a padded AMX tile.
 # The C++ decode loop takes the same bound (cpu_decode_layers.cpp `kAmxMinRows`).
 GGUF_AMX_TYPES = frozenset({2, 3, 6, 7, 12, 13, 14})
 GGUF_AMX_MIN_ROWS = 16
@@ -304,8 +305,8 @@ def gguf_has_amx() -> bool:
 
 def gguf_amx_applies(rows: int, qtype: int) -> bool:
     """Whether `gguf_linear(dot="int8")` runs these `rows` of a `qtype` weight on AMX tiles:
-    16 or more rows of the K-quants or the 32-weight types but Q8_0 (prefills, and decode steps of many requests), where the CPU
-    has AMX and `MINIVLLM_CPU_AMX` is not 0.
+    16 or more rows of the K-quants or the 32-weight types but Q8_0 (prefills, and decode steps
+    of many requests), where the CPU has AMX and `MINIVLLM_CPU_AMX` is not 0.
     The outputs are the AVX512-VNNI kernel's bit for bit either way; only the speed differs."""
     return rows >= GGUF_AMX_MIN_ROWS and qtype in GGUF_AMX_TYPES and cpu_amx() and gguf_has_amx()
 
