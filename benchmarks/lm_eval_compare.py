@@ -32,27 +32,11 @@ import time
 from pathlib import Path
 
 from benchmarks.peers.hf_export import export_bundled_model
+from minivllm.benchmarks.server_process import wait_until_healthy
 
 TASKS_DIR = Path(__file__).with_name("lm_eval_tasks")
 TASKS = ("minivllm_mc", "minivllm_gen")
 METRICS = {"minivllm_mc": ("acc,none", "acc_norm,none"), "minivllm_gen": ("exact_match,last_word",)}
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"minivllm serve exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError("minivllm serve did not start in time")
-        time.sleep(1)
 
 
 def run_lm_eval(python: str, model: str, model_args: str, out: Path, extra: list[str]) -> dict:
@@ -85,7 +69,7 @@ def main() -> int:
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)  # noqa: SIM115
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_healthy(url, server)
+        wait_until_healthy(url + "/health", server, 300, name="minivllm serve")
         api_args = (
             f"model=model,base_url={url}/v1/completions,tokenizer={model_dir},"
             "num_concurrent=4,max_retries=1,tokenized_requests=True"

@@ -26,15 +26,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from benchmarks.peers.vllm_peer import peer_model_folder
 from minivllm.benchmarks import serve as bench_serve
 from minivllm.benchmarks.report import print_table
+from minivllm.benchmarks.server_process import wait_until_healthy
 
 
 def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -53,21 +51,6 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> float:
-    """Seconds until `url`/health answers 200; raises if the server died or took too long."""
-    began = time.perf_counter()
-    while time.perf_counter() - began < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the server exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return time.perf_counter() - began
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"{url}: not healthy after {timeout_s:.0f} s; see {log}")
 
 
 def bench_args(
@@ -133,7 +116,13 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     try:
         for name in procs:
-            secs = wait_healthy(urls[name], procs[name], logs[name], timeout_s=900)
+            secs = wait_until_healthy(
+                urls[name] + "/health",
+                procs[name],
+                900,
+                name=name,
+                details=f"; see {logs[name]}",
+            )
             print(f"{name} healthy after {secs:.0f} s")
         for name in procs:  # warm-up: the first request of a fresh server is not timed
             asyncio.run(bench_serve.run(bench_args(urls[name], 2, args)))

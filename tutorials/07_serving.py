@@ -41,7 +41,9 @@ command = [sys.executable, "-m", "minivllm.entrypoints.cli", *args.split()]
 
 
 def wait_until_healthy(server: subprocess.Popen, log: IO[bytes]) -> float:
-    """Poll /health until the model is loaded and the engine thread runs; seconds waited."""
+    """Poll /health until the model is loaded and the engine thread runs; seconds waited. (The
+    benches and tests share minivllm/benchmarks/server_process.py's; this tutorial keeps its own
+    copy so that it reads on its own.)"""
     start = time.monotonic()
     while time.monotonic() - start < 180:
         if server.poll() is not None:

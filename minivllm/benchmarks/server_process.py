@@ -6,7 +6,8 @@ the bench, which stops it), waits until its health route answers 200, and on the
 block (return, error or Ctrl-C alike) stops the group: SIGTERM, then SIGKILL 10 s later, reaped
 either way. On Linux the server also dies with the bench (`PR_SET_PDEATHSIG`), should the bench
 itself be killed. A server that exits before it is healthy is an error that quotes the end of its
-log; its peak resident set (VmHWM) can be read while it runs.
+log; its peak resident set (VmHWM) can be read while it runs. `wait_until_healthy` is that wait on
+its own, for a bench or test that starts its server another way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,34 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def wait_until_healthy(
+    url: str,
+    process: subprocess.Popen[bytes],
+    timeout_s: float,
+    *,
+    name: str = "the server",
+    details: str | Callable[[], str] = "",
+) -> float:
+    """Seconds until `url` (a health route) answers 200 (llama-server's: 503 while the model loads).
+    A RuntimeError if `process` exits first or `timeout_s` passes; its message ends with `details`
+    (where the server's log is), or what `details()` gives then (the log's end)."""
+
+    def error(what: str) -> RuntimeError:
+        return RuntimeError(f"{name} {what}{details() if callable(details) else details}")
+
+    began = time.perf_counter()
+    while time.perf_counter() - began < timeout_s:
+        if process.poll() is not None:
+            raise error(f"exited ({process.returncode}) before it was ready")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return time.perf_counter() - began
+        except httpx.HTTPError:
+            pass  # not listening yet
+        time.sleep(0.1)
+    raise error(f"not healthy after {timeout_s:.0f} s")
 
 
 @dataclass(kw_only=True)
@@ -92,24 +122,14 @@ class ServerProcess:
             )
 
     def wait_healthy(self) -> float:
-        """Seconds until the health route answers 200 (llama-server: 503 while the model loads)."""
+        """Seconds until the health route answers 200."""
         assert self.process is not None
-        began = time.perf_counter()
-        while time.perf_counter() - began < self.startup_timeout_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited ({self.process.returncode}) before it was ready; the "
-                    f"end of its log ({self.log_path}):\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(self.url + self.health_path, timeout=2).status_code == 200:
-                    return time.perf_counter() - began
-            except httpx.HTTPError:
-                pass  # not listening yet
-            time.sleep(0.1)
-        raise RuntimeError(
-            f"{self.name} not healthy after {self.startup_timeout_s:.0f} s; the end of its log "
-            f"({self.log_path}):\n{self.log_tail()}"
+        return wait_until_healthy(
+            self.url + self.health_path,
+            self.process,
+            self.startup_timeout_s,
+            name=self.name,
+            details=lambda: f"; the end of its log ({self.log_path}):\n{self.log_tail()}",
         )
 
     def alive(self) -> bool:

@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from minivllm.benchmarks import server_process
+
 STARTUP_TIMEOUT_S = 180.0  # model load on a contended 2-CPU machine
 
 
@@ -67,18 +69,9 @@ class RemoteServer:
 def wait_until_healthy(url: str, proc: subprocess.Popen[Any], log: Callable[[], str]) -> None:
     """Wait until the server `proc` runs answers /health with a 200; fail with its `log()` if it
     exits first or does not start in STARTUP_TIMEOUT_S."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}):\n{log()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not start in time:\n{log()}")
-        time.sleep(0.2)
+    server_process.wait_until_healthy(
+        url + "/health", proc, STARTUP_TIMEOUT_S, details=lambda: f":\n{log()}"
+    )
 
 
 @contextmanager
