@@ -188,28 +188,31 @@ void over_group(int64_t rows, int64_t M, int64_t K, Tile&& tile) {
   }
 }
 
-// The unsigned 32-weight types past the in-register tokens, as linearK's octets: work items of G
-// rows packed octet by octet (tile_octet32's layout, cpu_gguf_rows32_avx2.h), then token panels
-// that stay in L2 against each octet, kOctetTokens tokens a tile.
-template <class X>
-void linear32_octets(float* out, const Tokens& tok, const uint8_t* w, int64_t M, int64_t N, int64_t K) {
-  const int64_t nb = K / 32, row_bytes = nb * X::Q::kBytes, octet_bytes = nb * kOctetBytes32;
+// The octet tiles past the in-register tokens, for the K-quants (tile_octet) and the unsigned
+// 32-weight types (tile_octet32) alike: work items of G rows packed octet by octet
+// (`pack(w, row_bytes, rows, blocks, dst)`, kOctetBlockBytes bytes an octet per block of x), then
+// token panels that stay in L2 against each octet, kOctetTokens tokens a tile
+// (`tile(integral_constant<int, T>, octet, blocks, rows, x, t0, out, ldo)`).
+template <class X, int64_t kOctetBlockBytes, class Pack, class Tile>
+void linear_octets(float* out, const Tokens& tok, const uint8_t* w, int64_t M, int64_t N, Pack&& pack,
+                   Tile&& tile) {
+  const int64_t nb = tok.blocks, row_bytes = nb * X::Q::kBytes, octet_bytes = nb * kOctetBlockBytes;
   const int64_t G = octet_group_rows(N, octet_bytes);
   const int64_t panel = std::max<int64_t>(kOctetTokens, kOctetPanelBytes / tok.ldq / kOctetTokens * kOctetTokens);
   at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> pk(G / kOctet * octet_bytes);  // [G / 8][nb][kOctetBytes32]
+    std::vector<uint8_t> pk(G / kOctet * octet_bytes);  // [G / 8][nb][kOctetBlockBytes]
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * G, rows = std::min(G, N - n0), octets = (rows + kOctet - 1) / kOctet;
       for (int64_t o = 0; o < octets; ++o)
-        pack_octet32<X>(w + (n0 + kOctet * o) * row_bytes, row_bytes, std::min<int64_t>(kOctet, rows - kOctet * o), nb,
-                        pk.data() + o * octet_bytes);
+        pack(w + (n0 + kOctet * o) * row_bytes, row_bytes, std::min<int64_t>(kOctet, rows - kOctet * o), nb,
+             pk.data() + o * octet_bytes);
       for (int64_t p0 = 0; p0 < M; p0 += panel) {
         const int64_t p1 = std::min(M, p0 + panel);
         for (int64_t o = 0; o < octets; ++o)
           for (int64_t t0 = p0; t0 < p1; t0 += kOctetTokens)
             with_tile_tokens<kOctetTokens>(p1 - t0, [&](auto t_) {
-              tile_octet32<X, decltype(t_)::value>(pk.data() + o * octet_bytes, nb, std::min<int64_t>(kOctet, rows - kOctet * o),
-                                                   tok, t0, out + t0 * N + n0 + kOctet * o, N);
+              tile(t_, pk.data() + o * octet_bytes, nb, std::min<int64_t>(kOctet, rows - kOctet * o), tok, t0,
+                   out + t0 * N + n0 + kOctet * o, N);
             });
       }
     }
@@ -236,7 +239,9 @@ void linear32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t
     return;
   }
   if constexpr (!X::kSigned) {  // the unsigned types: octets of interleaved rows (tile_octet32)
-    linear32_octets<X>(out, tok, w, M, N, K);
+    linear_octets<X, kOctetBytes32>(
+        out, tok, w, M, N, [](auto... a) { pack_octet32<X>(a...); },
+        [](auto t_, auto&&... a) { tile_octet32<X, decltype(t_)::value>(a...); });
     return;
   }
   // Q8_0 past the in-register tokens: 2 weight rows x 4 tokens a register tile (8 float sums).
@@ -278,29 +283,9 @@ void linearK(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t 
     });
     return;
   }
-  // Work items of G rows, packed octet by octet (tile_octet's layout), then token panels that stay
-  // in L2 against each octet, kOctetTokens tokens a tile.
-  const int64_t octet_bytes = ns * kOctetBytes<X>;
-  const int64_t G = octet_group_rows(N, octet_bytes);
-  const int64_t panel = std::max<int64_t>(kOctetTokens, kOctetPanelBytes / K / kOctetTokens * kOctetTokens);
-  at::parallel_for(0, (N + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> pk(G / kOctet * octet_bytes);  // [G / 8][ns][kOctetBytes<X>]
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t n0 = g * G, rows = std::min(G, N - n0), octets = (rows + kOctet - 1) / kOctet;
-      for (int64_t o = 0; o < octets; ++o)
-        pack_octet<X>(w + (n0 + kOctet * o) * row_bytes, row_bytes, std::min<int64_t>(kOctet, rows - kOctet * o), ns,
-                      pk.data() + o * octet_bytes);
-      for (int64_t p0 = 0; p0 < M; p0 += panel) {
-        const int64_t p1 = std::min(M, p0 + panel);
-        for (int64_t o = 0; o < octets; ++o)
-          for (int64_t t0 = p0; t0 < p1; t0 += kOctetTokens)
-            with_tile_tokens<kOctetTokens>(p1 - t0, [&](auto t_) {
-              tile_octet<X, decltype(t_)::value>(pk.data() + o * octet_bytes, ns, std::min<int64_t>(kOctet, rows - kOctet * o),
-                                                 tok, t0, out + t0 * N + n0 + kOctet * o, N);
-            });
-      }
-    }
-  });
+  linear_octets<X, kOctetBytes<X>>(
+      out, tok, w, M, N, [](auto... a) { pack_octet<X>(a...); },
+      [](auto t_, auto&&... a) { tile_octet<X, decltype(t_)::value>(a...); });
 }
 
 }  // namespace

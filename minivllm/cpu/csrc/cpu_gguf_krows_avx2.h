@@ -85,6 +85,23 @@ inline __m256i scaled_sum(__m256i acc, __m256i p, const int16_t* sc) {  // acc +
 #endif
 }
 
+// The end of every octet tile (tile_octet here, tile_octet32 in cpu_gguf_rows32_avx2.h): each
+// token's 8 partials (a row a lane) through the fixed tree, stored to out[t · ldo + r] for the
+// rows r < rows that exist.
+template <int T>
+inline void store_octet(const __m256 (&part)[T][8], int64_t rows, float* out, int64_t ldo) {
+  for (int t = 0; t < T; ++t) {
+    const __m256 o = partials_tree(part[t], [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); });
+    if (rows == kOctet) {
+      _mm256_storeu_ps(out + t * ldo, o);
+    } else {
+      alignas(32) float v[kOctet];
+      _mm256_store_ps(v, o);
+      for (int r = 0; r < rows; ++r) out[t * ldo + r] = v[r];
+    }
+  }
+}
+
 // Outputs out[t · ldo + r] (r < rows, t < T) of one packed octet pk (ns super-blocks) and tokens
 // [t0, t0 + T) of x.
 template <class X, int T>
@@ -130,16 +147,7 @@ void tile_octet(const uint8_t* pk, int64_t ns, int64_t rows, const Tokens& x, in
       part[t][l] = k_step<X>(part[t][l], S[t], M, d, dmin, _mm256_set1_ps(dx[t * ns + s]));
     }
   }
-  for (int t = 0; t < T; ++t) {
-    const __m256 o = partials_tree(part[t], [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); });
-    if (rows == kOctet) {
-      _mm256_storeu_ps(out + t * ldo, o);
-    } else {
-      alignas(32) float v[kOctet];
-      _mm256_store_ps(v, o);
-      for (int r = 0; r < rows; ++r) out[t * ldo + r] = v[r];
-    }
-  }
+  store_octet<T>(part, rows, out, ldo);
 }
 
 }  // namespace

@@ -117,16 +117,7 @@ void tile_octet32(const uint8_t* pk, int64_t nb, int64_t rows, const Tokens& x, 
     }
     for (int t = 0; t < T; ++t) part[t][l] = p[t];
   }
-  for (int t = 0; t < T; ++t) {
-    const __m256 o = partials_tree(part[t], [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); });
-    if (rows == kOctet) {
-      _mm256_storeu_ps(out + t * ldo, o);
-    } else {
-      alignas(32) float v[kOctet];
-      _mm256_store_ps(v, o);
-      for (int r = 0; r < rows; ++r) out[t * ldo + r] = v[r];
-    }
-  }
+  store_octet<T>(part, rows, out, ldo);
 }
 
 }  // namespace
