@@ -40,37 +40,31 @@ def vnni_and_amx(x: torch.Tensor, q: torch.Tensor, qtype: int) -> tuple[torch.Te
     return vnni, tiles
 
 
-@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
-def test_amx_rows_equal_the_vnni_kernel_s_bit_for_bit(qtype: T) -> None:
-    # 11 super-blocks a row: the 8 float partials wrap around and the last group is partial
-    q = torch.from_numpy(random_blocks(qtype, N, 2816, seed=5))
-    x = torch.randn(100, 2816, generator=torch.Generator().manual_seed(5))
-    x[3] = 0.0  # an all-zero row: its blocks' scale is 0
-    x[4, :256] *= 1e4  # one block far larger than the others
-    for m in (1, 16, 17, 31, 33, 100):
-        vnni, tiles = vnni_and_amx(x[:m], q, int(qtype))
-        assert torch.equal(tiles, vnni), f"M = {m}"
-    alone = torch.cat(
-        [cpu_ops.gguf_linear(x[i : i + 1], q, int(qtype), "int8") for i in (0, 50, 99)]
-    )
-    assert torch.equal(tiles[[0, 50, 99]], alone)
+# Per type: K (the row's weights) and the token counts M. The K-quants at 11 super-blocks a row,
+# the 32-weight types at 19 blocks: the 8 float partials wrap around and the last group of 8 is
+# partial (the 32-weight types' last pair of blocks is one block, an odd count); M runs through
+# partial and whole tiles of 16 tokens.
+CASES = [
+    *[pytest.param(t, 2816, (1, 16, 17, 31, 33, 100), id=t.name) for t in K_QUANTS],
+    *[pytest.param(t, 608, (1, 8, 15, 16, 17, 40), id=t.name) for t in BLOCK32],
+]
 
 
-@pytest.mark.parametrize("qtype", BLOCK32, ids=lambda t: t.name)
-def test_amx_32_weight_rows_equal_the_vnni_kernel_s_bit_for_bit(qtype: T) -> None:
-    # K = 608: 19 blocks a row, so that the 8 float partials wrap around, the last group of 8 is
-    # partial and the last pair one block (an odd count)
-    q = torch.from_numpy(random_blocks(qtype, N, 608, seed=7))
-    x = torch.randn(40, 608, generator=torch.Generator().manual_seed(7))
+@pytest.mark.parametrize(("qtype", "k", "ms"), CASES)
+def test_amx_rows_equal_the_vnni_kernel_s_bit_for_bit(
+    qtype: T, k: int, ms: tuple[int, ...]
+) -> None:
+    block = 256 if qtype in K_QUANTS else 32  # the weights of x's 8-bit blocks
+    q = torch.from_numpy(random_blocks(qtype, N, k, seed=5))
+    x = torch.randn(ms[-1], k, generator=torch.Generator().manual_seed(5))
     x[3] = 0.0  # an all-zero row: its blocks' scale is 0
-    x[4, :32] *= 1e4  # one block far larger than the others
-    for m in (1, 8, 15, 16, 17, 40):
+    x[4, :block] *= 1e4  # one block far larger than the others
+    for m in ms:
         vnni, tiles = vnni_and_amx(x[:m], q, int(qtype))
         assert torch.equal(tiles, vnni), f"M = {m}"
-    alone = torch.cat(
-        [cpu_ops.gguf_linear(x[i : i + 1], q, int(qtype), "int8") for i in (0, 4, 39)]
-    )
-    assert torch.equal(tiles[[0, 4, 39]], alone)
+    rows = [0, 4, ms[-1] // 2, ms[-1] - 1]
+    alone = torch.cat([cpu_ops.gguf_linear(x[i : i + 1], q, int(qtype), "int8") for i in rows])
+    assert torch.equal(tiles[rows], alone)
 
 
 @pytest.mark.parametrize("qtype", [*K_QUANTS, T.Q4_1], ids=lambda t: t.name)

@@ -145,6 +145,19 @@ struct WeightBlock {
   }
 };
 
+// The end of every AMX tile (`tile` here, block32_tile in cpu_gguf_amx32.h): each token's 8
+// partials of weight rows 0..15 and 16..31 (acc [weight rows / 16][token][partial]) through the
+// fixed tree, stored by mask to out[t · ldo + n] for tokens t < tokens and rows n < rows.
+inline void store_block(const __m512 (&acc)[2][16][8], int64_t rows, int64_t tokens, float* out, int64_t ldo) {
+  const __mmask16 lo = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
+  const __mmask16 hi = rows >= 32 ? __mmask16(0xFFFF) : rows <= 16 ? 0 : __mmask16((1u << (rows - 16)) - 1);
+  const auto add = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
+  for (int64_t t = 0; t < tokens; ++t) {
+    _mm512_mask_storeu_ps(out + t * ldo, lo, partials_tree(acc[0][t], add));
+    _mm512_mask_storeu_ps(out + t * ldo + 16, hi, partials_tree(acc[1][t], add));
+  }
+}
+
 // out[t · ldo + n] for tokens t < tokens (<= 16, from token row m0 of xq) and weight rows
 // n < rows (<= kRows) of the packed block.
 template <class X>
@@ -213,13 +226,36 @@ void tile(const WeightBlock<X>& w, int64_t rows, const Tokens& x, const int32_t*
       }
     }
   }
-  const __mmask16 lo = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
-  const __mmask16 hi = rows >= 32 ? __mmask16(0xFFFF) : rows <= 16 ? 0 : __mmask16((1u << (rows - 16)) - 1);
-  const auto add = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
-  for (int64_t t = 0; t < tokens; ++t) {
-    _mm512_mask_storeu_ps(out + t * ldo, lo, partials_tree(acc[0][t], add));
-    _mm512_mask_storeu_ps(out + t * ldo + 16, hi, partials_tree(acc[1][t], add));
-  }
+  store_block(acc, rows, tokens, out, ldo);
+}
+
+// The AMX kernels' work (`linear` here, linear32 in cpu_gguf_amx32.h): threads split the weight
+// rows in items of a few blocks of kRows rows (`Block(blocks of x)`, item_row_bytes a row in the
+// tiles' layout: the item's blocks stay in L2), each packed once (`Block::pack`), then run over
+// panels of x that stay in L2 while every block of the item rereads them, 16 token rows a tile:
+// `tile(block, rows, m0, tokens, out + m0 · N + n0)`. `configure` sets the thread's tiles.
+template <class Block, class Configure, class Tile>
+void over_blocks(float* out, const uint8_t* w, int64_t M, int64_t N, const Tokens& tok, int64_t row_bytes,
+                 int64_t item_row_bytes, Configure&& configure, Tile&& tile) {
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  const int64_t per_item = std::clamp<int64_t>(kItemBytes / (kRows * item_row_bytes), 1, 16);
+  const int64_t panel = std::max<int64_t>(16, kPanelBytes / tok.ldq / 16 * 16);
+  at::parallel_for(0, (blocks + per_item - 1) / per_item, 1, [&](int64_t begin, int64_t end) {
+    configure();
+    std::vector<Block> wb(per_item, Block(tok.blocks));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b0 = item * per_item, b1 = std::min(blocks, b0 + per_item);
+      for (int64_t b = b0; b < b1; ++b)
+        wb[b - b0].pack(w + b * kRows * row_bytes, row_bytes, std::min(kRows, N - b * kRows), tok.blocks);
+      for (int64_t p0 = 0; p0 < M; p0 += panel)
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t n0 = b * kRows, rows = std::min(kRows, N - n0);
+          for (int64_t m0 = p0; m0 < std::min(M, p0 + panel); m0 += 16)
+            tile(wb[b - b0], rows, m0, std::min<int64_t>(16, M - m0), out + m0 * N + n0);
+        }
+    }
+    _tile_release();
+  });
 }
 
 template <class X>
@@ -234,28 +270,11 @@ void linear(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t M
     const int16_t* b = tok.bsums.data() + 4 * i;
     bx[i] = int32_t(uint16_t(b[0] + b[1])) | int32_t(uint32_t(uint16_t(b[2] + b[3])) << 16);
   }
-  // Work items of a few blocks (their tiles' layout in L2), run over panels of x that stay in L2
-  // while every block of the item rereads them.
-  const int64_t blocks = (N + kRows - 1) / kRows;
-  const int64_t per_item = std::clamp<int64_t>(kItemBytes / (Amx<X>::kParts * kRows * K), 1, 16);
-  const int64_t panel = std::max<int64_t>(16, kPanelBytes / K / 16 * 16);
-  at::parallel_for(0, (blocks + per_item - 1) / per_item, 1, [&](int64_t begin, int64_t end) {
-    minivllm_amx::configure_tiles();
-    std::vector<WeightBlock<X>> wb(per_item, WeightBlock<X>(ns));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b0 = item * per_item, b1 = std::min(blocks, b0 + per_item);
-      for (int64_t b = b0; b < b1; ++b)
-        wb[b - b0].pack(w + b * kRows * row_bytes, row_bytes, std::min(kRows, N - b * kRows), ns);
-      for (int64_t p0 = 0; p0 < M; p0 += panel)
-        for (int64_t b = b0; b < b1; ++b) {
-          const int64_t n0 = b * kRows, rows = std::min(kRows, N - n0);
-          for (int64_t m0 = p0; m0 < std::min(M, p0 + panel); m0 += 16)
-            tile<X>(wb[b - b0], rows, tok, bx.data(), m0, std::min<int64_t>(16, M - m0), ns,
-                    out + m0 * N + n0, N);
-        }
-    }
-    _tile_release();
-  });
+  over_blocks<WeightBlock<X>>(
+      out, w, M, N, tok, row_bytes, Amx<X>::kParts * K, [] { minivllm_amx::configure_tiles(); },
+      [&](const WeightBlock<X>& wb, int64_t rows, int64_t m0, int64_t tokens, float* o) {
+        tile<X>(wb, rows, tok, bx.data(), m0, tokens, ns, o, N);
+      });
 }
 
 #include "cpu_gguf_amx32.h"

@@ -17,8 +17,9 @@
 // columns sharing each x tile); a thread unpacks its rows once (the VNNI kernel's `quants`, then
 // one gather per 16 rows x 4 bytes) into the tiles' layout, then runs L2-sized panels of x (token
 // rows past M are zeros) over them, 16 tokens a tile, two blocks of 32 weights a step.
-// Included by cpu_gguf_amx.cpp inside its AMX target and namespace, after
-// cpu_gguf_block32_avx2.h.
+// The work split and the masked store are the K-quants' (cpu_gguf_amx.cpp's `over_blocks` and
+// `store_block`). Included by cpu_gguf_amx.cpp inside its AMX target and namespace, after them
+// and cpu_gguf_block32_avx2.h.
 
 #pragma once
 
@@ -112,13 +113,7 @@ void block32_tile(const WeightBlock32<X>& w, int64_t rows, const Tokens& x, int6
       }
     }
   }
-  const __mmask16 lo = rows >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << rows) - 1);
-  const __mmask16 hi = rows >= 32 ? __mmask16(0xFFFF) : rows <= 16 ? 0 : __mmask16((1u << (rows - 16)) - 1);
-  const auto add = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
-  for (int64_t t = 0; t < tokens; ++t) {
-    _mm512_mask_storeu_ps(out + t * ldo, lo, partials_tree(acc[0][t], add));
-    _mm512_mask_storeu_ps(out + t * ldo + 16, hi, partials_tree(acc[1][t], add));
-  }
+  store_block(acc, rows, tokens, out, ldo);
 }
 
 template <class X>
@@ -128,25 +123,9 @@ void linear32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t
   const int64_t Mp = (M + 15) / 16 * 16;
   Tokens tok = minivllm_gguf_avx2::quantize_tokens(x, ldx, M, K, 32);
   tok.xq.resize(Mp * tok.ldq, 0), tok.dx.resize(Mp * nbp, 0.0f), tok.sx.resize(Mp * nbp, 0.0f);
-  // Work items of a few blocks (their tiles' layout in L2), run over panels of x that stay in L2
-  // while every block of the item rereads them.
-  const int64_t blocks = (N + kRows - 1) / kRows;
-  const int64_t per_item = std::clamp<int64_t>(kItemBytes / (kRows * K), 1, 16);
-  const int64_t panel = std::max<int64_t>(16, kPanelBytes / tok.ldq / 16 * 16);
-  at::parallel_for(0, (blocks + per_item - 1) / per_item, 1, [&](int64_t begin, int64_t end) {
-    minivllm_amx::configure_tiles(kTileRows32, kTileBytes32);
-    std::vector<WeightBlock32<X>> wb(per_item, WeightBlock32<X>(nb));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b0 = item * per_item, b1 = std::min(blocks, b0 + per_item);
-      for (int64_t b = b0; b < b1; ++b)
-        wb[b - b0].pack(w + b * kRows * row_bytes, row_bytes, std::min(kRows, N - b * kRows), nb);
-      for (int64_t p0 = 0; p0 < M; p0 += panel)
-        for (int64_t b = b0; b < b1; ++b) {
-          const int64_t n0 = b * kRows, rows = std::min(kRows, N - n0);
-          for (int64_t m0 = p0; m0 < std::min(M, p0 + panel); m0 += 16)
-            block32_tile<X>(wb[b - b0], rows, tok, m0, std::min<int64_t>(16, M - m0), out + m0 * N + n0, N);
-        }
-    }
-    _tile_release();
-  });
+  over_blocks<WeightBlock32<X>>(
+      out, w, M, N, tok, row_bytes, K, [] { minivllm_amx::configure_tiles(kTileRows32, kTileBytes32); },
+      [&](const WeightBlock32<X>& wb, int64_t rows, int64_t m0, int64_t tokens, float* o) {
+        block32_tile<X>(wb, rows, tok, m0, tokens, o, N);
+      });
 }
