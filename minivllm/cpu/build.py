@@ -92,11 +92,13 @@ SOURCES = tuple(
         "cpu_lora_punica.cpp",
     )
 )
-# included by the GGUF sources
+# included by the sources (the attention loops, the GGUF linears)
 HEADERS = tuple(
     Path(__file__).with_name("csrc") / name
     for name in (
         "cpu_amx_tiles.h",
+        "cpu_attention_prefetch.h",
+        "cpu_attention_entry.h",
         "cpu_gguf_blocks.h",
         "cpu_gguf_sum16.h",
         "cpu_gguf_kquant_avx2.h",

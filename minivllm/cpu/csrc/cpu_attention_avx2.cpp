@@ -33,7 +33,10 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define MINIVLLM_ATTENTION_AVX2 1
+#define MINIVLLM_DECODE_LANES 8  // floats a vector (cpu_attention_entry.h)
 #include <immintrin.h>
+
+#include "cpu_attention_prefetch.h"
 #endif
 
 namespace minivllm_cpu_avx2 {
@@ -71,41 +74,10 @@ inline __m256 fold8(const __m256 (&a)[kTokens]) {
                        _mm256_permute2f128_ps(c[0], c[1], 0x31));
 }
 
-// Prefetches the next block a slice at a time, as cpu_attention_avx512.cpp's does: each of the
-// block's passes asks for the next `step` bytes, so the whole block is on its way by the time
-// this one is done and the requests in flight never pile up.
-template <bool kToL2>  // true: into L2 (_MM_HINT_T1), false: into L1
-struct BlockPrefetcher {
-  const char* next = nullptr;  // the next block, or null
-  int64_t bytes = 0, done = 0, step = 0;  // its size, how much is asked for, bytes per pass
-
-  template <typename T>
-  void start(const T* block, int64_t elems, int64_t passes) {
-    next = reinterpret_cast<const char*>(block);
-    bytes = block == nullptr ? 0 : elems * int64_t(sizeof(T));
-    done = 0;
-    step = (bytes / passes + 63) & ~int64_t(63);
-  }
-  void pass() {
-    const int64_t end = std::min(bytes, done + step);
-    for (; done < end; done += 64) {
-      if constexpr (kToL2) _mm_prefetch(next + done, _MM_HINT_T1);
-      else _mm_prefetch(next + done, _MM_HINT_T0);
-    }
-  }
-};
-
-// The values pass reads V right after the scores pass has read K, and one block ahead is too
-// little to hide the memory's latency when it starts: asked for only as the pass reaches them,
-// its first blocks arrive one at a time. So the scores pass of a request's last blocks also
-// pulls its first V blocks into L2 (`kValueLead` bytes of them, which a core's L2 holds beside
-// the rest), and the values pass keeps asking that far ahead; L1 still gets the next block.
+using minivllm_cpu_decode::BlockPrefetcher;
+using minivllm_cpu_decode::value_lead_blocks;
+// The V stream's lead into L2 (cpu_attention_prefetch.h `value_lead_blocks`).
 constexpr int64_t kValueLead = 128 << 10;  // an AVX2 client part's L2 may be 256 KB
-
-// How many blocks of `block_bytes` the V stream runs ahead of the values pass.
-inline int64_t value_lead_blocks(int64_t num_blocks, int64_t block_bytes) {
-  return std::min(num_blocks, std::max<int64_t>(1, kValueLead / block_bytes));
-}
 
 // Scores of one query head (C vectors, at q) against n <= 8 consecutive rows of a block. A whole
 // tile runs over the head's vectors outside and the tokens inside, so that one vector of the
@@ -146,7 +118,7 @@ void scores_kernel(const float* q, const T* k_cache, const T* v_cache, const int
   const int64_t group = num_heads / num_kv_heads, row_elems = num_kv_heads * hd;
   const int64_t block_elems = block_size * row_elems;
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-  const int64_t lead = value_lead_blocks(num_blocks, block_elems * int64_t(sizeof(T)));
+  const int64_t lead = value_lead_blocks<kValueLead>(num_blocks, block_elems * int64_t(sizeof(T)));
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t j = 0; j < num_blocks; ++j) {
     const T* block = k_cache + int64_t(table[j]) * block_elems;  // [block_size, kv, hd]
@@ -224,7 +196,7 @@ void values_kernel(const float* p, const T* v_cache, const int32_t* table, int64
   const int64_t group = num_heads / num_kv_heads, row_elems = num_kv_heads * hd;
   const int64_t block_elems = block_size * row_elems;
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-  const int64_t lead = value_lead_blocks(num_blocks, block_elems * int64_t(sizeof(T)));
+  const int64_t lead = value_lead_blocks<kValueLead>(num_blocks, block_elems * int64_t(sizeof(T)));
   for (int64_t j = 0; j < num_blocks; ++j) {
     const T* block = v_cache + int64_t(table[j]) * block_elems;  // [block_size, kv, hd]
     const int64_t t0 = j * block_size, n_block = std::min(block_size, seq_len - t0);
@@ -259,62 +231,6 @@ bool decode_avx2_applies(int64_t head_dim) {
 #endif
 }
 
-// scores[h * seq_len + t] = q[h] · k_t for every query head h < num_heads and cached token
-// t < seq_len; q is [num_heads, head_dim] (already scaled), the cache
-// [num_blocks, block_size, num_kv_heads, head_dim], table the request's block table.
-template <typename T>
-static void decode_scores_impl(const float* q, const T* k_cache, const T* v_cache,
-                               const int32_t* table, int64_t seq_len, int64_t block_size,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               float* scores) {
-#if defined(MINIVLLM_ATTENTION_AVX2)
-  auto kernel = head_dim == 32 ? scores_kernel<4, T> : head_dim == 64 ? scores_kernel<8, T>
-                                                                      : scores_kernel<16, T>;
-  kernel(q, k_cache, v_cache, table, seq_len, block_size, num_heads, num_kv_heads, scores);
-#endif
-}
-
-void decode_scores(const float* q, const float* k_cache, const float* v_cache,
-                   const int32_t* table, int64_t seq_len, int64_t block_size, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, float* scores) {
-  decode_scores_impl(q, k_cache, v_cache, table, seq_len, block_size, num_heads, num_kv_heads,
-                     head_dim, scores);
-}
-
-// The same over a bfloat16 cache, given as its 16-bit patterns.
-void decode_scores(const float* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                   const int32_t* table, int64_t seq_len, int64_t block_size, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, float* scores) {
-  decode_scores_impl(q, k_cache, v_cache, table, seq_len, block_size, num_heads, num_kv_heads,
-                     head_dim, scores);
-}
-
-// acc[h] += Σ_t p[h * seq_len + t] · v_t over the request's cached tokens; acc is
-// [num_heads, head_dim].
-template <typename T>
-static void decode_values_impl(const float* p, const T* v_cache, const int32_t* table,
-                               int64_t seq_len, int64_t block_size, int64_t num_heads,
-                               int64_t num_kv_heads, int64_t head_dim, float* acc) {
-#if defined(MINIVLLM_ATTENTION_AVX2)
-  auto kernel = head_dim == 32 ? values_kernel<4, T> : head_dim == 64 ? values_kernel<8, T>
-                                                                      : values_kernel<16, T>;
-  kernel(p, v_cache, table, seq_len, block_size, num_heads, num_kv_heads, acc);
-#endif
-}
-
-void decode_values(const float* p, const float* v_cache, const int32_t* table, int64_t seq_len,
-                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   float* acc) {
-  decode_values_impl(p, v_cache, table, seq_len, block_size, num_heads, num_kv_heads, head_dim,
-                     acc);
-}
-
-// The same over a bfloat16 cache, given as its 16-bit patterns.
-void decode_values(const float* p, const uint16_t* v_cache, const int32_t* table, int64_t seq_len,
-                   int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   float* acc) {
-  decode_values_impl(p, v_cache, table, seq_len, block_size, num_heads, num_kv_heads, head_dim,
-                     acc);
-}
+#include "cpu_attention_entry.h"  // decode_scores, decode_values
 
 }  // namespace minivllm_cpu_avx2
