@@ -188,6 +188,24 @@ void over_group(int64_t rows, int64_t M, int64_t K, Tile&& tile) {
   }
 }
 
+// Decode's few token rows (M <= kInRegisterTokens), for every type but VNNI's Q8_0: work items
+// of kInRegisterRows weight rows against every tile of up to kTile tokens, each block unpacked in
+// registers (`tile(integral_constant<int, T>, w, row_bytes, rows, x, t0, out, ldo)`:
+// tileK_in_registers, rows32_in_registers).
+template <int kTile, class Tile>
+void linear_in_registers(float* out, const Tokens& tok, const uint8_t* w, int64_t M, int64_t N, int64_t row_bytes,
+                         Tile&& tile) {
+  at::parallel_for(0, (N + kInRegisterRows - 1) / kInRegisterRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin * kInRegisterRows; n0 < std::min(N, end * kInRegisterRows); n0 += kInRegisterRows) {
+      const int64_t rows = std::min(kInRegisterRows, N - n0);
+      for (int64_t t0 = 0; t0 < M; t0 += kTile)
+        with_tile_tokens<kTile>(M - t0, [&](auto t_) {
+          tile(t_, w + n0 * row_bytes, row_bytes, rows, tok, t0, out + t0 * N + n0, N);
+        });
+    }
+  });
+}
+
 // The octet tiles past the in-register tokens, for the K-quants (tile_octet) and the unsigned
 // 32-weight types (tile_octet32) alike: work items of G rows packed octet by octet
 // (`pack(w, row_bytes, rows, blocks, dst)`, kOctetBlockBytes bytes an octet per block of x), then
@@ -225,16 +243,9 @@ void linear32(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t
   using Q = typename X::Q;
   const Tokens tok = quantize_tokens(x, ldx, M, K, 32);
   const int64_t nb = K / 32, nbp = padded8(nb), ldq = padded64(K), row_bytes = nb * Q::kBytes;
-  if (M <= kInRegisterTokens) {  // each kInRegisterRows rows against every tile of tokens
-    at::parallel_for(0, (N + kInRegisterRows - 1) / kInRegisterRows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t n0 = begin * kInRegisterRows; n0 < std::min(N, end * kInRegisterRows); n0 += kInRegisterRows) {
-        const int64_t rows = std::min(kInRegisterRows, N - n0);
-        for (int64_t t0 = 0; t0 < M; t0 += kInRegisterTile)
-          with_tile_tokens<kInRegisterTile>(M - t0, [&](auto t_) {
-            rows32_in_registers<X, decltype(t_)::value>(w + n0 * row_bytes, row_bytes, rows, tok, t0,
-                                                        out + t0 * N + n0, N);
-          });
-      }
+  if (M <= kInRegisterTokens) {
+    linear_in_registers<kInRegisterTile>(out, tok, w, M, N, row_bytes, [](auto t_, auto&&... a) {
+      rows32_in_registers<X, decltype(t_)::value>(a...);
     });
     return;
   }
@@ -270,16 +281,9 @@ void linearK(float* out, const float* x, int64_t ldx, const uint8_t* w, int64_t 
   using Q = typename X::Q;
   const Tokens tok = quantize_tokens(x, ldx, M, K, 256);
   const int64_t ns = K / 256, row_bytes = ns * Q::kBytes;
-  if (M <= kInRegisterTokens) {  // each kInRegisterRows rows against every tile of tokens
-    at::parallel_for(0, (N + kInRegisterRows - 1) / kInRegisterRows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t n0 = begin * kInRegisterRows; n0 < std::min(N, end * kInRegisterRows); n0 += kInRegisterRows) {
-        const int64_t rows = std::min(kInRegisterRows, N - n0);
-        for (int64_t t0 = 0; t0 < M; t0 += kInRegisterTileK)
-          with_tile_tokens<kInRegisterTileK>(M - t0, [&](auto t_) {
-            tileK_in_registers<X, decltype(t_)::value>(w + n0 * row_bytes, row_bytes, rows, tok, t0,
-                                                       out + t0 * N + n0, N);
-          });
-      }
+  if (M <= kInRegisterTokens) {
+    linear_in_registers<kInRegisterTileK>(out, tok, w, M, N, row_bytes, [](auto t_, auto&&... a) {
+      tileK_in_registers<X, decltype(t_)::value>(a...);
     });
     return;
   }
