@@ -16,11 +16,11 @@ Gemmas 3 (2 + 1).
 
 Every family's model and transformers' tokens are made once for the module, for six prompts
 through a KV pool small enough to preempt, with chunked prefill and shared prefixes
-(SMALL_ENGINE of tests/model/test_model_families.py). Spawned, two stages of one rank and of two
-tensor-parallel ranks each: every family runs the first two, Gemma 2 all six. Under torchrun,
-2 x 2 ranks: every family (and Llama's class, as Mistral) runs all six, then Llama's class over 4
-tensor-parallel ranks. The tokens are held to transformers', not
-to a single-process run: tests/model/test_model_families.py and test_model_gemma.py hold the
+(SMALL_ENGINE of tests/model/test_model_families.py). Spawned, two stages of one rank: every
+family runs the first two, Gemma 2 all six, and Gemma 2 again over two tensor-parallel ranks a
+stage. Under torchrun, 2 x 2 ranks: every family (and Llama's class, as Mistral) runs all six,
+then Llama's class over 4 tensor-parallel ranks. The tokens are held to transformers', not to a
+single-process run: tests/model/test_model_families.py and test_model_gemma.py hold the
 single-process engine to transformers on the same tiny models under the same kind of workload,
 so equal to transformers is equal to one process, at no extra engine. Each stage must hold
 exactly its parts (asked of every rank).
@@ -123,8 +123,18 @@ def parts_of_stages(num_layers: int, tp: int) -> list[dict[str, Any]]:
     return [stage0] * tp + [stage1] * tp
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["2-stages", "2-ranks-x-2-stages"])
-@pytest.mark.parametrize("family", FAMILIES)
+# Spawned: two stages of one rank for every family, and of two tensor-parallel ranks for Gemma 2.
+# The other families' 2 x 2 split is the torchrun test's below (the same `keep_stage` and
+# `stage_target` on every rank), and spawning 2 x 2 ranks is Llama's in test_pipeline_parallel.py:
+# spawning each of them again over four workers proved nothing more.
+SPAWNED = [(family, 1) for family in FAMILIES] + [("gemma2", 2)]
+
+
+@pytest.mark.parametrize(
+    ("family", "tp"),
+    SPAWNED,
+    ids=[f"{family}-{'2-stages' if tp == 1 else '2-ranks-x-2-stages'}" for family, tp in SPAWNED],
+)
 def test_stages_spawned_by_the_engine_give_transformers_greedy_tokens(
     family_runs: Callable[[str], dict[str, Any]], family: str, tp: int
 ) -> None:
