@@ -24,6 +24,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from minivllm.cpu.build import load_cpu_kernels
 from minivllm.envs import cpu_amx
@@ -90,8 +91,11 @@ def f16_amx_linear(
     bias: torch.Tensor | None = None,  # [N] float16
     residual: torch.Tensor | None = None,  # [M, N] float16
     activation: str | None = None,  # F.gelu's approximate ("none": erf, "tanh"), or None
+    layer_norm: nn.LayerNorm | None = None,  # float16 weight and bias of [N]
 ) -> torch.Tensor:  # [M, N] float16, token-major
-    """act(x · Wᵀ + bias) + residual, rounded once to float16, on AMX-BF16 tiles."""
+    """act(x · Wᵀ + bias) + residual, rounded once to float16, on AMX-BF16 tiles; then
+    `layer_norm` of those rows if given (BERT's post-LayerNorm), by the thread that wrote them,
+    while they are in its cache."""
     load_cpu_kernels()
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -104,6 +108,9 @@ def f16_amx_linear(
         empty if bias is None else bias,
         empty if residual is None else residual.contiguous(),
         ACTIVATIONS[activation],
+        empty if layer_norm is None else layer_norm.weight,
+        empty if layer_norm is None else layer_norm.bias,
+        0.0 if layer_norm is None else layer_norm.eps,
     )
     return out
 

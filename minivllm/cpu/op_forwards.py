@@ -293,8 +293,10 @@ def bert_output_forward_cpu(
     dense = op.dense
     # Over several ranks the residual comes after the all-reduce of partial sums: unfused.
     if amx_f16_linear(dense) and dense.tp.world_size == 1:
-        n = dense.weight.shape[0]
-        return op.LayerNorm(f16_amx_linear(hidden, amx_pack(dense), n, dense.bias, residual))
+        n, norm = dense.weight.shape[0], op.LayerNorm
+        if norm.weight.dtype == torch.float16 and norm.bias is not None:  # LayerNorm in the kernel
+            return f16_amx_linear(hidden, amx_pack(dense), n, dense.bias, residual, None, norm)
+        return norm(f16_amx_linear(hidden, amx_pack(dense), n, dense.bias, residual))
     if not onednn_linear(dense) or dense.tp.world_size > 1:
         return op.forward_native(hidden, residual)
     y = torch.ops.mkldnn._linear_pointwise.binary(
