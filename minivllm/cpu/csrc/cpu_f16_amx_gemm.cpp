@@ -174,10 +174,11 @@ void gelu_tanh(float* v, int64_t n) {  // a plain loop the compiler vectorizes (
   }
 }
 
-// One block of sums [rows][32]: + bias, the activation, + residual, rounded once to float16.
-void finish_block(float* sums,  // [kBlockRows][32], overwritten by the tanh GELU
-                  int64_t rows, int64_t cols, int64_t m0, int64_t n0, const Epilogue& e,
-                  uint16_t* out, int64_t ldo) {
+// Rows [r_begin, r_end) of a block of sums [32][32]: + bias, the activation, + residual, rounded
+// once to float16.
+void finish_rows(float* sums,  // [kBlockRows][32], overwritten by the tanh GELU
+                 int64_t r_begin, int64_t r_end, int64_t cols, int64_t m0, int64_t n0,
+                 const Epilogue& e, uint16_t* out, int64_t ldo) {
   const __mmask16 masks[2] = {
       static_cast<__mmask16>((1u << std::clamp<int64_t>(cols, 0, 16)) - 1u),
       static_cast<__mmask16>((1u << std::clamp<int64_t>(cols - 16, 0, 16)) - 1u)};
@@ -188,7 +189,7 @@ void finish_block(float* sums,  // [kBlockRows][32], overwritten by the tanh GEL
     }
   }
   if (e.activation == kGeluTanh) {  // in place, the bias first (the loop below then adds none)
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = r_begin; r < r_end; ++r) {
       float* row = sums + r * 2 * kTileCols;
       for (int half = 0; half < 2; ++half) {
         float* part = row + 16 * half;
@@ -198,7 +199,7 @@ void finish_block(float* sums,  // [kBlockRows][32], overwritten by the tanh GEL
     }
     bias[0] = bias[1] = _mm512_setzero_ps();
   }
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = r_begin; r < r_end; ++r) {
     for (int half = 0; half < 2; ++half) {
       __m512 y = _mm512_add_ps(_mm512_load_ps(sums + r * 2 * kTileCols + 16 * half), bias[half]);
       if (e.activation == kGeluErf) y = gelu_erf(y);
@@ -211,6 +212,22 @@ void finish_block(float* sums,  // [kBlockRows][32], overwritten by the tanh GEL
     }
   }
 }
+
+// A block whose sums wait for their epilogue, finished a few rows at a time while the next
+// block's tile products run: the epilogue is vector work and the products are the tile unit's,
+// so interleaved in one instruction stream the two overlap, where a block finished before the
+// next began left the tile unit idle for its epilogue (the erf GELU's most of all).
+struct PendingBlock {
+  float* sums = nullptr;  // [kBlockRows][32]
+  int64_t rows = 0, cols = 0, m0 = 0, n0 = 0;
+  int64_t done = 0;  // rows finished
+
+  void finish(int64_t upto, const Epilogue& e, uint16_t* out, int64_t ldo) {
+    upto = std::min(upto, rows);
+    if (done < upto) finish_rows(sums, done, upto, cols, m0, n0, e, out, ldo);
+    done = std::max(done, upto);
+  }
+};
 
 // y[M, N] = epilogue(x · Wᵀ) from x [M, K] float16 and the packed weight.
 // A block is 32 rows by 32 columns: four float32 accumulators (tiles 0-3), so that each tile
@@ -229,7 +246,10 @@ void gemm(uint16_t* out, int64_t ldo, const uint16_t* x, int64_t ldx, const uint
   constexpr int64_t lda = kKStep * 2;                     // bytes between a split tile's rows
   at::parallel_for(0, panels * runs, 1, [&](int64_t begin, int64_t end) {
     minivllm_amx::configure_tiles();
-    alignas(64) float sums[kBlockRows * 2 * kTileCols];
+    alignas(64) float sums[2][kBlockRows * 2 * kTileCols];  // a block's, and the pending one's
+    PendingBlock pending;
+    int current = 0;  // which of `sums` the next block stores into
+    const int64_t rows_per_step = (kBlockRows + k_steps - 1) / k_steps;  // of the pending block
     // The panel's x split into hi and lo tiles (`split_rows`: [kPanelRows / 16, k_steps, 2, 16,
     // 32]), by this thread, when its first item of the panel comes: the split stays in L2 for the
     // panel's items.
@@ -267,6 +287,7 @@ void gemm(uint16_t* out, int64_t ldo, const uint16_t* x, int64_t ldx, const uint
             _tile_dpbf16ps(1, 6, 5);
             _tile_dpbf16ps(2, 7, 4);
             _tile_dpbf16ps(3, 7, 5);
+            pending.finish((s + 1) * rows_per_step, e, out, ldo);
             _tile_loadd(6, l0 + t, lda);  // lo · hi
             _tile_loadd(7, l1 + t, lda);
             _tile_dpbf16ps(0, 6, 4);
@@ -282,19 +303,24 @@ void gemm(uint16_t* out, int64_t ldo, const uint16_t* x, int64_t ldx, const uint
             _tile_dpbf16ps(2, 7, 4);
             _tile_dpbf16ps(3, 7, 5);
           }
+          pending.finish(kBlockRows, e, out, ldo);
+          float* block_sums = sums[current];
+          current ^= 1;
           constexpr int64_t ld = 2 * kTileCols * sizeof(float);  // bytes between rows of sums
-          _tile_stored(0, sums, ld);
-          _tile_stored(1, sums + kTileCols, ld);
-          _tile_stored(2, sums + kTileRows * 2 * kTileCols, ld);
-          _tile_stored(3, sums + kTileRows * 2 * kTileCols + kTileCols, ld);
-          finish_block(sums, std::min(kBlockRows, M - m0), N - 2 * p * kTileCols, m0,
-                       2 * p * kTileCols, e, out, ldo);
+          _tile_stored(0, block_sums, ld);
+          _tile_stored(1, block_sums + kTileCols, ld);
+          _tile_stored(2, block_sums + kTileRows * 2 * kTileCols, ld);
+          _tile_stored(3, block_sums + kTileRows * 2 * kTileCols + kTileCols, ld);
+          pending = PendingBlock{block_sums, std::min(kBlockRows, M - m0), N - 2 * p * kTileCols,
+                                 m0, 2 * p * kTileCols};
         }
       }
       if (e.ln_weight != nullptr) {  // the item wrote the panel's whole rows
+        pending.finish(kBlockRows, e, out, ldo);
         layer_norm_rows(out + m_begin * ldo, ldo, m_end - m_begin, N, e);
       }
     }
+    pending.finish(kBlockRows, e, out, ldo);
     _tile_release();
   });
 }
