@@ -15,7 +15,8 @@ is twice its bytes: an encoder's few million weights). Only layers that never ru
 take it (`LinearBase.prefill_only`: an encoder's), since a decode step's few rows would pay for the
 pack's bytes with nothing to reuse them for. The epilogue (bias, GELU, residual add) runs on the
 float32 sums before the one rounding to float16, as oneDNN's post-ops do (minivllm/cpu/op_forwards.py
-runs BERT's sublayer ends on it).
+runs BERT's sublayer ends on it); BERT's post-LayerNorm after the residual add runs in the kernel
+too, on each panel's float16 rows while they are in the writing thread's cache.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ commands):
   epilogue does the elementwise work (what PyTorch's inductor does on CPUs with the same oneDNN
   op): GELU inside the up projection, and the residual add inside the output projections, so
   neither the FFN's [T, I] activation nor the sum is another pass over memory. oneDNN's post-ops
-  compute in float32 on the accumulator, before the one rounding to the output's dtype.
+  compute in float32 on the accumulator, before the one rounding to the output's dtype. On the
+  float16 tiles the post-LayerNorm after the residual add runs in the kernel too.
 - **LM head**: the largest matmul of a small model's step (113 MB for SmolLM2). An untied head
   is packed as the linears are and runs on oneDNN. A tied head (SmolLM2's) is the embedding's
   table, whose lookup reads plain rows, so it stays plain, held once for both: up to

@@ -13,7 +13,8 @@
 // float32. The last term is below 2^-16 of |a · b|, 32 times below the float16 output's own
 // rounding (2^-11), and is dropped: three tile products per 32-wide step of K (the "bf16x3" split
 // that XLA and cuBLAS use to run float32 on bfloat16 units). The GEMM rounds once, to float16, after
-// the epilogue (bias, GELU, residual add) has run on the float32 sums, as oneDNN's post-ops do.
+// the epilogue (bias, GELU, residual add) has run on the float32 sums, as oneDNN's post-ops do;
+// BERT's post-LayerNorm can follow, on the float16 rows the thread has just written.
 //
 // Layout. The weight is split and packed once, at load (minivllm/cpu/f16_amx.py `f16_amx_pack`):
 // [N / 16, K / 32, 2 (hi, lo), 16, 32] bfloat16, one 1 KiB tile per (16 output columns, 32 inputs,
