@@ -295,7 +295,8 @@ def bert_output_forward_cpu(
     # Over several ranks the residual comes after the all-reduce of partial sums: unfused.
     if amx_f16_linear(dense) and dense.tp.world_size == 1:
         n, norm = dense.weight.shape[0], op.LayerNorm
-        if norm.weight.dtype == torch.float16 and norm.bias is not None:  # LayerNorm in the kernel
+        affine_f16 = norm.weight is not None and norm.weight.dtype == torch.float16
+        if affine_f16 and norm.bias is not None:  # the LayerNorm in the tile kernel too
             return f16_amx_linear(hidden, amx_pack(dense), n, dense.bias, residual, None, norm)
         return norm(f16_amx_linear(hidden, amx_pack(dense), n, dense.bias, residual))
     if not onednn_linear(dense) or dense.tp.world_size > 1:
