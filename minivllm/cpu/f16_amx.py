@@ -15,7 +15,8 @@ is twice its bytes: an encoder's few million weights). Only layers that never ru
 take it (`LinearBase.prefill_only`: an encoder's), since a decode step's few rows would pay for the
 pack's bytes with nothing to reuse them for. The epilogue (bias, GELU, residual add) runs on the
 float32 sums before the one rounding to float16, as oneDNN's post-ops do (minivllm/cpu/op_forwards.py
-runs BERT's sublayer ends on it).
+runs BERT's sublayer ends on it); BERT's post-LayerNorm after the residual add runs in the kernel
+too, on each panel's float16 rows while they are in the writing thread's cache.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from minivllm.cpu.build import load_cpu_kernels
 from minivllm.envs import cpu_amx
@@ -90,8 +92,11 @@ def f16_amx_linear(
     bias: torch.Tensor | None = None,  # [N] float16
     residual: torch.Tensor | None = None,  # [M, N] float16
     activation: str | None = None,  # F.gelu's approximate ("none": erf, "tanh"), or None
+    layer_norm: nn.LayerNorm | None = None,  # float16 weight and bias of [N]
 ) -> torch.Tensor:  # [M, N] float16, token-major
-    """act(x · Wᵀ + bias) + residual, rounded once to float16, on AMX-BF16 tiles."""
+    """act(x · Wᵀ + bias) + residual, rounded once to float16, on AMX-BF16 tiles; then
+    `layer_norm` of those rows if given (BERT's post-LayerNorm), by the thread that wrote them,
+    while they are in its cache."""
     load_cpu_kernels()
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -104,6 +109,9 @@ def f16_amx_linear(
         empty if bias is None else bias,
         empty if residual is None else residual.contiguous(),
         ACTIVATIONS[activation],
+        empty if layer_norm is None else layer_norm.weight,
+        empty if layer_norm is None else layer_norm.bias,
+        0.0 if layer_norm is None else layer_norm.eps,
     )
     return out
 

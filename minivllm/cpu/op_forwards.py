@@ -30,7 +30,8 @@ commands):
   epilogue does the elementwise work (what PyTorch's inductor does on CPUs with the same oneDNN
   op): GELU inside the up projection, and the residual add inside the output projections, so
   neither the FFN's [T, I] activation nor the sum is another pass over memory. oneDNN's post-ops
-  compute in float32 on the accumulator, before the one rounding to the output's dtype.
+  compute in float32 on the accumulator, before the one rounding to the output's dtype. On the
+  float16 tiles the post-LayerNorm after the residual add runs in the kernel too.
 - **LM head**: the largest matmul of a small model's step (113 MB for SmolLM2). An untied head
   is packed as the linears are and runs on oneDNN. A tied head (SmolLM2's) is the embedding's
   table, whose lookup reads plain rows, so it stays plain, held once for both: up to
@@ -293,8 +294,11 @@ def bert_output_forward_cpu(
     dense = op.dense
     # Over several ranks the residual comes after the all-reduce of partial sums: unfused.
     if amx_f16_linear(dense) and dense.tp.world_size == 1:
-        n = dense.weight.shape[0]
-        return op.LayerNorm(f16_amx_linear(hidden, amx_pack(dense), n, dense.bias, residual))
+        n, norm = dense.weight.shape[0], op.LayerNorm
+        affine_f16 = norm.weight is not None and norm.weight.dtype == torch.float16
+        if affine_f16 and norm.bias is not None:  # the LayerNorm in the tile kernel too
+            return f16_amx_linear(hidden, amx_pack(dense), n, dense.bias, residual, None, norm)
+        return norm(f16_amx_linear(hidden, amx_pack(dense), n, dense.bias, residual))
     if not onednn_linear(dense) or dense.tp.world_size > 1:
         return op.forward_native(hidden, residual)
     y = torch.ops.mkldnn._linear_pointwise.binary(

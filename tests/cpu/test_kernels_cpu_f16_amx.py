@@ -6,7 +6,9 @@ float32, so its result must be the float16 rounding of the exact one, up to the 
 lo · lo term and float32's sums: within half an ulp of the float16 result plus 2^-14 of
 Σ|x||w| (the dropped term is below 2^-16 of it). Shapes that fill no tile (M, N, K not
 multiples of 16 or 32), every epilogue (bias, erf and tanh GELU, residual), two threads (each
-configures its own tile registers). Skipped where the CPU has no AMX-BF16.
+configures its own tile registers). With a LayerNorm (BERT's post-LayerNorm, run on the rows the
+kernel has just written) the rows are F.layer_norm of the kernel's own float16 output, in float32,
+rounded once. Skipped where the CPU has no AMX-BF16.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from minivllm.cpu.f16_amx import f16_amx_available, f16_amx_linear, f16_amx_pack
 
@@ -58,6 +61,33 @@ def test_f16_amx_linear_is_the_rounded_float16_product(
         torch.set_num_threads(before)
     assert got.dtype == torch.float16 and got.shape == (m, n)
     bound = half_ulp(ref) + 2.0**-14 * (x.double().abs() @ w.double().abs().t()) + 1e-6
+    assert ((got.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize(("m", "k", "n", "threads"), [(37, 100, 70, 2), (130, 384, 384, 1)])
+def test_f16_amx_linear_layer_norm_is_layer_norm_of_its_float16_rows(
+    m: int, k: int, n: int, threads: int
+) -> None:
+    gen = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=gen).half()
+    packed = f16_amx_pack((torch.randn(n, k, generator=gen) * 0.1).half())
+    b = torch.randn(n, generator=gen).half()
+    r = torch.randn(m, n, generator=gen).half()
+    norm = nn.LayerNorm(n, eps=1e-12).half()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(n, generator=gen) + 0.5)
+        norm.bias.copy_(torch.randn(n, generator=gen))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        plain = f16_amx_linear(x, packed, n, b, r)  # [m, n]: the rows the LayerNorm reads
+        got = f16_amx_linear(x, packed, n, b, r, None, norm)
+    finally:
+        torch.set_num_threads(before)
+    w, beta = norm.weight.double(), norm.bias.double()
+    ref = F.layer_norm(plain.double(), (n,), w, beta, norm.eps)
+    assert got.dtype == torch.float16 and got.shape == (m, n)
+    bound = half_ulp(ref) + 1e-5 * (ref.abs() + beta.abs()) + 1e-6  # float32's sums
     assert ((got.double() - ref).abs() <= bound).all()
 
 

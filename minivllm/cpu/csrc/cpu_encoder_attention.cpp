@@ -192,9 +192,12 @@ void attend_head(scalar_t* __restrict__ out,     // [len, ...] rows out_stride a
 
 // One prompt, every head. Its rows are widened to float32 first, row after row: a row holds
 // every head's q, k and v side by side, so the prompt streams in once; read a head at a time,
-// each row's few bytes of that head would be a cache miss of their own. Each head's q, k and v
-// are widened by vector conversions (`widen`); k's row then goes into kt's columns from a
-// float32 row that stays in L1, one scalar store a value.
+// each row's few bytes of that head would be a cache miss of their own. Each head's q and v are
+// widened by vector conversions (`widen`). The keys go into kt's columns kKeys rows at a time:
+// a head's kKeys rows widened into a small block that stays in L1, then each of its head_dim
+// columns stored as one whole row segment of kt (one 64-byte line on AVX-512), where a key row
+// stored value by value into its column wrote head_dim lines kKeys bytes apart per key, and the
+// step's thousands of such strided stores missed L1.
 template <typename scalar_t>
 void attend_prompt(scalar_t* out, const scalar_t* q, const scalar_t* k, const scalar_t* v,
                    int64_t len, const Layout& x, float scale, std::vector<float>& buffer) {
@@ -206,26 +209,35 @@ void attend_prompt(scalar_t* out, const scalar_t* q, const scalar_t* k, const sc
   const int64_t kv_elems = x.num_kv_heads * d_ * padded;
   const int64_t v_elems = round_up(x.num_kv_heads * len * d_, kKeys);
   const int64_t q_elems = round_up(x.num_heads * len * d_, kKeys);
-  buffer.resize(kv_elems + v_elems + q_elems + kRows * padded + round_up(kRows * d_, kKeys) + d_ +
-                kAlign);
+  buffer.resize(kv_elems + v_elems + q_elems + kRows * padded + round_up(kRows * d_, kKeys) +
+                kKeys * d_ + kAlign);
   float* kt = align(buffer.data());            // [num_kv_heads, head_dim, padded]  keys as columns
   float* vf = kt + kv_elems;                   // [num_kv_heads, len, head_dim]
   float* qf = vf + v_elems;                    // [num_heads, len, head_dim]  scaled
   float* s = qf + q_elems;                     // [kRows, padded]
   float* acc = s + kRows * padded;             // [kRows, head_dim]
-  float* kf = acc + round_up(kRows * d_, kKeys);  // [head_dim]  one key row, widened
+  float* kb = acc + round_up(kRows * d_, kKeys);  // [kKeys, head_dim]  key rows, widened
   for (int64_t j = 0; j < len; ++j) {
     for (int64_t h = 0; h < x.num_kv_heads; ++h) {
-      widen(k + j * x.k_stride[0] + h * x.k_stride[1], kf, d_, 1.f);
-      for (int64_t d = 0; d < d_; ++d) kt[(h * d_ + d) * padded + j] = kf[d];
       widen(v + j * x.v_stride[0] + h * x.v_stride[1], vf + (h * len + j) * d_, d_, 1.f);
     }
     for (int64_t h = 0; h < x.num_heads; ++h) {
       widen(q + j * x.q_stride[0] + h * x.q_stride[1], qf + (h * len + j) * d_, d_, scale);
     }
   }
-  for (int64_t row = 0; row < x.num_kv_heads * d_; ++row) {  // padding keys: 0, finite scores
-    for (int64_t j = len; j < padded; ++j) kt[row * padded + j] = 0.f;
+  for (int64_t j0 = 0; j0 < padded; j0 += kKeys) {  // the keys, kKeys at a time, into kt's columns
+    const int64_t rows = std::min(kKeys, len - j0);
+    std::fill(kb + rows * d_, kb + kKeys * d_, 0.f);  // padding keys: 0, finite scores
+    for (int64_t h = 0; h < x.num_kv_heads; ++h) {
+      for (int64_t r = 0; r < rows; ++r) {
+        widen(k + (j0 + r) * x.k_stride[0] + h * x.k_stride[1], kb + r * d_, d_, 1.f);
+      }
+      for (int64_t d = 0; d < d_; ++d) {
+        vfloat column;  // keys j0.. of dimension d
+        for (int64_t r = 0; r < kKeys; ++r) column[r] = kb[r * d_ + d];
+        store(kt + (h * d_ + d) * padded + j0, column);
+      }
+    }
   }
   const int64_t group = x.num_heads / x.num_kv_heads;  // query heads per KV head (GQA)
   for (int64_t h = 0; h < x.num_heads; ++h) {

@@ -13,15 +13,19 @@
 // float32. The last term is below 2^-16 of |a · b|, 32 times below the float16 output's own
 // rounding (2^-11), and is dropped: three tile products per 32-wide step of K (the "bf16x3" split
 // that XLA and cuBLAS use to run float32 on bfloat16 units). The GEMM rounds once, to float16, after
-// the epilogue (bias, GELU, residual add) has run on the float32 sums, as oneDNN's post-ops do.
+// the epilogue (bias, GELU, residual add) has run on the float32 sums, as oneDNN's post-ops do;
+// BERT's post-LayerNorm can follow, on the float16 rows the thread has just written.
 //
 // Layout. The weight is split and packed once, at load (minivllm/cpu/f16_amx.py `f16_amx_pack`):
 // [N / 16, K / 32, 2 (hi, lo), 16, 32] bfloat16, one 1 KiB tile per (16 output columns, 32 inputs,
 // hi or lo), in the tiles' pair-interleaved order (row r holds inputs 2r and 2r + 1 of each of the
 // 16 columns). Work items of (a panel of kPanelRows rows of x, a run of kPairsPerItem column
 // pairs) go over PyTorch's pool; a thread splits a panel's rows into hi and lo when its first item
-// of the panel comes (zero padded to whole tiles), and the split stays in L2 while its items walk
-// the columns, 32 rows by 32 columns at a time (`gemm` says how the 8 tile registers are used).
+// of the panel comes (zero padded to whole tiles), laid out as the tiles it will load: per 16 rows
+// and 32 inputs, the hi tile then the lo tile, 1 KiB each, so that every tile load reads 16
+// consecutive cache lines and a block's walk over K one sequential stream. The split stays in L2
+// while its items walk the columns, 32 rows by 32 columns at a time (`gemm` says how the 8 tile
+// registers are used).
 // The tile registers are configured per thread (LDTILECFG is thread state), and Linux lends them to
 // a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM), once; `f16_amx_available` asks, and is
 // false on CPUs without AMX-BF16 or kernels that refuse, where oneDNN's float16 GEMM runs instead.
@@ -65,14 +69,14 @@ enum Activation : int64_t { kNone = 0, kGeluErf = 1, kGeluTanh = 2 };
 // columns] of a 32 x 32 block; 4, 5: the two column halves' weight tiles [16 input pairs][16
 // columns x 2]; 6, 7: the two row halves' x tiles [16 rows][32 inputs].
 
-// x's rows [m_begin, m_end) split into bfloat16 hi and lo ([rows, k_pad] each, row-major):
-// hi = bf16(x) rounded to nearest even, lo = bf16(x - hi), exact. Rows past M and inputs past K
-// are zeros.
+// x's rows [m_begin, m_end) split into bfloat16 hi and lo, in tile order:
+// tiles[m / 16][k / 32][2 (hi, lo)][m % 16][k % 32] (a [16, 32] tile is 1 KiB). hi = bf16(x) rounded
+// to nearest even, lo = bf16(x - hi), exact. Rows past M and inputs past K are zeros.
 void split_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t k_pad,
-                int64_t m_begin, int64_t m_end, uint16_t* hi, uint16_t* lo) {
+                int64_t m_begin, int64_t m_end, uint16_t* tiles) {
+  const int64_t k_steps = k_pad / kKStep;
   for (int64_t m = m_begin; m < m_end; ++m) {
-    uint16_t* h = hi + m * k_pad;
-    uint16_t* l = lo + m * k_pad;
+    uint16_t* row = tiles + (m / kTileRows) * k_steps * 2 * kTileElems + (m % kTileRows) * kKStep;
     for (int64_t k0 = 0; k0 < k_pad; k0 += 16) {
       const int64_t valid = m < M ? std::clamp<int64_t>(K - k0, 0, 16) : 0;
       const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
@@ -80,8 +84,9 @@ void split_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t k_
       const __m256i hb = (__m256i)_mm512_cvtneps_pbh(f);
       const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
       const __m256i lb = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(f, hf));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + k0), hb);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(l + k0), lb);
+      uint16_t* h = row + (k0 / kKStep) * 2 * kTileElems + k0 % kKStep;  // its hi tile's row
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h), hb);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + kTileElems), lb);  // the lo tile's
     }
   }
 }
@@ -91,7 +96,44 @@ struct Epilogue {
   const uint16_t* residual;  // [M, N] float16 rows ld_residual apart, or null
   int64_t ld_residual;
   int64_t activation;        // an Activation
+  const uint16_t* ln_weight;  // [N] float16: LayerNorm of each rounded output row, or null
+  const uint16_t* ln_bias;    // [N] float16 (with ln_weight)
+  float ln_eps;
 };
+
+// LayerNorm over each of `rows` float16 rows of N (BERT's post-LayerNorm after the residual add),
+// in place, on the rows this thread has just written (still in L1/L2): float32 arithmetic, the
+// mean then the variance of the deviations (two passes over the row in cache), and one rounding to
+// float16 after the weight and bias, as aten's float16 LayerNorm computes it.
+void layer_norm_rows(uint16_t* out, int64_t ldo, int64_t rows, int64_t N, const Epilogue& e) {
+  const auto mask_at = [N](int64_t j) {
+    return static_cast<__mmask16>((1u << std::min<int64_t>(N - j, 16)) - 1u);
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* y = out + r * ldo;
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < N; j += 16) {
+      sum = _mm512_add_ps(sum, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask_at(j), y + j)));
+    }
+    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(sum) / static_cast<float>(N));
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t j = 0; j < N; j += 16) {
+      const __mmask16 m = mask_at(j);
+      const __m512 d = _mm512_maskz_sub_ps(m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, y + j)), mean);
+      squares = _mm512_fmadd_ps(d, d, squares);
+    }
+    const float variance = _mm512_reduce_add_ps(squares) / static_cast<float>(N);
+    const __m512 rstd = _mm512_set1_ps(1.f / std::sqrt(variance + e.ln_eps));
+    for (int64_t j = 0; j < N; j += 16) {
+      const __mmask16 m = mask_at(j);
+      const __m512 x = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, y + j));
+      const __m512 g = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, e.ln_weight + j));
+      const __m512 b = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, e.ln_bias + j));
+      const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_sub_ps(x, mean), rstd), g, b);
+      _mm256_mask_storeu_epi16(y + j, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+  }
+}
 
 // GELU on 16 float32 sums in registers. erf is the rational approximation of Eigen's and XLA's
 // float32 erf (x · P(x²) / Q(x²), odd P of degree 13 and even Q of degree 8, x clamped to ±4
@@ -133,10 +175,11 @@ void gelu_tanh(float* v, int64_t n) {  // a plain loop the compiler vectorizes (
   }
 }
 
-// One block of sums [rows][32]: + bias, the activation, + residual, rounded once to float16.
-void finish_block(float* sums,  // [kBlockRows][32], overwritten by the tanh GELU
-                  int64_t rows, int64_t cols, int64_t m0, int64_t n0, const Epilogue& e,
-                  uint16_t* out, int64_t ldo) {
+// Rows [r_begin, r_end) of a block of sums [32][32]: + bias, the activation, + residual, rounded
+// once to float16.
+void finish_rows(float* sums,  // [kBlockRows][32], overwritten by the tanh GELU
+                 int64_t r_begin, int64_t r_end, int64_t cols, int64_t m0, int64_t n0,
+                 const Epilogue& e, uint16_t* out, int64_t ldo) {
   const __mmask16 masks[2] = {
       static_cast<__mmask16>((1u << std::clamp<int64_t>(cols, 0, 16)) - 1u),
       static_cast<__mmask16>((1u << std::clamp<int64_t>(cols - 16, 0, 16)) - 1u)};
@@ -147,7 +190,7 @@ void finish_block(float* sums,  // [kBlockRows][32], overwritten by the tanh GEL
     }
   }
   if (e.activation == kGeluTanh) {  // in place, the bias first (the loop below then adds none)
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = r_begin; r < r_end; ++r) {
       float* row = sums + r * 2 * kTileCols;
       for (int half = 0; half < 2; ++half) {
         float* part = row + 16 * half;
@@ -157,7 +200,7 @@ void finish_block(float* sums,  // [kBlockRows][32], overwritten by the tanh GEL
     }
     bias[0] = bias[1] = _mm512_setzero_ps();
   }
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = r_begin; r < r_end; ++r) {
     for (int half = 0; half < 2; ++half) {
       __m512 y = _mm512_add_ps(_mm512_load_ps(sums + r * 2 * kTileCols + 16 * half), bias[half]);
       if (e.activation == kGeluErf) y = gelu_erf(y);
@@ -171,6 +214,22 @@ void finish_block(float* sums,  // [kBlockRows][32], overwritten by the tanh GEL
   }
 }
 
+// A block whose sums wait for their epilogue, finished a few rows at a time while the next
+// block's tile products run: the epilogue is vector work and the products are the tile unit's,
+// so interleaved in one instruction stream the two overlap, where a block finished before the
+// next began left the tile unit idle for its epilogue (the erf GELU's most of all).
+struct PendingBlock {
+  float* sums = nullptr;  // [kBlockRows][32]
+  int64_t rows = 0, cols = 0, m0 = 0, n0 = 0;
+  int64_t done = 0;  // rows finished
+
+  void finish(int64_t upto, const Epilogue& e, uint16_t* out, int64_t ldo) {
+    upto = std::min(upto, rows);
+    if (done < upto) finish_rows(sums, done, upto, cols, m0, n0, e, out, ldo);
+    done = std::max(done, upto);
+  }
+};
+
 // y[M, N] = epilogue(x · Wᵀ) from x [M, K] float16 and the packed weight.
 // A block is 32 rows by 32 columns: four float32 accumulators (tiles 0-3), so that each tile
 // product's latency hides behind three others, and per 32-input step the x tiles of both row
@@ -181,73 +240,88 @@ void gemm(uint16_t* out, int64_t ldo, const uint16_t* x, int64_t ldx, const uint
   const int64_t k_steps = k_pad / kKStep;
   const int64_t pairs = (N + 2 * kTileCols - 1) / (2 * kTileCols);  // the pack pads N to 32
   const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
-  const int64_t runs = (pairs + kPairsPerItem - 1) / kPairsPerItem;
+  // A LayerNorm needs whole rows: then an item is a panel's every column pair.
+  const int64_t pairs_per_item = e.ln_weight != nullptr ? pairs : kPairsPerItem;
+  const int64_t runs = (pairs + pairs_per_item - 1) / pairs_per_item;
   const int64_t block_stride = k_steps * 2 * kTileElems;  // one 16-column block's tiles
-  const int64_t lda = k_pad * 2;                          // bytes between x's rows
+  constexpr int64_t lda = kKStep * 2;                     // bytes between a split tile's rows
   at::parallel_for(0, panels * runs, 1, [&](int64_t begin, int64_t end) {
     minivllm_amx::configure_tiles();
-    alignas(64) float sums[kBlockRows * 2 * kTileCols];
-    // The panel's x split into hi and lo rows ([kPanelRows, k_pad] each), by this thread, when
-    // its first item of the panel comes: the split stays in L2 for the panel's items.
+    alignas(64) float sums[2][kBlockRows * 2 * kTileCols];  // a block's, and the pending one's
+    PendingBlock pending;
+    int current = 0;  // which of `sums` the next block stores into
+    const int64_t rows_per_step = (kBlockRows + k_steps - 1) / k_steps;  // of the pending block
+    // The panel's x split into hi and lo tiles (`split_rows`: [kPanelRows / 16, k_steps, 2, 16,
+    // 32]), by this thread, when its first item of the panel comes: the split stays in L2 for the
+    // panel's items.
     std::vector<uint16_t> split(2 * kPanelRows * k_pad);
-    uint16_t* hi = split.data();
-    uint16_t* lo = hi + kPanelRows * k_pad;
+    uint16_t* tiles = split.data();
     int64_t split_panel = -1;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t panel = item / runs, run = item % runs;
       const int64_t m_begin = panel * kPanelRows, m_end = std::min(M, m_begin + kPanelRows);
       if (panel != split_panel) {
-        split_rows(x + m_begin * ldx, ldx, M - m_begin, K, k_pad, 0, kPanelRows, hi, lo);
+        split_rows(x + m_begin * ldx, ldx, M - m_begin, K, k_pad, 0, kPanelRows, tiles);
         split_panel = panel;
       }
-      const int64_t p_end = std::min(pairs, (run + 1) * kPairsPerItem);
-      for (int64_t p = run * kPairsPerItem; p < p_end; ++p) {
+      const int64_t p_end = std::min(pairs, (run + 1) * pairs_per_item);
+      for (int64_t p = run * pairs_per_item; p < p_end; ++p) {
         const uint16_t* w0 = w + 2 * p * block_stride;  // column block 2p's tiles
         const uint16_t* w1 = w0 + block_stride;          // and 2p + 1's
         for (int64_t m0 = m_begin; m0 < m_end; m0 += kBlockRows) {
-          const uint16_t* h0 = hi + (m0 - m_begin) * k_pad;  // rows m0.. and m0 + 16..
-          const uint16_t* h1 = h0 + kTileRows * k_pad;
-          const uint16_t* l0 = lo + (m0 - m_begin) * k_pad;
-          const uint16_t* l1 = l0 + kTileRows * k_pad;
+          // rows m0.. and m0 + 16..: their hi tiles, each followed by its lo tile
+          const uint16_t* h0 = tiles + (m0 - m_begin) / kTileRows * k_steps * 2 * kTileElems;
+          const uint16_t* h1 = h0 + k_steps * 2 * kTileElems;
+          const uint16_t* l0 = h0 + kTileElems;
+          const uint16_t* l1 = h1 + kTileElems;
           _tile_zero(0);
           _tile_zero(1);
           _tile_zero(2);
           _tile_zero(3);
           for (int64_t s = 0; s < k_steps; ++s) {
-            const int64_t k = s * kKStep, t = s * 2 * kTileElems;
+            const int64_t t = s * 2 * kTileElems;  // step s's hi tile, in x's split and in W's pack
             _tile_loadd(4, w0 + t, 64);  // hi · hi
             _tile_loadd(5, w1 + t, 64);
-            _tile_loadd(6, h0 + k, lda);
-            _tile_loadd(7, h1 + k, lda);
+            _tile_loadd(6, h0 + t, lda);
+            _tile_loadd(7, h1 + t, lda);
             _tile_dpbf16ps(0, 6, 4);
             _tile_dpbf16ps(1, 6, 5);
             _tile_dpbf16ps(2, 7, 4);
             _tile_dpbf16ps(3, 7, 5);
-            _tile_loadd(6, l0 + k, lda);  // lo · hi
-            _tile_loadd(7, l1 + k, lda);
+            pending.finish((s + 1) * rows_per_step, e, out, ldo);
+            _tile_loadd(6, l0 + t, lda);  // lo · hi
+            _tile_loadd(7, l1 + t, lda);
             _tile_dpbf16ps(0, 6, 4);
             _tile_dpbf16ps(1, 6, 5);
             _tile_dpbf16ps(2, 7, 4);
             _tile_dpbf16ps(3, 7, 5);
             _tile_loadd(4, w0 + t + kTileElems, 64);  // hi · lo
             _tile_loadd(5, w1 + t + kTileElems, 64);
-            _tile_loadd(6, h0 + k, lda);
-            _tile_loadd(7, h1 + k, lda);
+            _tile_loadd(6, h0 + t, lda);
+            _tile_loadd(7, h1 + t, lda);
             _tile_dpbf16ps(0, 6, 4);
             _tile_dpbf16ps(1, 6, 5);
             _tile_dpbf16ps(2, 7, 4);
             _tile_dpbf16ps(3, 7, 5);
           }
+          pending.finish(kBlockRows, e, out, ldo);
+          float* block_sums = sums[current];
+          current ^= 1;
           constexpr int64_t ld = 2 * kTileCols * sizeof(float);  // bytes between rows of sums
-          _tile_stored(0, sums, ld);
-          _tile_stored(1, sums + kTileCols, ld);
-          _tile_stored(2, sums + kTileRows * 2 * kTileCols, ld);
-          _tile_stored(3, sums + kTileRows * 2 * kTileCols + kTileCols, ld);
-          finish_block(sums, std::min(kBlockRows, M - m0), N - 2 * p * kTileCols, m0,
-                       2 * p * kTileCols, e, out, ldo);
+          _tile_stored(0, block_sums, ld);
+          _tile_stored(1, block_sums + kTileCols, ld);
+          _tile_stored(2, block_sums + kTileRows * 2 * kTileCols, ld);
+          _tile_stored(3, block_sums + kTileRows * 2 * kTileCols + kTileCols, ld);
+          pending = PendingBlock{block_sums, std::min(kBlockRows, M - m0), N - 2 * p * kTileCols,
+                                 m0, 2 * p * kTileCols};
         }
       }
+      if (e.ln_weight != nullptr) {  // the item wrote the panel's whole rows
+        pending.finish(kBlockRows, e, out, ldo);
+        layer_norm_rows(out + m_begin * ldo, ldo, m_end - m_begin, N, e);
+      }
     }
+    pending.finish(kBlockRows, e, out, ldo);
     _tile_release();
   });
 }
@@ -295,10 +369,12 @@ void check_half(const at::Tensor& t, const char* name, int64_t dim) {
               "'s last dim must be contiguous");
 }
 
-// out[M, N] = act(x · Wᵀ + bias) + residual, float16, from `f16_amx_pack`'s packed weight.
-// activation: 0 none, 1 GELU (erf), 2 GELU (tanh); bias and residual may be empty tensors.
+// out[M, N] = act(x · Wᵀ + bias) + residual, float16, from `f16_amx_pack`'s packed weight, then
+// LayerNorm(out) with ln_weight, ln_bias and ln_eps if ln_weight is not empty. activation: 0 none,
+// 1 GELU (erf), 2 GELU (tanh); bias, residual, ln_weight and ln_bias may be empty tensors.
 void f16_amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                    const at::Tensor& bias, const at::Tensor& residual, int64_t activation) {
+                    const at::Tensor& bias, const at::Tensor& residual, int64_t activation,
+                    const at::Tensor& ln_weight, const at::Tensor& ln_bias, double ln_eps) {
   TORCH_CHECK(f16_amx_available(), "f16_amx_linear: this CPU (or build, or OS) has no AMX-BF16");
   check_half(x, "x", 2);
   check_half(out, "out", 2);
@@ -325,14 +401,27 @@ void f16_amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& pack
     TORCH_CHECK(residual.size(0) == M && residual.size(1) == N,
                 "f16_amx_linear: residual must be [", M, ", ", N, "], got ", residual.sizes());
   }
+  const bool ln = ln_weight.numel() > 0;
+  if (ln) {
+    check_half(ln_weight, "ln_weight", 1);
+    check_half(ln_bias, "ln_bias", 1);
+    TORCH_CHECK(ln_weight.size(0) == N && ln_bias.size(0) == N,
+                "f16_amx_linear: ln_weight and ln_bias must have ", N, " values, got ",
+                ln_weight.size(0), " and ", ln_bias.size(0));
+  }
   if (M == 0 || N == 0) return;
 #if defined(MINIVLLM_F16_AMX)
   const auto half = [](const at::Tensor& t) {
     return t.numel() > 0 ? reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::Half>())
                          : nullptr;
   };
-  const minivllm_f16_amx::Epilogue e{half(bias), half(residual),
-                                     residual.numel() > 0 ? residual.stride(0) : 0, activation};
+  const minivllm_f16_amx::Epilogue e{half(bias),
+                                     half(residual),
+                                     residual.numel() > 0 ? residual.stride(0) : 0,
+                                     activation,
+                                     ln ? half(ln_weight) : nullptr,
+                                     ln ? half(ln_bias) : nullptr,
+                                     static_cast<float>(ln_eps)};
   minivllm_f16_amx::linear(reinterpret_cast<uint16_t*>(out.data_ptr<at::Half>()), out.stride(0),
                            half(x), x.stride(0),
                            reinterpret_cast<const uint16_t*>(packed.const_data_ptr<at::BFloat16>()),
@@ -345,6 +434,6 @@ void f16_amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& pack
 TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def("f16_amx_available() -> bool", &f16_amx_available);
   m.def("f16_amx_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor bias, Tensor residual, "
-        "int activation) -> ()",
+        "int activation, Tensor ln_weight, Tensor ln_bias, float ln_eps) -> ()",
         &f16_amx_linear);
 }
