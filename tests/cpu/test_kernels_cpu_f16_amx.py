@@ -91,6 +91,25 @@ def test_f16_amx_linear_layer_norm_is_layer_norm_of_its_float16_rows(
     assert ((got.double() - ref).abs() <= bound).all()
 
 
+def test_f16_amx_linear_layer_norm_rows_are_the_same_in_a_short_batch_and_a_long_one() -> None:
+    """Fewer panels of 64 rows than threads (a short request alone) run the LayerNorm after the
+    GEMM, many panels inside it: a row's values are the same bits either way."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(200, 96, generator=gen).half()
+    packed = f16_amx_pack((torch.randn(80, 96, generator=gen) * 0.1).half())
+    b = torch.randn(80, generator=gen).half()
+    r = torch.randn(200, 80, generator=gen).half()
+    norm = nn.LayerNorm(80, eps=1e-12).half()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        whole = f16_amx_linear(x, packed, 80, b, r, None, norm)  # 4 panels: inside the GEMM
+        short = f16_amx_linear(x[:40], packed, 80, b, r[:40], None, norm)  # 1 panel: after it
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(short, whole[:40])
+
+
 def test_f16_amx_pack_holds_the_weight_exactly() -> None:
     """hi + lo of every packed weight is the float16 weight itself, padding zeros."""
     w = (torch.randn(40, 70) * 3).half()

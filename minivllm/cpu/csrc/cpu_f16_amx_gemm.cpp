@@ -342,9 +342,23 @@ bool available() {
   return has;
 }
 
+// The LayerNorm in the tile loop needs an item to hold whole rows, which leaves fewer items than
+// threads when M is a few panels (a short request served alone): then the GEMM splits its columns
+// as it does without one, and the LayerNorm follows, rows over the threads. Each row's values are
+// the same either way (`layer_norm_rows`, row by row).
 void linear(uint16_t* out, int64_t ldo, const uint16_t* x, int64_t ldx, const uint16_t* w,
             int64_t M, int64_t N, int64_t K, int64_t k_pad, const Epilogue& e) {
-  gemm(out, ldo, x, ldx, w, M, N, K, k_pad, e);
+  const int64_t panels = (M + kPanelRows - 1) / kPanelRows;
+  if (e.ln_weight == nullptr || panels >= at::get_num_threads()) {
+    gemm(out, ldo, x, ldx, w, M, N, K, k_pad, e);
+    return;
+  }
+  Epilogue without_norm = e;
+  without_norm.ln_weight = without_norm.ln_bias = nullptr;
+  gemm(out, ldo, x, ldx, w, M, N, K, k_pad, without_norm);
+  at::parallel_for(0, M, kTileRows, [&](int64_t begin, int64_t end) {
+    layer_norm_rows(out + begin * ldo, ldo, end - begin, N, e);
+  });
 }
 
 }  // namespace minivllm_f16_amx
